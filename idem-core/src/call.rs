@@ -1,0 +1,543 @@
+//! One idempotent call: claim, run the body under a kept-alive lease, then
+//! store the result or release the key.
+
+use crate::codec::{decode, encode, marker_error};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::idempotency::{validate_ttl_lease, FailMode, Inner};
+use crate::outcome::Outcome;
+use crate::store::{Claim, ClaimReply, Completed, Store, WriteReply};
+use crate::token::Token;
+use backon::{ExponentialBuilder, Retryable};
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::future::{poll_fn, Future};
+use std::panic::AssertUnwindSafe;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+use tokio::time::{sleep, Instant, Sleep};
+use tracing::field::Empty;
+use tracing::Instrument;
+
+/// One call of an operation, configured then [`run`](Call::run).
+///
+/// Made by [`Idempotency::call`](crate::Idempotency::call). Holds no borrow
+/// of the key or the fingerprint value: both are rendered at once.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore};
+/// use std::time::Duration;
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let request = ("refund", 500, "EUR");
+/// let r: Result<u64, idem_core::Error> = idem
+///     .call("payments.refund", "order-9")
+///     .ttl(Duration::from_secs(3600))
+///     .lease(Duration::from_secs(10))
+///     .fingerprint(&request)
+///     .wait(Duration::from_secs(5))
+///     .run(|| async { Ok(500) })
+///     .await;
+/// assert_eq!(r.unwrap(), 500);
+/// # });
+/// ```
+#[must_use = "a Call does nothing until `.run(..)` is awaited"]
+pub struct Call<'a> {
+    inner: &'a Inner,
+    scope: &'a str,
+    key: Result<String, Error>,
+    ttl: Duration,
+    lease: Duration,
+    wait: Option<Duration>,
+    fingerprint: Result<Option<Fingerprint>, Error>,
+}
+
+impl<'a> Call<'a> {
+    pub(crate) fn new(inner: &'a Inner, scope: &'a str, key: Result<String, Error>) -> Call<'a> {
+        Call {
+            inner,
+            scope,
+            key,
+            ttl: inner.result_ttl,
+            lease: inner.lease,
+            wait: inner.wait,
+            fingerprint: Ok(None),
+        }
+    }
+
+    /// How long this call's result is replayed (overrides the builder's `result_ttl`).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").ttl(std::time::Duration::from_secs(60));
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// This call's lease (overrides the builder's `lease`).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").lease(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// When another call holds the key, wait up to `wait` for its result (or
+    /// take over if its holder dies) instead of failing at once with
+    /// [`Error::InProgress`].
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").wait(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// The request's payload: reusing the key with a different payload fails
+    /// with [`Error::FingerprintMismatch`] instead of replaying a result that
+    /// belongs to another request. Hashed now (canonical JSON, SHA-256).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let a: Result<u32, idem_core::Error> = idem.call("s", "k").fingerprint(&100).run(|| async { Ok(1) }).await;
+    /// let b: Result<u32, idem_core::Error> = idem.call("s", "k").fingerprint(&200).run(|| async { Ok(2) }).await;
+    /// assert!(matches!(b, Err(idem_core::Error::FingerprintMismatch)));
+    /// # });
+    /// ```
+    pub fn fingerprint<F: Serialize + ?Sized>(mut self, value: &F) -> Self {
+        self.fingerprint = Fingerprint::of(value).map(Some);
+        self
+    }
+
+    /// A fingerprint computed elsewhere (the HTTP layer hashes the request).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").fingerprint_raw(idem_core::Fingerprint::of_bytes(b"body"));
+    /// ```
+    pub fn fingerprint_raw(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Ok(Some(fingerprint));
+        self
+    }
+
+    /// Runs `body` at most once for this key and returns its value, or the
+    /// stored value of an earlier run.
+    ///
+    /// `Err` from the body releases the key (the next call runs again) and
+    /// is returned as is. Idempotency failures arrive as `E::from(Error)`.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let first: Result<Vec<u8>, idem_core::Error> = idem.call("s", "k").run(|| async { Ok(vec![]) }).await;
+    /// let again: Result<Vec<u8>, idem_core::Error> = idem.call("s", "k").run(|| async { Ok(vec![1]) }).await;
+    /// assert_eq!(again.unwrap(), Vec::<u8>::new()); // empty values replay too
+    /// # });
+    /// ```
+    pub async fn run<F, Fut, T, E>(self, body: F) -> Result<T, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        self.run_outcome(body).await.map(|(value, _)| value)
+    }
+
+    /// Like [`run`](Call::run), also saying whether the body ran.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use idem_core::Outcome;
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let (_, o) = idem.call("s", "k").run_outcome(|| async { Ok::<_, idem_core::Error>(()) }).await?;
+    /// assert_eq!(o, Outcome::Executed);
+    /// let (_, o) = idem.call("s", "k").run_outcome(|| async { Ok::<_, idem_core::Error>(()) }).await?;
+    /// assert_eq!(o, Outcome::Replayed);
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    pub async fn run_outcome<F, Fut, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let span = tracing::info_span!(
+            "idem.call",
+            scope = self.scope,
+            key = Empty,
+            outcome = Empty,
+            attempt = Empty
+        );
+        let exec = match self.prepare(&span) {
+            Ok(exec) => exec,
+            Err(e) => {
+                span.record("outcome", "refused");
+                let _enter = span.enter();
+                tracing::warn!(error = %e, "idempotent call refused before reaching the store");
+                return Err(E::from(e));
+            }
+        };
+        exec.run(body).instrument(span).await
+    }
+
+    fn prepare(self, span: &tracing::Span) -> Result<Exec<'a>, Error> {
+        let inner = self.inner;
+        if let Some(msg) = &inner.config_error {
+            return Err(Error::InvalidConfig(msg.clone()));
+        }
+        validate_ttl_lease(self.ttl, self.lease).map_err(Error::InvalidConfig)?;
+        let key = self.key?;
+        let fingerprint = self.fingerprint?;
+        if !span.is_disabled() {
+            let shown = if inner.log_keys {
+                key.clone()
+            } else {
+                key_digest(&key)
+            };
+            span.record("key", shown.as_str());
+        }
+        Ok(Exec {
+            inner,
+            store: &inner.store,
+            key,
+            token: Token::random(),
+            ttl: self.ttl,
+            lease: self.lease,
+            wait: self.wait,
+            fingerprint,
+        })
+    }
+}
+
+/// A short, stable digest that lets logs correlate a key without showing it.
+fn key_digest(key: &str) -> String {
+    let f = Fingerprint::of_bytes(key.as_bytes());
+    let b = f.as_bytes();
+    format!(
+        "#{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5]
+    )
+}
+
+/// A prepared call: everything checked, a fresh owner token drawn.
+struct Exec<'a> {
+    inner: &'a Inner,
+    store: &'a Arc<dyn Store>,
+    key: String,
+    token: Token,
+    ttl: Duration,
+    lease: Duration,
+    wait: Option<Duration>,
+    fingerprint: Option<Fingerprint>,
+}
+
+impl Exec<'_> {
+    async fn run<F, Fut, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        if let Some(hit) = self.cached() {
+            return self.replay(&hit).map_err(E::from);
+        }
+        let give_up_at = self.wait.map(|w| Instant::now() + w);
+        let mut poll = Duration::from_millis(5);
+        loop {
+            let reply = match self.claim().await {
+                Ok(reply) => reply,
+                Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
+                    return self.run_unprotected(body, e).await;
+                }
+                Err(e) => return Err(self.fail(e)),
+            };
+            match reply {
+                ClaimReply::Acquired { attempt } => return self.execute(body, attempt).await,
+                ClaimReply::Completed(record) => {
+                    if let Some(cache) = &self.inner.cache {
+                        cache.insert(&self.key, record.clone());
+                    }
+                    return self.replay(&record).map_err(E::from);
+                }
+                ClaimReply::Mismatch => return Err(self.fail(Error::FingerprintMismatch)),
+                ClaimReply::InProgress { retry_after } => {
+                    let now = Instant::now();
+                    match give_up_at {
+                        Some(end) if now < end => {
+                            // Poll fast at first (most bodies are short), never past
+                            // the holder's lease (it may have died) or our deadline.
+                            sleep(poll.min(retry_after).min(end - now)).await;
+                            poll = (poll * 2).min(Duration::from_millis(250));
+                        }
+                        _ => return Err(self.fail(Error::InProgress { retry_after })),
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail<E: From<Error>>(&self, e: Error) -> E {
+        let span = tracing::Span::current();
+        span.record(
+            "outcome",
+            match e {
+                Error::InProgress { .. } => "in_progress",
+                Error::FingerprintMismatch => "mismatch",
+                _ => "error",
+            },
+        );
+        if !e.is_retryable() || is_unavailable(&e) {
+            tracing::warn!(error = %e, "idempotent call failed");
+        }
+        E::from(e)
+    }
+
+    fn cached(&self) -> Option<Completed> {
+        self.inner.cache.as_ref()?.get(&self.key)
+    }
+
+    fn replay<T: DeserializeOwned>(&self, record: &Completed) -> Result<(T, Outcome), Error> {
+        if let (Some(given), Some(stored)) = (&self.fingerprint, &record.fingerprint) {
+            if given != stored {
+                return Err(self.fail(Error::FingerprintMismatch));
+            }
+        }
+        tracing::Span::current().record("outcome", "replayed");
+        decode(record, self.inner.max_value_size)
+            .map(|v| (v, Outcome::Replayed))
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Claims, re-sending with the same token when the store could not be
+    /// reached: the script answers a re-sent claim as the same claim, so a
+    /// claim that landed but whose reply was lost is not stranded.
+    async fn claim(&self) -> Result<ClaimReply, Error> {
+        let claim = Claim {
+            key: &self.key,
+            token: &self.token,
+            lease: self.lease,
+            ttl: self.ttl,
+            fingerprint: self.fingerprint.as_ref(),
+        };
+        let result = (|| self.store.claim(claim))
+            .retry(store_backoff(self.inner.store_retries))
+            .when(is_unavailable)
+            .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
+            .await;
+        if result.is_err() {
+            // The last attempt may have landed after all: free the key now
+            // rather than leaving it to the lease. Best effort.
+            let _ = self.store.release(&self.key, &self.token).await;
+        }
+        result
+    }
+
+    async fn run_unprotected<F, Fut, T, E>(&self, body: F, cause: Error) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        tracing::warn!(error = %cause, "store unavailable and FailMode::Open: running the body WITHOUT idempotency protection");
+        tracing::Span::current().record("outcome", "unprotected");
+        body().await.map(|v| (v, Outcome::Unprotected))
+    }
+
+    async fn execute<F, Fut, T, E>(&self, body: F, attempt: u32) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let span = tracing::Span::current();
+        span.record("attempt", attempt);
+        let outcome = if attempt > 1 {
+            tracing::warn!(attempt, "took over a key whose holder stopped renewing its lease; the body runs again");
+            Outcome::Recovered
+        } else {
+            Outcome::Executed
+        };
+        let mut guard = ReleaseGuard {
+            store: self.store,
+            key: &self.key,
+            token: &self.token,
+            armed: true,
+        };
+        let result = self.keep_alive(AssertUnwindSafe(body()).catch_unwind()).await;
+        match result {
+            Err(panic) => {
+                guard.armed = false;
+                self.release("the body panicked").await;
+                std::panic::resume_unwind(panic)
+            }
+            Ok(Err(e)) => {
+                guard.armed = false;
+                span.record("outcome", "released");
+                self.release("the body returned an error").await;
+                Err(e)
+            }
+            Ok(Ok(value)) => {
+                self.complete(&value).await;
+                guard.armed = false;
+                span.record("outcome", outcome.as_str());
+                Ok((value, outcome))
+            }
+        }
+    }
+
+    async fn release(&self, why: &str) {
+        match self.store.release(&self.key, &self.token).await {
+            Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
+            Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
+            Err(e) => tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires"),
+        }
+    }
+
+    /// Stores the result, re-trying within the lease. The work has happened
+    /// either way, so this never turns a success into an error.
+    async fn complete<T: Serialize>(&self, value: &T) {
+        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
+        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
+            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
+        }
+        let retries = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(20))
+            .with_max_delay(self.lease / 4)
+            .with_total_delay(Some(self.lease / 2))
+            .without_max_times();
+        let result = (|| {
+            self.store
+                .complete(&self.key, &self.token, self.ttl, encoded.kind, &encoded.bytes)
+        })
+        .retry(retries)
+        .when(is_unavailable)
+        .await;
+        match result {
+            Ok(WriteReply::Done) => {
+                if let Some(cache) = &self.inner.cache {
+                    cache.insert(
+                        &self.key,
+                        Completed {
+                            kind: encoded.kind,
+                            value: encoded.bytes.into(),
+                            fingerprint: self.fingerprint,
+                            ttl_left: Some(self.ttl),
+                        },
+                    );
+                }
+            }
+            Ok(other) => tracing::error!(
+                ?other,
+                "the body finished after its lease was lost: another caller may have run it too; this result was not stored"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "the result could not be stored; the key stays in flight until its lease expires, then the next call runs the body again"
+            ),
+        }
+    }
+
+    /// Drives `body`, renewing the lease about every third of it from inside
+    /// this future: no detached task, so a holder that is no longer polled
+    /// (frozen process, forgotten future) stops renewing and loses the key.
+    async fn keep_alive<Fut: Future>(&self, body: Fut) -> Fut::Output {
+        let period = self.lease / 3;
+        let mut body = pin!(body);
+        let mut tick: Option<Pin<Box<Sleep>>> = None;
+        let mut renewing: Option<BoxFuture<'_, Result<WriteReply, Error>>> = None;
+        let mut lost = false;
+        poll_fn(|cx| {
+            if let Poll::Ready(out) = body.as_mut().poll(cx) {
+                return Poll::Ready(out);
+            }
+            while !lost {
+                if let Some(renewal) = renewing.as_mut() {
+                    let Poll::Ready(result) = renewal.as_mut().poll(cx) else {
+                        break;
+                    };
+                    renewing = None;
+                    let next = match result {
+                        Ok(WriteReply::Done) => period,
+                        Ok(other) => {
+                            lost = true;
+                            tracing::error!(?other, "lease lost while the body runs: another caller may take over");
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "lease renewal failed; retrying sooner");
+                            period / 3
+                        }
+                    };
+                    if let Some(t) = tick.as_mut() {
+                        t.as_mut().reset(Instant::now() + next);
+                    }
+                }
+                let t = tick.get_or_insert_with(|| Box::pin(sleep(period)));
+                if t.as_mut().poll(cx).is_pending() {
+                    break;
+                }
+                renewing = Some(self.store.extend(&self.key, &self.token, self.lease));
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Releases the claim if the call's future is dropped mid-body
+/// (cancellation): at once, by owner token, rather than after the lease.
+struct ReleaseGuard<'a> {
+    store: &'a Arc<dyn Store>,
+    key: &'a str,
+    token: &'a Token,
+    armed: bool,
+}
+
+impl Drop for ReleaseGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, key, token) = (Arc::clone(self.store), self.key.to_owned(), *self.token);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    match store.release(&key, &token).await {
+                        Ok(_) => tracing::debug!("call cancelled: key released"),
+                        Err(e) => tracing::warn!(error = %e, "call cancelled and the key could not be released: it frees itself when the lease expires"),
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                "call cancelled outside a Tokio runtime: the key frees itself when the lease expires"
+            ),
+        }
+    }
+}
+
+fn is_unavailable(e: &Error) -> bool {
+    matches!(e, Error::Unavailable { .. })
+}
+
+fn store_backoff(retries: usize) -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(10))
+        .with_max_delay(Duration::from_millis(200))
+        .with_jitter()
+        .with_max_times(retries)
+}

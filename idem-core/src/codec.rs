@@ -1,0 +1,147 @@
+//! Turning results into stored bytes and back (serde_json, optional LZ4).
+
+use crate::error::Error;
+use crate::store::{Completed, ValueKind};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// A result ready to store.
+pub(crate) struct Encoded {
+    pub kind: ValueKind,
+    pub bytes: Vec<u8>,
+}
+
+/// Serializes `value`; over `limit` it becomes a `TooLarge` marker and when
+/// it cannot be serialized an `Unstorable` one, so that replays report the
+/// problem instead of running the body again.
+pub(crate) fn encode<T: Serialize>(value: &T, limit: usize, compress_above: Option<usize>) -> Encoded {
+    let json = match serde_json::to_vec(value) {
+        Ok(json) => json,
+        Err(e) => {
+            return Encoded {
+                kind: ValueKind::Unstorable,
+                bytes: e.to_string().into_bytes(),
+            }
+        }
+    };
+    if json.len() > limit {
+        return Encoded {
+            kind: ValueKind::TooLarge,
+            bytes: format!("{} {limit}", json.len()).into_bytes(),
+        };
+    }
+    match compress_above {
+        Some(threshold) if json.len() > threshold => {
+            let packed = lz4_flex::compress_prepend_size(&json);
+            if packed.len() < json.len() {
+                return Encoded {
+                    kind: ValueKind::Lz4Json,
+                    bytes: packed,
+                };
+            }
+        }
+        _ => {}
+    }
+    Encoded {
+        kind: ValueKind::Json,
+        bytes: json,
+    }
+}
+
+/// The error a caller gets for a marker that `encode` stored.
+pub(crate) fn marker_error(kind: ValueKind, bytes: &[u8]) -> Option<Error> {
+    let text = String::from_utf8_lossy(bytes);
+    match kind {
+        ValueKind::TooLarge => {
+            let mut parts = text.split(' ').map(|p| p.parse::<usize>().unwrap_or(0));
+            Some(Error::TooLarge {
+                size: parts.next().unwrap_or(0),
+                limit: parts.next().unwrap_or(0),
+            })
+        }
+        ValueKind::Unstorable => Some(Error::Codec(format!(
+            "the first run's result could not be serialized ({text}), so no result was stored; \
+             the body is not run again for this key — fix the type's Serialize impl"
+        ))),
+        _ => None,
+    }
+}
+
+/// Reads a stored result back as `T`.
+pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result<T, Error> {
+    let mismatch = |e: serde_json::Error| {
+        Error::Codec(format!(
+            "the stored result does not deserialize as `{}`: {e}; the result type changed since it \
+             was stored — change the scope (e.g. \"charge.v2\") when changing a result type",
+            std::any::type_name::<T>()
+        ))
+    };
+    match c.kind {
+        ValueKind::Json => serde_json::from_slice(&c.value).map_err(mismatch),
+        ValueKind::Lz4Json => {
+            // Check the prepended size before lz4 allocates it: a damaged
+            // record must not make us allocate gigabytes.
+            let size = c
+                .value
+                .get(..4)
+                .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                .map(u32::from_le_bytes);
+            match size {
+                Some(n) if (n as usize) <= limit => {}
+                _ => {
+                    return Err(Error::Corrupt(
+                        "compressed record with a missing or oversized length prefix".to_owned(),
+                    ))
+                }
+            }
+            let json = lz4_flex::decompress_size_prepended(&c.value)
+                .map_err(|e| Error::Corrupt(format!("compressed record does not decompress: {e}")))?;
+            serde_json::from_slice(&json).map_err(mismatch)
+        }
+        kind => Err(marker_error(kind, &c.value)
+            .unwrap_or_else(|| Error::Corrupt(format!("unknown value kind {kind:?}")))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn completed(e: Encoded) -> Completed {
+        Completed {
+            kind: e.kind,
+            value: Bytes::from(e.bytes),
+            fingerprint: None,
+            ttl_left: None,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_markers() {
+        let big = "x".repeat(2000);
+        let e = encode(&big, 1 << 20, Some(100));
+        assert_eq!(e.kind, ValueKind::Lz4Json);
+        assert!(e.bytes.len() < 200);
+        assert_eq!(decode::<String>(&completed(e), 1 << 20).unwrap(), big);
+
+        let e = encode(&big, 100, None);
+        assert_eq!(e.kind, ValueKind::TooLarge);
+        assert!(matches!(
+            decode::<String>(&completed(e), 100),
+            Err(Error::TooLarge { size: 2002, limit: 100 })
+        ));
+
+        let bad: std::collections::HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
+        let e = encode(&bad, 100, None);
+        assert_eq!(e.kind, ValueKind::Unstorable);
+        assert!(matches!(decode::<u8>(&completed(e), 100), Err(Error::Codec(_))));
+
+        let e = encode(&7u32, 100, None);
+        assert!(matches!(decode::<String>(&completed(e), 100), Err(Error::Codec(_))));
+
+        let mut lying = completed(encode(&big, 1 << 20, Some(1)));
+        lying.value = Bytes::from_static(&[0xff, 0xff, 0xff, 0x7f, 1, 2]);
+        assert!(matches!(decode::<String>(&lying, 1 << 20), Err(Error::Corrupt(_))));
+    }
+}

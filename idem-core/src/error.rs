@@ -1,0 +1,168 @@
+//! The one error type of idem, and the reasons a key is refused.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Everything that can go wrong around an idempotent call.
+///
+/// Each message says what happened and what to do about it. Errors of the
+/// user's own body never appear here: they are returned as they are.
+///
+/// ```
+/// use idem_core::Error;
+/// use std::time::Duration;
+///
+/// let e = Error::InProgress { retry_after: Duration::from_millis(1500) };
+/// assert!(e.is_retryable());
+/// assert!(e.to_string().contains("retry"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Another call holds a live lease on this key and is running the body now.
+    #[error(
+        "another call with this idempotency key is in progress; retry after {} ms \
+         (or set `.wait(..)` to wait for its result)",
+        retry_after.as_millis()
+    )]
+    InProgress {
+        /// How long the current holder's lease has left.
+        retry_after: Duration,
+    },
+
+    /// The key was used before with a different payload (fingerprint).
+    #[error(
+        "this idempotency key was already used with a different request payload; \
+         use a new key for a new operation"
+    )]
+    FingerprintMismatch,
+
+    /// The key, scope or namespace cannot be used.
+    #[error("invalid idempotency key: {0}")]
+    InvalidKey(#[from] KeyError),
+
+    /// The configuration (TTL, lease, namespace, limits) cannot work.
+    #[error("invalid idem configuration: {0}")]
+    InvalidConfig(String),
+
+    /// The store could not be reached, timed out, or refused the command.
+    /// With `FailMode::Closed` (the default) the body did not run.
+    #[error("idempotency store unavailable during {op}: {reason}; the body did not run — retry later, and check that Redis is up and reachable")]
+    Unavailable {
+        /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
+        op: &'static str,
+        /// What the store said.
+        reason: String,
+    },
+
+    /// A stored record could not be read: garbage bytes, a wrong Redis type,
+    /// or a format written by a newer idem.
+    #[error("stored idempotency record is unreadable: {0}")]
+    Corrupt(String),
+
+    /// A value could not be serialized, or a stored value does not
+    /// deserialize into the type asked for.
+    #[error("idempotent result codec error: {0}")]
+    Codec(String),
+
+    /// The serialized result is larger than the configured limit.
+    #[error(
+        "idempotent result is {size} bytes, over the {limit}-byte limit, so it was not stored; \
+         raise it with `Idempotency::builder(..).max_value_size(..)` or return something smaller"
+    )]
+    TooLarge {
+        /// Size of the serialized value, in bytes.
+        size: usize,
+        /// The configured limit, in bytes.
+        limit: usize,
+    },
+
+    /// `#[idempotent]` without `using` found no installed default.
+    #[error(
+        "no default Idempotency is installed; call `idem.install()` at startup \
+         or pass `using = <expr>` to #[idempotent]"
+    )]
+    NotInstalled,
+
+    /// `install()` was called when a default was already installed.
+    #[error("a default Idempotency is already installed; install it once, at startup")]
+    AlreadyInstalled,
+}
+
+impl Error {
+    /// True for errors where trying the same call again later can succeed
+    /// (`InProgress`, `Unavailable`).
+    ///
+    /// ```
+    /// assert!(!idem_core::Error::FingerprintMismatch.is_retryable());
+    /// ```
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::InProgress { .. } | Error::Unavailable { .. })
+    }
+
+    pub(crate) fn unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
+        Error::Unavailable {
+            op,
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// Which part of the stored key was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyPart {
+    /// The per-call idempotency key.
+    Key,
+    /// The operation's scope (`call(scope, ..)` or `#[idempotent(scope = ..)]`).
+    Scope,
+    /// The builder's namespace.
+    Namespace,
+}
+
+impl fmt::Display for KeyPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KeyPart::Key => "key",
+            KeyPart::Scope => "scope",
+            KeyPart::Namespace => "namespace",
+        })
+    }
+}
+
+/// Why a key, scope or namespace was refused. Checked before anything
+/// reaches the store, so the body never runs for a refused key.
+///
+/// ```
+/// use idem_core::{KeyError, KeyPart};
+/// let e = KeyError::TooLong { part: KeyPart::Key, len: 300, max: 255 };
+/// assert!(e.to_string().contains("300"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// Nothing to key on.
+    #[error("the {part} is empty; pass a non-empty value such as an order or message id")]
+    Empty {
+        /// Which part.
+        part: KeyPart,
+    },
+    /// Longer than the limit, in bytes.
+    #[error("the {part} is {len} bytes, over the {max}-byte limit; hash long inputs (e.g. SHA-256 hex) before using them as a {part}")]
+    TooLong {
+        /// Which part.
+        part: KeyPart,
+        /// Its length in bytes.
+        len: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
+    /// Contains a control character (NUL, newline, escape, …).
+    #[error("the {part} contains a control character at byte {at}; keys must be printable text")]
+    ControlChar {
+        /// Which part.
+        part: KeyPart,
+        /// Byte offset of the first control character.
+        at: usize,
+    },
+}

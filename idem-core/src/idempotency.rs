@@ -1,0 +1,376 @@
+//! `Idempotency`: the configured runtime, its builder and the process default.
+
+use crate::cache::ReplayCache;
+use crate::call::Call;
+use crate::error::{Error, KeyPart};
+use crate::key::{push_escaped, storage_key, validate_key_part};
+use crate::store::Store;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// What to do when the store cannot be reached.
+///
+/// ```
+/// assert_eq!(idem_core::FailMode::default(), idem_core::FailMode::Closed);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailMode {
+    /// Return [`Error::Unavailable`] and do not run the body (the default):
+    /// no duplicate can slip through, at the price of availability.
+    #[default]
+    Closed,
+    /// Run the body without protection and log a warning: availability
+    /// first, duplicates possible while the store is down.
+    Open,
+}
+
+/// Longest accepted result TTL: a year.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Longest accepted lease: a day (a body holding a key longer is a bug).
+const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
+pub(crate) struct Inner {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) prefix: String,
+    pub(crate) result_ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) fail_mode: FailMode,
+    pub(crate) max_value_size: usize,
+    pub(crate) compress_above: Option<usize>,
+    pub(crate) store_retries: usize,
+    pub(crate) log_keys: bool,
+    pub(crate) cache: Option<ReplayCache>,
+    pub(crate) config_error: Option<String>,
+}
+
+/// The idempotency runtime: a store plus the defaults of every call.
+///
+/// Cheap to clone (an `Arc`), `Send + Sync`. Build one at startup and share
+/// it, or [`install`](Idempotency::install) it as the process default that
+/// `#[idempotent]` uses.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore, Outcome};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).namespace("payments").build();
+/// let (v, o) = idem.call("charge", "order-1").run_outcome(|| async { Ok::<_, idem_core::Error>(42) }).await?;
+/// assert_eq!((v, o), (42, Outcome::Executed));
+/// let (v, o) = idem.call("charge", "order-1").run_outcome(|| async { Ok::<_, idem_core::Error>(0) }).await?;
+/// assert_eq!((v, o), (42, Outcome::Replayed)); // the body did not run again
+/// # Ok::<(), idem_core::Error>(()) }).unwrap();
+/// ```
+#[derive(Clone)]
+pub struct Idempotency {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Idempotency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let i = &self.inner;
+        f.debug_struct("Idempotency")
+            .field("prefix", &i.prefix)
+            .field("result_ttl", &i.result_ttl)
+            .field("lease", &i.lease)
+            .field("fail_mode", &i.fail_mode)
+            .field("max_value_size", &i.max_value_size)
+            .field("local_cache", &i.cache.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+static GLOBAL: OnceLock<Idempotency> = OnceLock::new();
+
+impl Idempotency {
+    /// Starts a builder over a store.
+    ///
+    /// ```
+    /// let b = idem_core::Idempotency::builder(idem_core::MemoryStore::new());
+    /// let idem = b.build();
+    /// ```
+    pub fn builder(store: impl Store) -> IdempotencyBuilder {
+        IdempotencyBuilder {
+            store: Arc::new(store),
+            namespace: "idem".to_owned(),
+            result_ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            wait: None,
+            fail_mode: FailMode::Closed,
+            max_value_size: 4 * 1024 * 1024,
+            compress_above: None,
+            store_retries: 2,
+            log_keys: false,
+            cache_entries: None,
+        }
+    }
+
+    /// Starts one call: `scope` names the operation, `key` identifies this
+    /// request of it (any `Display`: an order id, a message id, a UUID).
+    ///
+    /// The key is rendered and checked here; an invalid one is reported by
+    /// `run` before anything reaches the store.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let order_id = 1234;
+    /// let r: Result<String, idem_core::Error> = idem
+    ///     .call("orders.create", &order_id)
+    ///     .ttl(std::time::Duration::from_secs(3600))
+    ///     .run(|| async { Ok("created".to_owned()) })
+    ///     .await;
+    /// assert_eq!(r.unwrap(), "created");
+    /// # });
+    /// ```
+    pub fn call<'a, K: fmt::Display>(&'a self, scope: &'a str, key: K) -> Call<'a> {
+        let inner = &*self.inner;
+        Call::new(
+            inner,
+            scope,
+            storage_key(&inner.prefix, scope, key).map_err(Error::from),
+        )
+    }
+
+    /// Makes this the process-wide default used by `#[idempotent]` without
+    /// `using`. Once per process: a second install fails with
+    /// [`Error::AlreadyInstalled`].
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// idem.install()?;
+    /// assert!(idem_core::Idempotency::global().is_some());
+    /// assert!(matches!(idem.install(), Err(idem_core::Error::AlreadyInstalled)));
+    /// # Ok::<(), idem_core::Error>(())
+    /// ```
+    pub fn install(&self) -> Result<(), Error> {
+        GLOBAL
+            .set(self.clone())
+            .map_err(|_| Error::AlreadyInstalled)
+    }
+
+    /// The installed default, if any.
+    ///
+    /// ```
+    /// // Nothing installed in this doctest's process:
+    /// assert!(idem_core::Idempotency::global().is_none());
+    /// ```
+    pub fn global() -> Option<&'static Idempotency> {
+        GLOBAL.get()
+    }
+}
+
+/// Configures an [`Idempotency`]. Every setting has a default; see each method.
+///
+/// Settings that cannot work (a zero TTL, a lease longer than the TTL, a
+/// bad namespace) do not panic: every call then fails with
+/// [`Error::InvalidConfig`] naming the setting.
+///
+/// ```
+/// use idem_core::{FailMode, Idempotency, MemoryStore};
+/// use std::time::Duration;
+/// let idem = Idempotency::builder(MemoryStore::new())
+///     .namespace("payments")
+///     .result_ttl(Duration::from_secs(86_400))
+///     .lease(Duration::from_secs(30))
+///     .fail_mode(FailMode::Closed)
+///     .build();
+/// ```
+#[must_use]
+pub struct IdempotencyBuilder {
+    store: Arc<dyn Store>,
+    namespace: String,
+    result_ttl: Duration,
+    lease: Duration,
+    wait: Option<Duration>,
+    fail_mode: FailMode,
+    max_value_size: usize,
+    compress_above: Option<usize>,
+    store_retries: usize,
+    log_keys: bool,
+    cache_entries: Option<u64>,
+}
+
+impl IdempotencyBuilder {
+    /// Prefix of every stored key (default `"idem"`): one per service, so
+    /// services sharing a Redis never see each other's records.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).namespace("orders").build();
+    /// ```
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// How long a completed result is replayed (default 24 h, at most a year).
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .result_ttl(std::time::Duration::from_secs(3600)).build();
+    /// ```
+    pub fn result_ttl(mut self, ttl: Duration) -> Self {
+        self.result_ttl = ttl;
+        self
+    }
+
+    /// How long a claim holds without renewal (default 30 s, at most a day).
+    /// While the body runs the lease is renewed about every third of it; a
+    /// holder that crashes or freezes loses the key after at most this long.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .lease(std::time::Duration::from_secs(10)).build();
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Default for [`Call::wait`](crate::Call::wait): how long a duplicate
+    /// waits for an in-flight call's result (default: not at all).
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .wait(std::time::Duration::from_secs(2)).build();
+    /// ```
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// What to do when the store is unreachable (default [`FailMode::Closed`]).
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .fail_mode(idem_core::FailMode::Open).build();
+    /// ```
+    pub fn fail_mode(mut self, mode: FailMode) -> Self {
+        self.fail_mode = mode;
+        self
+    }
+
+    /// Largest serialized result stored, in bytes (default 4 MiB).
+    ///
+    /// A larger result is returned to the call that produced it but not
+    /// stored: later calls get [`Error::TooLarge`] instead of running the
+    /// body again.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .max_value_size(64 * 1024).build();
+    /// ```
+    pub fn max_value_size(mut self, bytes: usize) -> Self {
+        self.max_value_size = bytes;
+        self
+    }
+
+    /// Compresses results larger than `threshold` bytes with LZ4 (default
+    /// off). Pays off for large, repetitive JSON; see the README's measurements.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .compress_above(1024).build();
+    /// ```
+    pub fn compress_above(mut self, threshold: usize) -> Self {
+        self.compress_above = Some(threshold);
+        self
+    }
+
+    /// How many times a claim that failed to reach the store is re-sent
+    /// (same owner token, so safe) before the call fails (default 2).
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).store_retries(4).build();
+    /// ```
+    pub fn store_retries(mut self, retries: usize) -> Self {
+        self.store_retries = retries;
+        self
+    }
+
+    /// Keeps up to `max_entries` completed results in this process, so a hot
+    /// key replays with no round trip (default off). Entries expire with
+    /// their record; in-flight records are never cached.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).local_cache(10_000).build();
+    /// ```
+    pub fn local_cache(mut self, max_entries: u64) -> Self {
+        self.cache_entries = Some(max_entries);
+        self
+    }
+
+    /// Records keys in clear in tracing spans (default off: spans carry a
+    /// short hash of the key, since keys may be personal data).
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).log_keys(true).build();
+    /// ```
+    pub fn log_keys(mut self, on: bool) -> Self {
+        self.log_keys = on;
+        self
+    }
+
+    /// Finishes the configuration.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let again = idem.clone(); // shares the same store
+    /// ```
+    pub fn build(self) -> Idempotency {
+        let config_error = validate_ttl_lease(self.result_ttl, self.lease)
+            .err()
+            .or_else(|| {
+                validate_key_part(KeyPart::Namespace, &self.namespace)
+                    .err()
+                    .map(|e| e.to_string())
+            })
+            .or_else(|| {
+                (self.max_value_size == 0)
+                    .then(|| "max_value_size is 0: nothing could be stored".to_owned())
+            });
+        let mut prefix = String::with_capacity(self.namespace.len() + 1);
+        push_escaped(&mut prefix, &self.namespace);
+        prefix.push(':');
+        Idempotency {
+            inner: Arc::new(Inner {
+                store: self.store,
+                prefix,
+                result_ttl: self.result_ttl,
+                lease: self.lease,
+                wait: self.wait,
+                fail_mode: self.fail_mode,
+                max_value_size: self.max_value_size,
+                compress_above: self.compress_above,
+                store_retries: self.store_retries,
+                log_keys: self.log_keys,
+                cache: self.cache_entries.map(ReplayCache::new),
+                config_error,
+            }),
+        }
+    }
+}
+
+/// Checks a TTL and lease pair; the message names the setting to fix.
+pub(crate) fn validate_ttl_lease(ttl: Duration, lease: Duration) -> Result<(), String> {
+    if ttl < Duration::from_millis(1) {
+        return Err(format!("result TTL is {ttl:?}; use at least 1 ms (typically hours)"));
+    }
+    if ttl > MAX_TTL {
+        return Err(format!("result TTL is {ttl:?}, over the one-year limit"));
+    }
+    if lease < Duration::from_millis(1) {
+        return Err(format!(
+            "lease is {lease:?}; use at least 1 ms (typically the body's worst-case duration)"
+        ));
+    }
+    if lease > MAX_LEASE {
+        return Err(format!("lease is {lease:?}, over the one-day limit"));
+    }
+    if lease > ttl {
+        return Err(format!(
+            "lease ({lease:?}) is longer than the result TTL ({ttl:?}); the TTL must cover the lease"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,109 @@
+//! Validation of keys and the layout of the stored key `namespace:scope:key`.
+
+use crate::error::{KeyError, KeyPart};
+use std::fmt::{self, Write};
+
+/// Longest accepted key, scope or namespace, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Checks one part of a stored key: non-empty, at most 255 bytes, no control
+/// characters.
+///
+/// ```
+/// use idem_core::{validate_key_part, KeyPart};
+/// assert!(validate_key_part(KeyPart::Key, "order-42").is_ok());
+/// assert!(validate_key_part(KeyPart::Key, "a\nb").is_err());
+/// ```
+pub fn validate_key_part(part: KeyPart, s: &str) -> Result<(), KeyError> {
+    if s.is_empty() {
+        return Err(KeyError::Empty { part });
+    }
+    if s.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong {
+            part,
+            len: s.len(),
+            max: MAX_KEY_LEN,
+        });
+    }
+    if let Some((at, _)) = s.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(KeyError::ControlChar { part, at });
+    }
+    Ok(())
+}
+
+/// Appends `s` with `%` and `:` percent-escaped, so that the first two `:` of
+/// a stored key always delimit namespace and scope, whatever the user's key
+/// holds: `("a:b", "c")` and `("a", "b:c")` can never meet.
+pub(crate) fn push_escaped(out: &mut String, s: &str) {
+    if !s.contains([':', '%']) {
+        out.push_str(s);
+        return;
+    }
+    for c in s.chars() {
+        match c {
+            ':' => out.push_str("%3A"),
+            '%' => out.push_str("%25"),
+            c => out.push(c),
+        }
+    }
+}
+
+/// Builds `prefix` + escaped scope + `:` + key, checking scope and key.
+/// `prefix` is the escaped namespace with its `:`, computed once per builder.
+pub(crate) fn storage_key(
+    prefix: &str,
+    scope: &str,
+    key: impl fmt::Display,
+) -> Result<String, KeyError> {
+    validate_key_part(KeyPart::Scope, scope)?;
+    let mut out = String::with_capacity(prefix.len() + scope.len() + 40);
+    out.push_str(prefix);
+    push_escaped(&mut out, scope);
+    out.push(':');
+    let start = out.len();
+    // Writing to a String cannot fail; a Display impl that errors yields an
+    // empty key, which validation refuses below.
+    if write!(out, "{key}").is_err() {
+        out.truncate(start);
+    }
+    validate_key_part(KeyPart::Key, &out[start..])?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scope_and_key_never_collide() {
+        let a = storage_key("idem:", "a:b", "c").unwrap();
+        let b = storage_key("idem:", "a", "b:c").unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a, "idem:a%3Ab:c");
+        assert_eq!(b, "idem:a:b:c");
+    }
+
+    #[test]
+    fn refuses_bad_keys() {
+        assert!(matches!(
+            storage_key("idem:", "s", ""),
+            Err(KeyError::Empty { part: KeyPart::Key })
+        ));
+        assert!(matches!(
+            storage_key("idem:", "s", "x".repeat(256)),
+            Err(KeyError::TooLong { len: 256, .. })
+        ));
+        assert!(matches!(
+            storage_key("idem:", "s", "a\0b"),
+            Err(KeyError::ControlChar { at: 1, .. })
+        ));
+        assert!(matches!(
+            storage_key("idem:", "", "k"),
+            Err(KeyError::Empty {
+                part: KeyPart::Scope
+            })
+        ));
+        assert!(storage_key("idem:", "s", "x".repeat(255)).is_ok());
+        assert!(storage_key("idem:", "s", "{tag} ünï:cödé").is_ok());
+    }
+}

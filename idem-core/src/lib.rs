@@ -1,0 +1,47 @@
+//! # idem-core
+//!
+//! The runtime of [idem](https://docs.rs/idem): run a side-effecting async
+//! operation exactly once per idempotency key, across tasks, processes and
+//! machines, with Redis (or, in one process, memory) as the arbiter.
+//!
+//! ```
+//! use idem_core::{Error, Idempotency, MemoryStore, Outcome};
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let idem = Idempotency::builder(MemoryStore::new()).namespace("payments").build();
+//!
+//! async fn charge(amount: u64) -> Result<String, Error> { Ok(format!("receipt for {amount}")) }
+//!
+//! // First delivery runs the body; a redelivery gets the stored answer.
+//! let (r1, o1) = idem.call("charge", "order-7").run_outcome(|| charge(500)).await?;
+//! let (r2, o2) = idem.call("charge", "order-7").run_outcome(|| charge(500)).await?;
+//! assert_eq!(r1, r2);
+//! assert_eq!((o1, o2), (Outcome::Executed, Outcome::Replayed));
+//! # Ok::<(), Error>(()) }).unwrap();
+//! ```
+//!
+//! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
+//! defaults, and [`Store`] for the state machine both stores implement.
+#![warn(missing_docs)]
+
+mod cache;
+mod call;
+mod codec;
+mod error;
+mod fingerprint;
+mod idempotency;
+mod key;
+mod outcome;
+mod store;
+mod token;
+
+pub use call::Call;
+pub use error::{Error, KeyError, KeyPart};
+pub use fingerprint::Fingerprint;
+pub use idempotency::{FailMode, Idempotency, IdempotencyBuilder};
+pub use key::{validate_key_part, MAX_KEY_LEN};
+pub use outcome::Outcome;
+pub use store::{
+    Claim, ClaimReply, Completed, MemoryStore, RedisStore, RedisStoreConfig, Store, ValueKind,
+    WriteReply,
+};
+pub use token::Token;

@@ -1,0 +1,246 @@
+//! `MemoryStore`: the same state machine as the Lua scripts, in process memory.
+
+use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::token::Token;
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::time::Instant;
+
+#[derive(Debug)]
+enum State {
+    Pending {
+        token: Token,
+        deadline: Instant,
+        attempt: u32,
+    },
+    Completed {
+        kind: ValueKind,
+        value: Bytes,
+    },
+}
+
+#[derive(Debug)]
+struct Entry {
+    state: State,
+    fingerprint: Option<Fingerprint>,
+    expires_at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Map {
+    entries: HashMap<String, Entry>,
+    writes_since_sweep: usize,
+}
+
+/// Records in this process's memory, with exactly the semantics of
+/// [`RedisStore`](crate::RedisStore): leases, takeovers, owner tokens,
+/// fingerprints and TTLs.
+///
+/// For a single process (a CLI, a worker that owns its queue, development
+/// without Redis) and for tests. Time is `tokio::time::Instant`, so tests
+/// can pause and advance it. Clones share the records.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let v: Result<u32, idem_core::Error> = idem.call("demo", "k1").run(|| async { Ok(7) }).await;
+/// assert_eq!(v.unwrap(), 7);
+/// # });
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    map: Arc<Mutex<Map>>,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    ///
+    /// ```
+    /// let store = idem_core::MemoryStore::new();
+    /// assert_eq!(store.len(), 0);
+    /// ```
+    pub fn new() -> MemoryStore {
+        MemoryStore::default()
+    }
+
+    /// Number of live (unexpired) records.
+    ///
+    /// ```
+    /// assert!(idem_core::MemoryStore::new().is_empty());
+    /// ```
+    pub fn len(&self) -> usize {
+        let now = Instant::now();
+        self.lock()
+            .entries
+            .values()
+            .filter(|e| e.expires_at > now)
+            .count()
+    }
+
+    /// True when no live record is held.
+    ///
+    /// ```
+    /// assert!(idem_core::MemoryStore::new().is_empty());
+    /// ```
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Map> {
+        // No code path panics while holding the lock; recover anyway.
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Map {
+    /// The live entry for `key`, dropping it first if it has expired.
+    fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
+        if self.entries.get(key).is_some_and(|e| e.expires_at <= now) {
+            self.entries.remove(key);
+        }
+        self.entries.get_mut(key)
+    }
+
+    /// Drops expired entries, amortized O(1) per write.
+    fn note_write(&mut self, now: Instant) {
+        self.writes_since_sweep += 1;
+        if self.writes_since_sweep >= self.entries.len().max(1024) {
+            self.entries.retain(|_, e| e.expires_at > now);
+            self.writes_since_sweep = 0;
+        }
+    }
+
+    /// Finds the caller's pending entry, or says why it is not there.
+    fn owned(&mut self, key: &str, token: &Token, now: Instant) -> Result<&mut Entry, WriteReply> {
+        match self.live(key, now) {
+            None => Err(WriteReply::Missing),
+            Some(Entry {
+                state: State::Completed { .. },
+                ..
+            }) => Err(WriteReply::AlreadyCompleted),
+            Some(e) => match &e.state {
+                State::Pending { token: t, .. } if t == token => Ok(e),
+                _ => Err(WriteReply::OtherOwner),
+            },
+        }
+    }
+}
+
+fn mismatch(given: Option<&Fingerprint>, stored: Option<&Fingerprint>) -> bool {
+    matches!((given, stored), (Some(a), Some(b)) if a != b)
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
+        let now = Instant::now();
+        let ttl = c.ttl.max(c.lease);
+        let pending = |attempt| State::Pending {
+            token: *c.token,
+            deadline: now + c.lease,
+            attempt,
+        };
+        let mut map = self.lock();
+        let Some(entry) = map.live(c.key, now) else {
+            map.entries.insert(
+                c.key.to_owned(),
+                Entry {
+                    state: pending(1),
+                    fingerprint: c.fingerprint.copied(),
+                    expires_at: now + ttl,
+                },
+            );
+            map.note_write(now);
+            return Ok(ClaimReply::Acquired { attempt: 1 });
+        };
+        if mismatch(c.fingerprint, entry.fingerprint.as_ref()) {
+            return Ok(ClaimReply::Mismatch);
+        }
+        match entry.state {
+            State::Completed { kind, ref value } => Ok(ClaimReply::Completed(Completed {
+                kind,
+                value: value.clone(),
+                fingerprint: entry.fingerprint,
+                ttl_left: Some(entry.expires_at - now),
+            })),
+            State::Pending {
+                token,
+                deadline,
+                attempt,
+            } => {
+                if token == *c.token {
+                    // Our own claim again: its reply was lost and it was re-sent.
+                    entry.state = pending(attempt);
+                } else if deadline > now {
+                    return Ok(ClaimReply::InProgress {
+                        retry_after: deadline - now,
+                    });
+                } else {
+                    entry.state = pending(attempt.saturating_add(1));
+                    if c.fingerprint.is_some() {
+                        entry.fingerprint = c.fingerprint.copied();
+                    }
+                }
+                entry.expires_at = now + ttl;
+                let attempt = match entry.state {
+                    State::Pending { attempt, .. } => attempt,
+                    State::Completed { .. } => 1,
+                };
+                Ok(ClaimReply::Acquired { attempt })
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        ttl: Duration,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let now = Instant::now();
+        let mut map = self.lock();
+        let entry = match map.owned(key, token, now) {
+            Ok(e) => e,
+            Err(reply) => return Ok(reply),
+        };
+        entry.state = State::Completed {
+            kind,
+            value: Bytes::copy_from_slice(value),
+        };
+        entry.expires_at = now + ttl.max(Duration::from_millis(1));
+        map.note_write(now);
+        Ok(WriteReply::Done)
+    }
+
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let now = Instant::now();
+        let mut map = self.lock();
+        if let Err(reply) = map.owned(key, token, now) {
+            return Ok(reply);
+        }
+        map.entries.remove(key);
+        Ok(WriteReply::Done)
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let now = Instant::now();
+        let mut map = self.lock();
+        let entry = match map.owned(key, token, now) {
+            Ok(e) => e,
+            Err(reply) => return Ok(reply),
+        };
+        if let State::Pending { deadline, .. } = &mut entry.state {
+            *deadline = now + lease;
+        }
+        entry.expires_at = entry.expires_at.max(now + lease);
+        Ok(WriteReply::Done)
+    }
+}

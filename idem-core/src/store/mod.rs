@@ -1,0 +1,217 @@
+//! The store: the one state machine every backend implements, and its replies.
+//!
+//! A key is absent, pending (claimed by one owner token until a lease
+//! deadline) or completed (holding a stored value until its TTL). `claim`
+//! moves absent → pending, expired pending → pending (a takeover), and
+//! reports the rest; `complete`, `release` and `extend` act only for the
+//! token that holds the pending record. `lua/README.md` gives the Redis
+//! encoding; [`MemoryStore`] keeps the same machine in process memory.
+
+mod memory;
+mod record;
+mod redis;
+
+pub use self::memory::MemoryStore;
+pub use self::redis::{RedisStore, RedisStoreConfig};
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::token::Token;
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::time::Duration;
+
+/// One claim request.
+///
+/// ```
+/// use idem_core::{Claim, Token};
+/// use std::time::Duration;
+/// let token = Token::random();
+/// let c = Claim { key: "idem:charge:42", token: &token, lease: Duration::from_secs(30), ttl: Duration::from_secs(86_400), fingerprint: None };
+/// assert!(c.lease <= c.ttl);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The full stored key (`namespace:scope:key`).
+    pub key: &'a str,
+    /// The caller's owner token; re-sending the same token is safe.
+    pub token: &'a Token,
+    /// How long the claim holds without renewal.
+    pub lease: Duration,
+    /// How long the pending record itself is kept (it expires with no
+    /// takeover after this); at least `lease`.
+    pub ttl: Duration,
+    /// The payload's fingerprint, if the caller gave one.
+    pub fingerprint: Option<&'a Fingerprint>,
+}
+
+/// How a completed record's value is stored.
+///
+/// ```
+/// use idem_core::ValueKind;
+/// assert_eq!(ValueKind::from_tag(ValueKind::Json.tag()), Some(ValueKind::Json));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ValueKind {
+    /// serde_json bytes.
+    Json,
+    /// serde_json bytes, LZ4-compressed with the size prepended.
+    Lz4Json,
+    /// The body succeeded but its result was over the size limit: the value
+    /// holds `size limit` as text and replays answer `Error::TooLarge`.
+    TooLarge,
+    /// The body succeeded but its result could not be serialized: the value
+    /// holds the codec's message and replays answer `Error::Codec`.
+    Unstorable,
+}
+
+impl ValueKind {
+    /// The one-byte tag in the stored record.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::ValueKind::Json.tag(), b'C');
+    /// ```
+    pub fn tag(self) -> u8 {
+        match self {
+            ValueKind::Json => b'C',
+            ValueKind::Lz4Json => b'Z',
+            ValueKind::TooLarge => b'L',
+            ValueKind::Unstorable => b'U',
+        }
+    }
+
+    /// The kind for a stored tag, `None` for an unknown one.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::ValueKind::from_tag(b'?'), None);
+    /// ```
+    pub fn from_tag(tag: u8) -> Option<ValueKind> {
+        Some(match tag {
+            b'C' => ValueKind::Json,
+            b'Z' => ValueKind::Lz4Json,
+            b'L' => ValueKind::TooLarge,
+            b'U' => ValueKind::Unstorable,
+            _ => return None,
+        })
+    }
+}
+
+/// A completed record, as a claim finds it.
+///
+/// ```
+/// use idem_core::{Completed, ValueKind};
+/// let c = Completed { kind: ValueKind::Json, value: bytes::Bytes::from_static(b"42"), fingerprint: None, ttl_left: None };
+/// assert_eq!(&c.value[..], b"42");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completed {
+    /// How `value` is encoded.
+    pub kind: ValueKind,
+    /// The stored bytes.
+    pub value: Bytes,
+    /// The fingerprint stored with the record.
+    pub fingerprint: Option<Fingerprint>,
+    /// How long the record has left, when the store knows.
+    pub ttl_left: Option<Duration>,
+}
+
+/// What a claim found.
+///
+/// ```
+/// use idem_core::ClaimReply;
+/// let r = ClaimReply::Acquired { attempt: 2 };
+/// assert!(matches!(r, ClaimReply::Acquired { attempt } if attempt > 1)); // a takeover
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimReply {
+    /// The caller now holds the key. `attempt` is 1 for a fresh key and
+    /// counts up with each takeover of an expired lease.
+    Acquired {
+        /// 1 for a fresh key, n+1 after the n-th holder's lease expired.
+        attempt: u32,
+    },
+    /// The key was completed earlier: here is its value.
+    Completed(Completed),
+    /// Another owner holds a live lease.
+    InProgress {
+        /// How long that lease has left.
+        retry_after: Duration,
+    },
+    /// The record (pending or completed) carries a different fingerprint.
+    Mismatch,
+}
+
+/// What a `complete`, `release` or `extend` did.
+///
+/// ```
+/// use idem_core::WriteReply;
+/// assert!(WriteReply::Done.is_done());
+/// assert!(!WriteReply::Missing.is_done());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteReply {
+    /// The caller owned the pending record and the write happened.
+    Done,
+    /// No record: it expired or was released.
+    Missing,
+    /// Another owner took the record over; nothing changed.
+    OtherOwner,
+    /// The record is already completed; nothing changed.
+    AlreadyCompleted,
+}
+
+impl WriteReply {
+    /// True when the write happened.
+    ///
+    /// ```
+    /// assert!(idem_core::WriteReply::Done.is_done());
+    /// ```
+    pub fn is_done(self) -> bool {
+        self == WriteReply::Done
+    }
+}
+
+/// A backend that keeps idempotency records.
+///
+/// Implementations must be atomic per key: each method is one indivisible
+/// step of the state machine described in this module. [`RedisStore`] does
+/// it with one Lua script per method; [`MemoryStore`] under a mutex.
+///
+/// ```
+/// use idem_core::{Claim, ClaimReply, MemoryStore, Store, Token, WriteReply};
+/// use std::time::Duration;
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let store = MemoryStore::new();
+/// let token = Token::random();
+/// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None };
+/// assert_eq!(store.claim(claim).await?, ClaimReply::Acquired { attempt: 1 });
+/// assert_eq!(store.release("k", &token).await?, WriteReply::Done);
+/// # Ok::<(), idem_core::Error>(()) }).unwrap();
+/// ```
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Claims the key for `claim.token`, or reports what holds it.
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error>;
+
+    /// Replaces the caller's pending record by a completed one kept for `ttl`.
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        ttl: Duration,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error>;
+
+    /// Deletes the caller's pending record so the next call runs the body.
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error>;
+
+    /// Moves the caller's lease deadline to now + `lease`.
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error>;
+}
+
+/// Whole milliseconds, at least 1: stores count leases and TTLs in ms.
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}

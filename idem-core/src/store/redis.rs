@@ -1,0 +1,412 @@
+//! `RedisStore`: the state machine as four Lua scripts, one key each.
+
+use super::record::{decode_completed, unreadable, wrong_type};
+use super::{millis, Claim, ClaimReply, Store, ValueKind, WriteReply};
+use crate::error::Error;
+use crate::token::Token;
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+    extend: Script,
+}
+
+// Hashed once per process; EVALSHA with a reload on NOSCRIPT (redis::Script)
+// survives SCRIPT FLUSH, restarts and fail-overs.
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    claim: Script::new(include_str!("../../../lua/claim.lua")),
+    complete: Script::new(include_str!("../../../lua/complete.lua")),
+    release: Script::new(include_str!("../../../lua/release.lua")),
+    extend: Script::new(include_str!("../../../lua/extend.lua")),
+});
+
+/// Timeouts and reconnection for [`RedisStore`].
+///
+/// ```
+/// use idem_core::RedisStoreConfig;
+/// use std::time::Duration;
+/// let cfg = RedisStoreConfig::default().response_timeout(Duration::from_millis(250));
+/// assert_eq!(cfg.get_response_timeout(), Duration::from_millis(250));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisStoreConfig {
+    connection_timeout: Duration,
+    response_timeout: Duration,
+    reconnect_retries: usize,
+}
+
+impl Default for RedisStoreConfig {
+    fn default() -> Self {
+        RedisStoreConfig {
+            connection_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+            reconnect_retries: 3,
+        }
+    }
+}
+
+impl RedisStoreConfig {
+    /// How long to wait for a TCP connection (default 1 s).
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().connection_timeout(std::time::Duration::from_secs(2));
+    /// assert_eq!(c.get_connection_timeout().as_secs(), 2);
+    /// ```
+    pub fn connection_timeout(mut self, d: Duration) -> Self {
+        self.connection_timeout = d;
+        self
+    }
+
+    /// How long to wait for one reply (default 1 s). A timed-out claim may
+    /// still have landed; idem re-sends it with the same owner token, which
+    /// the script answers as the same claim.
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
+    /// assert_eq!(c.get_response_timeout().as_millis(), 300);
+    /// ```
+    pub fn response_timeout(mut self, d: Duration) -> Self {
+        self.response_timeout = d;
+        self
+    }
+
+    /// How many reconnection attempts follow a dropped connection before a
+    /// request fails (default 3).
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().reconnect_retries(5);
+    /// assert_eq!(c.get_reconnect_retries(), 5);
+    /// ```
+    pub fn reconnect_retries(mut self, n: usize) -> Self {
+        self.reconnect_retries = n;
+        self
+    }
+
+    /// The connection timeout.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_connection_timeout().as_secs(), 1);
+    /// ```
+    pub fn get_connection_timeout(&self) -> Duration {
+        self.connection_timeout
+    }
+
+    /// The response timeout.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_response_timeout().as_secs(), 1);
+    /// ```
+    pub fn get_response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+
+    /// The reconnection attempts.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_reconnect_retries(), 3);
+    /// ```
+    pub fn get_reconnect_retries(&self) -> usize {
+        self.reconnect_retries
+    }
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// Records in Redis (standalone or Cluster), one compact string per key,
+/// changed only by the Lua scripts in `lua/`.
+///
+/// Cheap to clone: clones share one multiplexed connection (standalone:
+/// redis's `ConnectionManager`, which reconnects by itself; Cluster: one
+/// connection per master, routed by key slot).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+/// let idem = idem_core::Idempotency::builder(store).namespace("payments").build();
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.conn {
+            Conn::Single(_) => "standalone",
+            Conn::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore").field("mode", &kind).finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to a standalone Redis (7.0 or newer) with default timeouts.
+    ///
+    /// Fails with [`Error::InvalidConfig`] for a malformed URL and
+    /// [`Error::Unavailable`] when Redis cannot be reached.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<RedisStore, Error> {
+        RedisStore::connect_with(url, RedisStoreConfig::default()).await
+    }
+
+    /// Connects to a standalone Redis with explicit timeouts.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// use idem_core::{RedisStore, RedisStoreConfig};
+    /// let cfg = RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(200));
+    /// let store = RedisStore::connect_with("redis://127.0.0.1:6379/", cfg).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(url: &str, config: RedisStoreConfig) -> Result<RedisStore, Error> {
+        let client = redis::Client::open(url).map_err(bad_url)?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connection_timeout))
+            .set_response_timeout(Some(config.response_timeout))
+            .set_number_of_retries(config.reconnect_retries)
+            .set_max_delay(Duration::from_millis(500));
+        let manager = ConnectionManager::new_with_config(client, manager_config)
+            .await
+            .map_err(|e| classify("connect", e))?;
+        let store = RedisStore {
+            conn: Conn::Single(manager),
+        };
+        store.load_scripts().await?;
+        Ok(store)
+    }
+
+    /// Connects to a Redis Cluster given one or more of its nodes.
+    ///
+    /// Every script touches exactly one key, so any key works on any slot;
+    /// see the README for how keys map to slots and how to co-locate them.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::RedisStore::connect_cluster(&["redis://127.0.0.1:7001/", "redis://127.0.0.1:7002/"]).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_cluster(urls: &[&str]) -> Result<RedisStore, Error> {
+        RedisStore::connect_cluster_with(urls, RedisStoreConfig::default()).await
+    }
+
+    /// Connects to a Redis Cluster with explicit timeouts.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// use idem_core::{RedisStore, RedisStoreConfig};
+    /// let store = RedisStore::connect_cluster_with(&["redis://127.0.0.1:7001/"], RedisStoreConfig::default()).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_cluster_with(
+        urls: &[&str],
+        config: RedisStoreConfig,
+    ) -> Result<RedisStore, Error> {
+        if urls.is_empty() {
+            return Err(Error::InvalidConfig(
+                "connect_cluster needs at least one node URL".to_owned(),
+            ));
+        }
+        let client = ClusterClient::builder(urls.iter().copied())
+            .connection_timeout(config.connection_timeout)
+            .response_timeout(config.response_timeout)
+            .retries(u32::try_from(config.reconnect_retries).unwrap_or(u32::MAX))
+            .max_retry_wait(500)
+            .build()
+            .map_err(bad_url)?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| classify("connect", e))?;
+        Ok(RedisStore {
+            conn: Conn::Cluster(conn),
+        })
+    }
+
+    /// Wraps a `ConnectionManager` you configured yourself.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
+    /// let manager = redis::aio::ConnectionManager::new(client).await?;
+    /// let store = idem_core::RedisStore::from_manager(manager);
+    /// # Ok(()) }
+    /// ```
+    pub fn from_manager(manager: ConnectionManager) -> RedisStore {
+        RedisStore {
+            conn: Conn::Single(manager),
+        }
+    }
+
+    /// Wraps a cluster connection you configured yourself.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = redis::cluster::ClusterClient::new(vec!["redis://127.0.0.1:7001/"])?;
+    /// let store = idem_core::RedisStore::from_cluster(client.get_async_connection().await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn from_cluster(conn: ClusterConnection) -> RedisStore {
+        RedisStore {
+            conn: Conn::Cluster(conn),
+        }
+    }
+
+    /// Loads the four scripts now, so the first call of each is one round trip.
+    async fn load_scripts(&self) -> Result<(), Error> {
+        let s = &*SCRIPTS;
+        for script in [&s.claim, &s.complete, &s.release, &s.extend] {
+            let loaded = match &self.conn {
+                Conn::Single(c) => script.load_async(&mut c.clone()).await,
+                Conn::Cluster(c) => script.load_async(&mut c.clone()).await,
+            };
+            loaded.map_err(|e| classify("connect", e))?;
+        }
+        Ok(())
+    }
+
+    async fn eval(&self, op: &'static str, inv: &ScriptInvocation<'_>) -> Result<Value, Error> {
+        let reply = match &self.conn {
+            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+        };
+        reply.map_err(|e| classify(op, e))
+    }
+}
+
+fn bad_url(e: RedisError) -> Error {
+    // The URL itself is not repeated: it may carry a password.
+    Error::InvalidConfig(format!(
+        "the Redis URL cannot be used: {e}; expected redis://[user:password@]host:port/[db]"
+    ))
+}
+
+fn classify(op: &'static str, e: RedisError) -> Error {
+    let reason = match e.kind() {
+        redis::ErrorKind::Server(ServerErrorKind::NoPerm) => format!(
+            "Redis ACL denied the command ({e}); grant the commands listed in the README's ACL section"
+        ),
+        _ if e.code() == Some("OOM") => format!(
+            "Redis is out of memory and refuses new records ({e}); raise maxmemory or free keys"
+        ),
+        _ if e.is_timeout() => format!("no reply within the response timeout ({e})"),
+        _ => e.to_string(),
+    };
+    Error::unavailable(op, reason)
+}
+
+fn protocol(op: &'static str, v: &Value) -> Error {
+    Error::unavailable(
+        op,
+        format!("unexpected reply from the idem script: {v:?}; is this Redis 7 or newer?"),
+    )
+}
+
+fn as_int(v: Option<&Value>) -> Option<i64> {
+    match v {
+        Some(Value::Int(i)) => Some(*i),
+        _ => None,
+    }
+}
+
+fn parse_claim(v: Value) -> Result<ClaimReply, Error> {
+    let Value::Array(mut items) = v else {
+        return Err(protocol("claim", &v));
+    };
+    let code = as_int(items.first());
+    let reply = match (code, items.len()) {
+        (Some(1), 2) => as_int(items.get(1)).map(|a| ClaimReply::Acquired {
+            attempt: u32::try_from(a).unwrap_or(u32::MAX),
+        }),
+        (Some(3), 3) => {
+            let ttl = as_int(items.get(2)).unwrap_or(-1);
+            return match items.swap_remove(1) {
+                Value::BulkString(rec) => decode_completed(rec, ttl).map(ClaimReply::Completed),
+                other => Err(protocol("claim", &other)),
+            };
+        }
+        (Some(4), 2) => as_int(items.get(1)).map(|ms| ClaimReply::InProgress {
+            retry_after: std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+        }),
+        (Some(5), 1) => Some(ClaimReply::Mismatch),
+        (Some(6), 2) => {
+            return match items.swap_remove(1) {
+                Value::BulkString(rec) => Err(unreadable(&rec)),
+                other => Err(protocol("claim", &other)),
+            }
+        }
+        (Some(7), 1) => return Err(wrong_type()),
+        _ => None,
+    };
+    reply.ok_or_else(|| protocol("claim", &Value::Array(items)))
+}
+
+fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Error> {
+    match v {
+        Value::Int(1) => Ok(WriteReply::Done),
+        Value::Int(0) => Ok(WriteReply::Missing),
+        Value::Int(2) => Ok(WriteReply::OtherOwner),
+        Value::Int(3) => Ok(WriteReply::AlreadyCompleted),
+        Value::Int(6) => Err(unreadable(b"")),
+        Value::Int(7) => Err(wrong_type()),
+        other => Err(protocol(op, &other)),
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        let fp: &[u8] = claim.fingerprint.map_or(&[], |f| f.as_bytes());
+        let mut inv = SCRIPTS.claim.key(claim.key);
+        inv.arg(claim.token.as_bytes().as_slice())
+            .arg(millis(claim.lease))
+            .arg(millis(claim.ttl.max(claim.lease)))
+            .arg(fp);
+        parse_claim(self.eval("claim", &inv).await?)
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        ttl: Duration,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let mut inv = SCRIPTS.complete.key(key);
+        inv.arg(token.as_bytes().as_slice())
+            .arg(millis(ttl))
+            .arg(&[kind.tag()][..])
+            .arg(value);
+        parse_write("complete", self.eval("complete", &inv).await?)
+    }
+
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let mut inv = SCRIPTS.release.key(key);
+        inv.arg(token.as_bytes().as_slice());
+        parse_write("release", self.eval("release", &inv).await?)
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let mut inv = SCRIPTS.extend.key(key);
+        inv.arg(token.as_bytes().as_slice()).arg(millis(lease));
+        parse_write("extend", self.eval("extend", &inv).await?)
+    }
+}

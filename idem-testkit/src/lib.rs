@@ -1,0 +1,136 @@
+//! Test support for `idem`: real `redis-server` processes, 3-master Redis
+//! clusters and a fault-injecting TCP proxy.
+//!
+//! This crate is dev-only (`publish = false`). It is used by the integration
+//! tests and benchmarks of the other crates in the workspace. Every setup
+//! failure panics with a clear message (including the tail of the server log
+//! where one exists): that is the right behaviour for test support code.
+//!
+//! * [`RedisServer`]: one `redis-server` on a free port of `127.0.0.1`, no
+//!   persistence, files in a temporary directory, killed on drop.
+//! * [`RedisCluster`]: three such servers formed into a real cluster of three
+//!   masters (no replicas), with helpers to restart a node and move a slot.
+//! * [`FaultProxy`]: a TCP proxy that can add latency, stall, blackhole,
+//!   drop or refuse connections.
+//!
+//! ```no_run
+//! use idem_testkit::{FaultProxy, RedisServer};
+//!
+//! let server = RedisServer::start();
+//! assert_eq!(server.cli(&["PING"]), "PONG");
+//! let proxy = FaultProxy::start(server.addr());
+//! let client = redis::Client::open(proxy.url()).unwrap();
+//! # let _ = client;
+//! ```
+#![warn(missing_docs)]
+
+mod cluster;
+mod proxy;
+mod server;
+mod spawn;
+
+pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
+pub use proxy::FaultProxy;
+pub use server::RedisServer;
+
+use std::collections::HashSet;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+/// The message [`require_redis`] panics with when Redis is not installed.
+const MISSING_REDIS: &str = "redis-server not found on PATH: install it with \
+     `apt-get install redis-server`, or run .ci/run which does";
+
+/// Paths of the two Redis binaries this crate runs.
+#[derive(Debug, Clone)]
+pub(crate) struct RedisBinaries {
+    pub(crate) server: PathBuf,
+    pub(crate) cli: PathBuf,
+}
+
+/// Looks `name` up on `PATH`, then in `/usr/bin` and `/usr/local/bin`.
+fn find_binary(name: &str) -> Option<PathBuf> {
+    let from_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    from_path
+        .into_iter()
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// The Redis binaries, or a panic with installation instructions.
+pub(crate) fn redis_binaries() -> &'static RedisBinaries {
+    static BINARIES: OnceLock<Option<RedisBinaries>> = OnceLock::new();
+    BINARIES
+        .get_or_init(|| {
+            Some(RedisBinaries {
+                server: find_binary("redis-server")?,
+                cli: find_binary("redis-cli")?,
+            })
+        })
+        .as_ref()
+        .unwrap_or_else(|| panic!("{MISSING_REDIS}"))
+}
+
+/// Panics with a clear message when `redis-server` or `redis-cli` is missing.
+///
+/// Both binaries are looked up on `PATH`, then in `/usr/bin` and
+/// `/usr/local/bin`. [`RedisServer::start`] calls this first, so tests
+/// rarely need to call it themselves; it is public for tests that want to
+/// fail early, before any other setup.
+///
+/// # Panics
+///
+/// With "redis-server not found on PATH: install it with `apt-get install
+/// redis-server`, or run .ci/run which does" when either binary is missing.
+pub fn require_redis() {
+    let _ = redis_binaries();
+}
+
+/// Returns a free TCP port on `127.0.0.1`, never handed out before by this
+/// process, such that `port + 10000` (the Redis cluster bus port) is free too.
+///
+/// The port is found by binding `127.0.0.1:0`; it is free at the moment of
+/// the call, but another process may take it before it is used, so callers
+/// that bind it later must be ready to retry with another port (as
+/// [`RedisServer::start`] does).
+///
+/// # Panics
+///
+/// If no such port is found after many attempts.
+pub fn free_port() -> u16 {
+    static HANDED_OUT: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
+    let handed_out = HANDED_OUT.get_or_init(Default::default);
+    for _ in 0..1000 {
+        let Ok(listener) = TcpListener::bind(("127.0.0.1", 0)) else {
+            continue;
+        };
+        let Ok(port) = listener.local_addr().map(|a| a.port()) else {
+            continue;
+        };
+        let Some(bus_port) = port.checked_add(10_000) else {
+            continue;
+        };
+        if TcpListener::bind(("127.0.0.1", bus_port)).is_err() {
+            continue;
+        }
+        let mut set = handed_out.lock().unwrap_or_else(|e| e.into_inner());
+        if set.contains(&port) || set.contains(&bus_port) {
+            continue;
+        }
+        set.insert(port);
+        set.insert(bus_port);
+        return port;
+    }
+    panic!("free_port: could not find a free port pair (port, port + 10000) on 127.0.0.1");
+}

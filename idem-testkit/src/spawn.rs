@@ -1,0 +1,67 @@
+//! Spawning child processes that die with the test process.
+//!
+//! On Linux every child is started from one long-lived thread with
+//! `PR_SET_PDEATHSIG = SIGKILL`. The kernel sends that signal when the thread
+//! that forked the child exits, so the forking thread must live as long as
+//! the process: a test thread would not do (a server shared through a
+//! `static` outlives the test that started it). Thanks to this, servers are
+//! killed even when the test process is itself killed or aborts and no
+//! destructor runs, and never linger holding ports (or CI's pipes).
+
+use std::io;
+use std::process::{Child, Command};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Mutex, OnceLock};
+
+type Request = (Command, Sender<io::Result<Child>>);
+
+/// Spawns `command`, tied to the lifetime of this process where possible.
+pub(crate) fn spawn(command: Command) -> io::Result<Child> {
+    static SPAWNER: OnceLock<Mutex<Sender<Request>>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = channel::<Request>();
+        std::thread::Builder::new()
+            .name("idem-testkit-spawner".into())
+            .spawn(move || {
+                while let Ok((mut command, reply)) = rx.recv() {
+                    tie_to_parent(&mut command);
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .expect("idem-testkit: could not start the process spawner thread");
+        Mutex::new(tx)
+    });
+    let (reply_tx, reply_rx) = channel();
+    spawner
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .send((command, reply_tx))
+        .map_err(|_| io::Error::other("idem-testkit spawner thread is gone"))?;
+    reply_rx
+        .recv()
+        .map_err(|_| io::Error::other("idem-testkit spawner thread is gone"))?
+}
+
+#[cfg(target_os = "linux")]
+fn tie_to_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and only calls
+    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died between fork and prctl. (No
+            // allocation here: build the error from a raw OS code.)
+            if libc::getppid() != parent {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn tie_to_parent(_command: &mut Command) {}

@@ -1,0 +1,202 @@
+//! `RedisServer` against a real redis-server.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use idem_testkit::{RedisServer, free_port, require_redis};
+
+fn ping(url: &str) -> redis::RedisResult<String> {
+    let client = redis::Client::open(url)?;
+    let mut con = client.get_connection_with_timeout(Duration::from_secs(1))?;
+    redis::cmd("PING").query(&mut con)
+}
+
+fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn start_kill_restart() {
+    require_redis();
+    let mut server = RedisServer::start();
+    let port = server.port();
+    assert_eq!(server.url(), format!("redis://127.0.0.1:{port}/"));
+    assert_eq!(server.addr().to_string(), format!("127.0.0.1:{port}"));
+    assert!(server.is_running());
+    assert_eq!(ping(&server.url()).unwrap(), "PONG");
+    assert_eq!(server.cli(&["SET", "k", "v"]), "OK");
+    assert_eq!(server.cli(&["CONFIG", "GET", "save"]), "save");
+    assert_eq!(
+        server.cli(&["CONFIG", "GET", "appendonly"]),
+        "appendonly\nno"
+    );
+    let first_pid = server.pid().unwrap();
+
+    server.kill();
+    assert!(!server.is_running());
+    assert_eq!(server.pid(), None);
+    assert!(ping(&server.url()).is_err(), "PING must fail after kill");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{first_pid}")).exists(),
+        "killed process must be reaped"
+    );
+    server.kill(); // idempotent
+
+    server.restart();
+    assert_eq!(server.port(), port);
+    assert!(server.is_running());
+    assert_ne!(server.pid(), Some(first_pid));
+    assert_eq!(ping(&server.url()).unwrap(), "PONG");
+    assert_eq!(
+        server.cli(&["EXISTS", "k"]),
+        "0",
+        "no persistence: data is gone"
+    );
+
+    // restart() of a running server kills it first.
+    server.restart();
+    assert_eq!(ping(&server.url()).unwrap(), "PONG");
+}
+
+#[test]
+fn start_with_applies_extra_args() {
+    let server =
+        RedisServer::start_with(&["--maxmemory", "1mb", "--maxmemory-policy", "noeviction"]);
+    assert_eq!(
+        server.cli(&["CONFIG", "GET", "maxmemory"]),
+        "maxmemory\n1048576"
+    );
+    let mut con = server.connection();
+    let big = vec![b'x'; 64 * 1024];
+    let mut oom = None;
+    for i in 0..100 {
+        if let Err(e) = redis::cmd("SET").arg(i).arg(&big).query::<()>(&mut con) {
+            oom = Some(e);
+            break;
+        }
+    }
+    let oom = oom.expect("writes past maxmemory must fail");
+    assert!(oom.to_string().contains("OOM"), "{oom}");
+    // The arguments survive a restart.
+    let mut server = server;
+    server.restart();
+    assert_eq!(
+        server.cli(&["CONFIG", "GET", "maxmemory-policy"]),
+        "maxmemory-policy\nnoeviction"
+    );
+}
+
+#[test]
+fn cli_returns_error_replies_as_text_and_panics_when_down() {
+    let mut server = RedisServer::start();
+    assert!(
+        server
+            .cli(&["NO-SUCH-COMMAND"])
+            .starts_with("ERR unknown command")
+    );
+    assert_eq!(server.cli(&["GET", "missing"]), "");
+    server.kill();
+    let err = std::panic::catch_unwind(|| server.cli(&["PING"])).unwrap_err();
+    let message = panic_message(err);
+    assert!(message.contains("Connection refused"), "{message}");
+}
+
+#[test]
+fn flushall_empties_the_server() {
+    let server = RedisServer::start();
+    server.cli(&["SET", "a", "1"]);
+    server.cli(&["-n", "3", "SET", "b", "1"]);
+    server.flushall();
+    assert_eq!(server.cli(&["DBSIZE"]), "0");
+    assert_eq!(server.cli(&["-n", "3", "DBSIZE"]), "0");
+}
+
+#[test]
+fn drop_kills_the_process_and_deletes_its_dir() {
+    let server = RedisServer::start();
+    let (pid, dir, url) = (
+        server.pid().unwrap(),
+        server.dir().to_path_buf(),
+        server.url(),
+    );
+    assert!(server.log_path().starts_with(&dir));
+    assert!(server.log_tail(50).contains("Ready to accept connections"));
+    drop(server);
+    assert!(!dir.exists(), "temp dir must be deleted");
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+    assert!(ping(&url).is_err());
+}
+
+#[test]
+fn exit_on_its_own_is_noticed() {
+    let server = RedisServer::start();
+    let mut con = server.connection();
+    let _ = redis::cmd("SHUTDOWN").arg("NOSAVE").query::<()>(&mut con);
+    wait_until("the server exited", Duration::from_secs(5), || {
+        !server.is_running()
+    });
+}
+
+#[test]
+fn startup_failure_panics_with_the_log() {
+    let err = std::panic::catch_unwind(|| RedisServer::start_with(&["--no-such-directive", "x"]))
+        .unwrap_err();
+    let message = panic_message(err);
+    assert!(message.contains("failed to start"), "{message}");
+    assert!(message.contains("Bad directive"), "{message}");
+}
+
+#[test]
+fn parallel_starts_get_distinct_ports() {
+    let servers: Vec<RedisServer> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4).map(|_| s.spawn(RedisServer::start)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ports: HashSet<u16> = servers.iter().map(RedisServer::port).collect();
+    assert_eq!(ports.len(), 4);
+    for server in &servers {
+        assert_eq!(ping(&server.url()).unwrap(), "PONG");
+    }
+}
+
+#[test]
+fn free_port_leaves_the_bus_port_free() {
+    let ports: HashSet<u16> = (0..20).map(|_| free_port()).collect();
+    assert_eq!(ports.len(), 20, "never the same port twice");
+    for port in ports {
+        assert!(port <= 55_535);
+        std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn async_client_works() {
+    let server = RedisServer::start();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let () = redis::cmd("SET")
+        .arg("key")
+        .arg("value")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let value: String = redis::cmd("GET")
+        .arg("key")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(value, "value");
+}

@@ -1,0 +1,3 @@
+//! placeholder
+pub use idem_core::*;
+pub use idem_macros::idempotent;
