@@ -1,3 +1,48 @@
-//! placeholder
+//! # idem
+//!
+//! Run side-effecting async operations exactly once per idempotency key,
+//! across tasks, processes and machines, with Redis as the arbiter.
+//!
+//! ```
+//! use idem::{idempotent, Idempotency, MemoryStore};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, PartialEq, Serialize, Deserialize)]
+//! struct Receipt { id: String, amount: u64 }
+//!
+//! #[derive(Debug)]
+//! enum PaymentError { Idem(idem::Error) }
+//! impl From<idem::Error> for PaymentError {
+//!     fn from(e: idem::Error) -> Self { PaymentError::Idem(e) }
+//! }
+//!
+//! #[idempotent(key = order_id, ttl = "24h")]
+//! async fn charge(order_id: &str, amount: u64) -> Result<Receipt, PaymentError> {
+//!     // … call the payment provider: runs once per order_id …
+//!     Ok(Receipt { id: format!("rcpt-{order_id}"), amount })
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! Idempotency::builder(MemoryStore::new()).namespace("payments").build().install()?;
+//! let first = charge("order-1", 500).await.unwrap();
+//! let retry = charge("order-1", 500).await.unwrap(); // replayed, body not run
+//! assert_eq!(first, retry);
+//! # Ok::<(), idem::Error>(()) }).unwrap();
+//! ```
+//!
+//! The runtime lives in [`idem_core`] (re-exported here); the attribute in
+//! [`idem_macros`]. With feature `client`, [`client`] is a retrying HTTP
+//! client that keeps one key per operation; with feature `http`, [`http`] is
+//! a tower layer giving axum services `Idempotency-Key` semantics.
+#![warn(missing_docs)]
+
 pub use idem_core::*;
 pub use idem_macros::idempotent;
+
+/// The typed, retrying HTTP client (feature `client`); see [`idem_client`].
+#[cfg(feature = "client")]
+pub use idem_client as client;
+
+/// The `Idempotency-Key` tower layer (feature `http`); see [`idem_http`].
+#[cfg(feature = "http")]
+pub use idem_http as http;

@@ -7,13 +7,13 @@ use bytes::Bytes;
 use http::header::{ACCEPT, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use reqwest::Url;
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::error::GiveUpReason;
 use crate::problem::is_problem_json;
 use crate::retry::{is_retryable_status, retry_after};
-use crate::{new_key, validate_key, ClientError, Problem, RetryPolicy};
+use crate::{ClientError, Problem, RetryPolicy, new_key, validate_key};
 
 /// Name of the request header carrying the idempotency key.
 ///
@@ -626,7 +626,7 @@ impl RequestBuilder {
                     source,
                     method,
                     path,
-                })
+                });
             }
         };
         let url = client.url(&path)?;
@@ -826,7 +826,8 @@ impl Operation<'_> {
         } else {
             None
         };
-        let snippet = String::from_utf8_lossy(body.get(..SNIPPET_CAP).unwrap_or(&body)).into_owned();
+        let snippet =
+            String::from_utf8_lossy(body.get(..SNIPPET_CAP).unwrap_or(&body)).into_owned();
         let error = ClientError::Status {
             status,
             problem,

@@ -351,18 +351,34 @@ impl fmt::Display for ClientError {
 /// What the caller should do about a final status.
 fn advice(status: StatusCode, replayed: bool) -> &'static str {
     match status.as_u16() {
-        400 => "the server rejected the request as malformed; fix the request before sending it again",
-        401 => "the request was not authenticated; check the credentials (for example the authorization header)",
+        400 => {
+            "the server rejected the request as malformed; fix the request before sending it again"
+        }
+        401 => {
+            "the request was not authenticated; check the credentials (for example the authorization header)"
+        }
         403 => "the credentials are not allowed to do this; check their permissions",
         404 => "nothing answers at this path; check the base URL and the path",
-        409 => "a request with the same key is still being processed; retry later with the same key",
-        422 => "the key was reused with a different request body; send a new key for a new operation",
+        409 => {
+            "a request with the same key is still being processed; retry later with the same key"
+        }
+        422 => {
+            "the key was reused with a different request body; send a new key for a new operation"
+        }
         429 => "the server is rate limiting; wait, then retry with the same key",
-        500 if replayed => "this is the stored outcome of an earlier attempt with this key, so retrying replays it; send a new key to try the operation again",
-        500..=599 if replayed => "this is the stored outcome for this key; send a new key to try the operation again",
-        502..=504 => "the server or a gateway in front of it is unavailable; retry later with the same key",
+        500 if replayed => {
+            "this is the stored outcome of an earlier attempt with this key, so retrying replays it; send a new key to try the operation again"
+        }
+        500..=599 if replayed => {
+            "this is the stored outcome for this key; send a new key to try the operation again"
+        }
+        502..=504 => {
+            "the server or a gateway in front of it is unavailable; retry later with the same key"
+        }
         500..=599 => "the server failed; retrying later with the same key is safe",
-        300..=399 => "the server redirected, which the client does not follow for non-idempotent requests; fix the base URL or path",
+        300..=399 => {
+            "the server redirected, which the client does not follow for non-idempotent requests; fix the base URL or path"
+        }
         _ => "the server refused the request; fix it before sending it again",
     }
 }
@@ -465,7 +481,10 @@ mod tests {
         };
         let msg = err.to_string();
         assert!(msg.contains("gave up after 3 attempts"), "{msg}");
-        assert!(msg.contains("503 Service Unavailable (server said: Busy)"), "{msg}");
+        assert!(
+            msg.contains("503 Service Unavailable (server said: Busy)"),
+            "{msg}"
+        );
         assert_eq!(err.status(), Some(StatusCode::SERVICE_UNAVAILABLE));
         assert_eq!(err.problem().and_then(|p| p.title.as_deref()), Some("Busy"));
         assert_eq!(err.attempts(), Some(3));
@@ -482,6 +501,9 @@ mod tests {
     #[test]
     fn replayed_500_advice_says_new_key() {
         let msg = status_err(500, true, None).to_string();
-        assert!(msg.contains("(replayed)") && msg.contains("send a new key"), "{msg}");
+        assert!(
+            msg.contains("(replayed)") && msg.contains("send a new key"),
+            "{msg}"
+        );
     }
 }

@@ -76,7 +76,13 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
-    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::print_stdout, clippy::print_stderr)
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::print_stdout,
+        clippy::print_stderr
+    )
 )]
 
 mod client;
@@ -86,10 +92,10 @@ mod problem;
 mod retry;
 
 pub use client::{
-    Client, ClientBuilder, RequestBuilder, Response, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+    Client, ClientBuilder, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RequestBuilder, Response,
 };
 pub use error::{ClientError, GiveUpReason};
-pub use key::{new_key, validate_key, MAX_KEY_LEN};
+pub use key::{MAX_KEY_LEN, new_key, validate_key};
 pub use problem::Problem;
 pub use retry::RetryPolicy;
 

@@ -321,14 +321,20 @@ mod tests {
     fn parses_retry_after_forms() {
         let now = SystemTime::now();
         assert_eq!(parse_retry_after("1", now), Some(Duration::from_secs(1)));
-        assert_eq!(parse_retry_after(" 120 ", now), Some(Duration::from_secs(120)));
+        assert_eq!(
+            parse_retry_after(" 120 ", now),
+            Some(Duration::from_secs(120))
+        );
         assert_eq!(
             parse_retry_after("99999999999999999999999", now),
             Some(Duration::from_secs(u64::MAX))
         );
         let later = httpdate::fmt_http_date(now + Duration::from_secs(10));
         let d = parse_retry_after(&later, now).unwrap_or_default();
-        assert!(d >= Duration::from_secs(9) && d <= Duration::from_secs(10), "{d:?}");
+        assert!(
+            d >= Duration::from_secs(9) && d <= Duration::from_secs(10),
+            "{d:?}"
+        );
         let past = httpdate::fmt_http_date(now - Duration::from_secs(10));
         assert_eq!(parse_retry_after(&past, now), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("", now), None);

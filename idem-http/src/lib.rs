@@ -1,1 +1,202 @@
-//! placeholder
+//! # idem-http
+//!
+//! A tower [`Layer`](tower_layer::Layer) that gives axum (or any hyper/tower)
+//! servers `Idempotency-Key` semantics: a client that retries a `POST` with
+//! the same key gets the first response again instead of a second charge,
+//! order or e-mail. An [`idem_core::Idempotency`] runtime (Redis, or memory in
+//! one process) is the arbiter, so it holds across server instances.
+//! Re-exported by the `idem` crate as `idem::http` (feature `http`).
+//!
+//! ```
+//! use axum::{Json, Router, http::StatusCode, routing::post};
+//! use idem_core::{Idempotency, MemoryStore};
+//! use idem_http::IdempotencyLayer;
+//! use serde_json::{Value, json};
+//! use std::time::Duration;
+//! use tower::ServiceExt; // for `oneshot`
+//!
+//! async fn create_payment(Json(req): Json<Value>) -> (StatusCode, Json<Value>) {
+//!     // ... charge the card: runs once per Idempotency-Key ...
+//!     (StatusCode::CREATED, Json(json!({ "id": "pay_1", "amount": req["amount"] })))
+//! }
+//!
+//! fn app(idem: Idempotency) -> Router {
+//!     Router::new().route("/payments", post(create_payment)).layer(
+//!         IdempotencyLayer::new(idem)
+//!             .require_key(true) // 400 without the header
+//!             .tenant(|parts: &http::request::Parts| {
+//!                 // each API client gets its own key space
+//!                 parts.headers.get("x-api-key")?.to_str().ok().map(str::to_owned)
+//!             })
+//!             .retention(Duration::from_secs(24 * 3600))
+//!             .advertise_retention(true)
+//!             .problem_type_base("https://errors.example.com/idempotency/"),
+//!     )
+//! }
+//!
+//! // In production: a RedisStore, and `axum::serve`.
+//! async fn serve(idem: Idempotency) -> std::io::Result<()> {
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app(idem)).await
+//! }
+//! # let _ = serve;
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let app = app(Idempotency::builder(MemoryStore::new()).namespace("payments").build());
+//! let request = || {
+//!     http::Request::post("/payments")
+//!         .header("idempotency-key", "5f0c7a3e-1c2b-4d5e-8f90-0123456789ab")
+//!         .header("content-type", "application/json")
+//!         .body(axum::body::Body::from(r#"{"amount":500}"#))
+//!         .unwrap()
+//! };
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert!(first.headers().get("idempotent-replayed").is_none());
+//! assert_eq!(first.headers()["idempotency-retention"], "86400");
+//!
+//! let retry = app.clone().oneshot(request()).await.unwrap(); // handler not run
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # });
+//! ```
+//!
+//! ## What the layer does
+//!
+//! Requests whose method is not in [`methods`](IdempotencyLayer::methods)
+//! (default `POST` and `PATCH`) pass through untouched. For the others:
+//!
+//! | situation | answer |
+//! | --- | --- |
+//! | no `Idempotency-Key` | passes through without idempotency, or `400` [`missing-key`](#missing-key) with [`require_key(true)`](IdempotencyLayer::require_key) |
+//! | malformed key, header sent twice | `400` [`invalid-key`](#invalid-key) |
+//! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) | `413` [`request-too-large`](#request-too-large) |
+//! | first request with this key | the handler runs; its response goes to the client and, if storable, is stored |
+//! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s) |
+//! | same key, completed | the stored status, headers and body, with `Idempotent-Replayed: true`; the handler does not run |
+//! | same key, another method, path, query or body | `422` [`key-reused`](#key-reused) |
+//! | store unreachable | `503` [`store-unavailable`](#store-unavailable) with `Retry-After`; the handler does not run (fail-closed: the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
+//!
+//! **The key.** A bare token (`Idempotency-Key: 5f0c7a3e-…`, visible ASCII,
+//! no spaces) or a structured-field string (`Idempotency-Key: "5f0c 7a3e"`,
+//! escapes `\"` and `\\`); both forms of the same characters are the same
+//! key. 1–255 printable ASCII characters after unquoting; see
+//! [`parse_idempotency_key`]. The parsed key is put in the request's
+//! extensions as an [`IdempotencyKey`].
+//!
+//! **The fingerprint.** SHA-256 over the method, the path, the query string
+//! and the body bytes (each length-prefixed), stored with the claim. The body
+//! is buffered for that, up to the request limit, and handed to the handler
+//! as it was.
+//!
+//! **What is stored.** Responses with a 2xx, 3xx or 4xx status, except 408,
+//! 409, 425 and 429, whose body fits in
+//! [`max_response_body`](IdempotencyLayer::max_response_body) (1 MiB). Stored:
+//! status, body, and the headers except hop-by-hop ones (`Connection` and
+//! those it names, `Keep-Alive`, `Transfer-Encoding`, `TE`, `Trailer`,
+//! `Upgrade`, `Proxy-*`), `Date`, `Content-Length` (recomputed) and
+//! `Set-Cookie` (unless [`replay_set_cookie(true)`](IdempotencyLayer::replay_set_cookie)).
+//! Custom headers (`Location`, `X-Request-Id`, …) are replayed. Trailers are
+//! dropped. The record is JSON: status, headers and body, with UTF-8 bytes as
+//! strings and other bytes in base64.
+//!
+//! **What releases the key** (the next request with it runs the handler):
+//! a 1xx or 5xx status, 408, 409, 425 and 429 (the response is sent as it is
+//! and never replayed); a response body over the limit (streamed to the
+//! client unbuffered past the limit); a failing response body; an error of
+//! the inner service; a handler that **panics** — the layer catches the
+//! panic (the inner service's future, and its `call`), logs it at `error`
+//! level and answers `500` [`handler-panicked`](#handler-panicked), so the
+//! client gets an answer and the server a free key; and a **dropped
+//! connection**: hyper drops the request's future when the client goes
+//! away, the runtime then releases the key at once.
+//!
+//! ## Keys, scopes and tenants
+//!
+//! Keys are stored as `namespace:scope:key` by the runtime, where the
+//! namespace is the runtime's and the scope is
+//! [`scope`](IdempotencyLayer::scope) (default `"http"`) followed, when the
+//! [`tenant`](IdempotencyLayer::tenant) hook names a tenant, by `|` and the
+//! tenant. The tenant is percent-escaped (`%`, `|`, `#`, control characters;
+//! the runtime escapes `:`), or replaced by `#` and its SHA-256 when long, so
+//! no two tenants, nor a tenant and the tenant-less space, share a key.
+//! Method and path are not part of the scope (as with Stripe, a key names
+//! one operation of one tenant): they are in the fingerprint, so a key reused
+//! on another route is a `422`, not a second operation. Give layers
+//! different scopes to make their key spaces independent.
+//!
+//! ## Retention
+//!
+//! A completed response is replayed for
+//! [`retention`](IdempotencyLayer::retention) (default 24 h), passed as the
+//! TTL of each call. With [`advertise_retention(true)`](IdempotencyLayer::advertise_retention)
+//! the first response and every replay carry
+//! `Idempotency-Retention: <seconds>` ([`IDEMPOTENCY_RETENTION`]).
+//!
+//! ## Problem types
+//!
+//! Errors the layer answers itself are `application/problem+json` (RFC 9457)
+//! with `type`, `title`, `status` and `detail`. The `type` is
+//! [`problem_type_base`](IdempotencyLayer::problem_type_base) (default: this
+//! section) followed by the slug below ([`ProblemKind`]).
+//!
+//! ### invalid-key
+//! `400`: the `Idempotency-Key` header is malformed or sent twice.
+//! ### missing-key
+//! `400`: the route requires an `Idempotency-Key`.
+//! ### unreadable-request
+//! `400`: the request body could not be read.
+//! ### key-in-use
+//! `409`: a request with this key is in flight; retry after `Retry-After`.
+//! ### request-too-large
+//! `413`: the body is over the layer's buffering limit.
+//! ### key-reused
+//! `422`: the key was used with a different request; use a new key.
+//! ### handler-panicked
+//! `500`: the handler panicked; the key was released, retrying is safe.
+//! ### response-failed
+//! `500`: the response body failed; the key was released.
+//! ### internal-error
+//! `500`: a stored response cannot be replayed, or the configuration is invalid.
+//! ### store-unavailable
+//! `503`: the idempotency store is unreachable; the handler did not run.
+#![warn(missing_docs)]
+
+mod key;
+mod layer;
+mod problem;
+mod scope;
+mod service;
+mod stored;
+
+pub use key::{IdempotencyKey, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};
+pub use layer::{
+    DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_RETENTION, DEFAULT_SCOPE,
+    IdempotencyLayer,
+};
+pub use problem::{PROBLEM_JSON, ProblemKind};
+pub use service::{IdempotencyService, ResponseFuture};
+
+use http::HeaderName;
+
+/// `Idempotency-Key`: the request header carrying the key.
+///
+/// ```
+/// assert_eq!(idem_http::IDEMPOTENCY_KEY, "idempotency-key");
+/// ```
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `Idempotent-Replayed: true`: set on responses replayed from the store.
+///
+/// ```
+/// assert_eq!(idem_http::IDEMPOTENT_REPLAYED, "idempotent-replayed");
+/// ```
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// `Idempotency-Retention: <seconds>`: how long a completed response is
+/// replayed, sent with [`IdempotencyLayer::advertise_retention`].
+///
+/// ```
+/// assert_eq!(idem_http::IDEMPOTENCY_RETENTION, "idempotency-retention");
+/// ```
+pub const IDEMPOTENCY_RETENTION: HeaderName = HeaderName::from_static("idempotency-retention");

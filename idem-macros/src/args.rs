@@ -501,7 +501,8 @@ mod tests {
     fn suggestions() {
         assert_eq!(closest("kye", ARGUMENTS.iter().copied()), Some("key"));
         assert_eq!(closest("fingerprnt", ARGUMENTS.iter().copied()), Some("fingerprint"));
-        assert_eq!(closest("use", ARGUMENTS.iter().copied()), Some("using"));
+        assert_eq!(closest("use", ARGUMENTS.iter().copied()), None);
+        assert_eq!(closest("usin", ARGUMENTS.iter().copied()), Some("using"));
         assert_eq!(closest("fingerprints", ARGUMENTS.iter().copied()), Some("fingerprint"));
         assert_eq!(closest("ke", ARGUMENTS.iter().copied()), Some("key"));
         assert_eq!(closest("timeout", ARGUMENTS.iter().copied()), None);

@@ -393,7 +393,9 @@ mod tests {
         assert!(out.contains("let __idem_fake_return : Result < Receipt , PaymentError > = loop { } ;"), "{out}");
         assert!(out.contains(":: idem :: __private :: run :: < _ , _ , Result < Receipt , PaymentError > , _ , _ > (__idem_call , move || async move {"), "{out}");
         assert!(out.contains("{ body_marker (req) }"), "{out}");
-        assert!(!out.contains("lease") && !out.contains("wait") && !out.contains("using"), "{out}");
+        for absent in ["__private :: lease", "__private :: wait", "__private :: fingerprint", "using"] {
+            assert!(!out.contains(absent), "{absent}: {out}");
+        }
     }
 
     #[test]

@@ -200,3 +200,56 @@ async fn async_client_works() {
         .unwrap();
     assert_eq!(value, "value");
 }
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// A server outlives no test process, even one killed with SIGKILL (so no
+/// destructor ran). The test re-runs itself as a child process that starts a
+/// server and hangs; the parent kills that child.
+#[test]
+fn servers_die_with_a_killed_test_process() {
+    use std::io::BufRead;
+    const CHILD: &str = "IDEM_TESTKIT_ORPHAN_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        let server = RedisServer::start();
+        // The harness may have printed "test NAME ... " on the same line.
+        println!("\nSERVER_PID={}", server.pid().unwrap());
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "servers_die_with_a_killed_test_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let pid: u32 = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| {
+            line.strip_prefix("SERVER_PID=")
+                .map(|p| p.trim().parse().unwrap())
+        })
+        .expect("the child test prints the server pid");
+    assert!(!process_gone(pid));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_until("the orphaned server died", Duration::from_secs(5), || {
+        process_gone(pid)
+    });
+}

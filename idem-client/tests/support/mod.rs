@@ -5,11 +5,11 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::Router;
 use tokio::net::TcpListener;
 
 /// One scripted answer.
@@ -128,7 +128,10 @@ impl Server {
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr.lock().unwrap().expect("server not serving"))
+        format!(
+            "http://{}",
+            self.addr.lock().unwrap().expect("server not serving")
+        )
     }
 
     pub fn seen(&self) -> Vec<Seen> {
@@ -149,7 +152,10 @@ async fn handle(
         let index = seen.len().min(inner.script.len() - 1);
         seen.push(Seen {
             method,
-            path: uri.path_and_query().map(|p| p.to_string()).unwrap_or_default(),
+            path: uri
+                .path_and_query()
+                .map(|p| p.to_string())
+                .unwrap_or_default(),
             key: headers
                 .get("idempotency-key")
                 .map(|v| v.to_str().unwrap().to_owned()),

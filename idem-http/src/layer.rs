@@ -1,0 +1,321 @@
+//! `IdempotencyLayer`: the configuration, and the tower `Layer` impl.
+
+use crate::problem::{ProblemKind, problem_response};
+use crate::service::IdempotencyService;
+use axum::body::Body;
+use http::request::Parts;
+use http::{Method, Response};
+use idem_core::Idempotency;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+use tower_layer::Layer;
+
+/// The tenant hook's type: derives a tenant from the request head.
+type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync + 'static;
+
+/// Default limit on buffered request and response bodies: 1 MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+
+/// Default problem `type` base: the "Problem types" section of these docs.
+pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/idem_http/#";
+
+/// Default scope under which the layer stores keys.
+pub const DEFAULT_SCOPE: &str = "http";
+
+/// Default retention of completed responses: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) require_key: bool,
+    pub(crate) retry_after: Duration,
+    pub(crate) replay_set_cookie: bool,
+    pub(crate) problem_type_base: String,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) tenant: Option<Arc<TenantFn>>,
+    pub(crate) scope: String,
+    pub(crate) retention: Duration,
+    pub(crate) advertise_retention: bool,
+    pub(crate) lease: Option<Duration>,
+}
+
+impl Config {
+    pub(crate) fn problem(
+        &self,
+        kind: ProblemKind,
+        detail: &str,
+        retry_after: bool,
+    ) -> Response<Body> {
+        problem_response(
+            &self.problem_type_base,
+            kind,
+            detail,
+            retry_after.then_some(self.retry_after),
+        )
+    }
+}
+
+/// A tower [`Layer`] giving `POST` and `PATCH` requests `Idempotency-Key`
+/// semantics, with an [`Idempotency`] runtime (Redis or memory) as arbiter.
+///
+/// Every setting has a default; the builder methods below change them. See
+/// the [crate documentation](crate) for the behaviour, status by status.
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+/// use std::time::Duration;
+///
+/// let idem = Idempotency::builder(MemoryStore::new()).namespace("shop").build();
+/// let app: Router = Router::new()
+///     .route("/orders", post(|| async { "created" }))
+///     .layer(
+///         IdempotencyLayer::new(idem)
+///             .require_key(true)
+///             .retry_after(Duration::from_secs(2))
+///             .problem_type_base("https://errors.example.com/idempotency/"),
+///     );
+/// ```
+#[derive(Clone)]
+#[must_use]
+pub struct IdempotencyLayer {
+    idem: Idempotency,
+    config: Config,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("idem", &self.idem)
+            .field("methods", &c.methods)
+            .field("require_key", &c.require_key)
+            .field("retry_after", &c.retry_after)
+            .field("replay_set_cookie", &c.replay_set_cookie)
+            .field("problem_type_base", &c.problem_type_base)
+            .field("max_request_body", &c.max_request_body)
+            .field("max_response_body", &c.max_response_body)
+            .field("tenant", &c.tenant.is_some())
+            .field("scope", &c.scope)
+            .field("retention", &c.retention)
+            .field("advertise_retention", &c.advertise_retention)
+            .field("lease", &c.lease)
+            .finish()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `idem` with the defaults: `POST` and `PATCH`, key
+    /// optional, `Retry-After: 1` on `409`, 1 MiB body limits, scope
+    /// `"http"`, no tenant, 24 h retention (not advertised), `Set-Cookie` not
+    /// replayed.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem);
+    /// ```
+    pub fn new(idem: Idempotency) -> IdempotencyLayer {
+        IdempotencyLayer {
+            idem,
+            config: Config {
+                methods: vec![Method::POST, Method::PATCH],
+                require_key: false,
+                retry_after: Duration::from_secs(1),
+                replay_set_cookie: false,
+                problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
+                max_request_body: DEFAULT_BODY_LIMIT,
+                max_response_body: DEFAULT_BODY_LIMIT,
+                tenant: None,
+                scope: DEFAULT_SCOPE.to_owned(),
+                retention: DEFAULT_RETENTION,
+                advertise_retention: false,
+                lease: None,
+            },
+        }
+    }
+
+    /// The methods the layer applies to (default `POST` and `PATCH`). Requests
+    /// with any other method pass through untouched.
+    ///
+    /// ```
+    /// use http::Method;
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).methods([Method::POST, Method::PUT, Method::DELETE]);
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a request without `Idempotency-Key` is refused with `400`
+    /// (`true`) or passes through without idempotency (`false`, the default).
+    ///
+    /// Put a layer with `require_key(true)` on the routes that need it
+    /// (`post(handler).layer(..)`) and an optional one elsewhere.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).require_key(true);
+    /// ```
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config.require_key = required;
+        self
+    }
+
+    /// The `Retry-After` hint sent with `409` (request in flight) and `503`
+    /// (store down), in whole seconds rounded up (default 1 s). A short,
+    /// fixed hint, not the remaining lease: most duplicates arrive while the
+    /// first request is about to finish.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).retry_after(std::time::Duration::from_secs(3));
+    /// ```
+    pub fn retry_after(mut self, hint: Duration) -> Self {
+        self.config.retry_after = hint;
+        self
+    }
+
+    /// Whether replays repeat the original `Set-Cookie` headers (default
+    /// `false`: a session cookie minted for the first request is usually not
+    /// meant for whoever retries). The first response always has them.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).replay_set_cookie(true);
+    /// ```
+    pub fn replay_set_cookie(mut self, replay: bool) -> Self {
+        self.config.replay_set_cookie = replay;
+        self
+    }
+
+    /// The prefix of the `type` URI of problem responses; the type is this
+    /// base followed by the [`ProblemKind::slug`] (default
+    /// [`DEFAULT_PROBLEM_TYPE_BASE`], which points at these docs).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem)
+    ///     .problem_type_base("https://errors.example.com/idempotency/");
+    /// // a 409 now has "type": "https://errors.example.com/idempotency/key-in-use"
+    /// ```
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.config.problem_type_base = base.into();
+        self
+    }
+
+    /// Largest request body buffered to compute the fingerprint, in bytes
+    /// (default 1 MiB). A larger body is answered `413` and the handler does
+    /// not run. Applies only to requests that carry a key.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).max_request_body(64 * 1024);
+    /// ```
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config.max_request_body = bytes;
+        self
+    }
+
+    /// Largest response body stored for replay, in bytes (default 1 MiB). A
+    /// larger response is streamed to the client as it is, and the key is
+    /// released: a retry runs the handler again. Keep it under the runtime's
+    /// `max_value_size` (4 MiB by default), which bounds the stored record.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).max_response_body(256 * 1024);
+    /// ```
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.config.max_response_body = bytes;
+        self
+    }
+
+    /// A hook naming the tenant (account, API client) of a request, so that
+    /// the same key sent by two tenants never meets: each tenant has its own
+    /// key space. `None` puts the request in the tenant-less key space.
+    ///
+    /// The hook sees the request head only; it typically reads an
+    /// authenticated identity that an earlier layer put in the extensions, or
+    /// an API-key header. Any string works: it is escaped (and hashed when
+    /// long) before it becomes part of the stored key.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).tenant(|parts: &http::request::Parts| {
+    ///     parts.headers.get("x-api-key")?.to_str().ok().map(str::to_owned)
+    /// });
+    /// ```
+    pub fn tenant<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config.tenant = Some(Arc::new(hook));
+        self
+    }
+
+    /// The scope keys are stored under (default `"http"`), within the
+    /// runtime's namespace. Layers with the same scope share one key space
+    /// (a key reused on another route is then a `422`); give a layer its own
+    /// scope to separate it.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).scope("public-api.v2");
+    /// ```
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.config.scope = scope.into();
+        self
+    }
+
+    /// How long a completed response is replayed (default 24 h). The layer
+    /// passes it as the TTL of every call, overriding the runtime's
+    /// `result_ttl`; it must be at least the runtime's lease.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).retention(std::time::Duration::from_secs(3600));
+    /// ```
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// Whether responses whose result is now stored (the first one and every
+    /// replay) carry `Idempotency-Retention: <seconds>`, the retention
+    /// period (default `false`).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).advertise_retention(true);
+    /// ```
+    pub fn advertise_retention(mut self, advertise: bool) -> Self {
+        self.config.advertise_retention = advertise;
+        self
+    }
+
+    /// The lease of each request's claim (default: the runtime's lease). It
+    /// is renewed while the handler runs; it matters only when a server dies
+    /// mid-request: the key is free again after at most this long.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).lease(std::time::Duration::from_secs(10));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = Some(lease);
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> IdempotencyService<S> {
+        IdempotencyService::new(inner, self.idem.clone(), Arc::new(self.config.clone()))
+    }
+}

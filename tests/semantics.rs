@@ -1,0 +1,792 @@
+//! The core semantics, run against a real redis-server and against
+//! MemoryStore: both stores must behave as one state machine.
+
+use idem::{
+    Claim, ClaimReply, Error, FailMode, Idempotency, MemoryStore, Outcome, RedisStore, Store,
+    Token, ValueKind, WriteReply,
+};
+use idem_testkit::RedisServer;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::{Notify, oneshot};
+
+/// A store under test, with what the Redis-only tests need.
+struct Backend {
+    redis: Option<RedisServer>,
+    store: Arc<dyn StoreClone>,
+}
+
+/// A store that can be cloned into a builder.
+trait StoreClone: Send + Sync {
+    fn builder(&self) -> idem::IdempotencyBuilder;
+    fn as_store(&self) -> &dyn Store;
+}
+
+impl<S: Store + Clone> StoreClone for S {
+    fn builder(&self) -> idem::IdempotencyBuilder {
+        Idempotency::builder(self.clone())
+    }
+    fn as_store(&self) -> &dyn Store {
+        self
+    }
+}
+
+impl Backend {
+    async fn redis() -> Backend {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url()).await.expect("connect");
+        Backend {
+            redis: Some(server),
+            store: Arc::new(store),
+        }
+    }
+
+    fn memory() -> Backend {
+        Backend {
+            redis: None,
+            store: Arc::new(MemoryStore::new()),
+        }
+    }
+
+    fn idem(&self) -> Idempotency {
+        self.store.builder().namespace("test").build()
+    }
+
+    fn with(&self, f: impl FnOnce(idem::IdempotencyBuilder) -> idem::IdempotencyBuilder) -> Idempotency {
+        f(self.store.builder().namespace("test")).build()
+    }
+}
+
+/// Runs each listed test against Redis and against MemoryStore.
+macro_rules! both_stores {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                super::$name(super::Backend::redis().await).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$name(super::Backend::memory()).await;
+            }
+        }
+    )*};
+}
+
+both_stores!(
+    exactly_once_64_tasks,
+    replays_every_value,
+    err_releases,
+    panic_releases,
+    cancellation_releases_at_once,
+    frozen_holder_is_taken_over_and_late_complete_refused,
+    keep_alive_holds_the_key_past_the_lease,
+    wait_gets_the_first_result,
+    wait_takes_over_from_a_dead_holder,
+    fingerprint_mismatch,
+    ttl_expiry_runs_again,
+    namespace_and_scope_isolation,
+    awkward_keys_work,
+    bad_keys_refused_before_the_body,
+    stored_type_mismatch_is_codec,
+    same_token_resend_is_acquired_again,
+    late_writes_by_old_owner_are_refused,
+);
+
+type Res<T> = Result<T, Error>;
+
+async fn exactly_once_64_tasks(b: Backend) {
+    let idem = b.idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (idem, runs) = (idem.clone(), runs.clone());
+        tasks.push(tokio::spawn(async move {
+            idem.call("once", "k1")
+                .wait(Duration::from_secs(10))
+                .run_outcome(|| async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Res::Ok(77u32)
+                })
+                .await
+        }));
+    }
+    let mut outcomes = BTreeMap::new();
+    for t in tasks {
+        let (v, o) = t.await.unwrap().unwrap();
+        assert_eq!(v, 77);
+        *outcomes.entry(o.as_str()).or_insert(0) += 1;
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(outcomes.get("executed"), Some(&1));
+    assert_eq!(outcomes.get("replayed"), Some(&63));
+
+    // Without waiting, duplicates in flight get InProgress, never a second run.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (idem, runs) = (idem.clone(), runs.clone());
+        tasks.push(tokio::spawn(async move {
+            idem.call("once", "k2")
+                .run(|| async {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Res::Ok(())
+                })
+                .await
+        }));
+    }
+    let (mut ok, mut busy) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(()) => ok += 1,
+            Err(Error::InProgress { retry_after }) => {
+                assert!(retry_after > Duration::ZERO);
+                busy += 1
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(ok + busy, 64);
+    assert!(ok >= 1);
+}
+
+async fn replay_one<T>(idem: &Idempotency, key: &str, value: T)
+where
+    T: Serialize + DeserializeOwned + Clone + PartialEq + Debug + Send + 'static,
+{
+    let runs = AtomicUsize::new(0);
+    for expected in [Outcome::Executed, Outcome::Replayed, Outcome::Replayed] {
+        let (v, o) = idem
+            .call("values", key)
+            .run_outcome(|| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(value.clone())
+            })
+            .await
+            .unwrap();
+        assert_eq!(v, value, "{key}");
+        assert_eq!(o, expected, "{key}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{key}");
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    id: String,
+    cents: i64,
+    tags: Vec<String>,
+}
+
+async fn replays_every_value(b: Backend) {
+    let idem = b.idem();
+    replay_one(&idem, "zero", 0u64).await;
+    replay_one(&idem, "false", false).await;
+    replay_one(&idem, "unit", ()).await;
+    replay_one(&idem, "none", Option::<u32>::None).await;
+    replay_one(&idem, "empty-vec", Vec::<u8>::new()).await;
+    replay_one(&idem, "empty-map", BTreeMap::<String, u32>::new()).await;
+    replay_one(&idem, "empty-string", String::new()).await;
+    replay_one(&idem, "negative", -1i32).await;
+    replay_one(&idem, "float", 0.1f64).await;
+    replay_one(
+        &idem,
+        "struct",
+        Receipt {
+            id: "r-1 ünï".into(),
+            cents: 500,
+            tags: vec![],
+        },
+    )
+    .await;
+}
+
+async fn err_releases(b: Backend) {
+    let idem = b.idem();
+    let r: Result<u32, Declined> = idem
+        .call("err", "k")
+        .run(|| async { Err(Declined("card declined".to_owned())) })
+        .await;
+    assert_eq!(r, Err(Declined("card declined".to_owned())));
+    let (v, o) = idem
+        .call("err", "k")
+        .run_outcome(|| async { Res::Ok(5u32) })
+        .await
+        .unwrap();
+    assert_eq!((v, o), (5, Outcome::Executed));
+}
+
+/// A user error type: the body's own errors pass through untouched.
+#[derive(Debug, PartialEq)]
+struct Declined(String);
+
+impl From<Error> for Declined {
+    fn from(e: Error) -> Declined {
+        Declined(e.to_string())
+    }
+}
+
+async fn panic_releases(b: Backend) {
+    let idem = b.idem();
+    let i2 = idem.clone();
+    let joined = tokio::spawn(async move {
+        i2.call("panic", "k")
+            .run(|| async {
+                if true {
+                    panic!("body blew up");
+                }
+                Res::Ok(1u32)
+            })
+            .await
+    })
+    .await;
+    assert!(joined.unwrap_err().is_panic());
+    // Released before the panic propagated: the next call runs at once.
+    let (v, o) = idem
+        .call("panic", "k")
+        .run_outcome(|| async { Res::Ok(2u32) })
+        .await
+        .unwrap();
+    assert_eq!((v, o), (2, Outcome::Executed));
+}
+
+async fn cancellation_releases_at_once(b: Backend) {
+    // A 60 s lease: anything that frees the key sooner is the release.
+    let idem = b.with(|x| x.lease(Duration::from_secs(60)));
+    let (entered_tx, entered_rx) = oneshot::channel();
+    let i2 = idem.clone();
+    let task = tokio::spawn(async move {
+        i2.call("cancel", "k")
+            .run(|| async move {
+                let _ = entered_tx.send(());
+                std::future::pending::<()>().await;
+                Res::Ok(())
+            })
+            .await
+    });
+    entered_rx.await.unwrap();
+    task.abort();
+    let _ = task.await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match idem.call("cancel", "k").run_outcome(|| async { Res::Ok(()) }).await {
+            Ok((_, o)) => {
+                assert_eq!(o, Outcome::Executed);
+                break;
+            }
+            Err(Error::InProgress { .. }) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(10)).await
+            }
+            Err(e) => panic!("key not released after cancellation: {e}"),
+        }
+    }
+}
+
+async fn frozen_holder_is_taken_over_and_late_complete_refused(b: Backend) {
+    let lease = Duration::from_millis(300);
+    let idem = b.with(|x| x.lease(lease));
+    let gate = Arc::new(Notify::new());
+    let g2 = gate.clone();
+    let mut old = Box::pin(idem.call("frozen", "k").run_outcome(move || async move {
+        g2.notified().await;
+        Res::Ok("old holder".to_owned())
+    }));
+    // Poll until the claim is held and the body waits, then stop polling:
+    // a frozen holder renews nothing.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut old)
+            .await
+            .is_err()
+    );
+    let busy = idem
+        .call("frozen", "k")
+        .run(|| async { Res::Ok("too early".to_owned()) })
+        .await;
+    assert!(matches!(busy, Err(Error::InProgress { .. })), "{busy:?}");
+    tokio::time::sleep(lease * 2).await;
+
+    let (v, o) = idem
+        .call("frozen", "k")
+        .run_outcome(|| async { Res::Ok("new holder".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("new holder", Outcome::Recovered));
+
+    // The old holder wakes up and finishes: it gets its own value, but its
+    // complete is refused and the stored value stays the new holder's.
+    gate.notify_one();
+    let (v, _) = old.await.unwrap();
+    assert_eq!(v, "old holder");
+    let (v, o) = idem
+        .call("frozen", "k")
+        .run_outcome(|| async { Res::Ok("third".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("new holder", Outcome::Replayed));
+}
+
+async fn keep_alive_holds_the_key_past_the_lease(b: Backend) {
+    let lease = Duration::from_millis(300);
+    let idem = b.with(|x| x.lease(lease));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (i2, r2) = (idem.clone(), runs.clone());
+    let first = tokio::spawn(async move {
+        i2.call("long", "k")
+            .run(|| async move {
+                r2.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(lease * 4).await;
+                Res::Ok(1u8)
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Well past the lease, the running holder still has the key.
+    for _ in 0..5 {
+        tokio::time::sleep(lease / 2).await;
+        let r = idem
+            .call("long", "k")
+            .run(|| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(2u8)
+            })
+            .await;
+        assert!(
+            matches!(r, Err(Error::InProgress { .. }) | Ok(1)),
+            "{r:?}"
+        );
+    }
+    assert_eq!(first.await.unwrap().unwrap(), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+async fn wait_gets_the_first_result(b: Backend) {
+    let idem = b.idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (i2, r2) = (idem.clone(), runs.clone());
+    let first = tokio::spawn(async move {
+        i2.call("wait", "k")
+            .run(|| async move {
+                r2.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Res::Ok("first".to_owned())
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (v, o) = idem
+        .call("wait", "k")
+        .wait(Duration::from_secs(5))
+        .run_outcome(|| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Res::Ok("second".to_owned())
+        })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("first", Outcome::Replayed));
+    assert_eq!(first.await.unwrap().unwrap(), "first");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A wait shorter than the holder's body ends in InProgress.
+    let i3 = idem.clone();
+    let slow = tokio::spawn(async move {
+        i3.call("wait", "slow")
+            .run(|| async {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Res::Ok(())
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let r = idem
+        .call("wait", "slow")
+        .wait(Duration::from_millis(100))
+        .run(|| async { Res::Ok(()) })
+        .await;
+    assert!(matches!(r, Err(Error::InProgress { .. })), "{r:?}");
+    slow.await.unwrap().unwrap();
+}
+
+async fn wait_takes_over_from_a_dead_holder(b: Backend) {
+    let idem = b.with(|x| x.lease(Duration::from_millis(300)));
+    let mut dead = Box::pin(idem.call("dead", "k").run(|| async {
+        std::future::pending::<()>().await;
+        Res::Ok(0u8)
+    }));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), &mut dead)
+            .await
+            .is_err()
+    );
+    // The holder is never polled again (a frozen process), nor dropped.
+    std::mem::forget(dead);
+    let (v, o) = idem
+        .call("dead", "k")
+        .wait(Duration::from_secs(5))
+        .run_outcome(|| async { Res::Ok(9u8) })
+        .await
+        .unwrap();
+    assert_eq!((v, o), (9, Outcome::Recovered));
+}
+
+async fn fingerprint_mismatch(b: Backend) {
+    let idem = b.idem();
+    let body = |n: u32| move || async move { Res::Ok(n) };
+    assert_eq!(
+        idem.call("fp", "k").fingerprint(&("EUR", 5)).run(body(1)).await.unwrap(),
+        1
+    );
+    // Same payload: replay. Other payload: refused. No fingerprint: replay.
+    assert_eq!(
+        idem.call("fp", "k").fingerprint(&("EUR", 5)).run(body(2)).await.unwrap(),
+        1
+    );
+    let r = idem.call("fp", "k").fingerprint(&("USD", 5)).run(body(3)).await;
+    assert!(matches!(r, Err(Error::FingerprintMismatch)), "{r:?}");
+    assert_eq!(idem.call("fp", "k").run(body(4)).await.unwrap(), 1);
+
+    // In flight with another payload is refused too.
+    let i2 = idem.clone();
+    let holder = tokio::spawn(async move {
+        i2.call("fp", "busy")
+            .fingerprint("a")
+            .run(|| async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Res::Ok(1u32)
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let r = idem.call("fp", "busy").fingerprint("b").run(body(2)).await;
+    assert!(matches!(r, Err(Error::FingerprintMismatch)), "{r:?}");
+    holder.await.unwrap().unwrap();
+}
+
+async fn ttl_expiry_runs_again(b: Backend) {
+    let idem = b.with(|x| {
+        x.result_ttl(Duration::from_millis(400))
+            .lease(Duration::from_millis(200))
+    });
+    let run = |n: u32| idem.call("ttl", "k").run_outcome(move || async move { Res::Ok(n) });
+    assert_eq!(run(1).await.unwrap(), (1, Outcome::Executed));
+    assert_eq!(run(2).await.unwrap(), (1, Outcome::Replayed));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(run(3).await.unwrap(), (3, Outcome::Executed));
+    // A per-call TTL overrides the builder's.
+    let long = |n: u32| {
+        idem.call("ttl", "long")
+            .ttl(Duration::from_secs(60))
+            .run_outcome(move || async move { Res::Ok(n) })
+    };
+    assert_eq!(long(1).await.unwrap(), (1, Outcome::Executed));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(long(2).await.unwrap(), (1, Outcome::Replayed));
+}
+
+async fn namespace_and_scope_isolation(b: Backend) {
+    let a = b.with(|x| x.namespace("svc-a"));
+    let other = b.with(|x| x.namespace("svc-b"));
+    let run = |idem: &Idempotency, scope: &'static str, n: u32| {
+        let idem = idem.clone();
+        async move {
+            idem.call(scope, "same-key")
+                .run_outcome(move || async move { Res::Ok(n) })
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(run(&a, "charge", 1).await, (1, Outcome::Executed));
+    assert_eq!(run(&other, "charge", 2).await, (2, Outcome::Executed));
+    assert_eq!(run(&a, "refund", 3).await, (3, Outcome::Executed));
+    // A scope and key that would meet if ':' were not escaped.
+    assert_eq!(run(&a, "charge:same-key", 4).await.1, Outcome::Executed);
+    assert_eq!(run(&a, "charge", 5).await, (1, Outcome::Replayed));
+    assert_eq!(run(&other, "charge", 6).await, (2, Outcome::Replayed));
+}
+
+async fn awkward_keys_work(b: Backend) {
+    let idem = b.idem();
+    let keys = [
+        "{tag}",
+        "a{b}c",
+        "}{",
+        "a:b:c",
+        "with spaces in it",
+        "ünïcödé-ключ-鍵-🔑",
+        "%3A",
+        &"x".repeat(255),
+    ];
+    let mut seen = HashSet::new();
+    for (i, key) in keys.iter().enumerate() {
+        for expected in [Outcome::Executed, Outcome::Replayed] {
+            let (v, o) = idem
+                .call("awkward", key)
+                .run_outcome(|| async move { Res::Ok(i) })
+                .await
+                .unwrap();
+            assert_eq!((v, o), (i, expected), "{key}");
+        }
+        assert!(seen.insert(*key));
+    }
+}
+
+async fn bad_keys_refused_before_the_body(b: Backend) {
+    let idem = b.idem();
+    let runs = AtomicUsize::new(0);
+    let long = "x".repeat(256);
+    for key in ["", long.as_str(), "a\nb", "nul\0", "tab\t", "esc\u{1b}"] {
+        let r = idem
+            .call("bad", key)
+            .run(|| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(())
+            })
+            .await;
+        match r {
+            Err(Error::InvalidKey(e)) => assert!(!e.to_string().is_empty()),
+            other => panic!("{key:?}: {other:?}"),
+        }
+    }
+    let r = idem.call("", "k").run(|| async { Res::Ok(()) }).await;
+    assert!(matches!(r, Err(Error::InvalidKey(_))), "{r:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+async fn stored_type_mismatch_is_codec(b: Backend) {
+    let idem = b.idem();
+    idem.call("types", "k").run(|| async { Res::Ok(7u32) }).await.unwrap();
+    let r = idem
+        .call("types", "k")
+        .run(|| async {
+            Res::Ok(Receipt {
+                id: String::new(),
+                cents: 0,
+                tags: vec![],
+            })
+        })
+        .await;
+    match r {
+        Err(Error::Codec(msg)) => assert!(msg.contains("Receipt"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn same_token_resend_is_acquired_again(b: Backend) {
+    let store = b.store.as_store();
+    let (a, other) = (Token::from_u128(1), Token::from_u128(2));
+    let claim = |token| Claim {
+        key: "raw:resend",
+        token,
+        lease: Duration::from_secs(10),
+        ttl: Duration::from_secs(60),
+        fingerprint: None,
+    };
+    assert_eq!(store.claim(claim(&a)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    assert_eq!(store.claim(claim(&a)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    assert!(matches!(
+        store.claim(claim(&other)).await.unwrap(),
+        ClaimReply::InProgress { .. }
+    ));
+    assert_eq!(store.release("raw:resend", &a).await.unwrap(), WriteReply::Done);
+}
+
+async fn late_writes_by_old_owner_are_refused(b: Backend) {
+    let store = b.store.as_store();
+    let (old, new) = (Token::from_u128(1), Token::from_u128(2));
+    let claim = |token| Claim {
+        key: "raw:late",
+        token,
+        lease: Duration::from_millis(100),
+        ttl: Duration::from_secs(60),
+        fingerprint: None,
+    };
+    let ttl = Duration::from_secs(60);
+    assert_eq!(store.claim(claim(&old)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(store.claim(claim(&new)).await.unwrap(), ClaimReply::Acquired { attempt: 2 });
+    for reply in [
+        store.complete("raw:late", &old, ttl, ValueKind::Json, b"1").await,
+        store.extend("raw:late", &old, ttl).await,
+        store.release("raw:late", &old).await,
+    ] {
+        assert_eq!(reply.unwrap(), WriteReply::OtherOwner);
+    }
+    assert_eq!(
+        store.complete("raw:late", &new, ttl, ValueKind::Json, b"2").await.unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store.complete("raw:late", &old, ttl, ValueKind::Json, b"1").await.unwrap(),
+        WriteReply::AlreadyCompleted
+    );
+    match store.claim(claim(&old)).await.unwrap() {
+        ClaimReply::Completed(c) => assert_eq!(&c.value[..], b"2"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.release("raw:none", &old).await.unwrap(), WriteReply::Missing);
+}
+
+// ---- Redis-only: other processes, server faults, raw records ----
+
+#[test]
+fn exactly_once_across_16_runtimes() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(std::sync::Barrier::new(16));
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let (url, runs, start) = (url.clone(), runs.clone(), start.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    // Each runtime has its own connection.
+                    let store = RedisStore::connect(&url).await.unwrap();
+                    let idem = Idempotency::builder(store).namespace("rt").build();
+                    start.wait();
+                    idem.call("once", "shared")
+                        .wait(Duration::from_secs(10))
+                        .run_outcome(|| async {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            Res::Ok("done".to_owned())
+                        })
+                        .await
+                        .unwrap()
+                })
+            })
+        })
+        .collect();
+    let outcomes: Vec<Outcome> = threads.into_iter().map(|t| t.join().unwrap().1).collect();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Executed).count(), 1);
+    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Replayed).count(), 15);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_records_and_wrong_types_are_corrupt() {
+    let b = Backend::redis().await;
+    let server = b.redis.as_ref().unwrap();
+    let idem = b.idem();
+    let runs = AtomicUsize::new(0);
+    server.cli(&["SET", "test:raw:garbage", "not an idem record"]);
+    server.cli(&["SET", "test:raw:truncated", "1C"]);
+    server.cli(&["SET", "test:raw:newer", "2Cxyz"]);
+    server.cli(&["HSET", "test:raw:hash", "a", "1"]);
+    server.cli(&["RPUSH", "test:raw:list", "a"]);
+    for key in ["garbage", "truncated", "newer", "hash", "list"] {
+        let r = idem
+            .call("raw", key)
+            .run(|| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(1u8)
+            })
+            .await;
+        match r {
+            Err(Error::Corrupt(msg)) => {
+                if key == "newer" {
+                    assert!(msg.contains("newer"), "{msg}");
+                }
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // Nothing was overwritten.
+    assert_eq!(server.cli(&["GET", "test:raw:garbage"]), "not an idem record");
+    assert_eq!(server.cli(&["TYPE", "test:raw:hash"]), "hash");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_fails_closed_then_recovers() {
+    let mut b = Backend::redis().await;
+    let idem = b.idem();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let body = |runs: Arc<AtomicUsize>| {
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Res::Ok(1u8)
+        }
+    };
+    idem.call("down", "before").run(body(runs.clone())).await.unwrap();
+    b.redis.as_mut().unwrap().kill();
+    let r = idem.call("down", "k").run(body(runs.clone())).await;
+    match r {
+        Err(Error::Unavailable { op, .. }) => assert_eq!(op, "claim"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body must not run while Redis is down");
+
+    b.redis.as_mut().unwrap().restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match idem.call("down", "k").run_outcome(body(runs.clone())).await {
+            Ok((_, o)) => {
+                assert_eq!(o, Outcome::Executed);
+                break;
+            }
+            Err(Error::Unavailable { .. }) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("not back after restart: {e}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_runs_unprotected_when_redis_is_down() {
+    let mut b = Backend::redis().await;
+    let idem = b.with(|x| x.fail_mode(FailMode::Open));
+    b.redis.as_mut().unwrap().kill();
+    let (v, o) = idem
+        .call("open", "k")
+        .run_outcome(|| async { Res::Ok(3u8) })
+        .await
+        .unwrap();
+    assert_eq!((v, o), (3, Outcome::Unprotected));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_script_flush() {
+    let b = Backend::redis().await;
+    let server = b.redis.as_ref().unwrap();
+    let idem = b.idem();
+    let run = |key: &'static str, n: u8| {
+        idem.call("flush", key)
+            .run_outcome(move || async move { Res::Ok(n) })
+    };
+    assert_eq!(run("a", 1).await.unwrap(), (1, Outcome::Executed));
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    assert_eq!(run("a", 2).await.unwrap(), (1, Outcome::Replayed));
+    assert_eq!(run("b", 3).await.unwrap(), (3, Outcome::Executed));
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    // Each script (claim, complete, release) reloads on its own.
+    let r: Result<u8, Declined> = idem
+        .call("flush", "c")
+        .run(|| async { Err(Declined("no".into())) })
+        .await;
+    assert!(r.is_err());
+    assert_eq!(run("c", 4).await.unwrap(), (4, Outcome::Executed));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_record_is_compact() {
+    let b = Backend::redis().await;
+    let server = b.redis.as_ref().unwrap();
+    let idem = b.idem();
+    idem.call("s", "k").run(|| async { Res::Ok(12345u32) }).await.unwrap();
+    let raw = server.cli(&["GET", "test:s:k"]);
+    // "1" + "C" + fingerprint length 0 (a NUL, dropped by the shell) + value.
+    assert_eq!(raw.replace('\0', ""), "1C12345");
+    let ttl: i64 = server.cli(&["PTTL", "test:s:k"]).parse().unwrap();
+    assert!(ttl > 23 * 3600 * 1000, "default TTL is 24 h, got {ttl} ms");
+}
