@@ -74,6 +74,9 @@
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
+// `ClientError::Status` carries the parsed `Problem` inline (the agreed
+// contract is `problem: Option<Problem>`), which makes the error ~200 bytes.
+#![allow(clippy::result_large_err)]
 #![cfg_attr(
     not(test),
     deny(

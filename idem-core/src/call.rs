@@ -334,11 +334,15 @@ impl Exec<'_> {
             ttl: self.ttl,
             fingerprint: self.fingerprint.as_ref(),
         };
+        // Dropped while a claim is in flight: the claim may land anyway, so
+        // release by token rather than leave the key to the lease.
+        let mut guard = self.guard();
         let result = (|| self.store.claim(claim))
             .retry(store_backoff(self.inner.store_retries))
             .when(is_unavailable)
             .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
             .await;
+        guard.armed = false;
         if result.is_err() {
             // The last attempt may have landed after all: free the key now
             // rather than leaving it to the lease. Best effort.
@@ -372,12 +376,7 @@ impl Exec<'_> {
         } else {
             Outcome::Executed
         };
-        let mut guard = ReleaseGuard {
-            store: self.store,
-            key: &self.key,
-            token: &self.token,
-            armed: true,
-        };
+        let mut guard = self.guard();
         let result = self.keep_alive(AssertUnwindSafe(body()).catch_unwind()).await;
         match result {
             Err(panic) => {
@@ -397,6 +396,15 @@ impl Exec<'_> {
                 span.record("outcome", outcome.as_str());
                 Ok((value, outcome))
             }
+        }
+    }
+
+    fn guard(&self) -> ReleaseGuard<'_> {
+        ReleaseGuard {
+            store: self.store,
+            key: &self.key,
+            token: &self.token,
+            armed: true,
         }
     }
 

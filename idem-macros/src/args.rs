@@ -45,6 +45,10 @@ pub(crate) enum ScopeArg {
 pub(crate) struct Args {
     /// Names given so far, valid values or not, to report duplicates.
     seen: Vec<String>,
+    /// An error already reported may be the user's attempt at `key` (an
+    /// unknown argument close to it, a bare `key`, a positional value), so
+    /// "missing `key`" would only repeat it.
+    pub key_typo: bool,
     pub key: Option<Expr>,
     pub scope: Option<ScopeArg>,
     pub ttl: Option<DurationArg>,
@@ -110,6 +114,7 @@ fn parse_list(input: ParseStream<'_>, errors: &mut Errors) -> syn::Result<Args> 
             };
             let span = skipped.first().map_or(start, TokenTree::span);
             errors.push_spanned(span, msg);
+            args.key_typo = true;
         }
         if input.is_empty() {
             break;
@@ -183,7 +188,10 @@ impl Args {
             "wait" => once!(self.wait, duration_arg(&name_str, value, errors)),
             "fingerprint" => once!(self.fingerprint, Some(value)),
             "using" => once!(self.using, Some(value)),
-            other => errors.push_spanned(name.span(), unknown_argument(other)),
+            other => {
+                self.key_typo |= closest(other, ARGUMENTS.iter().copied()) == Some("key");
+                errors.push_spanned(name.span(), unknown_argument(other));
+            }
         }
     }
 }

@@ -31,8 +31,8 @@ fn expand(attr: TokenStream, item: TokenStream, krate: impl FnOnce() -> TokenStr
     };
     let func: ItemFn = match syn::parse2(item.clone()) {
         Ok(func) => func,
-        Err(e) => {
-            errors.push(not_a_function(item, e));
+        Err(_) => {
+            errors.push(not_a_function(item));
             errors.into_result()?;
             unreachable!("an error was pushed");
         }
@@ -40,6 +40,7 @@ fn expand(attr: TokenStream, item: TokenStream, krate: impl FnOnce() -> TokenStr
     check_signature(&func.sig, &mut errors);
     let key = args.as_ref().and_then(|args| match &args.key {
         Some(key) => Some(key),
+        None if args.key_typo => None,
         None => {
             errors.push_spanned(
                 Span::call_site(),
@@ -64,7 +65,7 @@ fn expand(attr: TokenStream, item: TokenStream, krate: impl FnOnce() -> TokenStr
 }
 
 /// The error for an item that is not a plain function with a body.
-fn not_a_function(item: TokenStream, parse_error: syn::Error) -> syn::Error {
+fn not_a_function(item: TokenStream) -> syn::Error {
     if let Ok(decl) = syn::parse2::<syn::TraitItemFn>(item.clone()) {
         if decl.default.is_none() {
             return syn::Error::new_spanned(
@@ -74,13 +75,16 @@ fn not_a_function(item: TokenStream, parse_error: syn::Error) -> syn::Error {
             );
         }
     }
-    let first = item.into_iter().next().map_or_else(Span::call_site, |tt| tt.span());
-    let mut err = syn::Error::new(
-        first,
-        "#[idempotent] goes on an `async fn` that returns `Result<T, E>`",
-    );
-    err.combine(parse_error);
-    err
+    // Point at the item's keyword (`struct`, `impl`, …), after attributes
+    // and visibility.
+    let span = item
+        .into_iter()
+        .find_map(|tt| match tt {
+            TokenTree::Ident(i) if i != "pub" => Some(i.span()),
+            _ => None,
+        })
+        .unwrap_or_else(Span::call_site);
+    syn::Error::new(span, "#[idempotent] goes on an `async fn` that returns `Result<T, E>`")
 }
 
 fn check_signature(sig: &Signature, errors: &mut Errors) {
@@ -215,7 +219,9 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     let ReturnType::Type(_, ret) = &sig.output else {
         unreachable!("checked: the function returns a type")
     };
-    let private = quote!(#krate::__private);
+    // `#krate::__private`, spanned on the user tokens a call is about, so a
+    // failed bound underlines those tokens rather than the whole attribute.
+    let private = |span: Span| respan(quote!(#krate::__private), span);
     let ret_span = ret.span();
 
     // Where the runtime comes from. With `using`, an owned clone, so the body
@@ -223,12 +229,16 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     let (owned, source) = match &args.using {
         Some(using) => {
             let span = using.span();
+            let private = private(span);
             let owned = quote_spanned! {span=>
                 let __idem_owned = #private::using(&(#using));
             };
-            (owned, quote!(#private::installed(&__idem_owned)))
+            (owned, quote_spanned!(span=> #private::installed(&__idem_owned)))
         }
-        None => (quote!(), quote!(#private::global())),
+        None => {
+            let private = private(Span::call_site());
+            (quote!(), quote!(#private::global()))
+        }
     };
 
     let scope = match &args.scope {
@@ -242,21 +252,23 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
 
     let key = args.key.as_ref().expect("checked: key is present");
     let key_span = key.span();
+    let private_key = private(key_span);
     let mut builder = vec![quote_spanned! {key_span=>
-        let __idem_call = #private::call(__idem, #scope, &(#key));
+        let __idem_call = #private_key::call(__idem, #scope, &(#key));
     }];
     let duration = |name: &str, arg: &Option<DurationArg>| {
         let arg = arg.as_ref()?;
-        let method = Ident::new(name, Span::call_site());
-        let value = match arg {
+        let (span, value) = match arg {
             DurationArg::Literal { value, span } => {
                 let secs = proc_macro2::Literal::u64_suffixed(value.as_secs());
                 let nanos = proc_macro2::Literal::u32_suffixed(value.subsec_nanos());
-                quote_spanned!(*span=> ::core::time::Duration::new(#secs, #nanos))
+                (*span, quote_spanned!(*span=> ::core::time::Duration::new(#secs, #nanos)))
             }
-            DurationArg::Expr(expr) => expr.to_token_stream(),
+            DurationArg::Expr(expr) => (expr.span(), expr.to_token_stream()),
         };
-        Some(quote! {
+        let method = Ident::new(name, span);
+        let private = private(span);
+        Some(quote_spanned! {span=>
             let __idem_call = #private::#method(__idem_call, #value);
         })
     };
@@ -276,7 +288,9 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
             }
             _ => fp.to_token_stream(),
         };
-        builder.push(quote_spanned! {fp.span()=>
+        let span = fp.span();
+        let private = private(span);
+        builder.push(quote_spanned! {span=>
             let __idem_call = #private::fingerprint(__idem_call, &(#value));
         });
     }
@@ -302,9 +316,17 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
             return __idem_fake_return;
         }
     };
+    // Everything about the result is spanned on the return type: a `T`
+    // that is not `Serialize`, an `E` without `From<idem::Error>`, a type
+    // that is not a `Result`.
     let (ok_ty, err_ty) = result_args(ret);
+    let private_ret = private(ret_span);
     let run = quote_spanned! {ret_span=>
-        #private::run::<#ok_ty, #err_ty, #ret, _, _>
+        #private_ret::run::<#ok_ty, #err_ty, #ret, _, _>(__idem_call, move || async move {
+            #fake_return
+            #block
+        })
+        .await
     };
 
     quote! {
@@ -318,13 +340,26 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
                 }
                 ::core::result::Result::Err(__idem_err) => ::core::result::Result::Err(__idem_err),
             };
-            #run(__idem_call, move || async move {
-                #fake_return
-                #block
-            })
-            .await
+            #run
         }
     }
+}
+
+/// `tokens` with every span replaced by `span`.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut tt| {
+            if let TokenTree::Group(g) = &tt {
+                let mut group = proc_macro2::Group::new(g.delimiter(), respan(g.stream(), span));
+                group.set_span(span);
+                tt = TokenTree::Group(group);
+            } else {
+                tt.set_span(span);
+            }
+            tt
+        })
+        .collect()
 }
 
 /// Placeholders for the `Ok` and `Err` types of the turbofish of
@@ -455,6 +490,19 @@ mod tests {
     }
 
     #[test]
+    fn no_missing_key_error_after_a_likely_attempt_at_key() {
+        let item = quote!(async fn f(id: u64) -> Result<(), E> { Ok(()) });
+        for attr in [quote!(kye = id), quote!(key), quote!(id)] {
+            let errs = errors(attr.clone(), item.clone());
+            assert_eq!(errs.len(), 1, "{attr}: {errs:?}");
+            assert!(!errs[0].contains("needs a `key`"), "{attr}: {errs:?}");
+        }
+        let errs = errors(quote!(timeout = "1h"), item);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(errs[1].starts_with("#[idempotent] needs a `key`"), "{errs:?}");
+    }
+
+    #[test]
     fn missing_key() {
         let errs = errors(quote!(ttl = "1h"), quote!(async fn f(id: u64) -> Result<(), E> { Ok(()) }));
         assert_eq!(errs.len(), 1);
@@ -519,11 +567,11 @@ mod tests {
     #[test]
     fn all_errors_at_once() {
         let errs = errors(
-            quote!(kye = id, ttl = "0s", ttl = "1h"),
+            quote!(kye2 = id, ttl = "0s", ttl = "1h"),
             quote!(fn f(id: u64) -> u32 { 1 }),
         );
         assert_eq!(errs.len(), 5, "{errs:#?}");
-        assert!(errs[0].starts_with("unknown argument `kye`"));
+        assert!(errs[0].starts_with("unknown argument `kye2`"));
         assert!(errs[1].starts_with("`ttl` must be greater than zero"));
         assert!(errs[2].starts_with("duplicate argument `ttl`"));
         assert!(errs[3].starts_with("#[idempotent] needs an `async fn`"));
@@ -540,7 +588,7 @@ mod tests {
     #[test]
     fn not_a_function_at_all() {
         let errs = errors(quote!(key = id), quote!(struct S;));
-        assert!(errs[0].starts_with("#[idempotent] goes on an `async fn`"), "{errs:?}");
+        assert_eq!(errs, ["#[idempotent] goes on an `async fn` that returns `Result<T, E>`"]);
         let errs = errors(quote!(key = id), quote!(async fn f(&self) -> Result<(), E>;));
         assert_eq!(errs.len(), 1, "{errs:?}");
         assert!(errs[0].starts_with("#[idempotent] needs a function body"), "{errs:?}");
