@@ -80,7 +80,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 2. Redelivery: the stored receipt comes back, the body does not run.
     let r = charge(&order, 500).await?;
-    println!("2. replayed:  {r:?}  (charges so far: {})", CHARGES.load(Ordering::SeqCst));
+    println!(
+        "2. replayed:  {r:?}  (charges so far: {})",
+        CHARGES.load(Ordering::SeqCst)
+    );
 
     // 3. Two deliveries at once: one runs, the other is told to retry.
     let other = format!("order-{run}-b");

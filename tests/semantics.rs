@@ -56,7 +56,10 @@ impl Backend {
         self.store.builder().namespace("test").build()
     }
 
-    fn with(&self, f: impl FnOnce(idem::IdempotencyBuilder) -> idem::IdempotencyBuilder) -> Idempotency {
+    fn with(
+        &self,
+        f: impl FnOnce(idem::IdempotencyBuilder) -> idem::IdempotencyBuilder,
+    ) -> Idempotency {
         f(self.store.builder().namespace("test")).build()
     }
 }
@@ -275,7 +278,11 @@ async fn cancellation_releases_at_once(b: Backend) {
     let _ = task.await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
-        match idem.call("cancel", "k").run_outcome(|| async { Res::Ok(()) }).await {
+        match idem
+            .call("cancel", "k")
+            .run_outcome(|| async { Res::Ok(()) })
+            .await
+        {
             Ok((_, o)) => {
                 assert_eq!(o, Outcome::Executed);
                 break;
@@ -356,10 +363,7 @@ async fn keep_alive_holds_the_key_past_the_lease(b: Backend) {
                 Res::Ok(2u8)
             })
             .await;
-        assert!(
-            matches!(r, Err(Error::InProgress { .. }) | Ok(1)),
-            "{r:?}"
-        );
+        assert!(matches!(r, Err(Error::InProgress { .. }) | Ok(1)), "{r:?}");
     }
     assert_eq!(first.await.unwrap().unwrap(), 1);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -438,15 +442,27 @@ async fn fingerprint_mismatch(b: Backend) {
     let idem = b.idem();
     let body = |n: u32| move || async move { Res::Ok(n) };
     assert_eq!(
-        idem.call("fp", "k").fingerprint(&("EUR", 5)).run(body(1)).await.unwrap(),
+        idem.call("fp", "k")
+            .fingerprint(&("EUR", 5))
+            .run(body(1))
+            .await
+            .unwrap(),
         1
     );
     // Same payload: replay. Other payload: refused. No fingerprint: replay.
     assert_eq!(
-        idem.call("fp", "k").fingerprint(&("EUR", 5)).run(body(2)).await.unwrap(),
+        idem.call("fp", "k")
+            .fingerprint(&("EUR", 5))
+            .run(body(2))
+            .await
+            .unwrap(),
         1
     );
-    let r = idem.call("fp", "k").fingerprint(&("USD", 5)).run(body(3)).await;
+    let r = idem
+        .call("fp", "k")
+        .fingerprint(&("USD", 5))
+        .run(body(3))
+        .await;
     assert!(matches!(r, Err(Error::FingerprintMismatch)), "{r:?}");
     assert_eq!(idem.call("fp", "k").run(body(4)).await.unwrap(), 1);
 
@@ -472,7 +488,10 @@ async fn ttl_expiry_runs_again(b: Backend) {
         x.result_ttl(Duration::from_millis(400))
             .lease(Duration::from_millis(200))
     });
-    let run = |n: u32| idem.call("ttl", "k").run_outcome(move || async move { Res::Ok(n) });
+    let run = |n: u32| {
+        idem.call("ttl", "k")
+            .run_outcome(move || async move { Res::Ok(n) })
+    };
     assert_eq!(run(1).await.unwrap(), (1, Outcome::Executed));
     assert_eq!(run(2).await.unwrap(), (1, Outcome::Replayed));
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -559,7 +578,10 @@ async fn bad_keys_refused_before_the_body(b: Backend) {
 
 async fn stored_type_mismatch_is_codec(b: Backend) {
     let idem = b.idem();
-    idem.call("types", "k").run(|| async { Res::Ok(7u32) }).await.unwrap();
+    idem.call("types", "k")
+        .run(|| async { Res::Ok(7u32) })
+        .await
+        .unwrap();
     let r = idem
         .call("types", "k")
         .run(|| async {
@@ -586,13 +608,22 @@ async fn same_token_resend_is_acquired_again(b: Backend) {
         ttl: Duration::from_secs(60),
         fingerprint: None,
     };
-    assert_eq!(store.claim(claim(&a)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
-    assert_eq!(store.claim(claim(&a)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    assert_eq!(
+        store.claim(claim(&a)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
+    assert_eq!(
+        store.claim(claim(&a)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
     assert!(matches!(
         store.claim(claim(&other)).await.unwrap(),
         ClaimReply::InProgress { .. }
     ));
-    assert_eq!(store.release("raw:resend", &a).await.unwrap(), WriteReply::Done);
+    assert_eq!(
+        store.release("raw:resend", &a).await.unwrap(),
+        WriteReply::Done
+    );
 }
 
 async fn late_writes_by_old_owner_are_refused(b: Backend) {
@@ -606,29 +637,46 @@ async fn late_writes_by_old_owner_are_refused(b: Backend) {
         fingerprint: None,
     };
     let ttl = Duration::from_secs(60);
-    assert_eq!(store.claim(claim(&old)).await.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    assert_eq!(
+        store.claim(claim(&old)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(store.claim(claim(&new)).await.unwrap(), ClaimReply::Acquired { attempt: 2 });
+    assert_eq!(
+        store.claim(claim(&new)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 2 }
+    );
     for reply in [
-        store.complete("raw:late", &old, ttl, ValueKind::Json, b"1").await,
+        store
+            .complete("raw:late", &old, ttl, ValueKind::Json, b"1")
+            .await,
         store.extend("raw:late", &old, ttl).await,
         store.release("raw:late", &old).await,
     ] {
         assert_eq!(reply.unwrap(), WriteReply::OtherOwner);
     }
     assert_eq!(
-        store.complete("raw:late", &new, ttl, ValueKind::Json, b"2").await.unwrap(),
+        store
+            .complete("raw:late", &new, ttl, ValueKind::Json, b"2")
+            .await
+            .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
-        store.complete("raw:late", &old, ttl, ValueKind::Json, b"1").await.unwrap(),
+        store
+            .complete("raw:late", &old, ttl, ValueKind::Json, b"1")
+            .await
+            .unwrap(),
         WriteReply::AlreadyCompleted
     );
     match store.claim(claim(&old)).await.unwrap() {
         ClaimReply::Completed(c) => assert_eq!(&c.value[..], b"2"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(store.release("raw:none", &old).await.unwrap(), WriteReply::Missing);
+    assert_eq!(
+        store.release("raw:none", &old).await.unwrap(),
+        WriteReply::Missing
+    );
 }
 
 // ---- Redis-only: other processes, server faults, raw records ----
@@ -667,8 +715,14 @@ fn exactly_once_across_16_runtimes() {
         .collect();
     let outcomes: Vec<Outcome> = threads.into_iter().map(|t| t.join().unwrap().1).collect();
     assert_eq!(runs.load(Ordering::SeqCst), 1);
-    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Executed).count(), 1);
-    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::Replayed).count(), 15);
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == Outcome::Executed).count(),
+        1
+    );
+    assert_eq!(
+        outcomes.iter().filter(|o| **o == Outcome::Replayed).count(),
+        15
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -701,7 +755,10 @@ async fn corrupt_records_and_wrong_types_are_corrupt() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     // Nothing was overwritten.
-    assert_eq!(server.cli(&["GET", "test:raw:garbage"]), "not an idem record");
+    assert_eq!(
+        server.cli(&["GET", "test:raw:garbage"]),
+        "not an idem record"
+    );
     assert_eq!(server.cli(&["TYPE", "test:raw:hash"]), "hash");
 }
 
@@ -716,14 +773,21 @@ async fn redis_down_fails_closed_then_recovers() {
             Res::Ok(1u8)
         }
     };
-    idem.call("down", "before").run(body(runs.clone())).await.unwrap();
+    idem.call("down", "before")
+        .run(body(runs.clone()))
+        .await
+        .unwrap();
     b.redis.as_mut().unwrap().kill();
     let r = idem.call("down", "k").run(body(runs.clone())).await;
     match r {
         Err(Error::Unavailable { op, .. }) => assert_eq!(op, "claim"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body must not run while Redis is down");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the body must not run while Redis is down"
+    );
 
     b.redis.as_mut().unwrap().restart();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -783,7 +847,10 @@ async fn completed_record_is_compact() {
     let b = Backend::redis().await;
     let server = b.redis.as_ref().unwrap();
     let idem = b.idem();
-    idem.call("s", "k").run(|| async { Res::Ok(12345u32) }).await.unwrap();
+    idem.call("s", "k")
+        .run(|| async { Res::Ok(12345u32) })
+        .await
+        .unwrap();
     let raw = server.cli(&["GET", "test:s:k"]);
     // "1" + "C" + fingerprint length 0 (a NUL, dropped by the shell) + value.
     assert_eq!(raw.replace('\0', ""), "1C12345");

@@ -1,8 +1,8 @@
 //! The optional in-process replay cache of completed results.
 
 use crate::store::Completed;
-use moka::sync::Cache;
 use moka::Expiry;
+use moka::sync::Cache;
 use std::time::{Duration, Instant};
 
 /// Expires each entry when its record would: a cached result never
@@ -10,7 +10,12 @@ use std::time::{Duration, Instant};
 struct RecordTtl;
 
 impl Expiry<String, Completed> for RecordTtl {
-    fn expire_after_create(&self, _key: &String, value: &Completed, _now: Instant) -> Option<Duration> {
+    fn expire_after_create(
+        &self,
+        _key: &String,
+        value: &Completed,
+        _now: Instant,
+    ) -> Option<Duration> {
         value.ttl_left
     }
 }

@@ -4,24 +4,24 @@
 use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::idempotency::{validate_ttl_lease, FailMode, Inner};
+use crate::idempotency::{FailMode, Inner, validate_ttl_lease};
 use crate::outcome::Outcome;
 use crate::store::{Claim, ClaimReply, Completed, Store, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
-use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
-use serde::de::DeserializeOwned;
+use futures_util::future::BoxFuture;
 use serde::Serialize;
-use std::future::{poll_fn, Future};
+use serde::de::DeserializeOwned;
+use std::future::{Future, poll_fn};
 use std::panic::AssertUnwindSafe;
-use std::pin::{pin, Pin};
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
-use tokio::time::{sleep, Instant, Sleep};
-use tracing::field::Empty;
+use tokio::time::{Instant, Sleep, sleep};
 use tracing::Instrument;
+use tracing::field::Empty;
 
 /// One call of an operation, configured then [`run`](Call::run).
 ///
@@ -371,13 +371,18 @@ impl Exec<'_> {
         let span = tracing::Span::current();
         span.record("attempt", attempt);
         let outcome = if attempt > 1 {
-            tracing::warn!(attempt, "took over a key whose holder stopped renewing its lease; the body runs again");
+            tracing::warn!(
+                attempt,
+                "took over a key whose holder stopped renewing its lease; the body runs again"
+            );
             Outcome::Recovered
         } else {
             Outcome::Executed
         };
         let mut guard = self.guard();
-        let result = self.keep_alive(AssertUnwindSafe(body()).catch_unwind()).await;
+        let result = self
+            .keep_alive(AssertUnwindSafe(body()).catch_unwind())
+            .await;
         match result {
             Err(panic) => {
                 guard.armed = false;
@@ -412,7 +417,9 @@ impl Exec<'_> {
         match self.store.release(&self.key, &self.token).await {
             Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
             Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
-            Err(e) => tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires"),
+            Err(e) => {
+                tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires")
+            }
         }
     }
 
@@ -429,8 +436,13 @@ impl Exec<'_> {
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
         let result = (|| {
-            self.store
-                .complete(&self.key, &self.token, self.ttl, encoded.kind, &encoded.bytes)
+            self.store.complete(
+                &self.key,
+                &self.token,
+                self.ttl,
+                encoded.kind,
+                &encoded.bytes,
+            )
         })
         .retry(retries)
         .when(is_unavailable)
@@ -483,7 +495,10 @@ impl Exec<'_> {
                         Ok(WriteReply::Done) => period,
                         Ok(other) => {
                             lost = true;
-                            tracing::error!(?other, "lease lost while the body runs: another caller may take over");
+                            tracing::error!(
+                                ?other,
+                                "lease lost while the body runs: another caller may take over"
+                            );
                             break;
                         }
                         Err(e) => {

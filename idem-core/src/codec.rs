@@ -2,8 +2,8 @@
 
 use crate::error::Error;
 use crate::store::{Completed, ValueKind};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 /// A result ready to store.
 pub(crate) struct Encoded {
@@ -14,14 +14,18 @@ pub(crate) struct Encoded {
 /// Serializes `value`; over `limit` it becomes a `TooLarge` marker and when
 /// it cannot be serialized an `Unstorable` one, so that replays report the
 /// problem instead of running the body again.
-pub(crate) fn encode<T: Serialize>(value: &T, limit: usize, compress_above: Option<usize>) -> Encoded {
+pub(crate) fn encode<T: Serialize>(
+    value: &T,
+    limit: usize,
+    compress_above: Option<usize>,
+) -> Encoded {
     let json = match serde_json::to_vec(value) {
         Ok(json) => json,
         Err(e) => {
             return Encoded {
                 kind: ValueKind::Unstorable,
                 bytes: e.to_string().into_bytes(),
-            }
+            };
         }
     };
     if json.len() > limit {
@@ -91,11 +95,12 @@ pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result
                 _ => {
                     return Err(Error::Corrupt(
                         "compressed record with a missing or oversized length prefix".to_owned(),
-                    ))
+                    ));
                 }
             }
-            let json = lz4_flex::decompress_size_prepended(&c.value)
-                .map_err(|e| Error::Corrupt(format!("compressed record does not decompress: {e}")))?;
+            let json = lz4_flex::decompress_size_prepended(&c.value).map_err(|e| {
+                Error::Corrupt(format!("compressed record does not decompress: {e}"))
+            })?;
             serde_json::from_slice(&json).map_err(mismatch)
         }
         kind => Err(marker_error(kind, &c.value)
@@ -129,19 +134,31 @@ mod tests {
         assert_eq!(e.kind, ValueKind::TooLarge);
         assert!(matches!(
             decode::<String>(&completed(e), 100),
-            Err(Error::TooLarge { size: 2002, limit: 100 })
+            Err(Error::TooLarge {
+                size: 2002,
+                limit: 100
+            })
         ));
 
         let bad: std::collections::HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
         let e = encode(&bad, 100, None);
         assert_eq!(e.kind, ValueKind::Unstorable);
-        assert!(matches!(decode::<u8>(&completed(e), 100), Err(Error::Codec(_))));
+        assert!(matches!(
+            decode::<u8>(&completed(e), 100),
+            Err(Error::Codec(_))
+        ));
 
         let e = encode(&7u32, 100, None);
-        assert!(matches!(decode::<String>(&completed(e), 100), Err(Error::Codec(_))));
+        assert!(matches!(
+            decode::<String>(&completed(e), 100),
+            Err(Error::Codec(_))
+        ));
 
         let mut lying = completed(encode(&big, 1 << 20, Some(1)));
         lying.value = Bytes::from_static(&[0xff, 0xff, 0xff, 0x7f, 1, 2]);
-        assert!(matches!(decode::<String>(&lying, 1 << 20), Err(Error::Corrupt(_))));
+        assert!(matches!(
+            decode::<String>(&lying, 1 << 20),
+            Err(Error::Corrupt(_))
+        ));
     }
 }

@@ -47,7 +47,9 @@ pub enum Error {
 
     /// The store could not be reached, timed out, or refused the command.
     /// With `FailMode::Closed` (the default) the body did not run.
-    #[error("idempotency store unavailable during {op}: {reason}; the body did not run — retry later, and check that Redis is up and reachable")]
+    #[error(
+        "idempotency store unavailable during {op}: {reason}; the body did not run — retry later, and check that Redis is up and reachable"
+    )]
     Unavailable {
         /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
         op: &'static str,
@@ -148,7 +150,9 @@ pub enum KeyError {
         part: KeyPart,
     },
     /// Longer than the limit, in bytes.
-    #[error("the {part} is {len} bytes, over the {max}-byte limit; hash long inputs (e.g. SHA-256 hex) before using them as a {part}")]
+    #[error(
+        "the {part} is {len} bytes, over the {max}-byte limit; hash long inputs (e.g. SHA-256 hex) before using them as a {part}"
+    )]
     TooLong {
         /// Which part.
         part: KeyPart,

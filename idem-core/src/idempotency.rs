@@ -354,7 +354,9 @@ impl IdempotencyBuilder {
 /// Checks a TTL and lease pair; the message names the setting to fix.
 pub(crate) fn validate_ttl_lease(ttl: Duration, lease: Duration) -> Result<(), String> {
     if ttl < Duration::from_millis(1) {
-        return Err(format!("result TTL is {ttl:?}; use at least 1 ms (typically hours)"));
+        return Err(format!(
+            "result TTL is {ttl:?}; use at least 1 ms (typically hours)"
+        ));
     }
     if ttl > MAX_TTL {
         return Err(format!("result TTL is {ttl:?}, over the one-year limit"));

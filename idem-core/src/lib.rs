@@ -38,7 +38,7 @@ pub use call::Call;
 pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use idempotency::{FailMode, Idempotency, IdempotencyBuilder};
-pub use key::{validate_key_part, MAX_KEY_LEN};
+pub use key::{MAX_KEY_LEN, validate_key_part};
 pub use outcome::Outcome;
 pub use store::{
     Claim, ClaimReply, Completed, MemoryStore, RedisStore, RedisStoreConfig, Store, ValueKind,

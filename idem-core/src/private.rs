@@ -193,18 +193,19 @@ pub fn fingerprint<'a, F: Fingerprint + ?Sized>(call: Call<'a>, value: &F) -> Ca
 /// Runs the body through `call`, or returns the error that kept `call` from
 /// being made (no runtime installed) without running it.
 ///
-/// `R` is the declared return type; `T` and `E` are its `Ok` and `Err` types,
-/// given separately so that each bound failure is reported on its own.
-pub async fn run<T, E, R, F, Fut>(call: Result<Call<'_>, Error>, body: F) -> R
+/// `R` is the declared return type. Its bounds are stated on `R`'s `Ok` and
+/// `Err` types rather than on separate type parameters, so that every failed
+/// bound is reported once, on the span the macro gives this call.
+pub async fn run<R, F, Fut>(call: Result<Call<'_>, Error>, body: F) -> R
 where
-    T: Storable,
-    E: IdemError,
-    R: IdempotentResult<Ok = T, Err = E>,
+    R: IdempotentResult,
+    R::Ok: Storable,
+    R::Err: IdemError,
     F: FnOnce() -> Fut,
     Fut: Future<Output = R>,
 {
     match call {
         Ok(call) => R::from_result(call.run(move || async move { body().await.into_result() }).await),
-        Err(err) => R::from_result(Err(E::from(err))),
+        Err(err) => R::from_result(Err(<R::Err>::from(err))),
     }
 }

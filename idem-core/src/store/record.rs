@@ -78,9 +78,18 @@ mod tests {
         let c = decode_completed(rec, -1).unwrap();
         assert_eq!(c.fingerprint, Fingerprint::from_bytes(&[9u8; 16]));
         assert_eq!(c.ttl_left, None);
-        assert!(matches!(decode_completed(b"1C\x20ab".to_vec(), 1), Err(Error::Corrupt(_))));
-        assert!(matches!(decode_completed(b"".to_vec(), 1), Err(Error::Corrupt(_))));
-        assert!(matches!(decode_completed(b"1Q\x00".to_vec(), 1), Err(Error::Corrupt(_))));
+        assert!(matches!(
+            decode_completed(b"1C\x20ab".to_vec(), 1),
+            Err(Error::Corrupt(_))
+        ));
+        assert!(matches!(
+            decode_completed(b"".to_vec(), 1),
+            Err(Error::Corrupt(_))
+        ));
+        assert!(matches!(
+            decode_completed(b"1Q\x00".to_vec(), 1),
+            Err(Error::Corrupt(_))
+        ));
         let newer = unreadable(b"2C\x00x").to_string();
         assert!(newer.contains("newer idem"), "{newer}");
     }

@@ -1,7 +1,7 @@
 //! `RedisStore`: the state machine as four Lua scripts, one key each.
 
 use super::record::{decode_completed, unreadable, wrong_type};
-use super::{millis, Claim, ClaimReply, Store, ValueKind, WriteReply};
+use super::{Claim, ClaimReply, Store, ValueKind, WriteReply, millis};
 use crate::error::Error;
 use crate::token::Token;
 use async_trait::async_trait;
@@ -350,7 +350,7 @@ fn parse_claim(v: Value) -> Result<ClaimReply, Error> {
             return match items.swap_remove(1) {
                 Value::BulkString(rec) => Err(unreadable(&rec)),
                 other => Err(protocol("claim", &other)),
-            }
+            };
         }
         (Some(7), 1) => return Err(wrong_type()),
         _ => None,
