@@ -705,17 +705,22 @@ impl Operation<'_> {
                 }
                 Outcome::Retry(error, hint) => (error, hint),
             };
-            let next = schedule.next().map(|backoff| policy.combine(backoff, hint));
-            let reason = match next {
-                None => Some(GiveUpReason::RetriesExhausted),
-                Some(delay) if start.elapsed().saturating_add(delay) >= deadline => {
-                    Some(GiveUpReason::DeadlineExceeded)
+            // The backoff schedule decides whether to retry at all; the
+            // server's Retry-After can only lengthen the wait.
+            let next = match schedule.next() {
+                None => Err(GiveUpReason::RetriesExhausted),
+                Some(backoff) => {
+                    let delay = policy.combine(backoff, hint);
+                    if start.elapsed().saturating_add(delay) >= deadline {
+                        Err(GiveUpReason::DeadlineExceeded)
+                    } else {
+                        Ok(delay)
+                    }
                 }
-                Some(_) => None,
             };
             let status = error.status().map(|s| s.as_u16());
-            match (reason, next) {
-                (None, Some(delay)) => {
+            match next {
+                Ok(delay) => {
                     tracing::warn!(
                         method = %self.method,
                         path = %self.path,
@@ -729,8 +734,7 @@ impl Operation<'_> {
                     );
                     tokio::time::sleep(delay).await;
                 }
-                (reason, _) => {
-                    let reason = reason.unwrap_or(GiveUpReason::RetriesExhausted);
+                Err(reason) => {
                     tracing::warn!(
                         method = %self.method,
                         path = %self.path,
