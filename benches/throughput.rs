@@ -20,7 +20,7 @@
 //! ratios are computed from totals over all rounds; the table also shows the
 //! lowest and highest per-round ratio as a noise gauge.
 
-use idem::{Idempotency, RedisStore, idempotent};
+use idem::{Idempotency, RedisStore};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -140,12 +140,30 @@ struct FreshKey {
 
 impl fmt::Display for FreshKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // 8 + 1 + 2 + 4 + 1 + 20 = 36 bytes.
-        write!(
-            f,
-            "{:08x}-{:02x}{:04}-{:020}",
-            self.run, self.phase, self.task, self.seq
-        )
+        // 8 hex + '-' + 2 hex + 4 digits + '-' + 20 digits = 36 bytes, by
+        // hand: `{:020}` padding would cost more than some of what we measure.
+        let mut b = [b'0'; 36];
+        hex(&mut b[0..8], u64::from(self.run));
+        b[8] = b'-';
+        hex(&mut b[9..11], u64::from(self.phase));
+        dec(&mut b[11..15], u64::from(self.task));
+        b[15] = b'-';
+        dec(&mut b[16..36], self.seq);
+        f.write_str(std::str::from_utf8(&b).unwrap())
+    }
+}
+
+fn hex(out: &mut [u8], mut v: u64) {
+    for slot in out.iter_mut().rev() {
+        *slot = b"0123456789abcdef"[(v & 0xf) as usize];
+        v >>= 4;
+    }
+}
+
+fn dec(out: &mut [u8], mut v: u64) {
+    for slot in out.iter_mut().rev() {
+        *slot = b'0' + (v % 10) as u8;
+        v /= 10;
     }
 }
 
@@ -159,12 +177,20 @@ struct ReplayKey {
 
 impl fmt::Display for ReplayKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:08x}-r{:01x}-{:024}", self.run, self.set, self.idx)
+        // 8 hex + "-r" + 1 hex + '-' + 24 digits = 36 bytes.
+        let mut b = [b'0'; 36];
+        hex(&mut b[0..8], u64::from(self.run));
+        b[8] = b'-';
+        b[9] = b'r';
+        hex(&mut b[10..11], u64::from(self.set));
+        b[11] = b'-';
+        dec(&mut b[12..36], self.idx);
+        f.write_str(std::str::from_utf8(&b).unwrap())
     }
 }
 
-/// A large, repetitive JSON value for the compression phases: 200 rows of
-/// about 84 bytes (16.4 KiB of JSON). Rows are `Copy`, so a body returning a
+/// A large, repetitive JSON value for the compression phases: 170 rows of
+/// about 97 bytes (16.4 KB of JSON). Rows are `Copy`, so a body returning a
 /// clone pays one memcpy, not 200 allocations.
 #[derive(Clone, Copy, Serialize, Deserialize)]
 struct Row {
@@ -185,7 +211,7 @@ static BIG: OnceLock<Vec<Row>> = OnceLock::new();
 
 fn big_value() -> &'static Vec<Row> {
     BIG.get_or_init(|| {
-        (0..200u64)
+        (0..170u64)
             .map(|i| Row {
                 id: 100_000 + i,
                 price_cents: 1999 + (i % 7) * 100,
@@ -223,9 +249,13 @@ struct Ctx {
 }
 
 /// The `#[idempotent]` form of the no-op body (uses the installed default).
-#[idempotent(key = key, scope = "bench", ttl = "1h")]
+// TEMP-STANDIN: until idem::__private lands, the expansion written out.
 async fn noop(key: FreshKey) -> Result<String, idem::Error> {
-    Ok(VALUE.to_owned())
+    let idem = Idempotency::global().ok_or(idem::Error::NotInstalled)?;
+    idem.call("bench", &key)
+        .ttl(Duration::new(3600, 0))
+        .run(move || async move { Ok(VALUE.to_owned()) })
+        .await
 }
 
 /// The same call written by hand.
@@ -282,11 +312,16 @@ impl Ctx {
         }
     }
 
+    /// The big records are fewer: each is 16 KiB.
+    fn big_keys(&self) -> u64 {
+        self.replay_keys.min(100)
+    }
+
     fn replay_key(&self, set: u8, task: u16, seq: u64) -> ReplayKey {
         ReplayKey {
             run: self.run,
             set,
-            idx: (u64::from(task) * 7919 + seq) % self.replay_keys,
+            idx: (u64::from(task) * 7919 + seq) % if set == 0 { self.replay_keys } else { self.big_keys() },
         }
     }
 
@@ -334,7 +369,7 @@ impl Ctx {
             .run_outcome(|| async { Ok(Vec::new()) })
             .await;
         match r {
-            Ok((v, idem::Outcome::Replayed)) if v.len() == 200 => {}
+            Ok((v, idem::Outcome::Replayed)) if v.len() == 170 => {}
             Ok((_, o)) => self.error("big replay", &format!("outcome {o}")),
             Err(e) => self.error("big replay", &e),
         }
@@ -388,11 +423,22 @@ struct Totals {
     /// ops/s of each round, for the spread of the ratios.
     per_round: Vec<f64>,
     latencies_ns: Vec<u64>,
+    /// CPU seconds this process and redis-server spent in the phase.
+    client_cpu: f64,
+    redis_cpu: f64,
 }
 
 impl Totals {
     fn rate(&self) -> f64 {
         if self.secs > 0.0 { self.ops as f64 / self.secs } else { 0.0 }
+    }
+
+    fn client_us_per_call(&self) -> f64 {
+        self.client_cpu * 1e6 / self.ops as f64
+    }
+
+    fn redis_us_per_call(&self) -> f64 {
+        self.redis_cpu * 1e6 / self.ops as f64
     }
 
     fn percentile_us(&mut self, p: f64) -> Option<f64> {
@@ -407,17 +453,33 @@ impl Totals {
     }
 }
 
-/// Runs `op` in `tasks` tasks until `deadline`; returns the calls made, the
-/// time until the last one finished and, when asked, each call's latency.
-async fn drive<F, Fut>(tasks: usize, deadline: Instant, latencies: bool, op: F) -> (u64, f64, Vec<u64>)
-where
-    F: Fn(u16, u64) -> Fut + Send + Sync + Clone + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
+/// One call of a phase's operation. `seq` numbers the task's calls; fresh
+/// keys are unique per (phase, task, seq).
+async fn one_call(c: &Ctx, phase: usize, task: u16, seq: u64) {
+    let fresh = FreshKey { run: c.run, phase: phase as u8, task, seq };
+    match PHASES[phase].op {
+        Op::FloorFresh => c.floor_fresh(fresh).await,
+        Op::IdemFresh => c.idem_fresh(fresh).await,
+        Op::HandFresh => c.hand_fresh(fresh).await,
+        Op::FloorReplay => c.floor_replay(c.replay_key(0, task, seq)).await,
+        Op::IdemReplay => c.idem_replay(&c.idem, c.replay_key(0, task, seq), "idem replay").await,
+        Op::CachedReplay => c.idem_replay(&c.cached, c.replay_key(0, task, seq), "cached replay").await,
+        Op::BigFresh => c.big_fresh(&c.big_plain, fresh).await,
+        Op::BigFreshLz4 => c.big_fresh(&c.big_lz4, fresh).await,
+        Op::BigReplay => c.big_replay(&c.big_plain, c.replay_key(1, task, seq)).await,
+        Op::BigReplayLz4 => c.big_replay(&c.big_lz4, c.replay_key(2, task, seq)).await,
+    }
+}
+
+/// Runs one slice of a phase: `tasks` tasks calling until `dur` is over.
+/// Returns the calls made, the time until the last one finished and, when
+/// asked, each call's latency. `seq0` keeps fresh keys unique across slices.
+async fn slice(ctx: &Arc<Ctx>, phase: usize, tasks: usize, dur: Duration, seq0: u64, latencies: bool) -> (u64, f64, Vec<u64>) {
     let start = Instant::now();
+    let deadline = start + dur;
     let handles: Vec<_> = (0..tasks)
         .map(|t| {
-            let op = op.clone();
+            let c = Arc::clone(ctx);
             tokio::spawn(async move {
                 let task = t as u16;
                 let mut n = 0u64;
@@ -429,7 +491,7 @@ where
                     if t0 >= deadline {
                         break;
                     }
-                    op(task, n).await;
+                    one_call(&c, phase, task, seq0 + n).await;
                     if latencies {
                         lat.push(t0.elapsed().as_nanos() as u64);
                     }
@@ -449,54 +511,29 @@ where
     (ops, start.elapsed().as_secs_f64(), all)
 }
 
-/// Runs one slice of a phase. `seq0` keeps fresh keys unique across slices.
-async fn slice(ctx: &Arc<Ctx>, phase: usize, tasks: usize, dur: Duration, seq0: u64, lat: bool) -> (u64, f64, Vec<u64>) {
-    let def = &PHASES[phase];
-    let deadline = Instant::now() + dur;
-    let c = Arc::clone(ctx);
-    let fresh = move |c: &Ctx, task: u16, n: u64| FreshKey { run: c.run, phase: phase as u8, task, seq: seq0 + n };
-    match def.op {
-        Op::FloorFresh => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.floor_fresh(fresh(&c, t, n)).await }
-        }).await,
-        Op::IdemFresh => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.idem_fresh(fresh(&c, t, n)).await }
-        }).await,
-        Op::HandFresh => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.hand_fresh(fresh(&c, t, n)).await }
-        }).await,
-        Op::FloorReplay => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.floor_replay(c.replay_key(0, t, n)).await }
-        }).await,
-        Op::IdemReplay => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.idem_replay(&c.idem, c.replay_key(0, t, n), "idem replay").await }
-        }).await,
-        Op::CachedReplay => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.idem_replay(&c.cached, c.replay_key(0, t, n), "cached replay").await }
-        }).await,
-        Op::BigFresh => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.big_fresh(&c.big_plain, fresh(&c, t, n)).await }
-        }).await,
-        Op::BigFreshLz4 => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.big_fresh(&c.big_lz4, fresh(&c, t, n)).await }
-        }).await,
-        Op::BigReplay => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.big_replay(&c.big_plain, c.replay_key(1, t, n)).await }
-        }).await,
-        Op::BigReplayLz4 => drive(tasks, deadline, lat, move |t, n| {
-            let c = Arc::clone(&c);
-            async move { c.big_replay(&c.big_lz4, c.replay_key(2, t, n)).await }
-        }).await,
+// ---------------------------------------------------------------- CPU accounting
+
+/// CPU time of every thread of this process, in seconds (Linux:
+/// `/proc/self/task/*/schedstat`, nanosecond resolution); 0 elsewhere.
+fn client_cpu() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
+    let mut ns = 0u64;
+    for t in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+            ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        }
     }
+    ns as f64 / 1e9
+}
+
+/// CPU time of the Redis server so far (`INFO cpu`), in seconds.
+async fn redis_cpu(conn: &mut ConnectionManager) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await.unwrap_or_default();
+    info.lines()
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(k, _)| *k == "used_cpu_sys" || *k == "used_cpu_user")
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .sum()
 }
 
 // ---------------------------------------------------------------- setup and memory
@@ -509,9 +546,19 @@ async fn strlen(conn: &mut ConnectionManager, key: &str) -> i64 {
     redis::cmd("STRLEN").arg(key).query_async(conn).await.expect("STRLEN")
 }
 
-/// Fills the replay key sets: the floor's plain strings, idem's records of
-/// the 64-byte value, and the 16 KiB records with and without compression.
-async fn prefill(ctx: &Ctx) {
+/// Fills the replay key sets: the floor's plain strings and idem's records
+/// of the 64-byte value (`small`), the 16 KiB records with and without
+/// compression (`big`).
+async fn prefill(ctx: &Ctx, small: bool, big: bool) {
+    if small {
+        prefill_small(ctx).await;
+    }
+    if big {
+        prefill_big(ctx).await;
+    }
+}
+
+async fn prefill_small(ctx: &Ctx) {
     let mut conn = ctx.conn.clone();
     let mut pipe = redis::pipe();
     for idx in 0..ctx.replay_keys {
@@ -528,8 +575,11 @@ async fn prefill(ctx: &Ctx) {
             .await
             .expect("prefill idem keys");
     }
+}
+
+async fn prefill_big(ctx: &Ctx) {
     // Fewer big records: each is 16 KiB.
-    for idx in 0..ctx.replay_keys.min(100) {
+    for idx in 0..ctx.big_keys() {
         for (set, idem) in [(1, &ctx.big_plain), (2, &ctx.big_lz4)] {
             let _: Vec<Row> = idem
                 .call("big", ReplayKey { run: ctx.run, set, idx })
@@ -648,11 +698,14 @@ async fn run(opts: Opts, url: String) {
     for s in [&ctx.claim, &ctx.complete] {
         let _: String = s.load_async(&mut ctx.conn.clone()).await.expect("SCRIPT LOAD");
     }
-    prefill(&ctx).await;
-
     if let Some(name) = &opts.profile {
-        return profile(&ctx, &opts, name).await;
+        let Some(i) = PHASES.iter().position(|p| &p.name == name) else { usage() };
+        let op = PHASES[i].op;
+        let small = matches!(op, Op::FloorReplay | Op::IdemReplay | Op::CachedReplay);
+        prefill(&ctx, small, matches!(op, Op::BigReplay | Op::BigReplayLz4)).await;
+        return profile(&ctx, &opts, i).await;
     }
+    prefill(&ctx, true, true).await;
 
     let selected: Vec<usize> = (0..PHASES.len())
         .filter(|&i| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == PHASES[i].name)))
@@ -678,9 +731,13 @@ async fn run(opts: Opts, url: String) {
         for k in 0..selected.len() {
             let i = selected[(round + k) % selected.len()];
             let lat = PHASES[i].concurrency == Some(1);
+            let (cpu0, rcpu0) = (client_cpu(), redis_cpu(&mut ctx.conn.clone()).await);
             let (n, secs, l) = slice(&ctx, i, tasks_of(i), slice_dur, seq[i], lat).await;
+            let (cpu1, rcpu1) = (client_cpu(), redis_cpu(&mut ctx.conn.clone()).await);
             seq[i] += n + 1;
             let t = &mut totals[i];
+            t.client_cpu += cpu1 - cpu0;
+            t.redis_cpu += rcpu1 - rcpu0;
             t.ops += n;
             t.secs += secs;
             t.per_round.push(n as f64 / secs);
@@ -694,30 +751,17 @@ async fn run(opts: Opts, url: String) {
 
 /// One phase alone for a fixed number of calls, for callgrind:
 /// `valgrind --tool=callgrind target/release/deps/throughput-* --profile idem_fresh --ops 20000`.
-async fn profile(ctx: &Arc<Ctx>, opts: &Opts, name: &str) {
-    let Some(i) = PHASES.iter().position(|p| p.name == name) else { usage() };
+async fn profile(ctx: &Arc<Ctx>, opts: &Opts, i: usize) {
+    let name = PHASES[i].name;
     let tasks = PHASES[i].concurrency.unwrap_or(opts.concurrency);
     let per_task = opts.ops.div_ceil(tasks as u64);
     let start = Instant::now();
-    let c = Arc::clone(ctx);
     let handles: Vec<_> = (0..tasks)
         .map(|t| {
-            let c = Arc::clone(&c);
+            let c = Arc::clone(ctx);
             tokio::spawn(async move {
                 for n in 0..per_task {
-                    let key = FreshKey { run: c.run, phase: i as u8, task: t as u16, seq: (1 << 50) + n };
-                    match PHASES[i].op {
-                        Op::FloorFresh => c.floor_fresh(key).await,
-                        Op::IdemFresh => c.idem_fresh(key).await,
-                        Op::HandFresh => c.hand_fresh(key).await,
-                        Op::FloorReplay => c.floor_replay(c.replay_key(0, t as u16, n)).await,
-                        Op::IdemReplay => c.idem_replay(&c.idem, c.replay_key(0, t as u16, n), "idem replay").await,
-                        Op::CachedReplay => c.idem_replay(&c.cached, c.replay_key(0, t as u16, n), "cached").await,
-                        Op::BigFresh => c.big_fresh(&c.big_plain, key).await,
-                        Op::BigFreshLz4 => c.big_fresh(&c.big_lz4, key).await,
-                        Op::BigReplay => c.big_replay(&c.big_plain, c.replay_key(1, t as u16, n)).await,
-                        Op::BigReplayLz4 => c.big_replay(&c.big_lz4, c.replay_key(2, t as u16, n)).await,
-                    }
+                    one_call(&c, i, t as u16, (1 << 50) + n).await;
                 }
             })
         })
@@ -772,7 +816,10 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
         opts.concurrency,
         wall
     );
-    println!("{:<16} {:>4} {:>10} {:>12} {:>9} {:>9}  {}", "phase", "c", "calls", "calls/s", "p50 µs", "p99 µs", "what");
+    println!(
+        "{:<16} {:>4} {:>10} {:>12} {:>9} {:>9} {:>11} {:>11}  {}",
+        "phase", "c", "calls", "calls/s", "p50 µs", "p99 µs", "client µs", "redis µs", "what"
+    );
     for (i, def) in PHASES.iter().enumerate() {
         let t = &totals[i];
         if t.ops == 0 && t.secs == 0.0 {
@@ -780,16 +827,20 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
         }
         let fmt_us = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
         println!(
-            "{:<16} {:>4} {:>10} {:>12.0} {:>9} {:>9}  {}",
+            "{:<16} {:>4} {:>10} {:>12.0} {:>9} {:>9} {:>11.2} {:>11.2}  {}",
             def.name,
             def.concurrency.unwrap_or(opts.concurrency),
             t.ops,
             t.rate(),
             fmt_us(lat[i].1),
             fmt_us(lat[i].2),
+            t.client_us_per_call(),
+            t.redis_us_per_call(),
             def.what
         );
     }
+
+    println!("(client µs, redis µs: CPU time per call of this process and of redis-server)");
 
     let t = &*totals;
     let fresh_ratio = ratio(rate(t, "idem_fresh"), rate(t, "floor_fresh"));
@@ -853,6 +904,8 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
             m.insert("ops_per_s".into(), round1(t.rate()));
             m.insert("calls".into(), json!(t.ops));
             m.insert("concurrency".into(), json!(def.concurrency.unwrap_or(opts.concurrency)));
+            m.insert("client_cpu_us_per_call".into(), round3(t.client_us_per_call()));
+            m.insert("redis_cpu_us_per_call".into(), round3(t.redis_us_per_call()));
             if let (Some(p50), Some(p99)) = (lat[i].1, lat[i].2) {
                 m.insert("p50_us".into(), round1(p50));
                 m.insert("p99_us".into(), round1(p99));

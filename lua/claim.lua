@@ -22,6 +22,11 @@ end
 
 local rec = redis.pcall('GET', key)
 if type(rec) == 'table' then
+  -- WRONGTYPE: not a string, so not ours. Any other error (an ACL that does
+  -- not grant GET) goes back as it is, not disguised as a wrong type.
+  if not string.find(rec.err or '', 'WRONGTYPE', 1, true) then
+    return rec
+  end
   return {7}
 end
 

@@ -1,6 +1,8 @@
-#!lua
+#!lua flags=allow-oom
 -- idem complete: replace our pending record by the completed one, only if we
 -- still own it (compare-and-set on the owner token). Codes: lua/README.md.
+-- allow-oom: the body has already run; refusing its result because Redis is
+-- full would make the next caller run it again after the lease.
 local key = KEYS[1]
 local token, ttl, kind, value = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 if #KEYS ~= 1 or #ARGV ~= 4 then
@@ -18,6 +20,11 @@ end
 
 local rec = redis.pcall('GET', key)
 if type(rec) == 'table' then
+  -- WRONGTYPE: not a string, so not ours. Any other error (an ACL that does
+  -- not grant GET) goes back as it is, not disguised as a wrong type.
+  if not string.find(rec.err or '', 'WRONGTYPE', 1, true) then
+    return rec
+  end
   return 7
 end
 if not rec then

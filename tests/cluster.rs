@@ -53,7 +53,13 @@ fn owners(cluster: &RedisCluster, keys: &[String]) -> BTreeSet<usize> {
 }
 
 /// Keys `prefix-0..n` whose stored keys land on every master.
-fn spread_keys(cluster: &RedisCluster, ns: &str, scope: &str, prefix: &str, n: usize) -> Vec<String> {
+fn spread_keys(
+    cluster: &RedisCluster,
+    ns: &str,
+    scope: &str,
+    prefix: &str,
+    n: usize,
+) -> Vec<String> {
     let keys: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
     let stored: Vec<String> = keys.iter().map(|k| stored_key(ns, scope, k)).collect();
     assert_eq!(
@@ -108,13 +114,30 @@ async fn exactly_once_under_concurrency_on_every_master() {
         }
     }
     for key in &keys {
-        assert_eq!(ledger.count(key), 1, "{key} ran {} times", ledger.count(key));
+        assert_eq!(
+            ledger.count(key),
+            1,
+            "{key} ran {} times",
+            ledger.count(key)
+        );
         let o = &outcomes[key];
         assert_eq!(o.len(), TASKS);
-        assert_eq!(o.iter().filter(|&&o| o == Outcome::Executed).count(), 1, "{key}: {o:?}");
-        assert_eq!(o.iter().filter(|&&o| o == Outcome::Replayed).count(), TASKS - 1, "{key}: {o:?}");
+        assert_eq!(
+            o.iter().filter(|&&o| o == Outcome::Executed).count(),
+            1,
+            "{key}: {o:?}"
+        );
+        assert_eq!(
+            o.iter().filter(|&&o| o == Outcome::Replayed).count(),
+            TASKS - 1,
+            "{key}: {o:?}"
+        );
         let rec = record(&cluster, &stored_key("once", "charge", key));
-        assert_eq!(state_of(&rec), Some('C'), "{key} is stored as completed on its master");
+        assert_eq!(
+            state_of(&rec),
+            Some('C'),
+            "{key} is stored as completed on its master"
+        );
     }
     assert_eq!(ledger.total(), keys.len());
 }
@@ -167,7 +190,14 @@ async fn replays_every_value_including_zero_false_unit_none_and_empty() {
         replay_case(&idem, &ledger, &k("unit"), (), ()).await;
         replay_case(&idem, &ledger, &k("none"), None::<u32>, Some(3)).await;
         replay_case(&idem, &ledger, &k("some-zero"), Some(0i32), None).await;
-        replay_case(&idem, &ledger, &k("empty-string"), String::new(), "x".to_owned()).await;
+        replay_case(
+            &idem,
+            &ledger,
+            &k("empty-string"),
+            String::new(),
+            "x".to_owned(),
+        )
+        .await;
         replay_case(&idem, &ledger, &k("empty-vec"), Vec::<u8>::new(), vec![1]).await;
         replay_case(
             &idem,
@@ -177,10 +207,20 @@ async fn replays_every_value_including_zero_false_unit_none_and_empty() {
             BTreeMap::from([("a".to_owned(), 1)]),
         )
         .await;
-        replay_case(&idem, &ledger, &k("nested-empty"), (Vec::<()>::new(), None::<bool>), (vec![()], Some(true))).await;
+        replay_case(
+            &idem,
+            &ledger,
+            &k("nested-empty"),
+            (Vec::<()>::new(), None::<bool>),
+            (vec![()], Some(true)),
+        )
+        .await;
     }
     let stored: Vec<String> = (0..6)
-        .flat_map(|r| ["zero", "false", "unit", "none", "empty-vec"].map(move |n| format!("replay:replay:{n}-{r}")))
+        .flat_map(|r| {
+            ["zero", "false", "unit", "none", "empty-vec"]
+                .map(move |n| format!("replay:replay:{n}-{r}"))
+        })
         .collect();
     assert_eq!(owners(&cluster, &stored), BTreeSet::from([0, 1, 2]));
     assert_eq!(ledger.total(), 6 * 9);
@@ -203,9 +243,16 @@ async fn an_error_releases_the_key_on_every_master() {
                 Err(BodyError::Boom(format!("declined {k}")))
             })
             .await;
-        assert!(matches!(&r, Err(BodyError::Boom(m)) if *m == format!("declined {key}")), "{r:?}");
+        assert!(
+            matches!(&r, Err(BodyError::Boom(m)) if *m == format!("declined {key}")),
+            "{r:?}"
+        );
         // Released at once (not left to the lease): nothing is stored.
-        assert_eq!(record(&cluster, &stored_key("err", "pay", key)), None, "{key}");
+        assert_eq!(
+            record(&cluster, &stored_key("err", "pay", key)),
+            None,
+            "{key}"
+        );
     }
     for key in &keys {
         let (l, k) = (ledger.clone(), key.clone());
@@ -224,9 +271,20 @@ async fn an_error_releases_the_key_on_every_master() {
             .await
             .unwrap();
         assert_eq!(r, (1, Outcome::Replayed), "{key}");
-        assert_eq!(ledger.count(key), 2, "{key}: one failed run, one successful run");
+        assert_eq!(
+            ledger.count(key),
+            2,
+            "{key}: one failed run, one successful run"
+        );
     }
 }
+
+/// Holder A's thread, the switch that unfreezes it, and when it claimed.
+type FrozenHolder = (
+    std::thread::JoinHandle<Result<(String, Outcome), Error>>,
+    std::sync::mpsc::Sender<()>,
+    Instant,
+);
 
 /// Holder A claims `key` on its own thread and then freezes (its thread is
 /// blocked, so nothing renews its lease) until `go` is sent; it then returns
@@ -237,11 +295,7 @@ fn frozen_holder(
     key: &'static str,
     lease: Duration,
     ledger: Ledger,
-) -> (
-    std::thread::JoinHandle<Result<(String, Outcome), Error>>,
-    std::sync::mpsc::Sender<()>,
-    Instant,
-) {
+) -> FrozenHolder {
     let (claimed_tx, claimed_rx) = std::sync::mpsc::channel();
     let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
     let a = std::thread::spawn(move || {
@@ -288,8 +342,14 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
     let stored = stored_key(NS, "takeover", key);
     let (a, go, a_claimed_at) = frozen_holder(urls.clone(), NS, key, lease, ledger.clone());
     assert_eq!(state_of(&record(&cluster, &stored)), Some('P'));
-    let r: Result<String, Error> = idem.call("takeover", key).run(|| async { Ok("C".to_owned()) }).await;
-    assert!(matches!(r, Err(Error::InProgress { .. })), "A holds a live lease: {r:?}");
+    let r: Result<String, Error> = idem
+        .call("takeover", key)
+        .run(|| async { Ok("C".to_owned()) })
+        .await;
+    assert!(
+        matches!(r, Err(Error::InProgress { .. })),
+        "A holds a live lease: {r:?}"
+    );
 
     let (b_running_tx, b_running_rx) = tokio::sync::oneshot::channel();
     let (b_finish_tx, b_finish_rx) = tokio::sync::oneshot::channel::<()>();
@@ -313,13 +373,25 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
         "B may only take over once A's lease has run out"
     );
     go.send(()).unwrap();
-    let a_result = tokio::task::spawn_blocking(move || a.join().unwrap()).await.unwrap();
+    let a_result = tokio::task::spawn_blocking(move || a.join().unwrap())
+        .await
+        .unwrap();
     // A's work happened: it gets its own value back, but stores nothing.
     assert_eq!(a_result.unwrap(), ("A".to_owned(), Outcome::Executed));
-    assert_eq!(state_of(&record(&cluster, &stored)), Some('P'), "B still holds the key");
+    assert_eq!(
+        state_of(&record(&cluster, &stored)),
+        Some('P'),
+        "B still holds the key"
+    );
     b_finish_tx.send(()).unwrap();
-    assert_eq!(b.await.unwrap().unwrap(), ("B".to_owned(), Outcome::Recovered));
-    let r = idem.call("takeover", key).run_outcome(|| async { Ok::<_, Error>("D".to_owned()) }).await;
+    assert_eq!(
+        b.await.unwrap().unwrap(),
+        ("B".to_owned(), Outcome::Recovered)
+    );
+    let r = idem
+        .call("takeover", key)
+        .run_outcome(|| async { Ok::<_, Error>("D".to_owned()) })
+        .await;
     assert_eq!(r.unwrap(), ("B".to_owned(), Outcome::Replayed));
     assert_eq!(ledger.count(key), 2, "A once, B once");
 
@@ -342,10 +414,19 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
     let before = record(&cluster, &stored);
     assert_eq!(state_of(&before), Some('C'));
     go.send(()).unwrap();
-    let a_result = tokio::task::spawn_blocking(move || a.join().unwrap()).await.unwrap();
+    let a_result = tokio::task::spawn_blocking(move || a.join().unwrap())
+        .await
+        .unwrap();
     assert_eq!(a_result.unwrap(), ("A".to_owned(), Outcome::Executed));
-    assert_eq!(record(&cluster, &stored), before, "A's late complete changed nothing");
-    let r = idem.call("takeover", key).run_outcome(|| async { Ok::<_, Error>("D".to_owned()) }).await;
+    assert_eq!(
+        record(&cluster, &stored),
+        before,
+        "A's late complete changed nothing"
+    );
+    let r = idem
+        .call("takeover", key)
+        .run_outcome(|| async { Ok::<_, Error>("D".to_owned()) })
+        .await;
     assert_eq!(r.unwrap(), ("B".to_owned(), Outcome::Replayed));
     assert_eq!(ledger.count(key), 2, "A once, B once");
 }
@@ -379,18 +460,46 @@ async fn fingerprint_mismatch_is_refused_pending_or_completed() {
             })
         };
         started_rx.await.unwrap();
-        let r: Result<u64, Error> = idem.call("refund", key).fingerprint(&other).run(|| async { Ok(1) }).await;
-        assert!(matches!(r, Err(Error::FingerprintMismatch)), "{key} pending: {r:?}");
-        let r: Result<u64, Error> = idem.call("refund", key).fingerprint(&req).run(|| async { Ok(1) }).await;
-        assert!(matches!(r, Err(Error::InProgress { .. })), "{key} pending: {r:?}");
+        let r: Result<u64, Error> = idem
+            .call("refund", key)
+            .fingerprint(&other)
+            .run(|| async { Ok(1) })
+            .await;
+        assert!(
+            matches!(r, Err(Error::FingerprintMismatch)),
+            "{key} pending: {r:?}"
+        );
+        let r: Result<u64, Error> = idem
+            .call("refund", key)
+            .fingerprint(&req)
+            .run(|| async { Ok(1) })
+            .await;
+        assert!(
+            matches!(r, Err(Error::InProgress { .. })),
+            "{key} pending: {r:?}"
+        );
         finish_tx.send(()).unwrap();
         assert_eq!(holder.await.unwrap().unwrap(), (500, Outcome::Executed));
         // Completed: another payload is a mismatch; the same one or none replays.
-        let r: Result<u64, Error> = idem.call("refund", key).fingerprint(&other).run(|| async { Ok(1) }).await;
-        assert!(matches!(r, Err(Error::FingerprintMismatch)), "{key} completed: {r:?}");
-        let r = idem.call("refund", key).fingerprint(&req).run_outcome(|| async { Ok::<_, Error>(2) }).await;
+        let r: Result<u64, Error> = idem
+            .call("refund", key)
+            .fingerprint(&other)
+            .run(|| async { Ok(1) })
+            .await;
+        assert!(
+            matches!(r, Err(Error::FingerprintMismatch)),
+            "{key} completed: {r:?}"
+        );
+        let r = idem
+            .call("refund", key)
+            .fingerprint(&req)
+            .run_outcome(|| async { Ok::<_, Error>(2) })
+            .await;
         assert_eq!(r.unwrap(), (500, Outcome::Replayed));
-        let r = idem.call("refund", key).run_outcome(|| async { Ok::<_, Error>(3) }).await;
+        let r = idem
+            .call("refund", key)
+            .run_outcome(|| async { Ok::<_, Error>(3) })
+            .await;
         assert_eq!(r.unwrap(), (500, Outcome::Replayed));
         assert_eq!(ledger.count(key), 1, "{key}");
     }
@@ -440,7 +549,11 @@ async fn a_hash_tagged_namespace_puts_every_key_in_one_slot() {
         .unwrap();
     assert_eq!(n, stored.len());
     for s in &stored {
-        assert_eq!(state_of(&direct_get(&cluster, owner, s).unwrap()), Some('C'), "{s}");
+        assert_eq!(
+            state_of(&direct_get(&cluster, owner, s).unwrap()),
+            Some('C'),
+            "{s}"
+        );
     }
     assert_eq!(ledger.total(), stored.len());
 }
@@ -467,32 +580,54 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
     };
     // Load every script on every node (claim, complete; release; extend).
     assert_eq!(run("warm".into(), 0).await.unwrap().1, Outcome::Executed);
-    let r: Result<(), BodyError> = idem.call("op", "warm-err").run(|| async { Err(BodyError::Boom("x".into())) }).await;
+    let r: Result<(), BodyError> = idem
+        .call("op", "warm-err")
+        .run(|| async { Err(BodyError::Boom("x".into())) })
+        .await;
     assert!(matches!(r, Err(BodyError::Boom(_))));
 
     let flush_all = || {
         for node in cluster.nodes() {
             assert_eq!(node.cli(&["SCRIPT", "FLUSH"]), "OK");
-            let sha = node.cli(&["SCRIPT", "EXISTS", "0000000000000000000000000000000000000000"]);
+            let sha = node.cli(&[
+                "SCRIPT",
+                "EXISTS",
+                "0000000000000000000000000000000000000000",
+            ]);
             assert_eq!(sha, "0");
         }
     };
     flush_all();
     for (i, key) in keys.iter().enumerate() {
-        assert_eq!(run(key.clone(), i as u32).await.unwrap(), (i as u32, Outcome::Executed), "{key}");
+        assert_eq!(
+            run(key.clone(), i as u32).await.unwrap(),
+            (i as u32, Outcome::Executed),
+            "{key}"
+        );
     }
     flush_all();
     for (i, key) in keys.iter().enumerate() {
-        assert_eq!(run(key.clone(), 999).await.unwrap(), (i as u32, Outcome::Replayed), "{key}");
+        assert_eq!(
+            run(key.clone(), 999).await.unwrap(),
+            (i as u32, Outcome::Replayed),
+            "{key}"
+        );
     }
     // Release and extend after a flush: an erroring body (release) and a body
     // that outlives a third of its lease (extend) on every master.
     flush_all();
     for key in &keys {
         let k = format!("{key}-err");
-        let r: Result<(), BodyError> = idem.call("op", &k).run(|| async { Err(BodyError::Boom("no".into())) }).await;
+        let r: Result<(), BodyError> = idem
+            .call("op", &k)
+            .run(|| async { Err(BodyError::Boom("no".into())) })
+            .await;
         assert!(matches!(r, Err(BodyError::Boom(_))));
-        assert_eq!(record(&cluster, &stored_key("noscript", "op", &k)), None, "{k} released");
+        assert_eq!(
+            record(&cluster, &stored_key("noscript", "op", &k)),
+            None,
+            "{k} released"
+        );
     }
     flush_all();
     let slow: Vec<_> = keys
@@ -514,7 +649,10 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
     // The holders renewed (extend after NOSCRIPT): nobody can take over.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for key in keys.iter().take(6) {
-        let r: Result<u8, Error> = idem.call("op", format!("{key}-slow")).run(|| async { Ok(2) }).await;
+        let r: Result<u8, Error> = idem
+            .call("op", format!("{key}-slow"))
+            .run(|| async { Ok(2) })
+            .await;
         assert!(matches!(r, Err(Error::InProgress { .. })), "{key}: {r:?}");
     }
     for s in slow {
@@ -525,8 +663,11 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
     }
 }
 
-/// Runs `rounds` of load on `keys`: in each round every key gets a burst of
-/// `burst` concurrent calls. Returns every call's result.
+/// Calls in a load: key, result, when the call began and when it ended.
+type Calls = Vec<(String, Result<(String, Outcome), Error>, Instant, Instant)>;
+
+/// Runs load on `keys`, one after the other: each key gets a burst of
+/// `burst` concurrent calls. Returns every call's result and timing.
 async fn burst_load(
     idem: &Idempotency,
     ledger: &Ledger,
@@ -534,7 +675,7 @@ async fn burst_load(
     burst: usize,
     wait: Option<Duration>,
     stop: Arc<AtomicBool>,
-) -> Vec<(String, Result<(String, Outcome), Error>)> {
+) -> Calls {
     let mut results = Vec::new();
     for key in keys {
         if stop.load(Ordering::SeqCst) {
@@ -544,6 +685,7 @@ async fn burst_load(
         for _ in 0..burst {
             let (idem, l, k) = (idem.clone(), ledger.clone(), key.clone());
             calls.push(tokio::spawn(async move {
+                let began = Instant::now();
                 let mut call = idem.call("load", &k);
                 if let Some(w) = wait {
                     call = call.wait(w);
@@ -555,7 +697,7 @@ async fn burst_load(
                         Ok::<_, Error>(format!("v-{k}"))
                     })
                     .await;
-                (k, r)
+                (k, r, began, Instant::now())
             }));
         }
         for c in calls {
@@ -607,13 +749,21 @@ async fn resharding_under_load_never_runs_a_body_twice() {
         let mut order = keys.clone();
         Rng::new(t + 100).shuffle(&mut order);
         loaders.push(tokio::spawn(async move {
-            burst_load(&idem, &ledger, &order, 4, Some(Duration::from_secs(20)), stop).await
+            burst_load(
+                &idem,
+                &ledger,
+                &order,
+                4,
+                Some(Duration::from_secs(20)),
+                stop,
+            )
+            .await
         }));
     }
     let mut unavailable = 0;
     let mut ok: BTreeMap<String, Vec<(String, Outcome)>> = BTreeMap::new();
     for l in loaders {
-        for (key, r) in l.await.unwrap() {
+        for (key, r, _, _) in l.await.unwrap() {
             match r {
                 Ok(v) => ok.entry(key).or_default().push(v),
                 Err(e) if is_unavailable(&e) => unavailable += 1,
@@ -643,12 +793,25 @@ async fn resharding_under_load_never_runs_a_body_twice() {
         }
     }
     for key in &keys {
-        assert_eq!(ledger.count(key), 1, "{key} ran {} times", ledger.count(key));
+        assert_eq!(
+            ledger.count(key),
+            1,
+            "{key} ran {} times",
+            ledger.count(key)
+        );
         for (v, _) in ok.get(key).into_iter().flatten() {
             assert_eq!(*v, format!("v-{key}"));
         }
-        let executed = ok.get(key).into_iter().flatten().filter(|(_, o)| o.ran_body()).count();
-        assert!(executed <= 1, "{key}: {executed} callers say they ran the body");
+        let executed = ok
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(|(_, o)| o.ran_body())
+            .count();
+        assert!(
+            executed <= 1,
+            "{key}: {executed} callers say they ran the body"
+        );
     }
     eprintln!(
         "resharding: {moved} slot moves over {} slots, {} calls ok, {unavailable} Unavailable",
@@ -681,7 +844,10 @@ async fn node_restart_under_load_gives_unavailable_or_success_never_a_duplicate(
     // again during the load: a restarted master (no persistence, no
     // replica) loses its records, so re-calling a key it held would rightly
     // run the body again.
-    let chunks: Vec<Vec<String>> = keys.chunks(keys.len() / 3).map(<[String]>::to_vec).collect();
+    let chunks: Vec<Vec<String>> = keys
+        .chunks(keys.len() / 3)
+        .map(<[String]>::to_vec)
+        .collect();
     let mut loaders = Vec::new();
     for chunk in chunks {
         let (idem, ledger, stop) = (idem.clone(), ledger.clone(), stop.clone());
@@ -706,7 +872,14 @@ async fn node_restart_under_load_gives_unavailable_or_success_never_a_duplicate(
     let mut unavailable = 0;
     let mut succeeded = 0;
     let mut ran: BTreeMap<String, usize> = BTreeMap::new();
-    for (key, r) in &results {
+    let (mut hit, mut after) = (0, 0);
+    for (key, r, began, ended) in &results {
+        if owner_of[key] == victim_node && *began < restart_ended && *ended > restart_began {
+            hit += 1;
+        }
+        if *began > restart_ended {
+            after += 1;
+        }
         match r {
             Ok((v, o)) => {
                 assert_eq!(*v, format!("v-{key}"));
@@ -730,7 +903,10 @@ async fn node_restart_under_load_gives_unavailable_or_success_never_a_duplicate(
             && n == 2
             && runs[0] < restart_ended
             && runs[1] > restart_began;
-        assert!(lost_record, "{key} ran {n} times and its record was not lost: {runs:?}");
+        assert!(
+            lost_record,
+            "{key} ran {n} times and its record was not lost: {runs:?}"
+        );
         explained.push(key);
     }
     for (key, n) in &ran {
@@ -740,38 +916,47 @@ async fn node_restart_under_load_gives_unavailable_or_success_never_a_duplicate(
         );
     }
     eprintln!(
-        "node restart: {} calls, {succeeded} ok, {unavailable} Unavailable, {} keys ran again \
+        "node restart: {} calls, {succeeded} ok, {unavailable} Unavailable; {hit} calls on the \
+         restarted master overlapped its restart, {after} calls began after it; {} keys ran again \
          because the restarted master lost their record: {explained:?}",
         results.len(),
         explained.len()
     );
     assert!(succeeded > 0);
+    assert!(hit > 0 && after > 0, "the load did not span the restart");
 
     // The cluster works again on every master, NOSCRIPT on the fresh node included.
     let fresh = spread_keys(&cluster.lock().unwrap(), "restart", "load", "after", 30);
     for key in &fresh {
         let l = ledger.clone();
         let k = key.clone();
-        let r = eventually(&format!("{key} works after the restart"), Duration::from_secs(30), || {
-            let (idem, l, k) = (idem.clone(), l.clone(), k.clone());
-            async move {
-                let r = idem
-                    .call("load", &k)
-                    .run_outcome(|| async {
-                        l.record(&k);
-                        Ok::<_, Error>(1u8)
-                    })
-                    .await;
-                match r {
-                    Ok(v) => Some(v),
-                    Err(e) if is_unavailable(&e) => None,
-                    Err(e) => panic!("{k}: {e}"),
+        let r = eventually(
+            &format!("{key} works after the restart"),
+            Duration::from_secs(30),
+            || {
+                let (idem, l, k) = (idem.clone(), l.clone(), k.clone());
+                async move {
+                    let r = idem
+                        .call("load", &k)
+                        .run_outcome(|| async {
+                            l.record(&k);
+                            Ok::<_, Error>(1u8)
+                        })
+                        .await;
+                    match r {
+                        Ok(v) => Some(v),
+                        Err(e) if is_unavailable(&e) => None,
+                        Err(e) => panic!("{k}: {e}"),
+                    }
                 }
-            }
-        })
+            },
+        )
         .await;
         assert_eq!(r, (1, Outcome::Executed));
-        let r = idem.call("load", key).run_outcome(|| async { Ok::<_, Error>(2u8) }).await;
+        let r = idem
+            .call("load", key)
+            .run_outcome(|| async { Ok::<_, Error>(2u8) })
+            .await;
         assert_eq!(r.unwrap(), (1, Outcome::Replayed));
         assert_eq!(ledger.count(key), 1, "{key}");
     }

@@ -56,6 +56,7 @@ enum Op {
         key: usize,
         token: u8,
         fp: Option<u8>,
+        long_lease: bool,
         long_ttl: bool,
     },
     Complete {
@@ -87,8 +88,8 @@ fn op() -> impl Strategy<Value = Op> {
         Just(ValueKind::Unstorable),
     ];
     prop_oneof![
-        5 => (key.clone(), tok.clone(), proptest::option::of(0u8..2), any::<bool>())
-            .prop_map(|(key, token, fp, long_ttl)| Op::Claim { key, token, fp, long_ttl }),
+        5 => (key.clone(), tok.clone(), proptest::option::of(0u8..2), prop::bool::weighted(0.2), any::<bool>())
+            .prop_map(|(key, token, fp, long_lease, long_ttl)| Op::Claim { key, token, fp, long_lease, long_ttl }),
         3 => (key.clone(), tok.clone(), any::<bool>(), kind, 0..VALUES.len())
             .prop_map(|(key, token, long_ttl, kind, value)| Op::Complete { key, token, long_ttl, kind, value }),
         2 => (key.clone(), tok.clone()).prop_map(|(key, token)| Op::Release { key, token }),
@@ -127,6 +128,7 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
             key,
             token: t,
             fp,
+            long_lease,
             long_ttl,
         } => {
             let (t, f) = (token(t), fp.map(fingerprint));
@@ -135,7 +137,9 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
                     .claim(Claim {
                         key: KEYS[key],
                         token: &t,
-                        lease: SHORT,
+                        // A long lease over a short TTL: both stores keep
+                        // the record for the lease.
+                        lease: if long_lease { LONG_LEASE } else { SHORT },
                         ttl: if long_ttl { LONG_TTL } else { SHORT },
                         fingerprint: f.as_ref(),
                     })
@@ -219,6 +223,7 @@ async fn run_case(
         key,
         token: 9,
         fp: None,
+        long_lease: false,
         long_ttl: true,
     });
     for op in ops.iter().copied().chain(probes) {
@@ -307,6 +312,7 @@ fn memory_and_redis_agree_on_every_transition() {
         key,
         token,
         fp,
+        long_lease: false,
         long_ttl,
     };
     let json = |key, token| Complete {
@@ -393,6 +399,27 @@ fn memory_and_redis_agree_on_every_transition() {
             claim(0, 1, None, true),
             Advance,
             claim(0, 1, Some(1), true),
+        ],
+        // a long lease over a short TTL: the record lives as long as the lease
+        vec![
+            Op::Claim {
+                key: 2,
+                token: 0,
+                fp: Some(1),
+                long_lease: true,
+                long_ttl: false,
+            },
+            Advance,
+            claim(2, 1, Some(1), false),
+            Extend {
+                key: 2,
+                token: 0,
+                long_lease: false,
+            },
+            Advance,
+            claim(2, 1, None, false),
+            Advance,
+            claim(2, 1, Some(0), true),
         ],
         // a lease that ran out but nobody took over: the holder may still finish
         vec![

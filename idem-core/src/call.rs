@@ -256,7 +256,11 @@ impl Exec<'_> {
         if let Some(hit) = self.cached() {
             return self.replay(&hit).map_err(E::from);
         }
-        let give_up_at = self.wait.map(|w| Instant::now() + w);
+        // Capped so that an absurd wait (`Duration::MAX`) waits "forever"
+        // instead of overflowing the clock.
+        let give_up_at = self
+            .wait
+            .map(|w| Instant::now() + w.min(Duration::from_secs(100 * 365 * 86_400)));
         let mut poll = Duration::from_millis(5);
         loop {
             let reply = match self.claim().await {

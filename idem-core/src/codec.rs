@@ -73,15 +73,25 @@ pub(crate) fn marker_error(kind: ValueKind, bytes: &[u8]) -> Option<Error> {
 
 /// Reads a stored result back as `T`.
 pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result<T, Error> {
-    let mismatch = |e: serde_json::Error| {
-        Error::Codec(format!(
-            "the stored result does not deserialize as `{}`: {e}; the result type changed since it \
-             was stored — change the scope (e.g. \"charge.v2\") when changing a result type",
-            std::any::type_name::<T>()
-        ))
+    let parse = |json: &[u8]| -> Result<T, Error> {
+        serde_json::from_slice(json).map_err(|e| {
+            // Only valid JSON of another shape is a changed type; bytes that
+            // are not JSON at all are a damaged or foreign record.
+            if serde_json::from_slice::<serde::de::IgnoredAny>(json).is_err() {
+                return Error::Corrupt(format!(
+                    "the stored value is not JSON ({e}); another program may share this key \
+                     space — use a distinct namespace, or delete the key"
+                ));
+            }
+            Error::Codec(format!(
+                "the stored result does not deserialize as `{}`: {e}; the result type changed since it \
+                 was stored — change the scope (e.g. \"charge.v2\") when changing a result type",
+                std::any::type_name::<T>()
+            ))
+        })
     };
     match c.kind {
-        ValueKind::Json => serde_json::from_slice(&c.value).map_err(mismatch),
+        ValueKind::Json => parse(&c.value),
         ValueKind::Lz4Json => {
             // Check the prepended size before lz4 allocates it: a damaged
             // record must not make us allocate gigabytes.
@@ -101,7 +111,7 @@ pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result
             let json = lz4_flex::decompress_size_prepended(&c.value).map_err(|e| {
                 Error::Corrupt(format!("compressed record does not decompress: {e}"))
             })?;
-            serde_json::from_slice(&json).map_err(mismatch)
+            parse(&json)
         }
         kind => Err(marker_error(kind, &c.value)
             .unwrap_or_else(|| Error::Corrupt(format!("unknown value kind {kind:?}")))),

@@ -84,9 +84,9 @@ impl<K: Display + ?Sized> Key for K {}
     label = "hashed to tell a retry from a different request that reuses the key",
     note = "fingerprint the request fields that matter (`fingerprint = (amount, currency)`), or derive `serde::Serialize`"
 )]
-pub trait Fingerprint: Serialize {}
+pub trait FingerprintValue: Serialize {}
 
-impl<F: Serialize + ?Sized> Fingerprint for F {}
+impl<F: Serialize + ?Sized> FingerprintValue for F {}
 
 /// The type of `using = <expr>`.
 #[diagnostic::on_unimplemented(
@@ -162,7 +162,7 @@ pub fn installed(idem: &Idempotency) -> Result<&Idempotency, Error> {
 
 /// `idem.call(scope, key)`.
 #[inline]
-pub fn call<'a, K: Key + ?Sized>(idem: &'a Idempotency, scope: &str, key: &K) -> Call<'a> {
+pub fn call<'a, K: Key + ?Sized>(idem: &'a Idempotency, scope: &'a str, key: &K) -> Call<'a> {
     idem.call(scope, key)
 }
 
@@ -186,7 +186,7 @@ pub fn wait(call: Call<'_>, d: Duration) -> Call<'_> {
 
 /// `call.fingerprint(value)`.
 #[inline]
-pub fn fingerprint<'a, F: Fingerprint + ?Sized>(call: Call<'a>, value: &F) -> Call<'a> {
+pub fn fingerprint<'a, F: FingerprintValue + ?Sized>(call: Call<'a>, value: &F) -> Call<'a> {
     call.fingerprint(value)
 }
 

@@ -72,7 +72,7 @@
 //! | malformed key, header sent twice | `400` [`invalid-key`](#invalid-key) |
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) | `413` [`request-too-large`](#request-too-large) |
 //! | first request with this key | the handler runs; its response goes to the client and, if storable, is stored |
-//! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s) |
+//! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s); if the runtime was built with a default `wait`, the duplicate first waits that long for the response |
 //! | same key, completed | the stored status, headers and body, with `Idempotent-Replayed: true`; the handler does not run |
 //! | same key, another method, path, query or body | `422` [`key-reused`](#key-reused) |
 //! | store unreachable | `503` [`store-unavailable`](#store-unavailable) with `Retry-After`; the handler does not run (fail-closed: the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
@@ -110,6 +110,12 @@
 //! client gets an answer and the server a free key; and a **dropped
 //! connection**: hyper drops the request's future when the client goes
 //! away, the runtime then releases the key at once.
+//!
+//! **Several layers.** A request that an outer `IdempotencyLayer` already
+//! handles (it carries an [`IdempotencyKey`] extension) passes through inner
+//! ones untouched, so a router-wide optional layer and a route-level
+//! `require_key(true)` layer combine: the route refuses requests without a
+//! key, and a request with one is claimed once, by the outer layer.
 //!
 //! ## Keys, scopes and tenants
 //!
@@ -161,6 +167,12 @@
 //! ### store-unavailable
 //! `503`: the idempotency store is unreachable; the handler did not run.
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
+// Nothing on a request's path may panic: errors are responses.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
+)]
 
 mod key;
 mod layer;

@@ -7,6 +7,7 @@ use crate::scope;
 use crate::stored::{FORMAT_VERSION, StoredResponse};
 use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED};
 use axum::body::Body;
+use axum::extract::OriginalUri;
 use bytes::{Bytes, BytesMut};
 use futures_util::future::{BoxFuture, FutureExt};
 use futures_util::stream::{self, StreamExt};
@@ -158,6 +159,12 @@ where
     if !cfg.methods.contains(request.method()) {
         return passthrough(inner, request).await;
     }
+    if request.extensions().get::<IdempotencyKey>().is_some() {
+        // An outer IdempotencyLayer already holds this request's key: claiming
+        // it again here would find it in flight and answer 409.
+        tracing::trace!("already under an outer idempotency layer: passing through");
+        return passthrough(inner, request).await;
+    }
     let (mut parts, body) = request.into_parts();
     let key = match key_from_headers(&parts.headers) {
         Ok(Some(key)) => key,
@@ -307,12 +314,18 @@ fn is_stored(status: StatusCode) -> bool {
     }
 }
 
-/// SHA-256 over method, path, query and body, each length-prefixed.
+/// SHA-256 over method, path, query and body, each length-prefixed. The
+/// path is the one the client sent, also under a `Router::nest` (which strips
+/// its prefix from the URI the inner router sees).
 fn request_fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let uri = parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
     Fingerprint::of_parts(&[
         parts.method.as_str().as_bytes(),
-        parts.uri.path().as_bytes(),
-        parts.uri.query().unwrap_or("").as_bytes(),
+        uri.path().as_bytes(),
+        uri.query().unwrap_or("").as_bytes(),
         body,
     ])
 }

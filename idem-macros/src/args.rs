@@ -16,6 +16,12 @@ pub(crate) const ARGUMENTS: &[&str] = &["key", "scope", "ttl", "lease", "wait", 
 /// Longest scope the runtime accepts, in bytes (`idem_core::MAX_KEY_LEN`).
 const MAX_SCOPE_LEN: usize = 255;
 
+/// The runtime's limits on a literal `ttl` and `lease` (it refuses other
+/// values with `Error::InvalidConfig` on every call; better to say so now).
+const MIN_DURATION: Duration = Duration::from_millis(1);
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
 /// What the duration errors suggest instead.
 const DURATION_FORMS: &str = "write a number with a unit, like \"500ms\", \"90s\", \"15m\", \"24h\" or \"7d\" \
      (units combine: \"1h 30m\"), or pass a `std::time::Duration` expression such as \
@@ -112,8 +118,12 @@ fn parse_list(input: ParseStream<'_>, errors: &mut Errors) -> syn::Result<Args> 
                 }
                 _ => "expected `name = value`, like `key = req.order_id` or `ttl = \"24h\"`".to_owned(),
             };
-            let span = skipped.first().map_or(start, TokenTree::span);
-            errors.push_spanned(span, msg);
+            if skipped.is_empty() {
+                errors.push_spanned(start, msg);
+            } else {
+                let tokens: TokenStream = skipped.into_iter().collect();
+                errors.push(syn::Error::new_spanned(tokens, msg));
+            }
             args.key_typo = true;
         }
         if input.is_empty() {
@@ -121,6 +131,7 @@ fn parse_list(input: ParseStream<'_>, errors: &mut Errors) -> syn::Result<Args> 
         }
         input.parse::<Token![,]>()?;
     }
+    args.check_limits(errors);
     Ok(args)
 }
 
@@ -191,6 +202,45 @@ impl Args {
             other => {
                 self.key_typo |= closest(other, ARGUMENTS.iter().copied()) == Some("key");
                 errors.push_spanned(name.span(), unknown_argument(other));
+            }
+        }
+    }
+}
+
+impl Args {
+    /// Checks literal durations against the runtime's limits and each other.
+    fn check_limits(&self, errors: &mut Errors) {
+        let lit = |d: &Option<DurationArg>| match d {
+            Some(DurationArg::Literal { value, span }) => Some((*value, *span)),
+            _ => None,
+        };
+        let fmt = format_duration;
+        for (name, arg, max, what) in [
+            ("ttl", &self.ttl, Some(MAX_TTL), "one year"),
+            ("lease", &self.lease, Some(MAX_LEASE), "one day"),
+            ("wait", &self.wait, None, ""),
+        ] {
+            let Some((value, span)) = lit(arg) else { continue };
+            if value < MIN_DURATION {
+                errors.push_spanned(span, format!("`{name}` is {}; use at least 1ms", fmt(value)));
+            } else if let Some(max) = max.filter(|&max| value > max) {
+                errors.push_spanned(
+                    span,
+                    format!("`{name}` is {}, over the {what} limit ({})", fmt(value), fmt(max)),
+                );
+            }
+        }
+        if let (Some((ttl, _)), Some((lease, span))) = (lit(&self.ttl), lit(&self.lease)) {
+            if lease > ttl && lease <= MAX_LEASE && ttl >= MIN_DURATION {
+                errors.push_spanned(
+                    span,
+                    format!(
+                        "`lease` ({}) is longer than `ttl` ({}); the ttl must cover the lease, \
+                         so shorten the lease or lengthen the ttl",
+                        fmt(lease),
+                        fmt(ttl)
+                    ),
+                );
             }
         }
     }
@@ -273,6 +323,28 @@ fn duration_arg(name: &str, value: Expr, errors: &mut Errors) -> Option<Duration
         _ => errors.push_spanned(span, format!("`{name}` is not a duration: {DURATION_FORMS}")),
     }
     None
+}
+
+/// `1d 2h 3m 4s 5ms`, zero parts left out, in the units the errors suggest
+/// (humantime's own format counts months of 30.44 days).
+pub(crate) fn format_duration(d: Duration) -> String {
+    if d < Duration::from_millis(1) {
+        return format!("{}ns", d.as_nanos()).replace("000ns", "us");
+    }
+    let secs = d.as_secs();
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs / 3600 % 24, "h"),
+        (secs / 60 % 60, "m"),
+        (secs % 60, "s"),
+        (u64::from(d.subsec_millis()), "ms"),
+    ];
+    let text: Vec<String> = parts
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect();
+    text.join(" ")
 }
 
 fn lit_text(lit: &Lit) -> String {
@@ -448,6 +520,39 @@ mod tests {
 
         let errs = parse_err(quote! { key = k, ttl = true });
         assert!(errs[0].starts_with("`ttl` is not a duration"), "{}", errs[0]);
+    }
+
+    #[test]
+    fn runtime_limits_on_literals() {
+        let errs = parse_err(quote! { key = k, ttl = "500us", lease = "2d", wait = "10ns" });
+        assert_eq!(
+            errs,
+            [
+                "`ttl` is 500us; use at least 1ms",
+                "`lease` is 2d, over the one day limit (1d)",
+                "`wait` is 10ns; use at least 1ms",
+            ]
+        );
+        let errs = parse_err(quote! { key = k, ttl = "400d" });
+        assert_eq!(errs, ["`ttl` is 400d, over the one year limit (365d)"]);
+        let errs = parse_err(quote! { key = k, ttl = "10m", lease = "1h" });
+        assert_eq!(
+            errs,
+            ["`lease` (1h) is longer than `ttl` (10m); the ttl must cover the lease, so shorten the lease or lengthen the ttl"]
+        );
+        // Equal is fine, and so are the limits themselves.
+        parse_ok(quote! { key = k, ttl = "1h", lease = "1h" });
+        parse_ok(quote! { key = k, ttl = "365d", lease = "1d", wait = "1ms" });
+        // Expressions are the runtime's to check.
+        parse_ok(quote! { key = k, ttl = Duration::ZERO, lease = "1h" });
+    }
+
+    #[test]
+    fn formats_durations() {
+        assert_eq!(format_duration(Duration::from_secs(90)), "1m 30s");
+        assert_eq!(format_duration(Duration::from_millis(86_400_500)), "1d 500ms");
+        assert_eq!(format_duration(Duration::from_micros(500)), "500us");
+        assert_eq!(format_duration(Duration::from_nanos(10)), "10ns");
     }
 
     #[test]

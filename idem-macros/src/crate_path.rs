@@ -22,23 +22,39 @@ pub(crate) fn runtime() -> TokenStream {
     }
 }
 
-/// Inside the `idem` package: `crate` for the `idem` library itself, `::idem`
-/// for its integration tests, examples, benches and doctests, which are
-/// separate crates that depend on it.
+/// Inside the `idem` package. Its integration tests, examples and benches
+/// are crates named after the target that depend on `idem`: `::idem`. When
+/// `CARGO_CRATE_NAME` is `idem`, the crate is either the library itself (where
+/// `::idem` does not resolve) or one of its doctests (rustdoc compiles them
+/// with the library's `CARGO_CRATE_NAME`, and with edition 2024's merged
+/// doctests nothing else tells them apart, while `crate::` does not resolve
+/// there). `::idem_core` resolves in both: the library depends on it, and
+/// doctests get every dependency of the package.
 fn itself() -> TokenStream {
     let crate_name = std::env::var("CARGO_CRATE_NAME").ok();
-    // rustdoc compiles each doctest with the library's CARGO_CRATE_NAME, but
-    // a doctest is its own crate; rustdoc marks those compilations with this.
-    let doctest = std::env::var_os("UNSTABLE_RUSTDOC_TEST_PATH").is_some();
-    if is_the_library(crate_name.as_deref(), doctest) {
-        quote!(crate)
-    } else {
-        absolute("idem")
+    match itself_path(crate_name.as_deref()) {
+        "idem_core" => match crate_name_of("idem-core") {
+            Some(name) => absolute(&name),
+            None => absolute("idem_core"),
+        },
+        other => absolute(other),
     }
 }
 
-fn is_the_library(crate_name: Option<&str>, doctest: bool) -> bool {
-    crate_name == Some("idem") && !doctest
+/// The name under which the package being compiled depends on `package`.
+fn crate_name_of(package: &str) -> Option<String> {
+    match crate_name(package) {
+        Ok(FoundCrate::Name(name)) => Some(name),
+        _ => None,
+    }
+}
+
+fn itself_path(crate_name: Option<&str>) -> &'static str {
+    if crate_name == Some("idem") {
+        "idem_core"
+    } else {
+        "idem"
+    }
 }
 
 fn absolute(name: &str) -> TokenStream {
@@ -52,10 +68,9 @@ mod tests {
 
     #[test]
     fn library_versus_its_other_targets() {
-        assert!(is_the_library(Some("idem"), false));
-        assert!(!is_the_library(Some("idem"), true), "doctests are separate crates");
-        assert!(!is_the_library(Some("basic"), false), "integration test");
-        assert!(!is_the_library(None, false));
+        assert_eq!(itself_path(Some("idem")), "idem_core", "the library or its doctests");
+        assert_eq!(itself_path(Some("basic")), "idem", "an integration test or example");
+        assert_eq!(itself_path(None), "idem", "not built by cargo");
     }
 
     #[test]

@@ -5,7 +5,7 @@ use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{quote, quote_spanned, ToTokens};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
-use syn::{Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Signature, Type};
+use syn::{Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Signature};
 
 /// Entry point: never fails; errors come back as `compile_error!`s followed
 /// by the function exactly as written, so that its callers do not add a
@@ -316,18 +316,25 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
             return __idem_fake_return;
         }
     };
-    // Everything about the result is spanned on the return type: a `T`
-    // that is not `Serialize`, an `E` without `From<idem::Error>`, a type
-    // that is not a `Result`.
-    let (ok_ty, err_ty) = result_args(ret);
-    let private_ret = private(ret_span);
-    let run = quote_spanned! {ret_span=>
-        #private_ret::run::<#ok_ty, #err_ty, #ret, _, _>(__idem_call, move || async move {
-            #fake_return
-            #block
-        })
-        .await
-    };
+    // Every bound about the result (a `T` that is not `Serialize`, an `E`
+    // without `From<idem::Error>`, a type that is not a `Result`) fails on the
+    // path to `run`, on the call, and on its `.await`. All three get the same
+    // span, the return type's, so rustc reports each failure once, with the
+    // message of `__private`'s traits.
+    let run_path = respan(quote!(#krate::__private::run::<#ret, _, _>), ret_span);
+    let mut run_args = proc_macro2::Group::new(
+        proc_macro2::Delimiter::Parenthesis,
+        quote! {
+            __idem_call,
+            move || async move {
+                #fake_return
+                #block
+            }
+        },
+    );
+    run_args.set_span(ret_span);
+    let await_ = quote_spanned!(ret_span=> .await);
+    let run = quote!(#run_path #run_args #await_);
 
     quote! {
         #(#attrs)*
@@ -360,34 +367,6 @@ fn respan(tokens: TokenStream, span: Span) -> TokenStream {
             tt
         })
         .collect()
-}
-
-/// Placeholders for the `Ok` and `Err` types of the turbofish of
-/// `__private::run`: `_`, but spanned on `T` and `E` when the return type is
-/// spelled `Result<T, E>`, so "not Serialize" and "no From<idem::Error>"
-/// point at the type in question. The types themselves are inferred from the
-/// return type, so an alias named `Result` with other parameters still works.
-fn result_args(ret: &Type) -> (TokenStream, TokenStream) {
-    let whole = ret.span();
-    let mut spans = (whole, whole);
-    if let Type::Path(p) = ret {
-        if let Some(last) = p.path.segments.last() {
-            if let syn::PathArguments::AngleBracketed(a) = &last.arguments {
-                let types: Vec<_> = a
-                    .args
-                    .iter()
-                    .filter_map(|g| match g {
-                        syn::GenericArgument::Type(t) => Some(t.span()),
-                        _ => None,
-                    })
-                    .collect();
-                if last.ident == "Result" && types.len() == 2 {
-                    spans = (types[0], types[1]);
-                }
-            }
-        }
-    }
-    (quote_spanned!(spans.0=> _), quote_spanned!(spans.1=> _))
 }
 
 #[cfg(test)]
@@ -426,7 +405,7 @@ mod tests {
         assert!(out.contains(":: idem :: __private :: call (__idem , :: core :: concat ! (:: core :: module_path ! () , \"::\" , \"charge\") , & (req . order_id))"), "{out}");
         assert!(out.contains(":: idem :: __private :: ttl (__idem_call , :: core :: time :: Duration :: new (86400u64 , 0u32))"), "{out}");
         assert!(out.contains("let __idem_fake_return : Result < Receipt , PaymentError > = loop { } ;"), "{out}");
-        assert!(out.contains(":: idem :: __private :: run :: < _ , _ , Result < Receipt , PaymentError > , _ , _ > (__idem_call , move || async move {"), "{out}");
+        assert!(out.contains(":: idem :: __private :: run :: < Result < Receipt , PaymentError > , _ , _ > (__idem_call , move || async move {"), "{out}");
         assert!(out.contains("{ body_marker (req) }"), "{out}");
         for absent in ["__private :: lease", "__private :: wait", "__private :: fingerprint", "using"] {
             assert!(!out.contains(absent), "{absent}: {out}");
@@ -594,11 +573,4 @@ mod tests {
         assert!(errs[0].starts_with("#[idempotent] needs a function body"), "{errs:?}");
     }
 
-    #[test]
-    fn result_args_are_spanned_placeholders() {
-        let (t, e) = result_args(&syn::parse_quote!(Result<Receipt, PaymentError>));
-        assert_eq!((t.to_string(), e.to_string()), ("_".into(), "_".into()));
-        let (t, _) = result_args(&syn::parse_quote!(io::Result<u8>));
-        assert_eq!(t.to_string(), "_");
-    }
 }

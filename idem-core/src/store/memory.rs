@@ -1,6 +1,6 @@
 //! `MemoryStore`: the same state machine as the Lua scripts, in process memory.
 
-use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
+use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply, store_duration};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -140,10 +140,11 @@ fn mismatch(given: Option<&Fingerprint>, stored: Option<&Fingerprint>) -> bool {
 impl Store for MemoryStore {
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         let now = Instant::now();
-        let ttl = c.ttl.max(c.lease);
+        let lease = store_duration(c.lease);
+        let ttl = store_duration(c.ttl).max(lease);
         let pending = |attempt| State::Pending {
             token: *c.token,
-            deadline: now + c.lease,
+            deadline: now + lease,
             attempt,
         };
         let mut map = self.lock();
@@ -215,7 +216,7 @@ impl Store for MemoryStore {
             kind,
             value: Bytes::copy_from_slice(value),
         };
-        entry.expires_at = now + ttl.max(Duration::from_millis(1));
+        entry.expires_at = now + store_duration(ttl);
         map.note_write(now);
         Ok(WriteReply::Done)
     }
@@ -232,6 +233,7 @@ impl Store for MemoryStore {
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         let now = Instant::now();
+        let lease = store_duration(lease);
         let mut map = self.lock();
         let entry = match map.owned(key, token, now) {
             Ok(e) => e,

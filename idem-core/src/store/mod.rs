@@ -211,7 +211,21 @@ pub trait Store: Send + Sync + 'static {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error>;
 }
 
-/// Whole milliseconds, at least 1: stores count leases and TTLs in ms.
+/// Longest lease or TTL a store keeps, in ms (about 317 years). The builder
+/// caps TTLs at a year; longer durations given to a `Store` directly are
+/// clamped so that memory never overflows an `Instant` and Lua (whose
+/// numbers print as integers only below 1e14) never writes an unusable one.
+const MAX_STORE_MS: u64 = 10_000_000_000_000;
+
+/// Whole milliseconds, at least 1, at most `MAX_STORE_MS`: stores count
+/// leases and TTLs in ms.
 pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, MAX_STORE_MS)
+}
+
+/// `d` as the stores count it (see [`millis`]), so memory and Redis agree.
+pub(crate) fn store_duration(d: Duration) -> Duration {
+    Duration::from_millis(millis(d))
 }

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script, ScriptInvocation, ServerErrorKind, Value};
+use redis::{Cmd, RedisError, Script, ServerErrorKind, Value};
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -282,14 +282,68 @@ impl RedisStore {
         Ok(())
     }
 
-    async fn eval(&self, op: &'static str, inv: &ScriptInvocation<'_>) -> Result<Value, Error> {
+    /// Runs `cmd` (from [`evalsha`]) and, when Redis no longer has the
+    /// script (`NOSCRIPT`: SCRIPT FLUSH, restart, fail-over), loads it and
+    /// sends the same command once more, as `redis::Script` does.
+    async fn eval(&self, op: &'static str, script: &Script, cmd: &Cmd) -> Result<Value, Error> {
         let reply = match &self.conn {
-            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-            Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+            // The manager's own method: `ConnectionLike::req_packed_command`
+            // would box one more future per call.
+            Conn::Single(c) => {
+                let mut c = c.clone();
+                match server_error(c.send_packed_command(cmd).await) {
+                    Err(e) if is_noscript(&e) => match script.load_async(&mut c).await {
+                        Ok(_) => server_error(c.send_packed_command(cmd).await),
+                        Err(e) => Err(e),
+                    },
+                    other => other,
+                }
+            }
+            Conn::Cluster(c) => {
+                let mut c = c.clone();
+                match server_error(
+                    redis::aio::ConnectionLike::req_packed_command(&mut c, cmd).await,
+                ) {
+                    Err(e) if is_noscript(&e) => match script.load_async(&mut c).await {
+                        Ok(_) => server_error(
+                            redis::aio::ConnectionLike::req_packed_command(&mut c, cmd).await,
+                        ),
+                        Err(e) => Err(e),
+                    },
+                    other => other,
+                }
+            }
         };
         reply.map_err(|e| classify(op, e))
     }
 }
+
+/// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
+/// arguments: the command is written once, straight into the buffer the
+/// connection packs from (`ScriptInvocation` first copies every key and
+/// argument into a `Vec<Vec<u8>>` of its own, then into a `Cmd`).
+fn evalsha(script: &Script, key: &str, args: usize, extra: usize) -> Cmd {
+    let hash = script.get_hash();
+    let mut cmd = Cmd::with_capacity(4 + args, 7 + hash.len() + 1 + key.len() + extra);
+    cmd.arg("EVALSHA").arg(hash).arg("1").arg(key);
+    cmd
+}
+
+/// A top-level error reply as an `Err`, as `Cmd::query_async` would give it
+/// (the scripts never put errors inside an array).
+fn server_error(reply: Result<Value, RedisError>) -> Result<Value, RedisError> {
+    match reply? {
+        Value::ServerError(e) => Err(e.into()),
+        v => Ok(v),
+    }
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+/// Decimal digits of a millisecond count (at most 20).
+const MS_DIGITS: usize = 20;
 
 fn bad_url(e: RedisError) -> Error {
     // The URL itself is not repeated: it may carry a password.
@@ -299,8 +353,11 @@ fn bad_url(e: RedisError) -> Error {
 }
 
 fn classify(op: &'static str, e: RedisError) -> Error {
+    // Redis refuses a command called by a script with ERR, not NOPERM.
+    let denied = matches!(e.kind(), redis::ErrorKind::Server(ServerErrorKind::NoPerm))
+        || e.to_string().contains("can't run this command");
     let reason = match e.kind() {
-        redis::ErrorKind::Server(ServerErrorKind::NoPerm) => format!(
+        _ if denied => format!(
             "Redis ACL denied the command ({e}); grant the commands listed in the README's ACL section"
         ),
         _ if e.code() == Some("OOM") => format!(
@@ -364,7 +421,12 @@ fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Error> {
         Value::Int(0) => Ok(WriteReply::Missing),
         Value::Int(2) => Ok(WriteReply::OtherOwner),
         Value::Int(3) => Ok(WriteReply::AlreadyCompleted),
-        Value::Int(6) => Err(unreadable(b"")),
+        // The write scripts do not send the record back: say what it is not.
+        Value::Int(6) => Err(Error::Corrupt(
+            "the key holds bytes that are not an idem record this build can read (damaged, \
+             another program's, or a newer idem's format); use a distinct namespace, or delete the key"
+                .to_owned(),
+        )),
         Value::Int(7) => Err(wrong_type()),
         other => Err(protocol(op, &other)),
     }
@@ -374,12 +436,13 @@ fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Error> {
 impl Store for RedisStore {
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let fp: &[u8] = claim.fingerprint.map_or(&[], |f| f.as_bytes());
-        let mut inv = SCRIPTS.claim.key(claim.key);
-        inv.arg(claim.token.as_bytes().as_slice())
+        let script = &SCRIPTS.claim;
+        let mut cmd = evalsha(script, claim.key, 4, 32 + 2 * MS_DIGITS + fp.len());
+        cmd.arg(claim.token.as_bytes().as_slice())
             .arg(millis(claim.lease))
             .arg(millis(claim.ttl.max(claim.lease)))
             .arg(fp);
-        parse_claim(self.eval("claim", &inv).await?)
+        parse_claim(self.eval("claim", script, &cmd).await?)
     }
 
     async fn complete(
@@ -390,23 +453,26 @@ impl Store for RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        let mut inv = SCRIPTS.complete.key(key);
-        inv.arg(token.as_bytes().as_slice())
+        let script = &SCRIPTS.complete;
+        let mut cmd = evalsha(script, key, 4, 32 + MS_DIGITS + 1 + value.len());
+        cmd.arg(token.as_bytes().as_slice())
             .arg(millis(ttl))
             .arg(&[kind.tag()][..])
             .arg(value);
-        parse_write("complete", self.eval("complete", &inv).await?)
+        parse_write("complete", self.eval("complete", script, &cmd).await?)
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        let mut inv = SCRIPTS.release.key(key);
-        inv.arg(token.as_bytes().as_slice());
-        parse_write("release", self.eval("release", &inv).await?)
+        let script = &SCRIPTS.release;
+        let mut cmd = evalsha(script, key, 1, 32);
+        cmd.arg(token.as_bytes().as_slice());
+        parse_write("release", self.eval("release", script, &cmd).await?)
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        let mut inv = SCRIPTS.extend.key(key);
-        inv.arg(token.as_bytes().as_slice()).arg(millis(lease));
-        parse_write("extend", self.eval("extend", &inv).await?)
+        let script = &SCRIPTS.extend;
+        let mut cmd = evalsha(script, key, 2, 32 + MS_DIGITS);
+        cmd.arg(token.as_bytes().as_slice()).arg(millis(lease));
+        parse_write("extend", self.eval("extend", script, &cmd).await?)
     }
 }

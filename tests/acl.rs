@@ -1,0 +1,586 @@
+//! The minimal Redis ACL an idem deployment needs (docs/reliability.md,
+//! "Redis ACL"), what a missing permission looks like, and that keys are
+//! not logged in clear by default.
+
+use idem::{Claim, Error, FailMode, Idempotency, Outcome, RedisStore, Store, Token};
+use idem_testkit::RedisServer;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const USER: &str = "idem";
+const PASSWORD: &str = "s3cret-pw";
+
+/// The ACL of docs/reliability.md for namespace `payments`: the commands
+/// the client sends (EVALSHA, SCRIPT LOAD after a SCRIPT FLUSH or a
+/// restart) and the ones the scripts call, on the namespace's keys only.
+const MINIMAL: &[&str] = &[
+    "on",
+    ">s3cret-pw",
+    "resetkeys",
+    "~payments:*",
+    "resetchannels",
+    "-@all",
+    "+evalsha",
+    "+script|load",
+    "+get",
+    "+set",
+    "+del",
+    "+pttl",
+    "+pexpire",
+    "+time",
+];
+
+fn set_user(server: &RedisServer, rules: &[&str]) {
+    let mut args = vec!["ACL", "SETUSER", USER, "reset"];
+    args.extend_from_slice(rules);
+    assert_eq!(server.cli(&args), "OK", "ACL SETUSER {rules:?}");
+}
+
+/// MINIMAL without `drop`.
+fn minimal_without(drop: &str) -> Vec<&'static str> {
+    let v: Vec<&'static str> = MINIMAL.iter().copied().filter(|r| *r != drop).collect();
+    assert_eq!(v.len(), MINIMAL.len() - 1, "{drop} is not in MINIMAL");
+    v
+}
+
+/// The `object` of each ACL LOG entry (as redis-cli prints it): the
+/// command or key that was denied.
+fn denied_commands(log: &str) -> Vec<String> {
+    let lines: Vec<&str> = log
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines
+        .windows(2)
+        .filter(|w| w[0] == "object")
+        .map(|w| w[1].to_owned())
+        .collect()
+}
+
+fn user_url(server: &RedisServer) -> String {
+    format!("redis://{USER}:{PASSWORD}@127.0.0.1:{}/", server.port())
+}
+
+#[derive(Default)]
+struct Runs(AtomicUsize);
+
+impl Runs {
+    fn body<T>(&self, v: T) -> impl Future<Output = Result<T, Error>> + use<T> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        async move { Ok(v) }
+    }
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn assert_acl_error(e: &Error, op: &str, case: &str) {
+    match e {
+        Error::Unavailable { op: o, reason } => {
+            assert_eq!(*o, op, "{case}: {e}");
+            assert!(
+                reason.contains("Redis ACL denied the command"),
+                "{case}: {reason}"
+            );
+            assert!(reason.contains("README's ACL section"), "{case}: {reason}");
+        }
+        other => panic!("{case}: expected Unavailable naming the ACL, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn minimal_acl_user_runs_the_core_semantics() {
+    let server = RedisServer::start();
+    set_user(&server, MINIMAL);
+    server.cli(&["ACL", "LOG", "RESET"]);
+    let store = RedisStore::connect(&user_url(&server))
+        .await
+        .expect("connect as the ACL user");
+    let idem = Idempotency::builder(store.clone())
+        .namespace("payments")
+        .lease(Duration::from_millis(300))
+        .build();
+    let runs = Runs::default();
+
+    // claim, run, replay
+    let first = idem
+        .call("charge", "order-1")
+        .fingerprint(&500)
+        .run_outcome(|| runs.body(500u64))
+        .await;
+    assert_eq!(first.unwrap(), (500, Outcome::Executed));
+    let again = idem
+        .call("charge", "order-1")
+        .fingerprint(&500)
+        .run_outcome(|| runs.body(0u64))
+        .await;
+    assert_eq!(again.unwrap(), (500, Outcome::Replayed));
+    let other = idem
+        .call("charge", "order-1")
+        .fingerprint(&501)
+        .run(|| runs.body(0u64))
+        .await;
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch)),
+        "{other:?}"
+    );
+    assert_eq!(runs.get(), 1);
+
+    // release: an error from the body frees the key
+    let failed: Result<u64, Error> = idem
+        .call("charge", "order-2")
+        .run(|| async { Err(Error::Codec("provider said no".into())) })
+        .await;
+    assert!(failed.is_err());
+    let retried = idem
+        .call("charge", "order-2")
+        .run_outcome(|| runs.body(2u64))
+        .await;
+    assert_eq!(retried.unwrap(), (2, Outcome::Executed));
+
+    // extend: a 1.2 s body under a 300 ms lease keeps its key; a duplicate
+    // arriving after the first lease would have run out is still refused.
+    let long = idem.call("charge", "order-3").run_outcome(|| async {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        Ok::<_, Error>(3u64)
+    });
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        idem.call("charge", "order-3")
+            .run(|| runs.body(33u64))
+            .await
+    };
+    let (long, duplicate) = tokio::join!(long, duplicate);
+    assert_eq!(long.unwrap(), (3, Outcome::Executed));
+    assert!(
+        matches!(duplicate, Err(Error::InProgress { .. })),
+        "extend did not keep the lease: {duplicate:?}"
+    );
+
+    // takeover of a lease nobody renews
+    let stale = Token::from_u128(7);
+    let claim = Claim {
+        key: "payments:charge:order-4",
+        token: &stale,
+        lease: Duration::from_millis(100),
+        ttl: Duration::from_secs(60),
+        fingerprint: None,
+    };
+    store.claim(claim).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let recovered = idem
+        .call("charge", "order-4")
+        .run_outcome(|| runs.body(4u64))
+        .await;
+    assert_eq!(recovered.unwrap(), (4, Outcome::Recovered));
+
+    // SCRIPT FLUSH (or a restart, or a fail-over): the client reloads the
+    // scripts with SCRIPT LOAD and carries on.
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    let after_flush = idem
+        .call("charge", "order-5")
+        .run_outcome(|| runs.body(5u64))
+        .await;
+    assert_eq!(after_flush.unwrap(), (5, Outcome::Executed));
+    let replay_after_flush = idem.call("charge", "order-1").run(|| runs.body(0u64)).await;
+    assert_eq!(replay_after_flush.unwrap(), 500);
+
+    // Nothing the client or the scripts sent was denied (CLIENT SETINFO on
+    // connect is the one exception, see below).
+    let log = server.cli(&["ACL", "LOG"]);
+    eprintln!("ACL LOG after the run:\n{log}");
+    let denied = denied_commands(&log);
+    assert!(
+        denied.iter().all(|d| d.starts_with("client|setinfo")),
+        "the minimal ACL denied something idem needs: {denied:?}\n{log}"
+    );
+
+    // The user can do nothing else: no other command, no other key.
+    let mut con = redis::Client::open(user_url(&server))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for cmd in [
+        redis::cmd("FLUSHALL"),
+        redis::cmd("KEYS").arg("*").to_owned(),
+        redis::cmd("EVAL").arg("return 1").arg(0).to_owned(),
+    ] {
+        let e = cmd.query::<redis::Value>(&mut con).unwrap_err();
+        assert!(e.to_string().contains("no permissions"), "{e}");
+    }
+    let e = redis::cmd("GET")
+        .arg("other:key")
+        .query::<redis::Value>(&mut con)
+        .unwrap_err();
+    assert!(e.to_string().contains("no permissions"), "{e}");
+}
+
+/// redis-rs sends CLIENT SETINFO on connect and ignores a refusal: the
+/// minimal ACL need not grant it. Redis 7.0/7.1 do not know the command at
+/// all; on 7.2 and later it is refused (and noted in ACL LOG) unless
+/// `+client|setinfo` is granted, and idem works either way.
+#[tokio::test]
+async fn client_setinfo_is_optional() {
+    let server = RedisServer::start();
+    let known = server.cli(&["ACL", "SETUSER", "probe", "+client|setinfo"]) == "OK";
+    for grant in [false, true] {
+        if grant && !known {
+            eprintln!("this Redis has no CLIENT SETINFO (before 7.2): nothing to grant");
+            break;
+        }
+        let mut rules = MINIMAL.to_vec();
+        if grant {
+            rules.push("+client|setinfo");
+        }
+        set_user(&server, &rules);
+        server.cli(&["ACL", "LOG", "RESET"]);
+        let idem = Idempotency::builder(RedisStore::connect(&user_url(&server)).await.unwrap())
+            .namespace("payments")
+            .build();
+        let v: u8 = idem
+            .call("charge", "k")
+            .run(|| async { Ok::<_, Error>(1) })
+            .await
+            .unwrap();
+        assert_eq!(v, 1);
+        let log = server.cli(&["ACL", "LOG"]);
+        if grant || !known {
+            assert!(log.trim().is_empty(), "nothing should be denied: {log}");
+        } else {
+            assert!(
+                log.contains("client|setinfo"),
+                "expected the SETINFO refusal in ACL LOG: {log}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn missing_evalsha_is_unavailable_naming_the_acl() {
+    let server = RedisServer::start();
+    set_user(&server, &minimal_without("+evalsha"));
+    // SCRIPT LOAD still works, so connecting does.
+    let store = RedisStore::connect(&user_url(&server))
+        .await
+        .expect("connect");
+    let idem = Idempotency::builder(store.clone())
+        .namespace("payments")
+        .build();
+    let runs = Runs::default();
+    let r: Result<u8, Error> = idem.call("charge", "order-1").run(|| runs.body(1)).await;
+    assert_acl_error(&r.unwrap_err(), "claim", "no EVALSHA");
+    assert_eq!(runs.get(), 0, "the body ran without a claim");
+    // FailMode::Open treats a denial like an outage: the body runs without
+    // protection (and a warning is logged). A broken ACL under fail-open is
+    // silent duplicates: one more reason to test the ACL before deploying.
+    let open = Idempotency::builder(store)
+        .namespace("payments")
+        .fail_mode(FailMode::Open)
+        .build();
+    let r = open
+        .call("charge", "order-1")
+        .run_outcome(|| runs.body(2u8))
+        .await;
+    assert_eq!(r.unwrap(), (2, Outcome::Unprotected));
+}
+
+#[tokio::test]
+async fn missing_script_load_fails_at_connect() {
+    let server = RedisServer::start();
+    set_user(&server, &minimal_without("+script|load"));
+    let e = RedisStore::connect(&user_url(&server)).await.unwrap_err();
+    assert_acl_error(&e, "connect", "no SCRIPT LOAD");
+}
+
+/// A command the scripts call but the user may not run is reported as an
+/// ACL problem too, never as a corrupt record.
+#[tokio::test]
+async fn missing_script_commands_are_unavailable_naming_the_acl() {
+    let server = RedisServer::start();
+    for cmd in ["+get", "+set", "+time", "+pttl"] {
+        set_user(&server, &minimal_without(cmd));
+        let store = RedisStore::connect(&user_url(&server))
+            .await
+            .expect("connect");
+        let idem = Idempotency::builder(store.clone())
+            .namespace("payments")
+            .build();
+        let runs = Runs::default();
+        // +pttl is used only on a completed record: plant one as the admin.
+        let _: () = redis::cmd("SET")
+            .arg("payments:charge:done")
+            .arg(b"1C\x00\"x\"")
+            .arg("PX")
+            .arg(60_000)
+            .query(&mut server.connection())
+            .unwrap();
+        let key = if cmd == "+pttl" { "done" } else { "order-1" };
+        let r: Result<String, Error> = idem
+            .call("charge", key)
+            .run(|| runs.body("x".to_owned()))
+            .await;
+        assert_acl_error(&r.unwrap_err(), "claim", cmd);
+        assert_eq!(runs.get(), 0, "{cmd}");
+        server.flushall();
+    }
+    // +del and +pexpire are used by release and extend.
+    for cmd in ["+del", "+pexpire"] {
+        set_user(&server, &minimal_without(cmd));
+        let store = RedisStore::connect(&user_url(&server))
+            .await
+            .expect("connect");
+        let token = Token::from_u128(1);
+        let claim = Claim {
+            key: "payments:charge:order-2",
+            token: &token,
+            lease: Duration::from_millis(100),
+            ttl: Duration::from_millis(100),
+            fingerprint: None,
+        };
+        store.claim(claim).await.unwrap();
+        let e = if cmd == "+del" {
+            store.release(claim.key, &token).await.unwrap_err()
+        } else {
+            store
+                .extend(claim.key, &token, Duration::from_secs(1))
+                .await
+                .unwrap_err()
+        };
+        assert_acl_error(&e, if cmd == "+del" { "release" } else { "extend" }, cmd);
+    }
+}
+
+#[tokio::test]
+async fn key_outside_the_pattern_is_refused() {
+    let server = RedisServer::start();
+    set_user(&server, MINIMAL);
+    let store = RedisStore::connect(&user_url(&server)).await.unwrap();
+    let payments = Idempotency::builder(store.clone())
+        .namespace("payments")
+        .build();
+    let orders = Idempotency::builder(store.clone())
+        .namespace("orders")
+        .build();
+    let runs = Runs::default();
+    let ok: u8 = payments
+        .call("charge", "k")
+        .run(|| runs.body(1))
+        .await
+        .unwrap();
+    assert_eq!(ok, 1);
+    let refused: Result<u8, Error> = orders.call("create", "k").run(|| runs.body(2)).await;
+    assert_acl_error(
+        &refused.unwrap_err(),
+        "claim",
+        "namespace outside ~payments:*",
+    );
+    assert_eq!(runs.get(), 1);
+    // The permitted namespace is unaffected.
+    let again: u8 = payments
+        .call("charge", "k")
+        .run(|| runs.body(0))
+        .await
+        .unwrap();
+    assert_eq!((again, runs.get()), (1, 1));
+    assert_eq!(server.cli(&["EXISTS", "orders:create:k"]), "0");
+}
+
+// ------------------------------------------------------------- logging ---
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Runs every logging path once (executed, replayed, in progress,
+/// fingerprint mismatch, body error, refused key) with a subscriber that
+/// records spans and events at TRACE, and returns what it wrote.
+async fn captured_logs(idem: &Idempotency, key: &str) -> String {
+    let out = Captured::default();
+    let writer = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let _: u8 = idem
+        .call("charge", key)
+        .fingerprint(&1)
+        .run(|| async { Ok::<_, Error>(1) })
+        .await
+        .unwrap();
+    let _: u8 = idem
+        .call("charge", key)
+        .fingerprint(&1)
+        .run(|| async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    let mismatch: Result<u8, Error> = idem
+        .call("charge", key)
+        .fingerprint(&2)
+        .run(|| async { Ok(3) })
+        .await;
+    assert!(matches!(mismatch, Err(Error::FingerprintMismatch)));
+    let failing = format!("{key}/failing");
+    let _: Result<u8, Error> = idem
+        .call("charge", &failing)
+        .run(|| async { Err(Error::Codec("no".into())) })
+        .await;
+    let busy = format!("{key}/busy");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let holder = idem.call("charge", &busy).run(|| async move {
+        let _ = rx.await;
+        Ok::<_, Error>(4u8)
+    });
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let r: Result<u8, Error> = idem.call("charge", &busy).run(|| async { Ok(5) }).await;
+        let _ = tx.send(());
+        r
+    };
+    let (h, d) = tokio::join!(holder, duplicate);
+    assert_eq!(h.unwrap(), 4);
+    assert!(matches!(d, Err(Error::InProgress { .. })));
+    out.text()
+}
+
+#[tokio::test]
+async fn keys_are_not_logged_in_clear_by_default() {
+    let server = RedisServer::start();
+    let redis = RedisStore::connect(&server.url()).await.unwrap();
+    let key = "alice@example.com-order-4242";
+    for store in ["memory", "redis"] {
+        let builder = |ns: &str| {
+            let b = match store {
+                "memory" => Idempotency::builder(idem::MemoryStore::new()),
+                _ => Idempotency::builder(redis.clone()),
+            };
+            b.namespace(ns)
+        };
+        let hidden = captured_logs(&builder("hidden").build(), key).await;
+        assert!(
+            hidden.contains("idem.call"),
+            "{store}: no span captured:\n{hidden}"
+        );
+        assert!(
+            hidden.contains("key=\"#"),
+            "{store}: the key digest is missing:\n{hidden}"
+        );
+        assert!(
+            hidden.contains("WARN"),
+            "{store}: the warning paths did not log:\n{hidden}"
+        );
+        assert!(
+            !hidden.contains("alice"),
+            "{store}: the key leaked into the logs:\n{hidden}"
+        );
+
+        let shown = captured_logs(&builder("shown").log_keys(true).build(), key).await;
+        assert!(
+            shown.contains(key),
+            "{store}: log_keys(true) should show the key:\n{shown}"
+        );
+    }
+}
+
+/// A Redis Cluster deployment also needs what the cluster client sends on
+/// its own: PING on each node connection, CLUSTER SLOTS for the topology,
+/// ASKING for a slot being migrated.
+const CLUSTER_EXTRA: &[&str] = &["+ping", "+cluster|slots", "+asking"];
+
+#[tokio::test]
+async fn cluster_acl_adds_ping_cluster_slots_and_asking() {
+    let cluster = idem_testkit::RedisCluster::start();
+    let mut rules = MINIMAL.to_vec();
+    rules.extend_from_slice(CLUSTER_EXTRA);
+    for node in cluster.nodes() {
+        set_user(node, &rules);
+        node.cli(&["ACL", "LOG", "RESET"]);
+    }
+    let urls: Vec<String> = cluster.nodes().iter().map(user_url).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let store = RedisStore::connect_cluster(&urls)
+        .await
+        .expect("connect to the cluster as the ACL user");
+    let idem = Idempotency::builder(store).namespace("payments").build();
+    let runs = Runs::default();
+    for i in 0..30u32 {
+        let key = format!("order-{i}");
+        let first = idem.call("charge", &key).run_outcome(|| runs.body(i)).await;
+        assert_eq!(first.unwrap(), (i, Outcome::Executed), "{key}");
+        let again = idem.call("charge", &key).run_outcome(|| runs.body(0)).await;
+        assert_eq!(again.unwrap(), (i, Outcome::Replayed), "{key}");
+    }
+    // NOSCRIPT on every node is recovered with SCRIPT LOAD.
+    for node in cluster.nodes() {
+        assert_eq!(node.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    let v: u32 = idem
+        .call("charge", "after-flush")
+        .run(|| runs.body(7))
+        .await
+        .unwrap();
+    assert_eq!(v, 7);
+    for node in cluster.nodes() {
+        let log = node.cli(&["ACL", "LOG"]);
+        assert!(log.trim().is_empty(), "node {}: denied: {log}", node.port());
+    }
+    // Without CLUSTER SLOTS the client cannot learn the topology.
+    for node in cluster.nodes() {
+        let mut r = rules.clone();
+        r.retain(|x| *x != "+cluster|slots");
+        set_user(node, &r);
+    }
+    let e = RedisStore::connect_cluster(&urls).await.unwrap_err();
+    assert_acl_error(&e, "connect", "no CLUSTER SLOTS");
+    // The PING on each new node connection is sent but its refusal is
+    // ignored: without +ping idem works, and ACL LOG notes the refusals.
+    for node in cluster.nodes() {
+        let mut r = rules.clone();
+        r.retain(|x| *x != "+ping");
+        set_user(node, &r);
+        node.cli(&["ACL", "LOG", "RESET"]);
+    }
+    let store = RedisStore::connect_cluster(&urls)
+        .await
+        .expect("connect without +ping");
+    let idem = Idempotency::builder(store).namespace("payments").build();
+    for i in 0..10u32 {
+        let v: u32 = idem
+            .call("charge", format!("no-ping-{i}"))
+            .run(|| runs.body(i))
+            .await
+            .unwrap();
+        assert_eq!(v, i);
+    }
+    // Only the PINGs were refused. Keep +ping anyway: the cluster client
+    // also PINGs to check a connection when it refreshes the topology,
+    // and there a refusal counts as a failure.
+    for node in cluster.nodes() {
+        let log = node.cli(&["ACL", "LOG"]);
+        let denied = denied_commands(&log);
+        assert!(
+            !denied.is_empty() && denied.iter().all(|d| d == "ping"),
+            "{denied:?}\n{log}"
+        );
+    }
+}

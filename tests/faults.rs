@@ -1,0 +1,812 @@
+//! Faults between idem and Redis, injected with `FaultProxy` (stall,
+//! blackhole) or on the server itself (kill, restart, out of memory): no
+//! fault turns into a silent duplicate run or a lost answer, every caller
+//! ends with its value or a typed error, and nothing is stranded beyond the
+//! lease.
+
+mod reliability_support;
+
+use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig};
+use idem_testkit::{FaultProxy, RedisServer};
+use reliability_support::{
+    BodyError, Ledger, LogBuffer, eventually, is_typed_store_error, is_unavailable,
+};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use tracing::instrument::WithSubscriber;
+
+#[allow(non_snake_case)]
+fn MS(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+/// Short timeouts, so faults are noticed fast.
+fn fast() -> RedisStoreConfig {
+    RedisStoreConfig::default()
+        .response_timeout(MS(200))
+        .connection_timeout(MS(200))
+        .reconnect_retries(1)
+}
+
+async fn store(url: &str) -> RedisStore {
+    RedisStore::connect_with(url, fast())
+        .await
+        .expect("connect")
+}
+
+/// An async connection straight to the server (no proxy), to look at records.
+async fn peek(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn get(con: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<Vec<u8>> {
+    redis::cmd("GET").arg(key).query_async(con).await.unwrap()
+}
+
+fn state(rec: &Option<Vec<u8>>) -> Option<char> {
+    rec.as_ref().and_then(|r| r.get(1)).map(|&b| b as char)
+}
+
+/// Waits until `key` exists on the server (the claim has landed).
+async fn landed(con: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let n: u32 = redis::cmd("EXISTS")
+            .arg(key)
+            .query_async(con)
+            .await
+            .unwrap();
+        if n == 1 {
+            return;
+        }
+        assert!(Instant::now() < end, "{key} never reached Redis");
+        tokio::time::sleep(MS(1)).await;
+    }
+}
+
+/// Calls `key` until it returns a value (the key is no longer stranded),
+/// within `deadline`; returns the value, outcome and when it came.
+async fn until_ok(
+    idem: &Idempotency,
+    ledger: &Ledger,
+    key: &str,
+    deadline: Duration,
+) -> (String, Outcome) {
+    eventually(&format!("a call of {key} succeeds"), deadline, || {
+        let (idem, l, k) = (idem.clone(), ledger.clone(), key.to_owned());
+        async move {
+            let r = idem
+                .call("op", &k)
+                .run_outcome(|| async {
+                    l.record(&k);
+                    Ok::<_, Error>(format!("later-{k}"))
+                })
+                .await;
+            match r {
+                Ok(v) => Some(v),
+                Err(e) if is_typed_store_error(&e) => None,
+                Err(e) => panic!("{k}: {e}"),
+            }
+        }
+    })
+    .await
+}
+
+/// A call of `key` through `idem` whose body records its run and returns
+/// `value`.
+async fn call(
+    idem: &Idempotency,
+    ledger: &Ledger,
+    key: &str,
+    value: &str,
+) -> Result<(String, Outcome), Error> {
+    let (l, k, v) = (ledger.clone(), key.to_owned(), value.to_owned());
+    idem.call("op", key)
+        .run_outcome(|| async move {
+            l.record(&k);
+            Ok::<_, Error>(v)
+        })
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let lease = Duration::from_secs(1);
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("f")
+        .lease(lease)
+        .build();
+    let other = Idempotency::builder(store(&server.url()).await)
+        .namespace("f")
+        .lease(lease)
+        .build();
+    let mut con = peek(&server).await;
+    let ledger = Ledger::new();
+
+    // The claim reaches Redis; its reply is held by the proxy.
+    proxy.set_latency(MS(100));
+    let a = {
+        let (idem, ledger) = (idem.clone(), ledger.clone());
+        tokio::spawn(async move { call(&idem, &ledger, "stalled", "A").await })
+    };
+    landed(&mut con, "f:op:stalled").await;
+    proxy.stall(true);
+    let landed_at = Instant::now();
+    let r = a.await.unwrap();
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert_eq!(
+        ledger.count("stalled"),
+        0,
+        "the body must not run without a claim reply"
+    );
+
+    // The proxy stays stalled (the client never learns anything more): the
+    // claim holds no longer than its lease; then another caller takes over.
+    let r = call(&other, &ledger, "stalled", "B").await;
+    assert!(matches!(r, Err(Error::InProgress { .. })), "{r:?}");
+    let (v, o) = until_ok(&other, &ledger, "stalled", lease + Duration::from_secs(10)).await;
+    assert!(
+        landed_at.elapsed() >= lease - MS(100),
+        "taken over before the lease ran out"
+    );
+    assert_eq!((v.as_str(), o), ("later-stalled", Outcome::Recovered));
+    // The held claims and release finally arrive: they change nothing.
+    let before = get(&mut con, "f:op:stalled").await;
+    proxy.stall(false);
+    proxy.set_latency(MS(0));
+    tokio::time::sleep(MS(300)).await;
+    assert_eq!(get(&mut con, "f:op:stalled").await, before);
+    assert_eq!(
+        call(&idem, &ledger, "stalled", "C").await.unwrap(),
+        ("later-stalled".to_owned(), Outcome::Replayed)
+    );
+    assert_eq!(ledger.count("stalled"), 1);
+
+    // Stall lifted before the lease: the held re-sent claims and the release
+    // land in order, so the key is free again at once (no takeover needed).
+    proxy.set_latency(MS(100));
+    let a = {
+        let (idem, ledger) = (idem.clone(), ledger.clone());
+        tokio::spawn(async move { call(&idem, &ledger, "lifted", "A").await })
+    };
+    landed(&mut con, "f:op:lifted").await;
+    proxy.stall(true);
+    let r = a.await.unwrap();
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    proxy.stall(false);
+    proxy.set_latency(MS(0));
+    let (v, o) = until_ok(&idem, &ledger, "lifted", Duration::from_secs(10)).await;
+    assert_eq!(v, "later-lifted");
+    assert!(matches!(o, Outcome::Executed | Outcome::Recovered), "{o:?}");
+    assert_eq!(ledger.count("lifted"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let lease = Duration::from_secs(1);
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("f")
+        .lease(lease)
+        .build();
+    let other = Idempotency::builder(store(&server.url()).await)
+        .namespace("f")
+        .lease(lease)
+        .build();
+    let mut con = peek(&server).await;
+    let ledger = Ledger::new();
+
+    proxy.set_latency(MS(100));
+    let a = {
+        let (idem, ledger) = (idem.clone(), ledger.clone());
+        tokio::spawn(async move { call(&idem, &ledger, "lost", "A").await })
+    };
+    landed(&mut con, "f:op:lost").await;
+    proxy.blackhole(true);
+    let landed_at = Instant::now();
+    let r = a.await.unwrap();
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    assert_eq!(ledger.count("lost"), 0);
+    assert_eq!(
+        state(&get(&mut con, "f:op:lost").await),
+        Some('P'),
+        "the lost claim landed"
+    );
+    let (v, o) = until_ok(&other, &ledger, "lost", lease + Duration::from_secs(10)).await;
+    assert!(landed_at.elapsed() >= lease - MS(100));
+    assert_eq!((v.as_str(), o), ("later-lost", Outcome::Recovered));
+    assert_eq!(ledger.count("lost"), 1);
+    proxy.blackhole(false);
+    proxy.set_latency(MS(0));
+}
+
+/// After replies were lost inside a live connection (blackhole), the
+/// connection must not pair later requests with the wrong replies: calls
+/// through it, racing direct callers on the same keys, run each body at most
+/// once and get their own key's value; and the connection serves calls again.
+#[ignore = "known bug: redis-rs pairs replies with requests by order, so a reply lost inside a live \
+            connection (FaultProxy::blackhole) shifts every later reply to the wrong request; idem then \
+            returns another key's value. Needs replies bound to their request (see the reliability report)."]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_never_pair_a_request_with_another_reply() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("pair")
+        .lease(Duration::from_secs(5))
+        .build();
+    let direct = Idempotency::builder(store(&server.url()).await)
+        .namespace("pair")
+        .lease(Duration::from_secs(5))
+        .build();
+    let ledger = Ledger::new();
+
+    // Lose one call's requests inside the open connection.
+    proxy.blackhole(true);
+    let r = call(&idem, &ledger, "lost", "x").await;
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    proxy.blackhole(false);
+
+    // Then race proxied and direct callers on the same keys.
+    let keys: Vec<String> = (0..150).map(|i| format!("k-{i}")).collect();
+    let mut tasks = Vec::new();
+    for t in 0..16 {
+        let which = if t % 2 == 0 {
+            idem.clone()
+        } else {
+            direct.clone()
+        };
+        let (ledger, keys) = (ledger.clone(), keys.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for k in keys {
+                let (l, kk) = (ledger.clone(), k.clone());
+                let r = which
+                    .call("op", &k)
+                    .run_outcome(|| async move {
+                        l.record(&kk);
+                        tokio::time::sleep(MS(3)).await;
+                        Ok::<_, Error>(format!("v-{kk}"))
+                    })
+                    .await;
+                out.push((t, k, r));
+            }
+            out
+        }));
+    }
+    let mut errors = BTreeMap::<String, usize>::new();
+    let mut wrong = Vec::new();
+    for t in tasks {
+        for (t, k, r) in t.await.unwrap() {
+            match r {
+                Ok((v, o)) => {
+                    if v != format!("v-{k}") {
+                        wrong.push(format!("task {t} asked {k}, got {v} ({o})"));
+                    }
+                }
+                Err(e) if is_typed_store_error(&e) => {
+                    let kind = if is_unavailable(&e) {
+                        "unavailable"
+                    } else {
+                        "in_progress"
+                    };
+                    *errors
+                        .entry(format!(
+                            "{}:{kind}",
+                            if t % 2 == 0 { "proxied" } else { "direct" }
+                        ))
+                        .or_default() += 1
+                }
+                Err(e) => panic!("{k}: {e:?}"),
+            }
+        }
+    }
+    eprintln!(
+        "after the blackhole: typed errors {errors:?}; duplicates {:?}; wrong values {wrong:?}",
+        ledger.duplicates()
+    );
+    assert_eq!(
+        wrong,
+        Vec::<String>::new(),
+        "answers delivered to the wrong key"
+    );
+    assert_eq!(ledger.duplicates(), BTreeMap::new(), "bodies ran twice");
+    // And the faulted connection works again.
+    let (v, _) = until_ok(&idem, &ledger, "after", Duration::from_secs(10)).await;
+    assert_eq!(v, "later-after");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_lost_value_returned_and_recovered_by_takeover() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let lease = Duration::from_secs(1);
+    let logs = LogBuffer::new();
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("c")
+        .lease(lease)
+        .build();
+    let other = Idempotency::builder(store(&server.url()).await)
+        .namespace("c")
+        .lease(lease)
+        .build();
+    let mut con = peek(&server).await;
+    let ledger = Ledger::new();
+
+    // The complete (and its re-sends) are lost: the caller still gets its value.
+    let (l, p) = (ledger.clone(), &proxy);
+    let started_at = Instant::now();
+    let r = idem
+        .call("op", "lost-complete")
+        .run_outcome(|| async move {
+            l.record("lost-complete");
+            p.blackhole(true);
+            Ok::<_, Error>("A".to_owned())
+        })
+        .with_subscriber(logs.subscriber())
+        .await;
+    assert_eq!(r.unwrap(), ("A".to_owned(), Outcome::Executed));
+    assert!(
+        logs.contents().contains("could not be stored"),
+        "{}",
+        logs.contents()
+    );
+    assert_eq!(state(&get(&mut con, "c:op:lost-complete").await), Some('P'));
+    // Not stranded: the next caller takes over after the lease (and knows it).
+    let (v, o) = until_ok(
+        &other,
+        &ledger,
+        "lost-complete",
+        lease + Duration::from_secs(10),
+    )
+    .await;
+    assert!(
+        started_at.elapsed() >= lease - MS(100),
+        "taken over before the lease ran out"
+    );
+    assert_eq!((v.as_str(), o), ("later-lost-complete", Outcome::Recovered));
+    assert_eq!(ledger.count("lost-complete"), 2);
+    proxy.blackhole(false);
+
+    // A complete that is only delayed (stall lifted within the lease) is
+    // stored: no second run.
+    let lease = Duration::from_secs(3);
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("c")
+        .lease(lease)
+        .build();
+    let (l, p) = (ledger.clone(), &proxy);
+    let unstall = async {
+        tokio::time::sleep(MS(400)).await;
+        p.stall(false);
+    };
+    let run = idem.call("op", "late-complete").run_outcome(|| async move {
+        l.record("late-complete");
+        p.stall(true);
+        Ok::<_, Error>("A".to_owned())
+    });
+    let (r, ()) = tokio::join!(run, unstall);
+    assert_eq!(r.unwrap(), ("A".to_owned(), Outcome::Executed));
+    let rec = eventually(
+        "the delayed complete lands",
+        Duration::from_secs(10),
+        || {
+            let mut con = con.clone();
+            async move {
+                let rec = get(&mut con, "c:op:late-complete").await;
+                (state(&rec) == Some('C')).then_some(rec)
+            }
+        },
+    )
+    .await;
+    assert!(rec.is_some());
+    let r = call(&other, &ledger, "late-complete", "B").await.unwrap();
+    assert_eq!(r, ("A".to_owned(), Outcome::Replayed));
+    assert_eq!(ledger.count("late-complete"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_lost_error_returned_and_the_key_frees_itself() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr());
+    let lease = Duration::from_secs(1);
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("r")
+        .lease(lease)
+        .build();
+    let other = Idempotency::builder(store(&server.url()).await)
+        .namespace("r")
+        .lease(lease)
+        .build();
+    let mut con = peek(&server).await;
+    let ledger = Ledger::new();
+
+    // Release lost: the body's error is returned as is; the key is free after the lease.
+    let p = &proxy;
+    let l = ledger.clone();
+    let r: Result<String, BodyError> = idem
+        .call("op", "lost-release")
+        .run(|| async move {
+            l.record("lost-release");
+            p.blackhole(true);
+            Err(BodyError::Boom("declined".into()))
+        })
+        .await;
+    let failed_at = Instant::now();
+    assert!(
+        matches!(&r, Err(BodyError::Boom(m)) if m == "declined"),
+        "{r:?}"
+    );
+    assert_eq!(state(&get(&mut con, "r:op:lost-release").await), Some('P'));
+    let (v, _) = until_ok(
+        &other,
+        &ledger,
+        "lost-release",
+        lease + Duration::from_secs(10),
+    )
+    .await;
+    assert!(failed_at.elapsed() >= lease / 2);
+    assert_eq!(v, "later-lost-release");
+    assert_eq!(
+        ledger.count("lost-release"),
+        2,
+        "the failed run and the successful one"
+    );
+    proxy.blackhole(false);
+
+    // Release delayed (stall lifted later): it lands and frees the key.
+    let idem = Idempotency::builder(store(&proxy.url()).await)
+        .namespace("r")
+        .lease(Duration::from_secs(30))
+        .build();
+    let l = ledger.clone();
+    let r: Result<String, BodyError> = idem
+        .call("op", "late-release")
+        .run(|| async move {
+            l.record("late-release");
+            p.stall(true);
+            Err(BodyError::Boom("declined".into()))
+        })
+        .await;
+    assert!(matches!(&r, Err(BodyError::Boom(_))), "{r:?}");
+    proxy.stall(false);
+    eventually("the delayed release lands", Duration::from_secs(10), || {
+        let mut con = con.clone();
+        async move {
+            get(&mut con, "r:op:late-release")
+                .await
+                .is_none()
+                .then_some(())
+        }
+    })
+    .await;
+    let r = call(&other, &ledger, "late-release", "B").await.unwrap();
+    assert_eq!(r, ("B".to_owned(), Outcome::Executed));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_while_bodies_run_never_duplicates() {
+    // Durable Redis (AOF, fsync on every write): records survive the kill,
+    // so exactly-once must hold for every key, across the restart.
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let url = server.url();
+    let lease = Duration::from_secs(4);
+    let idem = Idempotency::builder(store(&url).await)
+        .namespace("rs")
+        .lease(lease)
+        .build();
+    let ledger = Ledger::new();
+    let keys: Vec<String> = (0..150).map(|i| format!("k-{i}")).collect();
+
+    let mut tasks = Vec::new();
+    for t in 0..6usize {
+        let (idem, ledger, keys) = (idem.clone(), ledger.clone(), keys.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for (i, k) in keys.iter().enumerate().skip(t % 3) {
+                let (l, kk) = (ledger.clone(), k.clone());
+                let pause = 20 + (i as u64 * 7) % 60;
+                let began = Instant::now();
+                let r = idem
+                    .call("op", k)
+                    .run_outcome(|| async move {
+                        l.record(&kk);
+                        tokio::time::sleep(MS(pause)).await;
+                        Ok::<_, Error>(format!("v-{kk}"))
+                    })
+                    .await;
+                out.push((k.clone(), r, began, Instant::now()));
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(MS(400)).await;
+    let restart_began = Instant::now();
+    server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    let restart_ended = Instant::now();
+    let mut kinds = BTreeMap::<&'static str, usize>::new();
+    let (mut across, mut after) = (0, 0);
+    for t in tasks {
+        for (k, r, began, ended) in t.await.unwrap() {
+            if began < restart_began && ended > restart_ended {
+                across += 1;
+            }
+            if began > restart_ended {
+                after += 1;
+            }
+            match r {
+                Ok((v, o)) => {
+                    assert_eq!(v, format!("v-{k}"));
+                    *kinds.entry(o.as_str()).or_default() += 1;
+                }
+                Err(Error::InProgress { .. }) => *kinds.entry("in_progress").or_default() += 1,
+                Err(e) if is_unavailable(&e) => *kinds.entry("unavailable").or_default() += 1,
+                Err(e) => panic!("{k}: untyped failure across a restart: {e:?}"),
+            }
+        }
+    }
+    assert!(server.is_running());
+    // Every key once more, waiting out any holder: a replay or a first run,
+    // never a second one.
+    for k in &keys {
+        let (l, kk) = (ledger.clone(), k.clone());
+        let (v, _) = idem
+            .call("op", k)
+            .wait(Duration::from_secs(20))
+            .run_outcome(|| async move {
+                l.record(&kk);
+                Ok::<_, Error>(format!("v-{kk}"))
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{k} after the restart: {e}"));
+        assert_eq!(v, format!("v-{k}"));
+    }
+    assert_eq!(ledger.duplicates(), BTreeMap::new());
+    for k in &keys {
+        assert_eq!(ledger.count(k), 1, "{k}");
+    }
+    assert!(across > 0 && after > 0, "the load did not span the restart");
+    eprintln!(
+        "restart while bodies run: {kinds:?}; {across} calls in flight across the restart, {after} after it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_fail_closed_is_unavailable_and_works_after_restart() {
+    let mut server = RedisServer::start();
+    let idem = Idempotency::builder(store(&server.url()).await)
+        .namespace("k")
+        .build();
+    let ledger = Ledger::new();
+    assert_eq!(
+        call(&idem, &ledger, "before", "v").await.unwrap().1,
+        Outcome::Executed
+    );
+    server.kill();
+    for i in 0..3 {
+        let r = call(&idem, &ledger, &format!("down-{i}"), "v").await;
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    }
+    assert_eq!(
+        ledger.total(),
+        1,
+        "no body runs while Redis is down (FailMode::Closed)"
+    );
+    server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    let (v, o) = until_ok(&idem, &ledger, "down-0", Duration::from_secs(20)).await;
+    assert_eq!((v.as_str(), o), ("later-down-0", Outcome::Executed));
+    assert_eq!(
+        call(&idem, &ledger, "down-0", "x").await.unwrap(),
+        ("later-down-0".to_owned(), Outcome::Replayed)
+    );
+    assert_eq!(ledger.count("down-0"), 1);
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_runs_unprotected_with_a_warning() {
+    let mut server = RedisServer::start();
+    let idem = Idempotency::builder(store(&server.url()).await)
+        .namespace("open")
+        .fail_mode(FailMode::Open)
+        .build();
+    let ledger = Ledger::new();
+    assert_eq!(
+        call(&idem, &ledger, "k", "v").await.unwrap().1,
+        Outcome::Executed
+    );
+    server.kill();
+    let logs = LogBuffer::new();
+    let r = call(&idem, &ledger, "k2", "open")
+        .with_subscriber(logs.subscriber())
+        .await;
+    assert_eq!(r.unwrap(), ("open".to_owned(), Outcome::Unprotected));
+    assert_eq!(ledger.count("k2"), 1);
+    let text = logs.contents();
+    assert!(text.contains("WARN"), "{text}");
+    assert!(text.contains("WITHOUT idempotency protection"), "{text}");
+    // A body error is returned as is, also unprotected.
+    let r: Result<u8, BodyError> = idem
+        .call("op", "k3")
+        .run(|| async { Err(BodyError::Boom("no".into())) })
+        .await;
+    assert!(matches!(r, Err(BodyError::Boom(_))), "{r:?}");
+}
+
+/// Fills the server with 64 KiB strings until it refuses with OOM, then
+/// lowers `maxmemory` a little under what is used, so that every write a
+/// script could make is refused, whatever client buffers come and go.
+fn fill(server: &RedisServer) -> usize {
+    let mut con = server.connection();
+    let blob = vec![b'x'; 64 * 1024];
+    let mut i = 0;
+    loop {
+        let r: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(format!("fill:{i}"))
+            .arg(&blob)
+            .query(&mut con);
+        match r {
+            Ok(()) => i += 1,
+            Err(e) if e.code() == Some("OOM") => break,
+            Err(e) => panic!("fill: {e}"),
+        }
+        assert!(i < 10_000, "maxmemory is not enforced");
+    }
+    let info: String = redis::cmd("INFO").arg("memory").query(&mut con).unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used - 128 * 1024)
+        .query(&mut con)
+        .unwrap();
+    i
+}
+
+fn free(server: &RedisServer, n: usize) {
+    let mut con = server.connection();
+    for i in 0..n {
+        let () = redis::cmd("DEL")
+            .arg(format!("fill:{i}"))
+            .query(&mut con)
+            .unwrap();
+    }
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("2mb")
+        .query(&mut con)
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
+    let server =
+        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let lease = Duration::from_secs(2);
+    let idem = Idempotency::builder(store(&server.url()).await)
+        .namespace("oom")
+        .lease(lease)
+        .build();
+    let mut con = peek(&server).await;
+    let ledger = Ledger::new();
+    assert_eq!(
+        call(&idem, &ledger, "done", "stored").await.unwrap().1,
+        Outcome::Executed
+    );
+
+    // Three bodies hold their keys while Redis fills up.
+    let hold = |key: &'static str, ok: bool| {
+        let (idem, l) = (idem.clone(), ledger.clone());
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let (finish_tx, finish_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            idem.call("op", key)
+                .run_outcome(|| async move {
+                    l.record(key);
+                    started_tx.send(()).unwrap();
+                    finish_rx.await.unwrap();
+                    if ok {
+                        Ok("finished".to_owned())
+                    } else {
+                        Err(BodyError::Boom("declined".into()))
+                    }
+                })
+                .await
+        });
+        (task, started_rx, finish_tx)
+    };
+    let (releasing, s1, f1) = hold("releasing", false);
+    let (completing, s2, f2) = hold("completing", true);
+    let (renewing, s3, f3) = hold("renewing", true);
+    s1.await.unwrap();
+    s2.await.unwrap();
+    s3.await.unwrap();
+    let filled = fill(&server);
+
+    // New claims fail cleanly: typed, saying why, nothing written.
+    for i in 0..5 {
+        let key = format!("new-{i}");
+        let r = call(&idem, &ledger, &key, "v").await;
+        match &r {
+            Err(Error::Unavailable { reason, .. }) => {
+                assert!(reason.contains("memory"), "{reason}")
+            }
+            other => panic!("{key}: expected Unavailable (out of memory), got {other:?}"),
+        }
+        assert_eq!(ledger.count(&key), 0);
+        assert_eq!(
+            get(&mut con, &format!("oom:op:{key}")).await,
+            None,
+            "nothing half-written"
+        );
+    }
+    // A body that fails while Redis is full still releases its key.
+    f1.send(()).unwrap();
+    assert!(matches!(releasing.await.unwrap(), Err(BodyError::Boom(_))));
+    assert_eq!(
+        get(&mut con, "oom:op:releasing").await,
+        None,
+        "released under OOM"
+    );
+    // A body that runs on while Redis is full keeps its lease (extend is allow-oom).
+    tokio::time::sleep(lease + MS(500)).await;
+    let r = call(&idem, &ledger, "renewing", "x").await;
+    assert!(
+        matches!(&r, Err(Error::Unavailable { reason, .. }) if reason.contains("memory")),
+        "{r:?}"
+    );
+    assert_eq!(state(&get(&mut con, "oom:op:renewing").await), Some('P'));
+    // A body that succeeds while Redis is full: its value comes back and is kept.
+    f2.send(()).unwrap();
+    assert_eq!(
+        completing.await.unwrap().unwrap(),
+        ("finished".to_owned(), Outcome::Executed)
+    );
+    f3.send(()).unwrap();
+    assert_eq!(
+        renewing.await.unwrap().unwrap(),
+        ("finished".to_owned(), Outcome::Executed)
+    );
+
+    free(&server, filled);
+    // Memory back: new keys work; the finished bodies replay, never run again.
+    assert_eq!(
+        call(&idem, &ledger, "new-0", "v").await.unwrap(),
+        ("v".to_owned(), Outcome::Executed)
+    );
+    for key in ["completing", "renewing"] {
+        let r = call(&idem, &ledger, key, "again").await.unwrap();
+        assert_eq!(r, ("finished".to_owned(), Outcome::Replayed), "{key}");
+        assert_eq!(
+            ledger.count(key),
+            1,
+            "{key} ran twice because its result could not be stored"
+        );
+    }
+    assert_eq!(
+        call(&idem, &ledger, "done", "x").await.unwrap(),
+        ("stored".to_owned(), Outcome::Replayed)
+    );
+}
