@@ -810,3 +810,52 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
         ("stored".to_owned(), Outcome::Replayed)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_still_replays_stored_results_even_in_fail_open() {
+    let server =
+        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let closed = Idempotency::builder(store(&server.url()).await)
+        .namespace("full")
+        .build();
+    let open = Idempotency::builder(store(&server.url()).await)
+        .namespace("full")
+        .fail_mode(FailMode::Open)
+        .build();
+    let ledger = Ledger::new();
+    assert_eq!(
+        call(&closed, &ledger, "paid", "receipt").await.unwrap(),
+        ("receipt".to_owned(), Outcome::Executed)
+    );
+    let filled = fill(&server);
+
+    // A full Redis still has the answer: it is replayed, never run again.
+    let r = call(&closed, &ledger, "paid", "again").await;
+    assert_eq!(r.unwrap(), ("receipt".to_owned(), Outcome::Replayed));
+    let logs = LogBuffer::new();
+    let r = call(&open, &ledger, "paid", "again")
+        .with_subscriber(logs.subscriber())
+        .await;
+    assert_eq!(
+        r.unwrap(),
+        ("receipt".to_owned(), Outcome::Replayed),
+        "FailMode::Open ran a completed key again because Redis was full:\n{}",
+        logs.contents()
+    );
+    assert_eq!(ledger.count("paid"), 1);
+    // A new key cannot be recorded: Closed refuses, Open runs unprotected.
+    let r = call(&closed, &ledger, "new", "v").await;
+    assert!(
+        matches!(&r, Err(Error::Unavailable { reason, .. }) if reason.contains("memory")),
+        "{r:?}"
+    );
+    assert_eq!(
+        call(&open, &ledger, "new", "v").await.unwrap(),
+        ("v".to_owned(), Outcome::Unprotected)
+    );
+    free(&server, filled);
+    assert_eq!(
+        call(&closed, &ledger, "paid", "x").await.unwrap(),
+        ("receipt".to_owned(), Outcome::Replayed)
+    );
+}

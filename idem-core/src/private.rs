@@ -205,7 +205,10 @@ where
     Fut: Future<Output = R>,
 {
     match call {
-        Ok(call) => R::from_result(call.run(move || async move { body().await.into_result() }).await),
+        Ok(call) => R::from_result(
+            call.run(move || async move { body().await.into_result() })
+                .await,
+        ),
         Err(err) => R::from_result(Err(<R::Err>::from(err))),
     }
 }

@@ -11,7 +11,15 @@ use syn::spanned::Spanned;
 use syn::{Expr, ExprLit, Ident, Lit, LitStr, Token};
 
 /// The argument names, in the order they are documented.
-pub(crate) const ARGUMENTS: &[&str] = &["key", "scope", "ttl", "lease", "wait", "fingerprint", "using"];
+pub(crate) const ARGUMENTS: &[&str] = &[
+    "key",
+    "scope",
+    "ttl",
+    "lease",
+    "wait",
+    "fingerprint",
+    "using",
+];
 
 /// Longest scope the runtime accepts, in bytes (`idem_core::MAX_KEY_LEN`).
 const MAX_SCOPE_LEN: usize = 255;
@@ -111,12 +119,16 @@ fn parse_list(input: ParseStream<'_>, errors: &mut Errors) -> syn::Result<Args> 
                 Some(TokenTree::Ident(ident)) if skipped.len() == 1 => {
                     let name = ident.to_string();
                     if ARGUMENTS.contains(&name.as_str()) {
-                        format!("`{name}` needs a value: write `{name} = {}`", example(&name))
+                        format!(
+                            "`{name}` needs a value: write `{name} = {}`",
+                            example(&name)
+                        )
                     } else {
                         unknown_argument(&name)
                     }
                 }
-                _ => "expected `name = value`, like `key = req.order_id` or `ttl = \"24h\"`".to_owned(),
+                _ => "expected `name = value`, like `key = req.order_id` or `ttl = \"24h\"`"
+                    .to_owned(),
             };
             if skipped.is_empty() {
                 errors.push_spanned(start, msg);
@@ -162,7 +174,11 @@ fn example(name: &str) -> &'static str {
 }
 
 pub(crate) fn unknown_argument(name: &str) -> String {
-    let valid = ARGUMENTS.iter().map(|a| format!("`{a}`")).collect::<Vec<_>>().join(", ");
+    let valid = ARGUMENTS
+        .iter()
+        .map(|a| format!("`{a}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
     match closest(name, ARGUMENTS.iter().copied()) {
         Some(best) => format!(
             "unknown argument `{name}`; did you mean `{best}`? #[idempotent] takes: {valid}"
@@ -220,13 +236,22 @@ impl Args {
             ("lease", &self.lease, Some(MAX_LEASE), "one day"),
             ("wait", &self.wait, None, ""),
         ] {
-            let Some((value, span)) = lit(arg) else { continue };
+            let Some((value, span)) = lit(arg) else {
+                continue;
+            };
             if value < MIN_DURATION {
-                errors.push_spanned(span, format!("`{name}` is {}; use at least 1ms", fmt(value)));
+                errors.push_spanned(
+                    span,
+                    format!("`{name}` is {}; use at least 1ms", fmt(value)),
+                );
             } else if let Some(max) = max.filter(|&max| value > max) {
                 errors.push_spanned(
                     span,
-                    format!("`{name}` is {}, over the {what} limit ({})", fmt(value), fmt(max)),
+                    format!(
+                        "`{name}` is {}, over the {what} limit ({})",
+                        fmt(value),
+                        fmt(max)
+                    ),
                 );
             }
         }
@@ -248,7 +273,9 @@ impl Args {
 
 fn scope_arg(value: Expr, errors: &mut Errors) -> Option<ScopeArg> {
     match value {
-        Expr::Lit(ExprLit { lit: Lit::Str(s), .. }) => {
+        Expr::Lit(ExprLit {
+            lit: Lit::Str(s), ..
+        }) => {
             let text = s.value();
             let problem = if text.is_empty() {
                 Some("`scope` is empty".to_owned())
@@ -304,23 +331,20 @@ fn duration_arg(name: &str, value: Expr, errors: &mut Errors) -> Option<Duration
             );
         }
         Lit::Float(f) if !f.suffix().is_empty() => {
-            errors.push_spanned(
-                span,
-                format!(
-                    "`{f}` is not a duration: {DURATION_FORMS}",
-                    f = f.to_string()
-                ),
-            );
+            errors.push_spanned(span, format!("`{f}` is not a duration: {DURATION_FORMS}"));
         }
         Lit::Int(_) | Lit::Float(_) => errors.push_spanned(
             span,
             format!(
-                "a bare number has no unit: write `{name} = \"{n}s\"` for seconds, \
-                 or `{name} = Duration::from_millis({n})` etc.",
+                "a bare number has no unit: write `{name} = \"{n}s\"` (or \"{n}ms\", \"{n}m\", …), \
+                 or `{name} = Duration::from_secs({n})`",
                 n = lit_text(&lit)
             ),
         ),
-        _ => errors.push_spanned(span, format!("`{name}` is not a duration: {DURATION_FORMS}")),
+        _ => errors.push_spanned(
+            span,
+            format!("`{name}` is not a duration: {DURATION_FORMS}"),
+        ),
     }
     None
 }
@@ -360,7 +384,7 @@ fn lit_text(lit: &Lit) -> String {
 pub(crate) fn parse_duration(name: &str, text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text.trim()) {
         Ok(d) if d.is_zero() => Err(format!(
-            "`{name}` must be greater than zero, and \"{text}\" is zero: {DURATION_FORMS}"
+            "`{name}` must be greater than zero: {DURATION_FORMS}"
         )),
         Ok(d) => Ok(d),
         Err(e) => Err(format!(
@@ -371,7 +395,10 @@ pub(crate) fn parse_duration(name: &str, text: &str) -> Result<Duration, String>
 
 /// The candidate closest to `name` by edit distance, if it is close enough to
 /// be a likely typo.
-pub(crate) fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+pub(crate) fn closest<'a>(
+    name: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let limit = (name.chars().count() / 3).max(1);
     let prefix = |c: &str| name.len() >= 3 && (c.starts_with(name) || name.starts_with(c));
     candidates
@@ -398,7 +425,9 @@ fn edit_distance(a: &str, b: &str) -> usize {
     for i in 1..=a.len() {
         for j in 1..=b.len() {
             let cost = usize::from(a[i - 1] != b[j - 1]);
-            let mut best = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
             if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
                 best = best.min(d[i - 2][j - 2] + 1);
             }
@@ -448,7 +477,9 @@ mod tests {
         assert_eq!(lit_duration(&args.ttl), Duration::from_secs(3600));
         assert_eq!(lit_duration(&args.lease), Duration::from_secs(10));
         assert_eq!(lit_duration(&args.wait), Duration::from_secs(5));
-        assert!(matches!(&args.scope, Some(ScopeArg::Literal(s)) if s.value() == "payments.refund.v1"));
+        assert!(
+            matches!(&args.scope, Some(ScopeArg::Literal(s)) if s.value() == "payments.refund.v1")
+        );
         assert!(matches!(args.fingerprint, Some(Expr::Tuple(_))));
         assert!(matches!(args.using, Some(Expr::Field(_))));
     }
@@ -493,9 +524,21 @@ mod tests {
         ] {
             assert_eq!(parse_duration("ttl", text), Ok(want), "{text}");
         }
-        assert!(parse_duration("ttl", "0s").unwrap_err().starts_with("`ttl` must be greater than zero, and \"0s\" is zero"));
-        assert!(parse_duration("wait", "0ms").unwrap_err().contains("greater than zero"));
-        assert!(parse_duration("ttl", "abc").unwrap_err().starts_with("invalid duration \"abc\" for `ttl` ("));
+        assert!(
+            parse_duration("ttl", "0s")
+                .unwrap_err()
+                .starts_with("`ttl` must be greater than zero: write a number")
+        );
+        assert!(
+            parse_duration("wait", "0ms")
+                .unwrap_err()
+                .contains("greater than zero")
+        );
+        assert!(
+            parse_duration("ttl", "abc")
+                .unwrap_err()
+                .starts_with("invalid duration \"abc\" for `ttl` (")
+        );
         assert!(parse_duration("ttl", "").is_err());
         assert!(parse_duration("ttl", "10").is_err());
         assert!(parse_duration("ttl", "-5s").is_err());
@@ -505,21 +548,45 @@ mod tests {
     fn bad_durations_say_what_to_write() {
         let errs = parse_err(quote! { key = k, ttl = "24 hours please" });
         assert_eq!(errs.len(), 1);
-        assert!(errs[0].starts_with("invalid duration \"24 hours please\" for `ttl` ("), "{}", errs[0]);
+        assert!(
+            errs[0].starts_with("invalid duration \"24 hours please\" for `ttl` ("),
+            "{}",
+            errs[0]
+        );
         assert!(errs[0].contains("\"500ms\", \"90s\", \"15m\", \"24h\" or \"7d\""));
         assert!(errs[0].contains("Duration::from_secs(90)"));
 
         let errs = parse_err(quote! { key = k, lease = "0s" });
-        assert!(errs[0].starts_with("`lease` must be greater than zero"), "{}", errs[0]);
+        assert!(
+            errs[0].starts_with("`lease` must be greater than zero"),
+            "{}",
+            errs[0]
+        );
 
         let errs = parse_err(quote! { key = k, ttl = 24h });
         assert_eq!(errs, ["write the duration as a string: `ttl = \"24h\"`"]);
 
         let errs = parse_err(quote! { key = k, wait = 5 });
-        assert!(errs[0].starts_with("a bare number has no unit: write `wait = \"5s\"`"), "{}", errs[0]);
+        assert_eq!(
+            errs,
+            [
+                "a bare number has no unit: write `wait = \"5s\"` (or \"5ms\", \"5m\", …), or `wait = Duration::from_secs(5)`"
+            ]
+        );
+
+        let errs = parse_err(quote! { key = k, ttl = 1.5h });
+        assert!(
+            errs[0].starts_with("`1.5h` is not a duration: write a number"),
+            "{}",
+            errs[0]
+        );
 
         let errs = parse_err(quote! { key = k, ttl = true });
-        assert!(errs[0].starts_with("`ttl` is not a duration"), "{}", errs[0]);
+        assert!(
+            errs[0].starts_with("`ttl` is not a duration"),
+            "{}",
+            errs[0]
+        );
     }
 
     #[test]
@@ -538,7 +605,9 @@ mod tests {
         let errs = parse_err(quote! { key = k, ttl = "10m", lease = "1h" });
         assert_eq!(
             errs,
-            ["`lease` (1h) is longer than `ttl` (10m); the ttl must cover the lease, so shorten the lease or lengthen the ttl"]
+            [
+                "`lease` (1h) is longer than `ttl` (10m); the ttl must cover the lease, so shorten the lease or lengthen the ttl"
+            ]
         );
         // Equal is fine, and so are the limits themselves.
         parse_ok(quote! { key = k, ttl = "1h", lease = "1h" });
@@ -550,7 +619,10 @@ mod tests {
     #[test]
     fn formats_durations() {
         assert_eq!(format_duration(Duration::from_secs(90)), "1m 30s");
-        assert_eq!(format_duration(Duration::from_millis(86_400_500)), "1d 500ms");
+        assert_eq!(
+            format_duration(Duration::from_millis(86_400_500)),
+            "1d 500ms"
+        );
         assert_eq!(format_duration(Duration::from_micros(500)), "500us");
         assert_eq!(format_duration(Duration::from_nanos(10)), "10ns");
     }
@@ -579,7 +651,10 @@ mod tests {
     #[test]
     fn positional_value_is_refused() {
         let errs = parse_err(quote! { req.order_id, ttl = "1h" });
-        assert_eq!(errs, ["expected `name = value`, like `key = req.order_id` or `ttl = \"24h\"`"]);
+        assert_eq!(
+            errs,
+            ["expected `name = value`, like `key = req.order_id` or `ttl = \"24h\"`"]
+        );
         let errs = parse_err(quote! { "payments" });
         assert_eq!(errs.len(), 1);
     }
@@ -594,7 +669,10 @@ mod tests {
     #[test]
     fn scope_checks() {
         let errs = parse_err(quote! { key = k, scope = 42 });
-        assert_eq!(errs, ["`scope` must be a string, like `scope = \"payments.refund.v1\"`"]);
+        assert_eq!(
+            errs,
+            ["`scope` must be a string, like `scope = \"payments.refund.v1\"`"]
+        );
         let long = "s".repeat(256);
         let errs = parse_err(quote! { key = k, scope = #long });
         assert!(errs[0].starts_with("`scope` is 256 bytes, over the 255-byte limit"));
@@ -613,10 +691,16 @@ mod tests {
     #[test]
     fn suggestions() {
         assert_eq!(closest("kye", ARGUMENTS.iter().copied()), Some("key"));
-        assert_eq!(closest("fingerprnt", ARGUMENTS.iter().copied()), Some("fingerprint"));
+        assert_eq!(
+            closest("fingerprnt", ARGUMENTS.iter().copied()),
+            Some("fingerprint")
+        );
         assert_eq!(closest("use", ARGUMENTS.iter().copied()), None);
         assert_eq!(closest("usin", ARGUMENTS.iter().copied()), Some("using"));
-        assert_eq!(closest("fingerprints", ARGUMENTS.iter().copied()), Some("fingerprint"));
+        assert_eq!(
+            closest("fingerprints", ARGUMENTS.iter().copied()),
+            Some("fingerprint")
+        );
         assert_eq!(closest("ke", ARGUMENTS.iter().copied()), Some("key"));
         assert_eq!(closest("timeout", ARGUMENTS.iter().copied()), None);
         assert_eq!(edit_distance("", "abc"), 3);

@@ -1,8 +1,8 @@
 //! Finds the path under which the runtime is reachable from the crate being
 //! compiled.
 
+use proc_macro_crate::{FoundCrate, crate_name};
 use proc_macro2::{Span, TokenStream};
-use proc_macro_crate::{crate_name, FoundCrate};
 use quote::quote;
 use syn::Ident;
 
@@ -68,8 +68,16 @@ mod tests {
 
     #[test]
     fn library_versus_its_other_targets() {
-        assert_eq!(itself_path(Some("idem")), "idem_core", "the library or its doctests");
-        assert_eq!(itself_path(Some("basic")), "idem", "an integration test or example");
+        assert_eq!(
+            itself_path(Some("idem")),
+            "idem_core",
+            "the library or its doctests"
+        );
+        assert_eq!(
+            itself_path(Some("basic")),
+            "idem",
+            "an integration test or example"
+        );
         assert_eq!(itself_path(None), "idem", "not built by cargo");
     }
 

@@ -2,7 +2,7 @@
 
 use crate::args::{self, Args, DurationArg, Errors, ScopeArg};
 use proc_macro2::{Span, TokenStream, TokenTree};
-use quote::{quote, quote_spanned, ToTokens};
+use quote::{ToTokens, quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 use syn::{Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Signature};
@@ -10,7 +10,11 @@ use syn::{Expr, FnArg, Ident, ItemFn, Pat, ReturnType, Signature};
 /// Entry point: never fails; errors come back as `compile_error!`s followed
 /// by the function exactly as written, so that its callers do not add a
 /// second wave of "cannot find function" errors.
-pub(crate) fn idempotent(attr: TokenStream, item: TokenStream, krate: impl FnOnce() -> TokenStream) -> TokenStream {
+pub(crate) fn idempotent(
+    attr: TokenStream,
+    item: TokenStream,
+    krate: impl FnOnce() -> TokenStream,
+) -> TokenStream {
     match expand(attr, item.clone(), krate) {
         Ok(tokens) => tokens,
         Err(err) => {
@@ -20,7 +24,11 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream, krate: impl FnOnc
     }
 }
 
-fn expand(attr: TokenStream, item: TokenStream, krate: impl FnOnce() -> TokenStream) -> syn::Result<TokenStream> {
+fn expand(
+    attr: TokenStream,
+    item: TokenStream,
+    krate: impl FnOnce() -> TokenStream,
+) -> syn::Result<TokenStream> {
     let mut errors = Errors::default();
     let args = match args::parse(attr, &mut errors) {
         Ok(args) => Some(args),
@@ -84,7 +92,10 @@ fn not_a_function(item: TokenStream) -> syn::Error {
             _ => None,
         })
         .unwrap_or_else(Span::call_site);
-    syn::Error::new(span, "#[idempotent] goes on an `async fn` that returns `Result<T, E>`")
+    syn::Error::new(
+        span,
+        "#[idempotent] goes on an `async fn` that returns `Result<T, E>`",
+    )
 }
 
 fn check_signature(sig: &Signature, errors: &mut Errors) {
@@ -190,8 +201,16 @@ fn leading_ident(expr: &Expr) -> Option<&Ident> {
 /// Only the arguments (and items) are in scope where `key` and `fingerprint`
 /// are evaluated, so a lowercase name that is not an argument is a typo or a
 /// local of the body. Uppercase names are consts/statics and left to rustc.
-fn check_names_argument(sig: &Signature, names: &[Ident], what: &str, expr: &Expr, errors: &mut Errors) {
-    let Some(ident) = leading_ident(expr) else { return };
+fn check_names_argument(
+    sig: &Signature,
+    names: &[Ident],
+    what: &str,
+    expr: &Expr,
+    errors: &mut Errors,
+) {
+    let Some(ident) = leading_ident(expr) else {
+        return;
+    };
     let name = ident.unraw().to_string();
     let lowercase = name.starts_with(|c: char| c.is_lowercase() || c == '_');
     if !lowercase || name == "self" || names.iter().any(|n| n.unraw() == name) {
@@ -200,7 +219,9 @@ fn check_names_argument(sig: &Signature, names: &[Ident], what: &str, expr: &Exp
     let fn_name = &sig.ident;
     let listed: Vec<String> = names.iter().map(|n| n.unraw().to_string()).collect();
     let mut msg = if listed.is_empty() {
-        format!("{what} `{name}` does not name an argument of `{fn_name}`, which takes no arguments")
+        format!(
+            "{what} `{name}` does not name an argument of `{fn_name}`, which takes no arguments"
+        )
     } else {
         format!(
             "{what} `{name}` does not name an argument of `{fn_name}`; arguments are: {}",
@@ -215,7 +236,12 @@ fn check_names_argument(sig: &Signature, names: &[Ident], what: &str, expr: &Exp
 
 /// Builds the function: same attributes and signature, new body.
 fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
-    let ItemFn { attrs, vis, sig, block } = func;
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = func;
     let ReturnType::Type(_, ret) = &sig.output else {
         unreachable!("checked: the function returns a type")
     };
@@ -230,10 +256,14 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
         Some(using) => {
             let span = using.span();
             let private = private(span);
+            let using_ref = borrow(using);
             let owned = quote_spanned! {span=>
-                let __idem_owned = #private::using(&(#using));
+                let __idem_owned = #private::using(#using_ref);
             };
-            (owned, quote_spanned!(span=> #private::installed(&__idem_owned)))
+            (
+                owned,
+                quote_spanned!(span=> #private::installed(&__idem_owned)),
+            )
         }
         None => {
             let private = private(Span::call_site());
@@ -253,8 +283,9 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     let key = args.key.as_ref().expect("checked: key is present");
     let key_span = key.span();
     let private_key = private(key_span);
+    let key_ref = borrow(key);
     let mut builder = vec![quote_spanned! {key_span=>
-        let __idem_call = #private_key::call(__idem, #scope, &(#key));
+        let __idem_call = #private_key::call(__idem, #scope, #key_ref);
     }];
     let duration = |name: &str, arg: &Option<DurationArg>| {
         let arg = arg.as_ref()?;
@@ -262,7 +293,10 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
             DurationArg::Literal { value, span } => {
                 let secs = proc_macro2::Literal::u64_suffixed(value.as_secs());
                 let nanos = proc_macro2::Literal::u32_suffixed(value.subsec_nanos());
-                (*span, quote_spanned!(*span=> ::core::time::Duration::new(#secs, #nanos)))
+                (
+                    *span,
+                    quote_spanned!(*span=> ::core::time::Duration::new(#secs, #nanos)),
+                )
             }
             DurationArg::Expr(expr) => (expr.span(), expr.to_token_stream()),
         };
@@ -277,21 +311,21 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     if let Some(fp) = &args.fingerprint {
         // Borrow each element of a tuple, so `(req.body, currency)` does not
         // move out of `req`; `&T` serializes exactly like `T`.
-        let value = match fp {
+        let span = fp.span();
+        let value_ref = match fp {
             Expr::Tuple(t) if !t.elems.is_empty() => {
-                let parts = t.elems.iter().map(|p| quote_spanned!(p.span()=> &(#p)));
-                quote!((#(#parts,)*))
+                let parts = t.elems.iter().map(borrow);
+                quote_spanned!(span=> &(#(#parts,)*))
             }
             Expr::Array(a) => {
-                let parts = a.elems.iter().map(|p| quote_spanned!(p.span()=> &(#p)));
-                quote!([#(#parts),*])
+                let parts = a.elems.iter().map(borrow);
+                quote_spanned!(span=> &[#(#parts),*])
             }
-            _ => fp.to_token_stream(),
+            _ => borrow(fp),
         };
-        let span = fp.span();
         let private = private(span);
         builder.push(quote_spanned! {span=>
-            let __idem_call = #private::fingerprint(__idem_call, &(#value));
+            let __idem_call = #private::fingerprint(__idem_call, #value_ref);
         });
     }
     builder.extend(duration("wait", &args.wait));
@@ -352,6 +386,31 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     }
 }
 
+/// `&expr`, parenthesized only where precedence needs it. Without the
+/// parentheses, rustc's span for the argument runs from `&` (given the
+/// expression's first span) to the expression's last token, so a failed
+/// bound underlines the whole expression, not just its first token.
+fn borrow(expr: &Expr) -> TokenStream {
+    let span = expr.span();
+    match expr {
+        Expr::Path(_)
+        | Expr::Field(_)
+        | Expr::MethodCall(_)
+        | Expr::Call(_)
+        | Expr::Index(_)
+        | Expr::Macro(_)
+        | Expr::Lit(_)
+        | Expr::Paren(_)
+        | Expr::Tuple(_)
+        | Expr::Array(_)
+        | Expr::Reference(_)
+        | Expr::Unary(_)
+        | Expr::Try(_)
+        | Expr::Await(_) => quote_spanned!(span=> &#expr),
+        _ => quote_spanned!(span=> &(#expr)),
+    }
+}
+
 /// `tokens` with every span replaced by `span`.
 fn respan(tokens: TokenStream, span: Span) -> TokenStream {
     tokens
@@ -402,12 +461,20 @@ mod tests {
         let sig = "# [doc = r\" Charges.\"] # [inline] pub (crate) async fn charge < 'a , T : Clone > (mut req : ChargeRequest , x : impl Display + 'a) -> Result < Receipt , PaymentError > where T : Send ,";
         assert!(out.starts_with(sig), "{out}\n{sig}");
         assert!(out.contains(":: idem :: __private :: global ()"), "{out}");
-        assert!(out.contains(":: idem :: __private :: call (__idem , :: core :: concat ! (:: core :: module_path ! () , \"::\" , \"charge\") , & (req . order_id))"), "{out}");
+        assert!(out.contains(":: idem :: __private :: call (__idem , :: core :: concat ! (:: core :: module_path ! () , \"::\" , \"charge\") , & req . order_id)"), "{out}");
         assert!(out.contains(":: idem :: __private :: ttl (__idem_call , :: core :: time :: Duration :: new (86400u64 , 0u32))"), "{out}");
-        assert!(out.contains("let __idem_fake_return : Result < Receipt , PaymentError > = loop { } ;"), "{out}");
+        assert!(
+            out.contains("let __idem_fake_return : Result < Receipt , PaymentError > = loop { } ;"),
+            "{out}"
+        );
         assert!(out.contains(":: idem :: __private :: run :: < Result < Receipt , PaymentError > , _ , _ > (__idem_call , move || async move {"), "{out}");
         assert!(out.contains("{ body_marker (req) }"), "{out}");
-        for absent in ["__private :: lease", "__private :: wait", "__private :: fingerprint", "using"] {
+        for absent in [
+            "__private :: lease",
+            "__private :: wait",
+            "__private :: fingerprint",
+            "using",
+        ] {
             assert!(!out.contains(absent), "{absent}: {out}");
         }
     }
@@ -415,62 +482,162 @@ mod tests {
     #[test]
     fn every_argument_in_order() {
         let out = expand_str(
-            quote!(key = order_id, ttl = "1h", lease = "10s", scope = "payments.refund.v1",
-                   fingerprint = (amount, currency), wait = "500ms", using = self.idem),
+            quote!(
+                key = order_id,
+                ttl = "1h",
+                lease = "10s",
+                scope = "payments.refund.v1",
+                fingerprint = (amount, currency),
+                wait = "500ms",
+                using = self.idem
+            ),
             quote! {
                 async fn refund(&self, order_id: &str, amount: u64, currency: &str) -> Result<Refund, PaymentError> { todo!() }
             },
         );
-        let owned = out.find("let __idem_owned = :: idem :: __private :: using (& (self . idem)) ;").expect(&out);
-        let source = out.find(":: idem :: __private :: installed (& __idem_owned)").expect(&out);
-        let call = out.find("call (__idem , \"payments.refund.v1\" , & (order_id))").expect(&out);
-        let ttl = out.find("ttl (__idem_call , :: core :: time :: Duration :: new (3600u64 , 0u32))").expect(&out);
-        let lease = out.find("lease (__idem_call , :: core :: time :: Duration :: new (10u64 , 0u32))").expect(&out);
-        let fp = out.find("fingerprint (__idem_call , & ((& (amount) , & (currency) ,)))").expect(&out);
-        let wait = out.find("wait (__idem_call , :: core :: time :: Duration :: new (0u64 , 500000000u32))").expect(&out);
+        let owned = out
+            .find("let __idem_owned = :: idem :: __private :: using (& self . idem) ;")
+            .expect(&out);
+        let source = out
+            .find(":: idem :: __private :: installed (& __idem_owned)")
+            .expect(&out);
+        let call = out
+            .find("call (__idem , \"payments.refund.v1\" , & order_id)")
+            .expect(&out);
+        let ttl = out
+            .find("ttl (__idem_call , :: core :: time :: Duration :: new (3600u64 , 0u32))")
+            .expect(&out);
+        let lease = out
+            .find("lease (__idem_call , :: core :: time :: Duration :: new (10u64 , 0u32))")
+            .expect(&out);
+        let fp = out
+            .find("fingerprint (__idem_call , & (& amount , & currency ,))")
+            .expect(&out);
+        let wait = out
+            .find("wait (__idem_call , :: core :: time :: Duration :: new (0u64 , 500000000u32))")
+            .expect(&out);
         let run = out.find("run ::").expect(&out);
-        assert!(owned < source && source < call && call < ttl && ttl < lease && lease < fp && fp < wait && wait < run);
+        assert!(
+            owned < source
+                && source < call
+                && call < ttl
+                && ttl < lease
+                && lease < fp
+                && fp < wait
+                && wait < run
+        );
         assert!(!out.contains("global"));
     }
 
     #[test]
     fn duration_and_scope_expressions_pass_through() {
         let out = expand_str(
-            quote!(key = id, ttl = Duration::from_secs(60), lease = LEASE, wait = self.wait, scope = SCOPE, fingerprint = body),
-            quote!(async fn f(&self, id: u64, body: String) -> Result<(), E> { Ok(()) }),
+            quote!(
+                key = id,
+                ttl = Duration::from_secs(60),
+                lease = LEASE,
+                wait = self.wait,
+                scope = SCOPE,
+                fingerprint = body
+            ),
+            quote!(
+                async fn f(&self, id: u64, body: String) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
         );
-        assert!(out.contains("ttl (__idem_call , Duration :: from_secs (60))"), "{out}");
+        assert!(
+            out.contains("ttl (__idem_call , Duration :: from_secs (60))"),
+            "{out}"
+        );
         assert!(out.contains("lease (__idem_call , LEASE)"), "{out}");
         assert!(out.contains("wait (__idem_call , self . wait)"), "{out}");
-        assert!(out.contains("call (__idem , SCOPE , & (id))"), "{out}");
-        assert!(out.contains("fingerprint (__idem_call , & (body))"), "{out}");
+        assert!(out.contains("call (__idem , SCOPE , & id)"), "{out}");
+        assert!(out.contains("fingerprint (__idem_call , & body)"), "{out}");
+        let out = expand_str(
+            quote!(key = id, fingerprint = amount + 1),
+            quote!(
+                async fn f(id: u64, amount: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert!(
+            out.contains("fingerprint (__idem_call , & (amount + 1))"),
+            "{out}"
+        );
     }
 
     #[test]
     fn array_fingerprint_is_borrowed_element_wise() {
         let out = expand_str(
             quote!(key = id, fingerprint = [a, b]),
-            quote!(async fn f(id: u64, a: String, b: String) -> Result<(), E> { Ok(()) }),
+            quote!(
+                async fn f(id: u64, a: String, b: String) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
         );
-        assert!(out.contains("fingerprint (__idem_call , & ([& (a) , & (b)]))"), "{out}");
+        assert!(
+            out.contains("fingerprint (__idem_call , & [& a , & b])"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn borrows_keep_precedence() {
+        let cases = [
+            (quote!(a.b), "& a . b"),
+            (quote!(f(x)), "& f (x)"),
+            (quote!(format!("{a}")), "& format ! (\"{a}\")"),
+            (quote!(a + b), "& (a + b)"),
+            (quote!(x as u64), "& (x as u64)"),
+            (quote!(*x), "& * x"),
+            (quote!(if c { a } else { b }), "& (if c { a } else { b })"),
+        ];
+        for (expr, want) in cases {
+            let expr: Expr = syn::parse2(expr).unwrap();
+            assert_eq!(borrow(&expr).to_string(), want);
+        }
     }
 
     #[test]
     fn raw_fn_name_in_default_scope() {
-        let out = expand_str(quote!(key = id), quote!(async fn r#match(id: u64) -> Result<(), E> { Ok(()) }));
+        let out = expand_str(
+            quote!(key = id),
+            quote!(
+                async fn r#match(id: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
         assert!(out.contains("\"::\" , \"match\""), "{out}");
     }
 
     #[test]
     fn not_async() {
-        let errs = errors(quote!(key = id), quote!(fn charge(id: u64) -> Result<(), E> { Ok(()) }));
+        let errs = errors(
+            quote!(key = id),
+            quote!(
+                fn charge(id: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
         assert_eq!(errs.len(), 1);
-        assert!(errs[0].starts_with("#[idempotent] needs an `async fn`: write `async fn charge(…)`"), "{errs:?}");
+        assert!(
+            errs[0].starts_with("#[idempotent] needs an `async fn`: write `async fn charge(…)`"),
+            "{errs:?}"
+        );
     }
 
     #[test]
     fn no_missing_key_error_after_a_likely_attempt_at_key() {
-        let item = quote!(async fn f(id: u64) -> Result<(), E> { Ok(()) });
+        let item = quote!(
+            async fn f(id: u64) -> Result<(), E> {
+                Ok(())
+            }
+        );
         for attr in [quote!(kye = id), quote!(key), quote!(id)] {
             let errs = errors(attr.clone(), item.clone());
             assert_eq!(errs.len(), 1, "{attr}: {errs:?}");
@@ -478,46 +645,109 @@ mod tests {
         }
         let errs = errors(quote!(timeout = "1h"), item);
         assert_eq!(errs.len(), 2, "{errs:?}");
-        assert!(errs[1].starts_with("#[idempotent] needs a `key`"), "{errs:?}");
+        assert!(
+            errs[1].starts_with("#[idempotent] needs a `key`"),
+            "{errs:?}"
+        );
     }
 
     #[test]
     fn missing_key() {
-        let errs = errors(quote!(ttl = "1h"), quote!(async fn f(id: u64) -> Result<(), E> { Ok(()) }));
+        let errs = errors(
+            quote!(ttl = "1h"),
+            quote!(
+                async fn f(id: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
         assert_eq!(errs.len(), 1);
-        assert!(errs[0].starts_with("#[idempotent] needs a `key`"), "{errs:?}");
-        let errs = errors(quote!(), quote!(async fn f(id: u64) -> Result<(), E> { Ok(()) }));
-        assert!(errs[0].starts_with("#[idempotent] needs a `key`"), "{errs:?}");
+        assert!(
+            errs[0].starts_with("#[idempotent] needs a `key`"),
+            "{errs:?}"
+        );
+        let errs = errors(
+            quote!(),
+            quote!(
+                async fn f(id: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert!(
+            errs[0].starts_with("#[idempotent] needs a `key`"),
+            "{errs:?}"
+        );
     }
 
     #[test]
     fn no_return_type() {
-        let errs = errors(quote!(key = id), quote!(async fn f(id: u64) { }));
+        let errs = errors(
+            quote!(key = id),
+            quote!(
+                async fn f(id: u64) {}
+            ),
+        );
         assert_eq!(errs.len(), 1);
-        assert!(errs[0].starts_with("#[idempotent] functions must return `Result<T, E>`"), "{errs:?}");
+        assert!(
+            errs[0].starts_with("#[idempotent] functions must return `Result<T, E>`"),
+            "{errs:?}"
+        );
     }
 
     #[test]
     fn impl_trait_return() {
-        let errs = errors(quote!(key = id), quote!(async fn f(id: u64) -> Result<impl Serialize, E> { Ok(1) }));
+        let errs = errors(
+            quote!(key = id),
+            quote!(
+                async fn f(id: u64) -> Result<impl Serialize, E> {
+                    Ok(1)
+                }
+            ),
+        );
         assert!(errs[0].contains("can't use `impl Trait`"), "{errs:?}");
     }
 
     #[test]
     fn key_naming_no_argument() {
-        let item = quote!(async fn refund(&self, order_id: &str, amount: u64) -> Result<(), E> { Ok(()) });
+        let item = quote!(
+            async fn refund(&self, order_id: &str, amount: u64) -> Result<(), E> {
+                Ok(())
+            }
+        );
         let errs = errors(quote!(key = ordr_id), item.clone());
         assert_eq!(
             errs,
-            ["key `ordr_id` does not name an argument of `refund`; arguments are: self, order_id, amount; did you mean `order_id`?"]
+            [
+                "key `ordr_id` does not name an argument of `refund`; arguments are: self, order_id, amount; did you mean `order_id`?"
+            ]
         );
         let errs = errors(quote!(key = request.id.to_string()), item.clone());
-        assert!(errs[0].starts_with("key `request` does not name an argument"), "{errs:?}");
-        let errs = errors(quote!(key = id, fingerprint = (amount, currency)), item.clone());
+        assert!(
+            errs[0].starts_with("key `request` does not name an argument"),
+            "{errs:?}"
+        );
+        let errs = errors(
+            quote!(key = id, fingerprint = (amount, currency)),
+            item.clone(),
+        );
         assert_eq!(errs.len(), 2, "{errs:?}");
-        assert!(errs[1].starts_with("fingerprint `currency` does not name an argument"), "{errs:?}");
-        let errs = errors(quote!(key = x), quote!(async fn f() -> Result<(), E> { Ok(()) }));
-        assert_eq!(errs, ["key `x` does not name an argument of `f`, which takes no arguments"]);
+        assert!(
+            errs[1].starts_with("fingerprint `currency` does not name an argument"),
+            "{errs:?}"
+        );
+        let errs = errors(
+            quote!(key = x),
+            quote!(
+                async fn f() -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert_eq!(
+            errs,
+            ["key `x` does not name an argument of `f`, which takes no arguments"]
+        );
     }
 
     #[test]
@@ -547,7 +777,11 @@ mod tests {
     fn all_errors_at_once() {
         let errs = errors(
             quote!(kye2 = id, ttl = "0s", ttl = "1h"),
-            quote!(fn f(id: u64) -> u32 { 1 }),
+            quote!(
+                fn f(id: u64) -> u32 {
+                    1
+                }
+            ),
         );
         assert_eq!(errs.len(), 5, "{errs:#?}");
         assert!(errs[0].starts_with("unknown argument `kye2`"));
@@ -559,18 +793,43 @@ mod tests {
 
     #[test]
     fn errors_keep_the_function() {
-        let out = expand_str(quote!(), quote!(async fn f() -> Result<(), E> { Ok(()) }));
+        let out = expand_str(
+            quote!(),
+            quote!(
+                async fn f() -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
         assert!(out.starts_with(":: core :: compile_error !"), "{out}");
-        assert!(out.ends_with("async fn f () -> Result < () , E > { Ok (()) }"), "{out}");
+        assert!(
+            out.ends_with("async fn f () -> Result < () , E > { Ok (()) }"),
+            "{out}"
+        );
     }
 
     #[test]
     fn not_a_function_at_all() {
-        let errs = errors(quote!(key = id), quote!(struct S;));
-        assert_eq!(errs, ["#[idempotent] goes on an `async fn` that returns `Result<T, E>`"]);
-        let errs = errors(quote!(key = id), quote!(async fn f(&self) -> Result<(), E>;));
+        let errs = errors(
+            quote!(key = id),
+            quote!(
+                struct S;
+            ),
+        );
+        assert_eq!(
+            errs,
+            ["#[idempotent] goes on an `async fn` that returns `Result<T, E>`"]
+        );
+        let errs = errors(
+            quote!(key = id),
+            quote!(
+                async fn f(&self) -> Result<(), E>;
+            ),
+        );
         assert_eq!(errs.len(), 1, "{errs:?}");
-        assert!(errs[0].starts_with("#[idempotent] needs a function body"), "{errs:?}");
+        assert!(
+            errs[0].starts_with("#[idempotent] needs a function body"),
+            "{errs:?}"
+        );
     }
-
 }

@@ -1,10 +1,10 @@
 //! Runs `#[idempotent]` functions against the in-memory store: the body runs
 //! once per key and later calls replay its value.
 
-use idem::{idempotent, Idempotency, MemoryStore};
+use idem::{Idempotency, MemoryStore, idempotent};
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Debug)]
 pub enum PaymentError {
@@ -46,18 +46,36 @@ static CHARGES: AtomicUsize = AtomicUsize::new(0);
 #[idempotent(key = req.order_id, ttl = "24h")]
 async fn charge(req: ChargeRequest) -> Result<Receipt, PaymentError> {
     let run = CHARGES.fetch_add(1, Ordering::SeqCst) + 1;
-    Ok(Receipt { order_id: req.order_id, amount: req.amount, run })
+    Ok(Receipt {
+        order_id: req.order_id,
+        amount: req.amount,
+        run,
+    })
 }
 
 #[tokio::test]
 async fn global_runtime_runs_the_body_once_and_replays() {
     install_global();
-    let req = || ChargeRequest { order_id: "order-1".into(), amount: 1250 };
+    let req = || ChargeRequest {
+        order_id: "order-1".into(),
+        amount: 1250,
+    };
     let first = charge(req()).await.unwrap();
     let second = charge(req()).await.unwrap();
     let third = charge(req()).await.unwrap();
-    assert_eq!(CHARGES.load(Ordering::SeqCst), 1, "the body ran exactly once");
-    assert_eq!(first, Receipt { order_id: "order-1".into(), amount: 1250, run: 1 });
+    assert_eq!(
+        CHARGES.load(Ordering::SeqCst),
+        1,
+        "the body ran exactly once"
+    );
+    assert_eq!(
+        first,
+        Receipt {
+            order_id: "order-1".into(),
+            amount: 1250,
+            run: 1
+        }
+    );
     assert_eq!(second, first, "replayed");
     assert_eq!(third, first, "replayed");
 }
@@ -96,7 +114,12 @@ pub struct Refund {
 impl Payments {
     #[idempotent(key = order_id, ttl = "1h", lease = "10s", scope = "payments.refund.v1",
                  fingerprint = (amount, currency), wait = "5s", using = self.idem)]
-    async fn refund(&mut self, order_id: &str, amount: u64, currency: &str) -> Result<Refund, PaymentError> {
+    async fn refund(
+        &mut self,
+        order_id: &str,
+        amount: u64,
+        currency: &str,
+    ) -> Result<Refund, PaymentError> {
         if amount == 0 {
             return Err(PaymentError::Declined);
         }
@@ -112,7 +135,10 @@ impl Payments {
 
 #[tokio::test]
 async fn using_a_field_of_mut_self() {
-    let mut payments = Payments { idem: Idempotency::builder(MemoryStore::new()).build(), refunds: 0 };
+    let mut payments = Payments {
+        idem: Idempotency::builder(MemoryStore::new()).build(),
+        refunds: 0,
+    };
     let first = payments.refund("order-7", 300, "EUR").await.unwrap();
     let second = payments.refund("order-7", 300, "EUR").await.unwrap();
     let third = payments.refund("order-7", 300, "EUR").await.unwrap();
@@ -122,13 +148,19 @@ async fn using_a_field_of_mut_self() {
     assert_eq!(third, first);
 
     // The user's own errors come back as they are.
-    assert!(matches!(payments.refund("order-8", 0, "EUR").await, Err(PaymentError::Declined)));
+    assert!(matches!(
+        payments.refund("order-8", 0, "EUR").await,
+        Err(PaymentError::Declined)
+    ));
 }
 
 #[tokio::test]
 async fn using_does_not_touch_the_global() {
     // A separate runtime: the same key runs again there.
-    let mut other = Payments { idem: Idempotency::builder(MemoryStore::new()).build(), refunds: 0 };
+    let mut other = Payments {
+        idem: Idempotency::builder(MemoryStore::new()).build(),
+        refunds: 0,
+    };
     assert_eq!(other.refund("order-7", 300, "EUR").await.unwrap().run, 1);
     assert_eq!(other.refunds, 1);
 }
@@ -151,6 +183,9 @@ async fn early_return_and_question_mark() {
     assert_eq!(step(&idem, 1, "").await.unwrap(), 0);
     assert_eq!(step(&idem, 2, "40").await.unwrap(), 42);
     assert_eq!(step(&idem, 2, "40").await.unwrap(), 42);
-    assert!(matches!(step(&idem, 3, "x").await, Err(PaymentError::Declined)));
+    assert!(matches!(
+        step(&idem, 3, "x").await,
+        Err(PaymentError::Declined)
+    ));
     assert_eq!(STEPS.load(Ordering::SeqCst), 3);
 }

@@ -37,6 +37,9 @@ async fn returns_not_installed_without_running_the_body() {
         Err(PaymentError::Idem(idem::Error::NotInstalled)) => {}
         other => panic!("expected NotInstalled, got {other:?}"),
     }
-    assert!(matches!(charge_plain("order-1").await, Err(idem::Error::NotInstalled)));
+    assert!(matches!(
+        charge_plain("order-1").await,
+        Err(idem::Error::NotInstalled)
+    ));
     assert_eq!(RUNS.load(Ordering::SeqCst), 0);
 }

@@ -71,8 +71,8 @@ impl LogBuffer {
         LogBuffer::default()
     }
 
-    /// A subscriber that writes every event at `WARN` or above (and info
-    /// span closes nothing) to this buffer, without ANSI colours.
+    /// A subscriber that writes every event at `DEBUG` or above to this
+    /// buffer, without ANSI colours (use it with `WithSubscriber`).
     pub fn subscriber(&self) -> impl tracing::Subscriber + Send + Sync + 'static {
         let me = self.clone();
         tracing_subscriber::fmt()

@@ -316,6 +316,20 @@ impl RedisStore {
         };
         reply.map_err(|e| classify(op, e))
     }
+
+    /// The completed record of `key` read with plain `GET` and `PTTL`
+    /// (allowed when Redis is out of memory), or `None` when there is no
+    /// readable completed record or Redis does not answer.
+    async fn read_completed(&self, key: &str) -> Option<super::Completed> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
+        let read: redis::RedisResult<(Option<Vec<u8>>, i64)> = match &self.conn {
+            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+        };
+        let (record, ttl) = read.ok()?;
+        decode_completed(record?, ttl).ok()
+    }
 }
 
 /// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
@@ -336,6 +350,13 @@ fn server_error(reply: Result<Value, RedisError>) -> Result<Value, RedisError> {
         Value::ServerError(e) => Err(e.into()),
         v => Ok(v),
     }
+}
+
+/// How `classify` starts the reason of an `OOM` refusal.
+const OOM_REASON: &str = "Redis is out of memory";
+
+fn is_oom(e: &Error) -> bool {
+    matches!(e, Error::Unavailable { reason, .. } if reason.starts_with(OOM_REASON))
 }
 
 fn is_noscript(e: &RedisError) -> bool {
@@ -360,9 +381,9 @@ fn classify(op: &'static str, e: RedisError) -> Error {
         _ if denied => format!(
             "Redis ACL denied the command ({e}); grant the commands listed in the README's ACL section"
         ),
-        _ if e.code() == Some("OOM") => format!(
-            "Redis is out of memory and refuses new records ({e}); raise maxmemory or free keys"
-        ),
+        _ if e.code() == Some("OOM") => {
+            format!("{OOM_REASON} and refuses new records ({e}); raise maxmemory or free keys")
+        }
         _ if e.is_timeout() => format!("no reply within the response timeout ({e})"),
         _ => e.to_string(),
     };
@@ -442,7 +463,17 @@ impl Store for RedisStore {
             .arg(millis(claim.lease))
             .arg(millis(claim.ttl.max(claim.lease)))
             .arg(fp);
-        parse_claim(self.eval("claim", script, &cmd).await?)
+        match self.eval("claim", script, &cmd).await {
+            // A full Redis refuses the claim script before it runs (it may
+            // write), but a completed record needs no memory to replay:
+            // read it rather than fail (or, with FailMode::Open, run a
+            // finished body again). Anything else keeps the OOM error.
+            Err(e) if is_oom(&e) => match self.read_completed(claim.key).await {
+                Some(done) => Ok(ClaimReply::Completed(done)),
+                None => Err(e),
+            },
+            reply => parse_claim(reply?),
+        }
     }
 
     async fn complete(

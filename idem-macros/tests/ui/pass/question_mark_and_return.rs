@@ -19,8 +19,8 @@ impl From<std::num::ParseIntError> for Error {
     }
 }
 
-#[idempotent(key = input, using = idem)]
-pub async fn parse(idem: &Idempotency, input: &str) -> Result<u32, Error> {
+#[idempotent(key = id, using = idem)]
+pub async fn parse(idem: &Idempotency, id: u32, input: &str) -> Result<u32, Error> {
     if input.is_empty() {
         return Ok(0);
     }
@@ -35,8 +35,8 @@ pub async fn parse(idem: &Idempotency, input: &str) -> Result<u32, Error> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let idem = Idempotency::builder(MemoryStore::new()).build();
-    assert_eq!(parse(&idem, "").await.unwrap(), 0);
-    assert_eq!(parse(&idem, "21").await.unwrap(), 42);
-    assert!(matches!(parse(&idem, "x").await, Err(Error::Parse(_))));
-    assert!(matches!(parse(&idem, "-1").await, Err(Error::Negative)));
+    assert_eq!(parse(&idem, 1, "").await.unwrap(), 0);
+    assert_eq!(parse(&idem, 2, "21").await.unwrap(), 42);
+    assert!(matches!(parse(&idem, 3, "x").await, Err(Error::Parse(_))));
+    assert!(matches!(parse(&idem, 4, "-1").await, Err(Error::Negative)));
 }
