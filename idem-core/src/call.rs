@@ -439,6 +439,7 @@ impl Exec<'_> {
             .with_max_delay(self.lease / 4)
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
+        let mut resent = false;
         let result = (|| {
             self.store.complete(
                 &self.key,
@@ -450,6 +451,7 @@ impl Exec<'_> {
         })
         .retry(retries)
         .when(is_unavailable)
+        .notify(|_, _| resent = true)
         .await;
         match result {
             Ok(WriteReply::Done) => {
@@ -465,6 +467,11 @@ impl Exec<'_> {
                     );
                 }
             }
+            // A re-sent complete finding the record completed: most likely
+            // the first attempt landed and only its reply was lost.
+            Ok(WriteReply::AlreadyCompleted) if resent => tracing::info!(
+                "complete was re-sent and found the record completed: an earlier attempt most likely stored it"
+            ),
             Ok(other) => tracing::error!(
                 ?other,
                 "the body finished after its lease was lost: another caller may have run it too; this result was not stored"
