@@ -30,6 +30,8 @@ impl From<Error> for PaymentError {
     }
 }
 
+impl std::error::Error for PaymentError {}
+
 impl std::fmt::Display for PaymentError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -31,6 +31,7 @@ mod fingerprint;
 mod idempotency;
 mod key;
 mod outcome;
+mod private;
 mod store;
 mod token;
 
@@ -45,3 +46,10 @@ pub use store::{
     WriteReply,
 };
 pub use token::Token;
+
+/// Support for the code `#[idempotent]` generates. Not a public API: it may
+/// change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::private::*;
+}
