@@ -107,7 +107,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     r.status.as_u16(),
                     r.value.receipt_id,
                     r.attempts,
-                    if r.replayed { " (replayed)" } else { " (executed)" },
+                    if r.replayed {
+                        " (replayed)"
+                    } else {
+                        " (executed)"
+                    },
                 );
                 receipts.push(r.value);
             }

@@ -40,6 +40,7 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     pub(crate) advertise_retention: bool,
     pub(crate) lease: Option<Duration>,
+    pub(crate) wait: Duration,
 }
 
 impl Config {
@@ -104,6 +105,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("retention", &c.retention)
             .field("advertise_retention", &c.advertise_retention)
             .field("lease", &c.lease)
+            .field("wait", &c.wait)
             .finish()
     }
 }
@@ -134,6 +136,7 @@ impl IdempotencyLayer {
                 retention: DEFAULT_RETENTION,
                 advertise_retention: false,
                 lease: None,
+                wait: Duration::ZERO,
             },
         }
     }
@@ -308,6 +311,19 @@ impl IdempotencyLayer {
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config.lease = Some(lease);
+        self
+    }
+
+    /// How long a duplicate that arrives while the first request runs waits
+    /// for its response (then replayed to it) before getting `409` (default
+    /// zero: `409` at once, whatever the runtime's own `wait` default).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).wait(std::time::Duration::from_secs(2));
+    /// ```
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
         self
     }
 }

@@ -72,7 +72,7 @@
 //! | malformed key, header sent twice | `400` [`invalid-key`](#invalid-key) |
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) | `413` [`request-too-large`](#request-too-large) |
 //! | first request with this key | the handler runs; its response goes to the client and, if storable, is stored |
-//! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s); if the runtime was built with a default `wait`, the duplicate first waits that long for the response |
+//! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s); with [`wait`](IdempotencyLayer::wait) it first waits that long for the response, then gets it replayed |
 //! | same key, completed | the stored status, headers and body, with `Idempotent-Replayed: true`; the handler does not run |
 //! | same key, another method, path, query or body | `422` [`key-reused`](#key-reused) |
 //! | store unreachable | `503` [`store-unavailable`](#store-unavailable) with `Retry-After`; the handler does not run (fail-closed: the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
@@ -171,7 +171,12 @@
 // Nothing on a request's path may panic: errors are responses.
 #![cfg_attr(
     not(test),
-    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
 )]
 
 mod key;

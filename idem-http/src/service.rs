@@ -22,6 +22,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tower_service::Service;
+use tracing::Instrument;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -159,6 +160,30 @@ where
     if !cfg.methods.contains(request.method()) {
         return passthrough(inner, request).await;
     }
+    let span = tracing::info_span!(
+        "idem.http",
+        method = %request.method(),
+        path = request.uri().path()
+    );
+    handle_idempotent(inner, idem, cfg, request)
+        .instrument(span)
+        .await
+}
+
+async fn handle_idempotent<S, B, ResBody>(
+    inner: S,
+    idem: Idempotency,
+    cfg: Arc<Config>,
+    request: Request<B>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
     if request.extensions().get::<IdempotencyKey>().is_some() {
         // An outer IdempotencyLayer already holds this request's key: claiming
         // it again here would find it in flight and answer 409.
@@ -169,7 +194,7 @@ where
     let key = match key_from_headers(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if cfg.require_key => {
-            tracing::debug!(method = %parts.method, path = parts.uri.path(), "refused: Idempotency-Key required but missing");
+            tracing::debug!("refused: Idempotency-Key required but missing");
             return Ok(cfg.problem(
                 ProblemKind::MissingKey,
                 "This endpoint requires an Idempotency-Key header: send a fresh unique value (e.g. a UUID) per operation, and the same value when retrying it.",
@@ -177,11 +202,11 @@ where
             ));
         }
         Ok(None) => {
-            tracing::trace!(method = %parts.method, path = parts.uri.path(), "no Idempotency-Key: passing through");
+            tracing::trace!("no Idempotency-Key: passing through");
             return passthrough(inner, Request::from_parts(parts, body)).await;
         }
         Err(e) => {
-            tracing::debug!(error = %e, method = %parts.method, path = parts.uri.path(), "refused: malformed Idempotency-Key");
+            tracing::debug!(error = %e, "refused: malformed Idempotency-Key");
             return Ok(cfg.problem(ProblemKind::InvalidKey, &e.to_string(), false));
         }
     };
@@ -217,7 +242,8 @@ where
     let mut call = idem
         .call(&scope, key.as_str())
         .fingerprint_raw(fingerprint)
-        .ttl(cfg.retention);
+        .ttl(cfg.retention)
+        .wait(cfg.wait);
     if let Some(lease) = cfg.lease {
         call = call.lease(lease);
     }

@@ -867,3 +867,17 @@ async fn nested_routers_fingerprint_the_full_path() {
     assert!(send(at("/v1/pay")).await.replayed());
     assert_eq!(c.runs(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_wait_a_duplicate_gets_the_replay_instead_of_409() {
+    let h = Harness::start(|l| l.wait(Duration::from_secs(5))).await;
+    let first = tokio::spawn(send(h.post("/slow", "w").header("x-sleep-ms", "500")));
+    wait_until("the first request runs", || h.runs() == 1).await;
+    let dup = send(h.post("/slow", "w")).await;
+    assert_eq!(dup.status, StatusCode::OK);
+    assert!(dup.replayed());
+    let first = first.await.expect("first request");
+    assert!(!first.replayed());
+    assert_eq!(dup.body, first.body);
+    assert_eq!(h.runs(), 1);
+}
