@@ -149,6 +149,26 @@ impl Idempotency {
             .map_err(|_| Error::AlreadyInstalled)
     }
 
+    /// The default result TTL of this runtime's calls.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// assert_eq!(idem.result_ttl().as_secs(), 86_400);
+    /// ```
+    pub fn result_ttl(&self) -> Duration {
+        self.inner.result_ttl
+    }
+
+    /// The default lease of this runtime's calls.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// assert_eq!(idem.lease().as_secs(), 30);
+    /// ```
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
     /// The installed default, if any.
     ///
     /// ```

@@ -23,9 +23,6 @@ pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/id
 /// Default scope under which the layer stores keys.
 pub const DEFAULT_SCOPE: &str = "http";
 
-/// Default retention of completed responses: 24 hours.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
-
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
@@ -113,14 +110,15 @@ impl fmt::Debug for IdempotencyLayer {
 impl IdempotencyLayer {
     /// A layer over `idem` with the defaults: `POST` and `PATCH`, key
     /// optional, `Retry-After: 1` on `409`, 1 MiB body limits, scope
-    /// `"http"`, no tenant, 24 h retention (not advertised), `Set-Cookie` not
-    /// replayed.
+    /// `"http"`, no tenant, the runtime's `result_ttl` as retention (not
+    /// advertised), `Set-Cookie` not replayed.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem);
     /// ```
     pub fn new(idem: Idempotency) -> IdempotencyLayer {
+        let retention = idem.result_ttl();
         IdempotencyLayer {
             idem,
             config: Config {
@@ -133,7 +131,7 @@ impl IdempotencyLayer {
                 max_response_body: DEFAULT_BODY_LIMIT,
                 tenant: None,
                 scope: DEFAULT_SCOPE.to_owned(),
-                retention: DEFAULT_RETENTION,
+                retention,
                 advertise_retention: false,
                 lease: None,
                 wait: Duration::ZERO,
@@ -275,9 +273,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// How long a completed response is replayed (default 24 h). The layer
-    /// passes it as the TTL of every call, overriding the runtime's
-    /// `result_ttl`; it must be at least the runtime's lease.
+    /// How long a completed response is replayed (default: the runtime's
+    /// `result_ttl`, 24 h unless configured). The layer passes it as the TTL
+    /// of every call; it must be at least the runtime's lease.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();

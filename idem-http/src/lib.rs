@@ -134,7 +134,7 @@
 //! ## Retention
 //!
 //! A completed response is replayed for
-//! [`retention`](IdempotencyLayer::retention) (default 24 h), passed as the
+//! [`retention`](IdempotencyLayer::retention) (default: the runtime's `result_ttl`), passed as the
 //! TTL of each call. With [`advertise_retention(true)`](IdempotencyLayer::advertise_retention)
 //! the first response and every replay carry
 //! `Idempotency-Retention: <seconds>` ([`IDEMPOTENCY_RETENTION`]).
@@ -188,7 +188,7 @@ mod stored;
 
 pub use key::{IdempotencyKey, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};
 pub use layer::{
-    DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_RETENTION, DEFAULT_SCOPE,
+    DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE,
     IdempotencyLayer,
 };
 pub use problem::{PROBLEM_JSON, ProblemKind};

@@ -48,7 +48,7 @@ impl Default for RedisStoreConfig {
         RedisStoreConfig {
             connection_timeout: Duration::from_secs(1),
             response_timeout: Duration::from_secs(1),
-            reconnect_retries: 3,
+            reconnect_retries: 1,
         }
     }
 }
@@ -79,7 +79,7 @@ impl RedisStoreConfig {
     }
 
     /// How many reconnection attempts follow a dropped connection before a
-    /// request fails (default 3).
+    /// request fails (default 1; idem re-sends claims itself).
     ///
     /// ```
     /// let c = idem_core::RedisStoreConfig::default().reconnect_retries(5);
@@ -111,7 +111,7 @@ impl RedisStoreConfig {
     /// The reconnection attempts.
     ///
     /// ```
-    /// assert_eq!(idem_core::RedisStoreConfig::default().get_reconnect_retries(), 3);
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_reconnect_retries(), 1);
     /// ```
     pub fn get_reconnect_retries(&self) -> usize {
         self.reconnect_retries
