@@ -11,16 +11,29 @@
 //!
 //! Options: `--redis URL` (default: start a private redis-server),
 //! `--concurrency N` (64), `--seconds S` (5, per phase in total),
-//! `--rounds R` (10), `--threads T` (Tokio workers: 0 = current-thread
-//! runtime, default 1), `--replay-keys K` (1000), `--only a,b,..`, `--json`.
+//! `--rounds R` (25), `--threads T` (Tokio workers, default 1: on a 2-core
+//! machine that leaves Redis a core of its own, as it would have on its own
+//! host; 0 = a current-thread runtime),
+//! `--replay-keys K` (1000), `--only a,b,..`, `--json`.
 //!
 //! All phases run in one process, interleaved: each of R rounds runs a short
-//! slice of every phase (rotating which goes first), so that machine drift
-//! (frequency, noisy neighbours, Redis's growing dict) hits them alike. The
-//! ratios are computed from totals over all rounds; the table also shows the
-//! lowest and highest per-round ratio as a noise gauge.
+//! slice of every phase (rotating which goes first, odd rounds backwards), so
+//! that machine drift (frequency, noisy neighbours) hits them alike. Fresh
+//! keys go to database 1 of the private server, emptied before every slice,
+//! so each slice of a fresh phase starts from the same small key space (a
+//! `--redis` server is never flushed: fresh keys then pile up in its
+//! database). The ratios are computed from the totals over all rounds; the
+//! table and the JSON (`per_round`) also give the lowest, median and highest
+//! per-round ratio as a noise gauge. The `client µs` and `redis µs` columns
+//! are CPU time per call of this process (`/proc/self/task/*/schedstat`) and
+//! of redis-server (`INFO cpu`): what each side spends, whoever is waiting.
+//!
+//! `--profile PHASE --ops N` runs N calls of one phase and nothing else (no
+//! table), for `valgrind --tool=callgrind` on the bench binary, or on a
+//! redis-server given with `--redis`: two runs with different N give the
+//! instructions per call on either side.
 
-use idem::{Idempotency, RedisStore};
+use idem::{Idempotency, RedisStore, idempotent};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -59,7 +72,7 @@ fn parse_opts() -> Opts {
         redis: None,
         concurrency: 64,
         seconds: 5.0,
-        rounds: 10,
+        rounds: 25,
         threads: 1,
         replay_keys: 1000,
         only: None,
@@ -104,7 +117,12 @@ fn parse_opts() -> Opts {
             _ => {} // a cargo bench name filter: this bench has one target
         }
     }
-    if o.concurrency == 0 || o.rounds == 0 || o.seconds <= 0.0 || o.replay_keys == 0 {
+    // Fresh keys hold the task number in 4 digits.
+    if !(1..=9999).contains(&o.concurrency)
+        || o.rounds == 0
+        || o.seconds <= 0.0
+        || o.replay_keys == 0
+    {
         usage()
     }
     o
@@ -191,7 +209,7 @@ impl fmt::Display for ReplayKey {
 
 /// A large, repetitive JSON value for the compression phases: 170 rows of
 /// about 97 bytes (16.4 KB of JSON). Rows are `Copy`, so a body returning a
-/// clone pays one memcpy, not 200 allocations.
+/// clone pays one memcpy, not 170 allocations.
 #[derive(Clone, Copy, Serialize, Deserialize)]
 struct Row {
     id: u64,
@@ -216,7 +234,11 @@ fn big_value() -> &'static Vec<Row> {
                 id: 100_000 + i,
                 price_cents: 1999 + (i % 7) * 100,
                 quantity: (i % 5) as u32 + 1,
-                status: if i % 11 == 0 { Status::Backordered } else { Status::Active },
+                status: if i % 11 == 0 {
+                    Status::Backordered
+                } else {
+                    Status::Active
+                },
                 flags: [i % 2 == 0, false, true, i % 3 == 0],
             })
             .collect()
@@ -235,27 +257,36 @@ const FLOOR_TOKEN: &[u8; 32] = b"0123456789abcdef0123456789abcdef";
 
 struct Ctx {
     run: u32,
+    /// Database 0: the replay keys (kept for the whole run).
     conn: ConnectionManager,
+    /// Database 1 of our own server (emptied before each slice, so every
+    /// slice of a fresh phase starts from the same small key space), or the
+    /// `--redis` URL's database.
+    fresh_conn: ConnectionManager,
+    flush_fresh: bool,
     claim: redis::Script,
     complete: redis::Script,
     /// No cache, no compression: what `#[idempotent]` (installed globally)
     /// and the hand-written calls use.
     idem: Idempotency,
+    /// Over database 0, no cache.
+    replayer: Idempotency,
+    /// Over database 0, `local_cache(100_000)`.
     cached: Idempotency,
+    /// Over the fresh database, without and with compression.
     big_plain: Idempotency,
     big_lz4: Idempotency,
+    /// The same two over database 0, for the big replays.
+    big_plain_r: Idempotency,
+    big_lz4_r: Idempotency,
     replay_keys: u64,
     errors: AtomicU64,
 }
 
 /// The `#[idempotent]` form of the no-op body (uses the installed default).
-// TEMP-STANDIN: until idem::__private lands, the expansion written out.
+#[idempotent(key = key, scope = "bench", ttl = "1h")]
 async fn noop(key: FreshKey) -> Result<String, idem::Error> {
-    let idem = Idempotency::global().ok_or(idem::Error::NotInstalled)?;
-    idem.call("bench", &key)
-        .ttl(Duration::new(3600, 0))
-        .run(move || async move { Ok(VALUE.to_owned()) })
-        .await
+    Ok(VALUE.to_owned())
 }
 
 /// The same call written by hand.
@@ -274,7 +305,7 @@ impl Ctx {
     }
 
     async fn floor_fresh(&self, key: FreshKey) {
-        let mut conn = self.conn.clone();
+        let mut conn = self.fresh_conn.clone();
         let full = format!("{FLOOR_PREFIX}{key}");
         let claimed: redis::RedisResult<redis::Value> = self
             .claim
@@ -321,7 +352,12 @@ impl Ctx {
         ReplayKey {
             run: self.run,
             set,
-            idx: (u64::from(task) * 7919 + seq) % if set == 0 { self.replay_keys } else { self.big_keys() },
+            idx: (u64::from(task) * 7919 + seq)
+                % if set == 0 {
+                    self.replay_keys
+                } else {
+                    self.big_keys()
+                },
         }
     }
 
@@ -402,18 +438,78 @@ struct PhaseDef {
 }
 
 const PHASES: &[PhaseDef] = &[
-    PhaseDef { name: "floor_fresh", op: Op::FloorFresh, concurrency: None, what: "minimal Lua claim + complete, fresh key" },
-    PhaseDef { name: "idem_fresh", op: Op::IdemFresh, concurrency: None, what: "#[idempotent] no-op body, fresh key" },
-    PhaseDef { name: "hand_fresh", op: Op::HandFresh, concurrency: None, what: "idem.call(..).run(..) no-op body, fresh key" },
-    PhaseDef { name: "floor_replay", op: Op::FloorReplay, concurrency: None, what: "one GET of an existing key" },
-    PhaseDef { name: "idem_replay", op: Op::IdemReplay, concurrency: None, what: "call on a completed key" },
-    PhaseDef { name: "cached_replay", op: Op::CachedReplay, concurrency: None, what: "call on a completed key, local_cache(100_000)" },
-    PhaseDef { name: "floor_fresh_c1", op: Op::FloorFresh, concurrency: Some(1), what: "floor_fresh, one at a time" },
-    PhaseDef { name: "idem_fresh_c1", op: Op::IdemFresh, concurrency: Some(1), what: "idem_fresh, one at a time" },
-    PhaseDef { name: "big_fresh", op: Op::BigFresh, concurrency: Some(1), what: "16 KiB JSON result, fresh key, uncompressed" },
-    PhaseDef { name: "big_fresh_lz4", op: Op::BigFreshLz4, concurrency: Some(1), what: "16 KiB JSON result, fresh key, compress_above(1024)" },
-    PhaseDef { name: "big_replay", op: Op::BigReplay, concurrency: Some(1), what: "16 KiB JSON replay, uncompressed" },
-    PhaseDef { name: "big_replay_lz4", op: Op::BigReplayLz4, concurrency: Some(1), what: "16 KiB JSON replay, compressed" },
+    PhaseDef {
+        name: "floor_fresh",
+        op: Op::FloorFresh,
+        concurrency: None,
+        what: "minimal Lua claim + complete, fresh key",
+    },
+    PhaseDef {
+        name: "idem_fresh",
+        op: Op::IdemFresh,
+        concurrency: None,
+        what: "#[idempotent] no-op body, fresh key",
+    },
+    PhaseDef {
+        name: "hand_fresh",
+        op: Op::HandFresh,
+        concurrency: None,
+        what: "idem.call(..).run(..) no-op body, fresh key",
+    },
+    PhaseDef {
+        name: "floor_replay",
+        op: Op::FloorReplay,
+        concurrency: None,
+        what: "one GET of an existing key",
+    },
+    PhaseDef {
+        name: "idem_replay",
+        op: Op::IdemReplay,
+        concurrency: None,
+        what: "call on a completed key",
+    },
+    PhaseDef {
+        name: "cached_replay",
+        op: Op::CachedReplay,
+        concurrency: None,
+        what: "call on a completed key, local_cache(100_000)",
+    },
+    PhaseDef {
+        name: "floor_fresh_c1",
+        op: Op::FloorFresh,
+        concurrency: Some(1),
+        what: "floor_fresh, one at a time",
+    },
+    PhaseDef {
+        name: "idem_fresh_c1",
+        op: Op::IdemFresh,
+        concurrency: Some(1),
+        what: "idem_fresh, one at a time",
+    },
+    PhaseDef {
+        name: "big_fresh",
+        op: Op::BigFresh,
+        concurrency: Some(1),
+        what: "16 KiB JSON result, fresh key, uncompressed",
+    },
+    PhaseDef {
+        name: "big_fresh_lz4",
+        op: Op::BigFreshLz4,
+        concurrency: Some(1),
+        what: "16 KiB JSON result, fresh key, compress_above(1024)",
+    },
+    PhaseDef {
+        name: "big_replay",
+        op: Op::BigReplay,
+        concurrency: Some(1),
+        what: "16 KiB JSON replay, uncompressed",
+    },
+    PhaseDef {
+        name: "big_replay_lz4",
+        op: Op::BigReplayLz4,
+        concurrency: Some(1),
+        what: "16 KiB JSON replay, compressed",
+    },
 ];
 
 #[derive(Default)]
@@ -430,7 +526,11 @@ struct Totals {
 
 impl Totals {
     fn rate(&self) -> f64 {
-        if self.secs > 0.0 { self.ops as f64 / self.secs } else { 0.0 }
+        if self.secs > 0.0 {
+            self.ops as f64 / self.secs
+        } else {
+            0.0
+        }
     }
 
     fn client_us_per_call(&self) -> f64 {
@@ -456,25 +556,46 @@ impl Totals {
 /// One call of a phase's operation. `seq` numbers the task's calls; fresh
 /// keys are unique per (phase, task, seq).
 async fn one_call(c: &Ctx, phase: usize, task: u16, seq: u64) {
-    let fresh = FreshKey { run: c.run, phase: phase as u8, task, seq };
+    let fresh = FreshKey {
+        run: c.run,
+        phase: phase as u8,
+        task,
+        seq,
+    };
     match PHASES[phase].op {
         Op::FloorFresh => c.floor_fresh(fresh).await,
         Op::IdemFresh => c.idem_fresh(fresh).await,
         Op::HandFresh => c.hand_fresh(fresh).await,
         Op::FloorReplay => c.floor_replay(c.replay_key(0, task, seq)).await,
-        Op::IdemReplay => c.idem_replay(&c.idem, c.replay_key(0, task, seq), "idem replay").await,
-        Op::CachedReplay => c.idem_replay(&c.cached, c.replay_key(0, task, seq), "cached replay").await,
+        Op::IdemReplay => {
+            c.idem_replay(&c.replayer, c.replay_key(0, task, seq), "idem replay")
+                .await
+        }
+        Op::CachedReplay => {
+            c.idem_replay(&c.cached, c.replay_key(0, task, seq), "cached replay")
+                .await
+        }
         Op::BigFresh => c.big_fresh(&c.big_plain, fresh).await,
         Op::BigFreshLz4 => c.big_fresh(&c.big_lz4, fresh).await,
-        Op::BigReplay => c.big_replay(&c.big_plain, c.replay_key(1, task, seq)).await,
-        Op::BigReplayLz4 => c.big_replay(&c.big_lz4, c.replay_key(2, task, seq)).await,
+        Op::BigReplay => {
+            c.big_replay(&c.big_plain_r, c.replay_key(1, task, seq))
+                .await
+        }
+        Op::BigReplayLz4 => c.big_replay(&c.big_lz4_r, c.replay_key(2, task, seq)).await,
     }
 }
 
 /// Runs one slice of a phase: `tasks` tasks calling until `dur` is over.
 /// Returns the calls made, the time until the last one finished and, when
 /// asked, each call's latency. `seq0` keeps fresh keys unique across slices.
-async fn slice(ctx: &Arc<Ctx>, phase: usize, tasks: usize, dur: Duration, seq0: u64, latencies: bool) -> (u64, f64, Vec<u64>) {
+async fn slice(
+    ctx: &Arc<Ctx>,
+    phase: usize,
+    tasks: usize,
+    dur: Duration,
+    seq0: u64,
+    latencies: bool,
+) -> (u64, f64, Vec<u64>) {
     let start = Instant::now();
     let deadline = start + dur;
     let handles: Vec<_> = (0..tasks)
@@ -516,11 +637,17 @@ async fn slice(ctx: &Arc<Ctx>, phase: usize, tasks: usize, dur: Duration, seq0: 
 /// CPU time of every thread of this process, in seconds (Linux:
 /// `/proc/self/task/*/schedstat`, nanosecond resolution); 0 elsewhere.
 fn client_cpu() -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
     let mut ns = 0u64;
     for t in tasks.flatten() {
         if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            ns += s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            ns += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
         }
     }
     ns as f64 / 1e9
@@ -528,7 +655,11 @@ fn client_cpu() -> f64 {
 
 /// CPU time of the Redis server so far (`INFO cpu`), in seconds.
 async fn redis_cpu(conn: &mut ConnectionManager) -> f64 {
-    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await.unwrap_or_default();
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(conn)
+        .await
+        .unwrap_or_default();
     info.lines()
         .filter_map(|l| l.split_once(':'))
         .filter(|(k, _)| *k == "used_cpu_sys" || *k == "used_cpu_user")
@@ -539,11 +670,20 @@ async fn redis_cpu(conn: &mut ConnectionManager) -> f64 {
 // ---------------------------------------------------------------- setup and memory
 
 async fn memory_usage(conn: &mut ConnectionManager, key: &str) -> i64 {
-    redis::cmd("MEMORY").arg("USAGE").arg(key).query_async(conn).await.expect("MEMORY USAGE")
+    redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("MEMORY USAGE")
 }
 
 async fn strlen(conn: &mut ConnectionManager, key: &str) -> i64 {
-    redis::cmd("STRLEN").arg(key).query_async(conn).await.expect("STRLEN")
+    redis::cmd("STRLEN")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("STRLEN")
 }
 
 /// Fills the replay key sets: the floor's plain strings and idem's records
@@ -562,14 +702,33 @@ async fn prefill_small(ctx: &Ctx) {
     let mut conn = ctx.conn.clone();
     let mut pipe = redis::pipe();
     for idx in 0..ctx.replay_keys {
-        let key = ReplayKey { run: ctx.run, set: 0, idx };
-        pipe.cmd("SET").arg(format!("{FLOOR_PREFIX}{key}")).arg(value_json()).arg("PX").arg(TTL_MS).ignore();
+        let key = ReplayKey {
+            run: ctx.run,
+            set: 0,
+            idx,
+        };
+        pipe.cmd("SET")
+            .arg(format!("{FLOOR_PREFIX}{key}"))
+            .arg(value_json())
+            .arg("PX")
+            .arg(TTL_MS)
+            .ignore();
     }
-    let () = pipe.query_async(&mut conn).await.expect("prefill floor keys");
+    let () = pipe
+        .query_async(&mut conn)
+        .await
+        .expect("prefill floor keys");
     for idx in 0..ctx.replay_keys {
         let _: String = ctx
-            .idem
-            .call(SCOPE, ReplayKey { run: ctx.run, set: 0, idx })
+            .replayer
+            .call(
+                SCOPE,
+                ReplayKey {
+                    run: ctx.run,
+                    set: 0,
+                    idx,
+                },
+            )
             .ttl(Duration::from_secs(3600))
             .run(|| async { Ok::<_, idem::Error>(VALUE.to_owned()) })
             .await
@@ -580,9 +739,16 @@ async fn prefill_small(ctx: &Ctx) {
 async fn prefill_big(ctx: &Ctx) {
     // Fewer big records: each is 16 KiB.
     for idx in 0..ctx.big_keys() {
-        for (set, idem) in [(1, &ctx.big_plain), (2, &ctx.big_lz4)] {
+        for (set, idem) in [(1, &ctx.big_plain_r), (2, &ctx.big_lz4_r)] {
             let _: Vec<Row> = idem
-                .call("big", ReplayKey { run: ctx.run, set, idx })
+                .call(
+                    "big",
+                    ReplayKey {
+                        run: ctx.run,
+                        set,
+                        idx,
+                    },
+                )
                 .ttl(Duration::from_secs(3600))
                 .run(|| async { Ok::<_, idem::Error>(big_value().clone()) })
                 .await
@@ -593,6 +759,7 @@ async fn prefill_big(ctx: &Ctx) {
 
 struct Memory {
     idem_bytes: i64,
+    idem_fp_bytes: i64,
     plain_bytes: i64,
     plain_px_bytes: i64,
     idem_strlen: i64,
@@ -606,16 +773,36 @@ struct Memory {
 }
 
 async fn measure_memory(ctx: &Ctx) -> Memory {
-    let mut conn = ctx.conn.clone();
-    let key = FreshKey { run: ctx.run, phase: 0xff, task: 0, seq: 0 };
+    let mut conn = ctx.fresh_conn.clone();
+    let mut conn0 = ctx.conn.clone();
+    let key = FreshKey {
+        run: ctx.run,
+        phase: 0xff,
+        task: 0,
+        seq: 0,
+    };
     assert_eq!(key.to_string().len(), 36);
     let _: String = noop_by_hand(&ctx.idem, key).await.expect("memory record");
+    let fp_key = FreshKey { seq: 1, ..key };
+    let _: String = ctx
+        .idem
+        .call(SCOPE, fp_key)
+        .ttl(Duration::from_secs(3600))
+        .fingerprint(&("charge", 500, "EUR"))
+        .run(|| async { Ok::<_, idem::Error>(VALUE.to_owned()) })
+        .await
+        .expect("memory record with a fingerprint");
     let idem_key = format!("idem:{SCOPE}:{key}");
     let plain_key = format!("{PLAIN_PREFIX}{key}");
     let plain_px_key = format!("plpx:bench:{key}");
     assert_eq!(idem_key.len(), plain_key.len());
     assert_eq!(idem_key.len(), plain_px_key.len());
-    let () = redis::cmd("SET").arg(&plain_key).arg(value_json()).query_async(&mut conn).await.unwrap();
+    let () = redis::cmd("SET")
+        .arg(&plain_key)
+        .arg(value_json())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
     let () = redis::cmd("SET")
         .arg(&plain_px_key)
         .arg(value_json())
@@ -625,18 +812,28 @@ async fn measure_memory(ctx: &Ctx) -> Memory {
         .await
         .unwrap();
     let big_json_len = serde_json::to_vec(big_value()).unwrap().len();
-    let big = |set| format!("idem:big:{}", ReplayKey { run: ctx.run, set, idx: 0 });
+    let big = |set| {
+        format!(
+            "idem:big:{}",
+            ReplayKey {
+                run: ctx.run,
+                set,
+                idx: 0
+            }
+        )
+    };
     Memory {
         idem_bytes: memory_usage(&mut conn, &idem_key).await,
+        idem_fp_bytes: memory_usage(&mut conn, &format!("idem:{SCOPE}:{fp_key}")).await,
         plain_bytes: memory_usage(&mut conn, &plain_key).await,
         plain_px_bytes: memory_usage(&mut conn, &plain_px_key).await,
         idem_strlen: strlen(&mut conn, &idem_key).await,
         plain_strlen: strlen(&mut conn, &plain_key).await,
         key_len: idem_key.len(),
-        big_plain_bytes: memory_usage(&mut conn, &big(1)).await,
-        big_lz4_bytes: memory_usage(&mut conn, &big(2)).await,
-        big_plain_strlen: strlen(&mut conn, &big(1)).await,
-        big_lz4_strlen: strlen(&mut conn, &big(2)).await,
+        big_plain_bytes: memory_usage(&mut conn0, &big(1)).await,
+        big_lz4_bytes: memory_usage(&mut conn0, &big(2)).await,
+        big_plain_strlen: strlen(&mut conn0, &big(1)).await,
+        big_lz4_strlen: strlen(&mut conn0, &big(2)).await,
         big_json_len,
     }
 }
@@ -654,9 +851,19 @@ fn main() {
     };
     let rt = rt.enable_all().build().expect("tokio runtime");
     // Our own server unless told otherwise; dropped (killed) at the end.
-    let server = if opts.redis.is_none() { Some(idem_testkit::RedisServer::start()) } else { None };
-    let url = opts.redis.clone().unwrap_or_else(|| server.as_ref().unwrap().url());
-    rt.block_on(run(opts, url));
+    let server = if opts.redis.is_none() {
+        Some(idem_testkit::RedisServer::start())
+    } else {
+        None
+    };
+    // Fresh keys go to database 1 of our own server, emptied before each
+    // slice; a server given with --redis is used as it is, never flushed.
+    let (url, fresh_url, flush) = match (&opts.redis, &server) {
+        (Some(url), _) => (url.clone(), url.clone(), false),
+        (None, Some(s)) => (s.url(), format!("{}1", s.url()), true),
+        (None, None) => unreachable!(),
+    };
+    rt.block_on(run(opts, url, fresh_url, flush));
     drop(server);
 }
 
@@ -668,38 +875,65 @@ async fn connect(url: &str) -> ConnectionManager {
         .set_response_timeout(Some(Duration::from_secs(1)))
         .set_number_of_retries(3)
         .set_max_delay(Duration::from_millis(500));
-    ConnectionManager::new_with_config(client, config).await.expect("connect to Redis")
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .expect("connect to Redis")
 }
 
-async fn run(opts: Opts, url: String) {
+async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
     let conn = connect(&url).await;
-    // idem goes through the same connection manager as the floor.
+    let fresh_conn = connect(&fresh_url).await;
+    // idem goes through the same connection managers as the floor.
     let store = RedisStore::from_manager(conn.clone());
+    let fresh_store = RedisStore::from_manager(fresh_conn.clone());
     let ttl = Duration::from_secs(3600);
-    let idem = Idempotency::builder(store.clone()).result_ttl(ttl).build();
-    idem.install().expect("install the default for #[idempotent]");
-    let cached = Idempotency::builder(store.clone()).result_ttl(ttl).local_cache(100_000).build();
-    let big_plain = Idempotency::builder(store.clone()).result_ttl(ttl).build();
-    let big_lz4 = Idempotency::builder(store.clone()).result_ttl(ttl).compress_above(1024).build();
-    let run_id = (std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u32) | 1;
+    let plain = |store: &RedisStore| Idempotency::builder(store.clone()).result_ttl(ttl).build();
+    let lz4 = |store: &RedisStore| {
+        Idempotency::builder(store.clone())
+            .result_ttl(ttl)
+            .compress_above(1024)
+            .build()
+    };
+    let idem = plain(&fresh_store);
+    idem.install()
+        .expect("install the default for #[idempotent]");
+    let cached = Idempotency::builder(store.clone())
+        .result_ttl(ttl)
+        .local_cache(100_000)
+        .build();
+    let run_id = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u32)
+        | 1;
     let ctx = Arc::new(Ctx {
         run: run_id,
         claim: redis::Script::new(FLOOR_CLAIM),
         complete: redis::Script::new(FLOOR_COMPLETE),
         conn,
+        fresh_conn,
+        flush_fresh,
         idem,
+        replayer: plain(&store),
         cached,
-        big_plain,
-        big_lz4,
+        big_plain: plain(&fresh_store),
+        big_lz4: lz4(&fresh_store),
+        big_plain_r: plain(&store),
+        big_lz4_r: lz4(&store),
         replay_keys: opts.replay_keys,
         errors: AtomicU64::new(0),
     });
     // Load the floor's scripts as idem's connect() loads idem's.
     for s in [&ctx.claim, &ctx.complete] {
-        let _: String = s.load_async(&mut ctx.conn.clone()).await.expect("SCRIPT LOAD");
+        let _: String = s
+            .load_async(&mut ctx.conn.clone())
+            .await
+            .expect("SCRIPT LOAD");
     }
     if let Some(name) = &opts.profile {
-        let Some(i) = PHASES.iter().position(|p| &p.name == name) else { usage() };
+        let Some(i) = PHASES.iter().position(|p| &p.name == name) else {
+            usage()
+        };
         let op = PHASES[i].op;
         let small = matches!(op, Op::FloorReplay | Op::IdemReplay | Op::CachedReplay);
         prefill(&ctx, small, matches!(op, Op::BigReplay | Op::BigReplayLz4)).await;
@@ -708,7 +942,11 @@ async fn run(opts: Opts, url: String) {
     prefill(&ctx, true, true).await;
 
     let selected: Vec<usize> = (0..PHASES.len())
-        .filter(|&i| opts.only.as_ref().is_none_or(|o| o.iter().any(|n| n == PHASES[i].name)))
+        .filter(|&i| {
+            opts.only
+                .as_ref()
+                .is_none_or(|o| o.iter().any(|n| n == PHASES[i].name))
+        })
         .collect();
     if selected.is_empty() {
         usage()
@@ -719,7 +957,15 @@ async fn run(opts: Opts, url: String) {
     // the local cache's first fill), not counted.
     let mut seq = vec![1u64 << 40; PHASES.len()];
     for &i in &selected {
-        let (n, _, _) = slice(&ctx, i, tasks_of(i), Duration::from_millis(200), seq[i], false).await;
+        let (n, _, _) = slice(
+            &ctx,
+            i,
+            tasks_of(i),
+            Duration::from_millis(200),
+            seq[i],
+            false,
+        )
+        .await;
         seq[i] += n + 1;
     }
 
@@ -727,10 +973,24 @@ async fn run(opts: Opts, url: String) {
     let mut totals: Vec<Totals> = (0..PHASES.len()).map(|_| Totals::default()).collect();
     let wall = Instant::now();
     for round in 0..opts.rounds {
-        // Rotate the starting phase so no phase always follows the same one.
-        for k in 0..selected.len() {
-            let i = selected[(round + k) % selected.len()];
+        // Rotate the starting phase, and run odd rounds backwards, so that
+        // no phase always follows the same one or holds the same position.
+        let n = selected.len();
+        for k in 0..n {
+            let k = if round % 2 == 1 { n - 1 - k } else { k };
+            let i = selected[(round / 2 + k) % n];
             let lat = PHASES[i].concurrency == Some(1);
+            if ctx.flush_fresh {
+                let () = redis::cmd("FLUSHDB")
+                    .query_async(&mut ctx.fresh_conn.clone())
+                    .await
+                    .expect("FLUSHDB of the fresh-key database");
+                // Hand the freed pages back now, not during the next slice.
+                let _: redis::RedisResult<redis::Value> = redis::cmd("MEMORY")
+                    .arg("PURGE")
+                    .query_async(&mut ctx.fresh_conn.clone())
+                    .await;
+            }
             let (cpu0, rcpu0) = (client_cpu(), redis_cpu(&mut ctx.conn.clone()).await);
             let (n, secs, l) = slice(&ctx, i, tasks_of(i), slice_dur, seq[i], lat).await;
             let (cpu1, rcpu1) = (client_cpu(), redis_cpu(&mut ctx.conn.clone()).await);
@@ -746,7 +1006,14 @@ async fn run(opts: Opts, url: String) {
     }
     let wall = wall.elapsed().as_secs_f64();
     let mem = measure_memory(&ctx).await;
-    report(&opts, &mut totals, &mem, wall, ctx.errors.load(Ordering::Relaxed), &url);
+    report(
+        &opts,
+        &mut totals,
+        &mem,
+        wall,
+        ctx.errors.load(Ordering::Relaxed),
+        &url,
+    );
 }
 
 /// One phase alone for a fixed number of calls, for callgrind:
@@ -771,28 +1038,58 @@ async fn profile(ctx: &Arc<Ctx>, opts: &Opts, i: usize) {
     }
     let secs = start.elapsed().as_secs_f64();
     let n = per_task * tasks as u64;
-    println!("{name}: {n} calls in {secs:.3} s = {:.0} calls/s, {} errors", n as f64 / secs, ctx.errors.load(Ordering::Relaxed));
+    println!(
+        "{name}: {n} calls in {secs:.3} s = {:.0} calls/s, {} errors",
+        n as f64 / secs,
+        ctx.errors.load(Ordering::Relaxed)
+    );
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 { a / b } else { f64::NAN }
 }
 
-/// Lowest and highest per-round ratio of two phases.
-fn spread(a: &Totals, b: &Totals) -> Option<(f64, f64)> {
-    let r: Vec<f64> = a.per_round.iter().zip(&b.per_round).map(|(x, y)| x / y).collect();
+/// Lowest, median and highest per-round ratio of two phases.
+fn spread(a: &Totals, b: &Totals) -> Option<(f64, f64, f64)> {
+    let mut r: Vec<f64> = a
+        .per_round
+        .iter()
+        .zip(&b.per_round)
+        .map(|(x, y)| x / y)
+        .collect();
     if r.is_empty() {
         return None;
     }
-    Some((r.iter().copied().fold(f64::INFINITY, f64::min), r.iter().copied().fold(f64::NEG_INFINITY, f64::max)))
+    r.sort_by(f64::total_cmp);
+    let mid = if r.len() % 2 == 1 {
+        r[r.len() / 2]
+    } else {
+        (r[r.len() / 2 - 1] + r[r.len() / 2]) / 2.0
+    };
+    Some((r[0], mid, r[r.len() - 1]))
+}
+
+/// `[min, median, max]` of the per-round ratios, or null.
+fn spread_json(a: &Totals, b: &Totals) -> serde_json::Value {
+    spread(a, b).map_or(serde_json::Value::Null, |(lo, mid, hi)| {
+        json!([round3(lo), round3(mid), round3(hi)])
+    })
 }
 
 fn round3(x: f64) -> serde_json::Value {
-    if x.is_finite() { json!((x * 1000.0).round() / 1000.0) } else { serde_json::Value::Null }
+    if x.is_finite() {
+        json!((x * 1000.0).round() / 1000.0)
+    } else {
+        serde_json::Value::Null
+    }
 }
 
 fn round1(x: f64) -> serde_json::Value {
-    if x.is_finite() { json!((x * 10.0).round() / 10.0) } else { serde_json::Value::Null }
+    if x.is_finite() {
+        json!((x * 10.0).round() / 10.0)
+    } else {
+        serde_json::Value::Null
+    }
 }
 
 fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u64, url: &str) {
@@ -807,8 +1104,16 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
         (if which == 50 { l.1 } else { l.2 }).unwrap_or(f64::NAN)
     };
 
-    let shown = if opts.redis.is_some() { url } else { "private redis-server" };
-    let threads = if opts.threads == 0 { "current-thread".to_owned() } else { format!("{} worker(s)", opts.threads) };
+    let shown = if opts.redis.is_some() {
+        url
+    } else {
+        "private redis-server"
+    };
+    let threads = if opts.threads == 0 {
+        "current-thread".to_owned()
+    } else {
+        format!("{} worker(s)", opts.threads)
+    };
     println!(
         "\nidem throughput: {} per phase in {} rounds, concurrency {}, Tokio {threads}, {shown}; {:.1} s in all",
         format_secs(opts.seconds),
@@ -851,22 +1156,74 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
     let p50_gap = p("idem_fresh_c1", 50) - p("floor_fresh_c1", 50);
     let bytes_overhead = mem.idem_bytes - mem.plain_bytes;
 
-    println!("\n{:<30} {:>9} {:>17}  {}", "ratio", "value", "per-round range", "target");
+    println!(
+        "\n{:<30} {:>9} {:>25}  {}",
+        "ratio (totals)", "value", "per round: min / med / max", "target"
+    );
     let line = |name: &str, v: f64, a: &str, b: &str, target: &str, ok: bool| {
-        let range = spread(&t[idx(a)], &t[idx(b)]).map_or("-".to_owned(), |(lo, hi)| format!("{lo:.3}..{hi:.3}"));
-        println!("{name:<30} {v:>9.3} {range:>17}  {target} {}", if v.is_finite() { if ok { "ok" } else { "MISSED" } } else { "" });
+        if !v.is_finite() {
+            return;
+        }
+        let range = spread(&t[idx(a)], &t[idx(b)]).map_or("-".to_owned(), |(lo, mid, hi)| {
+            format!("{lo:.3} / {mid:.3} / {hi:.3}")
+        });
+        println!(
+            "{name:<30} {v:>9.3} {range:>25}  {target} {}",
+            if ok { "ok" } else { "MISSED" }
+        );
     };
-    line("fresh_ratio (c=N)", fresh_ratio, "idem_fresh", "floor_fresh", ">= 0.90", fresh_ratio >= 0.90);
-    line("fresh_ratio_c1", fresh_ratio_c1, "idem_fresh_c1", "floor_fresh_c1", ">= 0.90", fresh_ratio_c1 >= 0.90);
-    line("replay_ratio", replay_ratio, "idem_replay", "floor_replay", ">= 0.90", replay_ratio >= 0.90);
-    line("cache_ratio", cache_ratio, "cached_replay", "floor_replay", ">= 10", cache_ratio >= 10.0);
-    line("macro_ratio (macro / by hand)", macro_ratio, "idem_fresh", "hand_fresh", "0.98..1.02", (0.98..=1.02).contains(&macro_ratio));
+    line(
+        "fresh_ratio (c=N)",
+        fresh_ratio,
+        "idem_fresh",
+        "floor_fresh",
+        ">= 0.90",
+        fresh_ratio >= 0.90,
+    );
+    line(
+        "fresh_ratio_c1",
+        fresh_ratio_c1,
+        "idem_fresh_c1",
+        "floor_fresh_c1",
+        ">= 0.90",
+        fresh_ratio_c1 >= 0.90,
+    );
+    line(
+        "replay_ratio",
+        replay_ratio,
+        "idem_replay",
+        "floor_replay",
+        ">= 0.90",
+        replay_ratio >= 0.90,
+    );
+    line(
+        "cache_ratio",
+        cache_ratio,
+        "cached_replay",
+        "floor_replay",
+        ">= 10",
+        cache_ratio >= 10.0,
+    );
+    line(
+        "macro_ratio (macro / by hand)",
+        macro_ratio,
+        "idem_fresh",
+        "hand_fresh",
+        "0.98..1.02",
+        (0.98..=1.02).contains(&macro_ratio),
+    );
     if p50_gap.is_finite() {
-        println!("{:<30} {:>9.1} {:>17}  <= 20 µs {}", "p50 gap idem - floor (c=1) µs", p50_gap, "", if p50_gap <= 20.0 { "ok" } else { "MISSED" });
+        println!(
+            "{:<30} {:>9.1} {:>17}  <= 20 µs {}",
+            "p50 gap idem - floor (c=1) µs",
+            p50_gap,
+            "",
+            if p50_gap <= 20.0 { "ok" } else { "MISSED" }
+        );
     }
     println!(
         "\nbytes per record ({}-byte key, 64-byte value): idem {} (STRLEN {}), plain string {} (STRLEN {}), \
-         plain with PX {}; overhead {} bytes (target <= 24) {}",
+         plain with PX {}; overhead {} bytes (target <= 24) {}; with a fingerprint: {} bytes",
         mem.key_len,
         mem.idem_bytes,
         mem.idem_strlen,
@@ -874,7 +1231,8 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
         mem.plain_strlen,
         mem.plain_px_bytes,
         bytes_overhead,
-        if bytes_overhead <= 24 { "ok" } else { "MISSED" }
+        if bytes_overhead <= 24 { "ok" } else { "MISSED" },
+        mem.idem_fp_bytes
     );
     println!(
         "compression, {}-byte repetitive JSON: record {} bytes (STRLEN {}) plain, {} bytes (STRLEN {}) with compress_above(1024); \
@@ -903,9 +1261,22 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
             let mut m = serde_json::Map::new();
             m.insert("ops_per_s".into(), round1(t.rate()));
             m.insert("calls".into(), json!(t.ops));
-            m.insert("concurrency".into(), json!(def.concurrency.unwrap_or(opts.concurrency)));
-            m.insert("client_cpu_us_per_call".into(), round3(t.client_us_per_call()));
-            m.insert("redis_cpu_us_per_call".into(), round3(t.redis_us_per_call()));
+            m.insert(
+                "per_round_ops_per_s".into(),
+                json!(t.per_round.iter().map(|r| r.round()).collect::<Vec<_>>()),
+            );
+            m.insert(
+                "concurrency".into(),
+                json!(def.concurrency.unwrap_or(opts.concurrency)),
+            );
+            m.insert(
+                "client_cpu_us_per_call".into(),
+                round3(t.client_us_per_call()),
+            );
+            m.insert(
+                "redis_cpu_us_per_call".into(),
+                round3(t.redis_us_per_call()),
+            );
             if let (Some(p50), Some(p99)) = (lat[i].1, lat[i].2) {
                 m.insert("p50_us".into(), round1(p50));
                 m.insert("p99_us".into(), round1(p99));
@@ -933,6 +1304,7 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
             "idem_bytes": mem.idem_bytes,
             "plain_bytes": mem.plain_bytes,
             "plain_px_bytes": mem.plain_px_bytes,
+            "idem_fingerprint_bytes": mem.idem_fp_bytes,
             "bytes_overhead": bytes_overhead,
             "fresh_ratio": round3(fresh_ratio),
             "fresh_ratio_c1": round3(fresh_ratio_c1),
@@ -954,6 +1326,13 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
                 "replay_ops": round1(rate(t, "big_replay")),
                 "replay_lz4_ops": round1(rate(t, "big_replay_lz4")),
             },
+            "per_round": {
+                "fresh_ratio": spread_json(&t[idx("idem_fresh")], &t[idx("floor_fresh")]),
+                "fresh_ratio_c1": spread_json(&t[idx("idem_fresh_c1")], &t[idx("floor_fresh_c1")]),
+                "replay_ratio": spread_json(&t[idx("idem_replay")], &t[idx("floor_replay")]),
+                "cache_ratio": spread_json(&t[idx("cached_replay")], &t[idx("floor_replay")]),
+                "macro_ratio": spread_json(&t[idx("idem_fresh")], &t[idx("hand_fresh")]),
+            },
             "errors": errors,
             "phases": phases,
         });
@@ -962,5 +1341,9 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
 }
 
 fn format_secs(s: f64) -> String {
-    if s.fract() == 0.0 { format!("{s:.0} s") } else { format!("{s} s") }
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{s} s")
+    }
 }
