@@ -3,20 +3,15 @@
 -- only if we still own it (compare-and-delete). allow-oom: a full Redis must
 -- still be able to free keys. Codes: lua/README.md.
 local key, token = KEYS[1], ARGV[1]
-if #KEYS ~= 1 or #ARGV ~= 1 then
-  return redis.error_reply('ERR idem release: expected 1 key and 1 argument')
-end
-if #token ~= 32 or not string.find(token, '^%x+$') then
-  return redis.error_reply('ERR idem release: owner token must be 32 hex digits')
+if #KEYS ~= 1 or #ARGV ~= 1 or #token ~= 32 then
+  return redis.error_reply('ERR idem release: expected 1 key and a token (32 bytes)')
 end
 local rec = redis.pcall('GET', key)
 if type(rec) == 'table' then
-  -- WRONGTYPE: not a string, so not ours. Any other error (an ACL that does
-  -- not grant GET) goes back as it is, not disguised as a wrong type.
-  if not string.find(rec.err or '', 'WRONGTYPE', 1, true) then
-    return rec
+  if string.find(rec.err or '', 'WRONGTYPE', 1, true) then
+    return 7
   end
-  return 7
+  return rec
 end
 if not rec then
   return 0

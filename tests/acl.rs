@@ -29,7 +29,6 @@ const MINIMAL: &[&str] = &[
     "+del",
     "+pttl",
     "+pexpire",
-    "+time",
 ];
 
 fn set_user(server: &RedisServer, rules: &[&str]) {
@@ -168,6 +167,7 @@ async fn minimal_acl_user_runs_the_core_semantics() {
         lease: Duration::from_millis(100),
         ttl: Duration::from_secs(60),
         fingerprint: None,
+        want_ttl_left: false,
     };
     store.claim(claim).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -300,7 +300,9 @@ async fn missing_script_load_fails_at_connect() {
 #[tokio::test]
 async fn missing_script_commands_are_unavailable_naming_the_acl() {
     let server = RedisServer::start();
-    for cmd in ["+get", "+set", "+time", "+pttl"] {
+    // Claim writes with SET (its GET option included); PTTL measures a
+    // pending record's lease when another owner holds it.
+    for cmd in ["+set", "+pttl"] {
         set_user(&server, &minimal_without(cmd));
         let store = RedisStore::connect(&user_url(&server))
             .await
@@ -309,15 +311,18 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
             .namespace("payments")
             .build();
         let runs = Runs::default();
-        // +pttl is used only on a completed record: plant one as the admin.
+        // +pttl is used only on a record held by someone else: plant one as the admin.
+        let mut held = b"1P\x00".to_vec();
+        held.extend_from_slice(Token::from_u128(9).as_bytes());
+        held.extend_from_slice(b"0:1");
         let _: () = redis::cmd("SET")
-            .arg("payments:charge:done")
-            .arg(b"1C\x00\"x\"")
+            .arg("payments:charge:held")
+            .arg(held)
             .arg("PX")
             .arg(60_000)
             .query(&mut server.connection())
             .unwrap();
-        let key = if cmd == "+pttl" { "done" } else { "order-1" };
+        let key = if cmd == "+pttl" { "held" } else { "order-1" };
         let r: Result<String, Error> = idem
             .call("charge", key)
             .run(|| runs.body("x".to_owned()))
@@ -326,8 +331,8 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
         assert_eq!(runs.get(), 0, "{cmd}");
         server.flushall();
     }
-    // +del and +pexpire are used by release and extend.
-    for cmd in ["+del", "+pexpire"] {
+    // GET, DEL and PEXPIRE are used by release and extend.
+    for cmd in ["+get", "+del", "+pexpire"] {
         set_user(&server, &minimal_without(cmd));
         let store = RedisStore::connect(&user_url(&server))
             .await
@@ -339,9 +344,10 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
             lease: Duration::from_millis(100),
             ttl: Duration::from_millis(100),
             fingerprint: None,
+            want_ttl_left: false,
         };
         store.claim(claim).await.unwrap();
-        let e = if cmd == "+del" {
+        let e = if cmd != "+pexpire" {
             store.release(claim.key, &token).await.unwrap_err()
         } else {
             store
@@ -349,7 +355,15 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
                 .await
                 .unwrap_err()
         };
-        assert_acl_error(&e, if cmd == "+del" { "release" } else { "extend" }, cmd);
+        assert_acl_error(
+            &e,
+            if cmd != "+pexpire" {
+                "release"
+            } else {
+                "extend"
+            },
+            cmd,
+        );
     }
 }
 

@@ -544,7 +544,7 @@ async fn assert_corrupt(
             store.release(KEY, &t).await,
             store.extend(KEY, &t, Duration::from_secs(1)).await,
             store
-                .complete(KEY, &t, Duration::from_secs(1), idem::ValueKind::Json, b"1")
+                .complete(KEY, &t, None, idem::ValueKind::Json, b"1")
                 .await,
         ];
         for w in writes {
@@ -1022,6 +1022,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
                 lease,
                 ttl,
                 fingerprint: None,
+                want_ttl_left: false,
             };
             let first = store.claim(claim(&a)).await;
             assert_eq!(
@@ -1035,7 +1036,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
                 "{name}/{case}: {extended:?}"
             );
             let done = store
-                .complete(&key, &a, ttl, idem::ValueKind::Json, b"1")
+                .complete(&key, &a, None, idem::ValueKind::Json, b"1")
                 .await;
             assert!(
                 matches!(done, Ok(WriteReply::Done | WriteReply::Missing)),

@@ -62,7 +62,7 @@ enum Op {
     Complete {
         key: usize,
         token: u8,
-        long_ttl: bool,
+        fp_hint: bool,
         kind: ValueKind,
         value: usize,
     },
@@ -91,7 +91,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (key.clone(), tok.clone(), proptest::option::of(0u8..2), prop::bool::weighted(0.2), any::<bool>())
             .prop_map(|(key, token, fp, long_lease, long_ttl)| Op::Claim { key, token, fp, long_lease, long_ttl }),
         3 => (key.clone(), tok.clone(), any::<bool>(), kind, 0..VALUES.len())
-            .prop_map(|(key, token, long_ttl, kind, value)| Op::Complete { key, token, long_ttl, kind, value }),
+            .prop_map(|(key, token, fp_hint, kind, value)| Op::Complete { key, token, fp_hint, kind, value }),
         2 => (key.clone(), tok.clone()).prop_map(|(key, token)| Op::Release { key, token }),
         2 => (key, tok, any::<bool>())
             .prop_map(|(key, token, long_lease)| Op::Extend { key, token, long_lease }),
@@ -142,6 +142,7 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
                         lease: if long_lease { LONG_LEASE } else { SHORT },
                         ttl: if long_ttl { LONG_TTL } else { SHORT },
                         fingerprint: f.as_ref(),
+                        want_ttl_left: true,
                     })
                     .await?,
             )
@@ -149,7 +150,7 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
         Op::Complete {
             key,
             token: t,
-            long_ttl,
+            fp_hint,
             kind,
             value,
         } => Reply::Write(
@@ -157,7 +158,7 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
                 .complete(
                     KEYS[key],
                     &token(t),
-                    if long_ttl { LONG_TTL } else { SHORT },
+                    fp_hint.then(|| fingerprint(1)).as_ref(),
                     kind,
                     VALUES[value],
                 )
@@ -318,7 +319,7 @@ fn memory_and_redis_agree_on_every_transition() {
     let json = |key, token| Complete {
         key,
         token,
-        long_ttl: true,
+        fp_hint: true,
         kind: ValueKind::Json,
         value: 3,
     };
@@ -384,7 +385,7 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 0,
                 token: 0,
-                long_ttl: true,
+                fp_hint: true,
                 kind: ValueKind::Json,
                 value: 0,
             },
@@ -392,7 +393,7 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 0,
                 token: 0,
-                long_ttl: false,
+                fp_hint: false,
                 kind: ValueKind::TooLarge,
                 value: 4,
             },
@@ -435,7 +436,7 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 1,
                 token: 0,
-                long_ttl: true,
+                fp_hint: true,
                 kind: ValueKind::Unstorable,
                 value: 5,
             },

@@ -607,6 +607,7 @@ async fn same_token_resend_is_acquired_again(b: Backend) {
         lease: Duration::from_secs(10),
         ttl: Duration::from_secs(60),
         fingerprint: None,
+        want_ttl_left: false,
     };
     assert_eq!(
         store.claim(claim(&a)).await.unwrap(),
@@ -635,6 +636,7 @@ async fn late_writes_by_old_owner_are_refused(b: Backend) {
         lease: Duration::from_millis(100),
         ttl: Duration::from_secs(60),
         fingerprint: None,
+        want_ttl_left: false,
     };
     let ttl = Duration::from_secs(60);
     assert_eq!(
@@ -648,7 +650,7 @@ async fn late_writes_by_old_owner_are_refused(b: Backend) {
     );
     for reply in [
         store
-            .complete("raw:late", &old, ttl, ValueKind::Json, b"1")
+            .complete("raw:late", &old, None, ValueKind::Json, b"1")
             .await,
         store.extend("raw:late", &old, ttl).await,
         store.release("raw:late", &old).await,
@@ -657,14 +659,14 @@ async fn late_writes_by_old_owner_are_refused(b: Backend) {
     }
     assert_eq!(
         store
-            .complete("raw:late", &new, ttl, ValueKind::Json, b"2")
+            .complete("raw:late", &new, None, ValueKind::Json, b"2")
             .await
             .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
         store
-            .complete("raw:late", &old, ttl, ValueKind::Json, b"1")
+            .complete("raw:late", &old, None, ValueKind::Json, b"1")
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted

@@ -215,6 +215,7 @@ impl<'a> Call<'a> {
             store: &inner.store,
             key,
             token: Token::random(),
+            started: Instant::now(),
             ttl: self.ttl,
             lease: self.lease,
             wait: self.wait,
@@ -243,6 +244,7 @@ struct Exec<'a> {
     lease: Duration,
     wait: Option<Duration>,
     fingerprint: Option<Fingerprint>,
+    started: Instant,
 }
 
 impl Exec<'_> {
@@ -337,6 +339,7 @@ impl Exec<'_> {
             lease: self.lease,
             ttl: self.ttl,
             fingerprint: self.fingerprint.as_ref(),
+            want_ttl_left: self.inner.cache.is_some(),
         };
         // Dropped while a claim is in flight: the claim may land anyway, so
         // release by token rather than leave the key to the lease.
@@ -444,7 +447,7 @@ impl Exec<'_> {
             self.store.complete(
                 &self.key,
                 &self.token,
-                self.ttl,
+                self.fingerprint.as_ref(),
                 encoded.kind,
                 &encoded.bytes,
             )
@@ -462,7 +465,10 @@ impl Exec<'_> {
                             kind: encoded.kind,
                             value: encoded.bytes.into(),
                             fingerprint: self.fingerprint,
-                            ttl_left: Some(self.ttl),
+                            // The record's TTL runs from the claim: count
+                            // from before it was sent, so the copy never
+                            // outlives the record.
+                            ttl_left: self.ttl.checked_sub(self.started.elapsed()),
                         },
                     );
                 }

@@ -54,6 +54,9 @@ pub(crate) fn encode<T: Serialize>(
 
 /// The error a caller gets for a marker that `encode` stored.
 pub(crate) fn marker_error(kind: ValueKind, bytes: &[u8]) -> Option<Error> {
+    if !matches!(kind, ValueKind::TooLarge | ValueKind::Unstorable) {
+        return None;
+    }
     let text = String::from_utf8_lossy(bytes);
     match kind {
         ValueKind::TooLarge => {

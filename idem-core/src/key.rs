@@ -25,10 +25,19 @@ pub fn validate_key_part(part: KeyPart, s: &str) -> Result<(), KeyError> {
             max: MAX_KEY_LEN,
         });
     }
-    if let Some((at, _)) = s.char_indices().find(|(_, c)| c.is_control()) {
-        return Err(KeyError::ControlChar { part, at });
+    // ASCII keys (nearly all) are checked byte by byte; the same answer as
+    // the char scan below, which only non-ASCII keys need.
+    let at = if s.is_ascii() {
+        s.bytes().position(|b| b.is_ascii_control())
+    } else {
+        s.char_indices()
+            .find(|(_, c)| c.is_control())
+            .map(|(at, _)| at)
+    };
+    match at {
+        Some(at) => Err(KeyError::ControlChar { part, at }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Appends `s` with `%` and `:` percent-escaped, so that the first two `:` of

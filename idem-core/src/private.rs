@@ -8,8 +8,8 @@
 //! - the macro depends on this file only, not on the shape of `Call`.
 
 use crate::{Call, Error, Idempotency};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;

@@ -187,10 +187,7 @@ mod service;
 mod stored;
 
 pub use key::{IdempotencyKey, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};
-pub use layer::{
-    DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE,
-    IdempotencyLayer,
-};
+pub use layer::{DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE, IdempotencyLayer};
 pub use problem::{PROBLEM_JSON, ProblemKind};
 pub use service::{IdempotencyService, ResponseFuture};
 

@@ -202,7 +202,7 @@ impl Store for MemoryStore {
         &self,
         key: &str,
         token: &Token,
-        ttl: Duration,
+        _fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
@@ -216,7 +216,7 @@ impl Store for MemoryStore {
             kind,
             value: Bytes::copy_from_slice(value),
         };
-        entry.expires_at = now + store_duration(ttl);
+        // The expiry stays: the result TTL counts from the claim.
         map.note_write(now);
         Ok(WriteReply::Done)
     }
@@ -242,7 +242,9 @@ impl Store for MemoryStore {
         if let State::Pending { deadline, .. } = &mut entry.state {
             *deadline = now + lease;
         }
-        entry.expires_at = entry.expires_at.max(now + lease);
+        // Keep at least one more lease of record after the lease ends, so an
+        // expired lease is still seen (and counted) as a takeover.
+        entry.expires_at = entry.expires_at.max(now + 2 * lease);
         Ok(WriteReply::Done)
     }
 }

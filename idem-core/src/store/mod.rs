@@ -27,7 +27,7 @@ use std::time::Duration;
 /// use idem_core::{Claim, Token};
 /// use std::time::Duration;
 /// let token = Token::random();
-/// let c = Claim { key: "idem:charge:42", token: &token, lease: Duration::from_secs(30), ttl: Duration::from_secs(86_400), fingerprint: None };
+/// let c = Claim { key: "idem:charge:42", token: &token, lease: Duration::from_secs(30), ttl: Duration::from_secs(86_400), fingerprint: None, want_ttl_left: false };
 /// assert!(c.lease <= c.ttl);
 /// ```
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +43,10 @@ pub struct Claim<'a> {
     pub ttl: Duration,
     /// The payload's fingerprint, if the caller gave one.
     pub fingerprint: Option<&'a Fingerprint>,
+    /// Whether a completed record's remaining TTL is wanted
+    /// ([`Completed::ttl_left`]); Redis answers it with one more command,
+    /// so it is asked for only when something (the local cache) uses it.
+    pub want_ttl_left: bool,
 }
 
 /// How a completed record's value is stored.
@@ -184,7 +188,7 @@ impl WriteReply {
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
 /// let token = Token::random();
-/// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None };
+/// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
 /// assert_eq!(store.claim(claim).await?, ClaimReply::Acquired { attempt: 1 });
 /// assert_eq!(store.release("k", &token).await?, WriteReply::Done);
 /// # Ok::<(), idem_core::Error>(()) }).unwrap();
@@ -194,12 +198,15 @@ pub trait Store: Send + Sync + 'static {
     /// Claims the key for `claim.token`, or reports what holds it.
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error>;
 
-    /// Replaces the caller's pending record by a completed one kept for `ttl`.
+    /// Replaces the caller's pending record by a completed one. The record
+    /// keeps its expiry: the result TTL counts from the claim. It keeps the
+    /// claim's fingerprint too; `fingerprint` is the caller's, which lets a
+    /// store write the record in one step when the two agree.
     async fn complete(
         &self,
         key: &str,
         token: &Token,
-        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error>;

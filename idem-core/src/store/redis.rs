@@ -1,14 +1,16 @@
 //! `RedisStore`: the state machine as four Lua scripts, one key each.
 
-use super::record::{decode_completed, unreadable, wrong_type};
+use super::record::{FORMAT_VERSION, decode_completed, unreadable, wrong_type};
 use super::{Claim, ClaimReply, Store, ValueKind, WriteReply, millis};
 use crate::error::Error;
+use crate::fingerprint::Fingerprint;
 use crate::token::Token;
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, RedisError, Script, ServerErrorKind, Value};
+use redis::{Cmd, RedisError, RedisWrite, Script, ServerErrorKind, ToRedisArgs, Value};
+use std::io::Write;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -343,6 +345,29 @@ fn evalsha(script: &Script, key: &str, args: usize, extra: usize) -> Cmd {
     cmd
 }
 
+/// A completed record (lua/README.md), written into the command as one
+/// argument without first assembling it in a buffer of its own.
+struct CompletedRecord<'a> {
+    kind: ValueKind,
+    fingerprint: &'a [u8],
+    value: &'a [u8],
+}
+
+impl ToRedisArgs for CompletedRecord<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's own buffer cannot fail. The length
+        // byte is at most 16 (`Fingerprint`) and the scripts check it.
+        let _ = w.write_all(&[
+            FORMAT_VERSION,
+            self.kind.tag(),
+            self.fingerprint.len() as u8,
+        ]);
+        let _ = w.write_all(self.fingerprint);
+        let _ = w.write_all(self.value);
+    }
+}
+
 /// A top-level error reply as an `Err`, as `Cmd::query_async` would give it
 /// (the scripts never put errors inside an array).
 fn server_error(reply: Result<Value, RedisError>) -> Result<Value, RedisError> {
@@ -405,15 +430,18 @@ fn as_int(v: Option<&Value>) -> Option<i64> {
 }
 
 fn parse_claim(v: Value) -> Result<ClaimReply, Error> {
-    let Value::Array(mut items) = v else {
-        return Err(protocol("claim", &v));
+    let mut items = match v {
+        // The fast path: a fresh key, created.
+        Value::Int(1) => return Ok(ClaimReply::Acquired { attempt: 1 }),
+        Value::Array(items) => items,
+        other => return Err(protocol("claim", &other)),
     };
     let code = as_int(items.first());
     let reply = match (code, items.len()) {
         (Some(1), 2) => as_int(items.get(1)).map(|a| ClaimReply::Acquired {
             attempt: u32::try_from(a).unwrap_or(u32::MAX),
         }),
-        (Some(3), 3) => {
+        (Some(3), 2 | 3) => {
             let ttl = as_int(items.get(2)).unwrap_or(-1);
             return match items.swap_remove(1) {
                 Value::BulkString(rec) => decode_completed(rec, ttl).map(ClaimReply::Completed),
@@ -458,11 +486,12 @@ impl Store for RedisStore {
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let fp: &[u8] = claim.fingerprint.map_or(&[], |f| f.as_bytes());
         let script = &SCRIPTS.claim;
-        let mut cmd = evalsha(script, claim.key, 4, 32 + 2 * MS_DIGITS + fp.len());
+        let mut cmd = evalsha(script, claim.key, 5, 32 + 2 * MS_DIGITS + fp.len() + 1);
         cmd.arg(claim.token.as_bytes().as_slice())
             .arg(millis(claim.lease))
             .arg(millis(claim.ttl.max(claim.lease)))
-            .arg(fp);
+            .arg(fp)
+            .arg(if claim.want_ttl_left { "1" } else { "0" });
         match self.eval("claim", script, &cmd).await {
             // A full Redis refuses the claim script before it runs (it may
             // write), but a completed record needs no memory to replay:
@@ -480,16 +509,18 @@ impl Store for RedisStore {
         &self,
         key: &str,
         token: &Token,
-        ttl: Duration,
+        fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
         let script = &SCRIPTS.complete;
-        let mut cmd = evalsha(script, key, 4, 32 + MS_DIGITS + 1 + value.len());
-        cmd.arg(token.as_bytes().as_slice())
-            .arg(millis(ttl))
-            .arg(&[kind.tag()][..])
-            .arg(value);
+        let record = CompletedRecord {
+            kind,
+            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
+            value,
+        };
+        let mut cmd = evalsha(script, key, 2, 32 + 3 + 16 + value.len());
+        cmd.arg(token.as_bytes().as_slice()).arg(record);
         parse_write("complete", self.eval("complete", script, &cmd).await?)
     }
 
