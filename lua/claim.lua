@@ -2,28 +2,33 @@
 -- idem claim: take KEYS[1] for one run of the body, or say why not.
 -- Record format and reply codes: lua/README.md.
 --
--- The common cases cost one command: a fresh key is created and a completed
--- record is read by the same SET NX GET. Leases are measured against the
--- key's own expiry (PTTL, server time): a pending record stores the PTTL at
--- which its lease runs out, so no TIME call is needed.
-local key = KEYS[1]
-local token, lease, ttl, fp = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
--- Every argument is checked before the first write: Redis does not roll a
--- script back on error.
-if #KEYS ~= 1 or #ARGV ~= 5 or #token ~= 32 or not lease or not ttl or lease < 1
-    or ttl < lease or lease % 1 ~= 0 or ttl % 1 ~= 0 or #fp > 32 then
-  return redis.error_reply('ERR idem claim: expected 1 key and token (32 bytes), '
-    .. 'lease ms >= 1, ttl ms >= lease, fingerprint (<= 32 bytes), want_ttl')
+-- ARGV[1] is the pending record to write, built by the client ("1P", FPLEN,
+-- FP, TOKEN, LEASE_END, ":1"), ARGV[2] the TTL in ms, ARGV[3] "1" when a
+-- completed record's remaining TTL is wanted.
+--
+-- The common cases cost one command, like the floor: SET NX GET creates a
+-- fresh record or returns the existing one in the same step. Leases are
+-- measured against the key's own expiry (server time): LEASE_END is the
+-- PTTL at which the lease runs out, so no TIME call is needed.
+local key, mine = KEYS[1], ARGV[1]
+-- Arguments are checked before the first write (Redis does not roll a
+-- script back on error); multi-value string.byte keeps this cheap.
+local v, s, n = string.byte(mine, 1, 3)
+local colon, one = string.byte(mine, -2, -1)
+if v ~= 49 or s ~= 80 or not n or n > 32 or #mine < 38 + n or colon ~= 58 or one ~= 49
+    or #KEYS ~= 1 or #ARGV ~= 3 then
+  return redis.error_reply('ERR idem claim: expected 1 key, a pending record ("1P", '
+    .. 'fingerprint length, fingerprint, 32-byte token, lease end, ":1"), ttl ms, want_ttl')
 end
 
-local rec = redis.pcall('SET', key, '1P' .. string.char(#fp) .. fp .. token
-  .. string.format('%d:1', ttl - lease), 'NX', 'PX', ttl, 'GET')
+-- A malformed TTL makes SET fail before it writes anything.
+local rec = redis.pcall('SET', key, mine, 'NX', 'PX', ARGV[2], 'GET')
 if not rec then
   return 1
 end
 if type(rec) == 'table' then
-  -- WRONGTYPE: not a string, so not ours. Any other error (an ACL that does
-  -- not grant SET) goes back as it is.
+  -- WRONGTYPE: not a string, so not ours. Any other error (an ACL that
+  -- does not grant SET, a bad TTL) goes back as it is.
   if string.find(rec.err or '', 'WRONGTYPE', 1, true) then
     return {7}
   end
@@ -35,6 +40,7 @@ if string.sub(rec, 1, 1) ~= '1' or not fplen or fplen > 32 or #rec < 3 + fplen t
   return {6, rec}
 end
 local stored_fp = string.sub(rec, 4, 3 + fplen)
+local fp = string.sub(mine, 4, 3 + n)
 -- An absent fingerprint on either side matches anything: only two known,
 -- different payloads are a mismatch.
 local mismatch = fp ~= '' and stored_fp ~= '' and fp ~= stored_fp
@@ -47,7 +53,7 @@ if state ~= 'P' then
   if mismatch then
     return {5}
   end
-  if ARGV[5] == '1' then
+  if ARGV[3] == '1' then
     return {3, rec, redis.call('PTTL', key)}
   end
   return {3, rec}
@@ -62,6 +68,7 @@ if mismatch then
   return {5}
 end
 attempt = tonumber(attempt)
+local token = string.sub(mine, 4 + n, 35 + n)
 if owner ~= token then
   local left = redis.call('PTTL', key) - tonumber(lease_end)
   if left > 0 then
@@ -78,7 +85,7 @@ else
   -- claim, so the same fingerprint.
   fp = stored_fp
 end
--- Either way the lease starts now.
+-- Either way the lease starts now: our record, with this attempt number.
 redis.call('SET', key, '1P' .. string.char(#fp) .. fp .. token
-  .. string.format('%d:%d', ttl - lease, attempt), 'PX', ttl)
+  .. string.sub(mine, 36 + n, -2) .. attempt, 'PX', ARGV[2])
 return {1, attempt}

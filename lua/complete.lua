@@ -8,11 +8,11 @@
 -- TTL counts from the claim. allow-oom: the body has already run, and
 -- storing its result matters more than the memory limit.
 local key, token, rec = KEYS[1], ARGV[1], ARGV[2]
-if #KEYS ~= 1 or #ARGV ~= 2 or #token ~= 32 or #rec < 3 or string.sub(rec, 1, 1) ~= '1'
-    or not string.find('CZLU', string.sub(rec, 2, 2), 1, true)
-    or #rec < 3 + string.byte(rec, 3) then
-  return redis.error_reply('ERR idem complete: expected 1 key, token (32 bytes) '
-    .. 'and a completed record (1, kind C/Z/L/U, fingerprint length, fingerprint, value)')
+local v, k, n = string.byte(rec, 1, 3)
+if v ~= 49 or not n or n > 32 or #rec < 3 + n or (k ~= 67 and k ~= 90 and k ~= 76 and k ~= 85)
+    or #token ~= 32 or #KEYS ~= 1 or #ARGV ~= 2 then
+  return redis.error_reply('ERR idem complete: expected 1 key, a 32-byte token and a completed '
+    .. 'record ("1", kind C/Z/L/U, fingerprint length, fingerprint, value)')
 end
 
 local old = redis.pcall('SET', key, rec, 'XX', 'KEEPTTL', 'GET')
@@ -26,23 +26,21 @@ if type(old) == 'table' then
   return old
 end
 
-local fplen = string.byte(old, 3)
-if string.sub(old, 1, 2) == '1P' and fplen and fplen <= 32
-    and string.sub(old, 4 + fplen, 35 + fplen) == token then
+local ov, os, on = string.byte(old, 1, 3)
+if os == 80 and ov == 49 and on and on <= 32 and string.sub(old, 4 + on, 35 + on) == token then
   -- Ours. The completed record keeps the claim's fingerprint.
-  local fp = string.sub(old, 3, 3 + fplen)
-  if string.sub(rec, 3, 3 + string.byte(rec, 3)) ~= fp then
-    redis.call('SET', key, '1' .. string.sub(rec, 2, 2) .. fp
-      .. string.sub(rec, 4 + string.byte(rec, 3)), 'KEEPTTL')
+  if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)) then
+    redis.call('SET', key, '1' .. string.char(k, on) .. string.sub(old, 4, 3 + on)
+      .. string.sub(rec, 4 + n), 'KEEPTTL')
   end
   return 1
 end
 -- Not ours: undo.
 redis.call('SET', key, old, 'KEEPTTL')
-if string.sub(old, 1, 1) ~= '1' or not fplen or fplen > 32 then
+if ov ~= 49 or not on or on > 32 then
   return 6
 end
-if string.sub(old, 2, 2) ~= 'P' then
+if os ~= 80 then
   return 3
 end
 return 2

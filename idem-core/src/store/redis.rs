@@ -345,6 +345,26 @@ fn evalsha(script: &Script, key: &str, args: usize, extra: usize) -> Cmd {
     cmd
 }
 
+/// A pending record (lua/README.md), built here so that the script's fast
+/// path is a single `SET NX GET` of it, like the floor it is measured against.
+struct PendingRecord<'a> {
+    fingerprint: &'a [u8],
+    token: &'a Token,
+    lease_end: u64,
+}
+
+impl ToRedisArgs for PendingRecord<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's own buffer cannot fail; the length
+        // byte is at most 16 (`Fingerprint`) and the script checks it.
+        let _ = w.write_all(&[FORMAT_VERSION, b'P', self.fingerprint.len() as u8]);
+        let _ = w.write_all(self.fingerprint);
+        let _ = w.write_all(self.token.as_bytes());
+        let _ = write!(w, "{}:1", self.lease_end);
+    }
+}
+
 /// A completed record (lua/README.md), written into the command as one
 /// argument without first assembling it in a buffer of its own.
 struct CompletedRecord<'a> {
@@ -484,13 +504,18 @@ fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Error> {
 #[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        let fp: &[u8] = claim.fingerprint.map_or(&[], |f| f.as_bytes());
+        let ttl = millis(claim.ttl.max(claim.lease));
+        let record = PendingRecord {
+            fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
+            token: claim.token,
+            // The lease ends when the key's remaining TTL falls to this: a
+            // difference of durations, so no clock is read on either side.
+            lease_end: ttl - millis(claim.lease).min(ttl),
+        };
         let script = &SCRIPTS.claim;
-        let mut cmd = evalsha(script, claim.key, 5, 32 + 2 * MS_DIGITS + fp.len() + 1);
-        cmd.arg(claim.token.as_bytes().as_slice())
-            .arg(millis(claim.lease))
-            .arg(millis(claim.ttl.max(claim.lease)))
-            .arg(fp)
+        let mut cmd = evalsha(script, claim.key, 3, 3 + 16 + 32 + 2 * MS_DIGITS + 3);
+        cmd.arg(record)
+            .arg(ttl)
             .arg(if claim.want_ttl_left { "1" } else { "0" });
         match self.eval("claim", script, &cmd).await {
             // A full Redis refuses the claim script before it runs (it may
