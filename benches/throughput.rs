@@ -931,7 +931,7 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
             .expect("SCRIPT LOAD");
     }
     if let Some(name) = &opts.profile {
-        let Some(i) = PHASES.iter().position(|p| &p.name == name) else {
+        let Some(i) = PHASES.iter().position(|p| p.name == *name) else {
             usage()
         };
         let op = PHASES[i].op;
@@ -1122,8 +1122,8 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
         wall
     );
     println!(
-        "{:<16} {:>4} {:>10} {:>12} {:>9} {:>9} {:>11} {:>11}  {}",
-        "phase", "c", "calls", "calls/s", "p50 µs", "p99 µs", "client µs", "redis µs", "what"
+        "{:<16} {:>4} {:>10} {:>12} {:>9} {:>9} {:>11} {:>11}  what",
+        "phase", "c", "calls", "calls/s", "p50 µs", "p99 µs", "client µs", "redis µs"
     );
     for (i, def) in PHASES.iter().enumerate() {
         let t = &totals[i];
@@ -1157,8 +1157,8 @@ fn report(opts: &Opts, totals: &mut [Totals], mem: &Memory, wall: f64, errors: u
     let bytes_overhead = mem.idem_bytes - mem.plain_bytes;
 
     println!(
-        "\n{:<30} {:>9} {:>25}  {}",
-        "ratio (totals)", "value", "per round: min / med / max", "target"
+        "\n{:<30} {:>9} {:>25}  target",
+        "ratio (totals)", "value", "per round: min / med / max"
     );
     let line = |name: &str, v: f64, a: &str, b: &str, target: &str, ok: bool| {
         if !v.is_finite() {
