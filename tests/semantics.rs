@@ -859,3 +859,52 @@ async fn completed_record_is_compact() {
     let ttl: i64 = server.cli(&["PTTL", "test:s:k"]).parse().unwrap();
     assert!(ttl > 23 * 3600 * 1000, "default TTL is 24 h, got {ttl} ms");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_cache_replays_without_redis_and_expires_with_the_record() {
+    let mut b = Backend::redis().await;
+    let idem = b.with(|x| {
+        x.local_cache(1000)
+            .result_ttl(Duration::from_millis(1500))
+            .lease(Duration::from_millis(500))
+    });
+    let runs = Arc::new(AtomicUsize::new(0));
+    let call = |key: &'static str, n: u32| {
+        let (idem, runs) = (idem.clone(), runs.clone());
+        async move {
+            idem.call("cached", key)
+                .fingerprint(&"payload")
+                .run_outcome(|| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Res::Ok(n)
+                })
+                .await
+        }
+    };
+    assert_eq!(call("hot", 1).await.unwrap(), (1, Outcome::Executed));
+    // Redis gone: the hot key still replays, from this process's cache.
+    b.redis.as_mut().unwrap().kill();
+    assert_eq!(call("hot", 2).await.unwrap(), (1, Outcome::Replayed));
+    let mismatch = idem
+        .call("cached", "hot")
+        .fingerprint(&"another payload")
+        .run(|| async { Res::Ok(3u32) })
+        .await;
+    assert!(
+        matches!(mismatch, Err(Error::FingerprintMismatch)),
+        "{mismatch:?}"
+    );
+    // A key that is not cached still needs Redis: fail-closed.
+    assert!(matches!(
+        call("cold", 4).await,
+        Err(Error::Unavailable { .. })
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The cached copy expires with the record (TTL 1.5 s from the claim).
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    assert!(matches!(
+        call("hot", 5).await,
+        Err(Error::Unavailable { .. })
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -1,49 +1,78 @@
 //! The optional in-process replay cache of completed results.
 
 use crate::store::Completed;
-use moka::Expiry;
-use moka::sync::Cache;
-use std::time::{Duration, Instant};
+use quick_cache::sync::Cache;
+use tokio::time::Instant;
 
-/// Expires each entry when its record would: a cached result never
-/// outlives the record it copies.
-struct RecordTtl;
-
-impl Expiry<String, Completed> for RecordTtl {
-    fn expire_after_create(
-        &self,
-        _key: &String,
-        value: &Completed,
-        _now: Instant,
-    ) -> Option<Duration> {
-        value.ttl_left
-    }
+/// A cached record and the moment its record expires in the store.
+#[derive(Clone)]
+struct Entry {
+    record: Completed,
+    expires: Instant,
 }
 
-/// Completed records by stored key. In-flight records are never cached:
-/// only a `Completed` with a known remaining TTL gets in.
+/// Completed records by stored key, bounded by entry count (S3-FIFO
+/// eviction). In-flight records are never cached: only a `Completed` with a
+/// known remaining TTL gets in, and an entry is never served past that TTL,
+/// so a cached result never outlives the record it copies.
 #[derive(Clone)]
 pub(crate) struct ReplayCache {
-    cache: Cache<String, Completed>,
+    cache: std::sync::Arc<Cache<String, Entry>>,
 }
 
 impl ReplayCache {
     pub(crate) fn new(max_entries: u64) -> ReplayCache {
+        let capacity = usize::try_from(max_entries).unwrap_or(usize::MAX).max(1);
         ReplayCache {
-            cache: Cache::builder()
-                .max_capacity(max_entries)
-                .expire_after(RecordTtl)
-                .build(),
+            cache: std::sync::Arc::new(Cache::new(capacity)),
         }
     }
 
     pub(crate) fn get(&self, key: &str) -> Option<Completed> {
-        self.cache.get(key)
+        let entry = self.cache.get(key)?;
+        if entry.expires <= Instant::now() {
+            self.cache.remove(key);
+            return None;
+        }
+        Some(entry.record)
     }
 
     pub(crate) fn insert(&self, key: &str, record: Completed) {
-        if record.ttl_left.is_some_and(|t| !t.is_zero()) {
-            self.cache.insert(key.to_owned(), record);
+        let expires = record
+            .ttl_left
+            .filter(|t| !t.is_zero())
+            .and_then(|t| Instant::now().checked_add(t));
+        if let Some(expires) = expires {
+            self.cache.insert(key.to_owned(), Entry { record, expires });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ValueKind;
+    use std::time::Duration;
+
+    fn record(ttl_left: Option<Duration>) -> Completed {
+        Completed {
+            kind: ValueKind::Json,
+            value: bytes::Bytes::from_static(b"1"),
+            fingerprint: None,
+            ttl_left,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn entries_never_outlive_their_record() {
+        let cache = ReplayCache::new(10);
+        cache.insert("k", record(Some(Duration::from_secs(5))));
+        cache.insert("no-ttl", record(None));
+        cache.insert("huge", record(Some(Duration::MAX)));
+        assert!(cache.get("k").is_some());
+        assert!(cache.get("no-ttl").is_none());
+        assert!(cache.get("huge").is_none());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert!(cache.get("k").is_none());
     }
 }
