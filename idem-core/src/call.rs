@@ -210,12 +210,20 @@ impl<'a> Call<'a> {
             };
             span.record("key", shown.as_str());
         }
+        // A hit in the local cache needs no owner token and no clock: look
+        // first, and draw them only for a call that goes to the store.
+        let cached = inner.cache.as_ref().and_then(|c| c.get(&key));
+        let (token, started) = match cached {
+            Some(_) => (Token::UNUSED, None),
+            None => (Token::random(), Some(Instant::now())),
+        };
         Ok(Exec {
             inner,
             store: &inner.store,
             key,
-            token: Token::random(),
-            started: Instant::now(),
+            cached,
+            token,
+            started,
             ttl: self.ttl,
             lease: self.lease,
             wait: self.wait,
@@ -244,7 +252,10 @@ struct Exec<'a> {
     lease: Duration,
     wait: Option<Duration>,
     fingerprint: Option<Fingerprint>,
-    started: Instant,
+    /// The local cache's copy of the record, when it had one.
+    cached: Option<Completed>,
+    /// When the call started for the store (before its claim was sent).
+    started: Option<Instant>,
 }
 
 impl Exec<'_> {
@@ -255,8 +266,8 @@ impl Exec<'_> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        if let Some(hit) = self.cached() {
-            return self.replay(&hit).map_err(E::from);
+        if let Some(hit) = &self.cached {
+            return self.replay(hit).map_err(E::from);
         }
         // Capped so that an absurd wait (`Duration::MAX`) waits "forever"
         // instead of overflowing the clock.
@@ -311,10 +322,6 @@ impl Exec<'_> {
             tracing::warn!(error = %e, "idempotent call failed");
         }
         E::from(e)
-    }
-
-    fn cached(&self) -> Option<Completed> {
-        self.inner.cache.as_ref()?.get(&self.key)
     }
 
     fn replay<T: DeserializeOwned>(&self, record: &Completed) -> Result<(T, Outcome), Error> {
@@ -468,7 +475,7 @@ impl Exec<'_> {
                             // The record's TTL runs from the claim: count
                             // from before it was sent, so the copy never
                             // outlives the record.
-                            ttl_left: self.ttl.checked_sub(self.started.elapsed()),
+                            ttl_left: self.started.and_then(|s| self.ttl.checked_sub(s.elapsed())),
                         },
                     );
                 }

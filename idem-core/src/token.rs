@@ -17,6 +17,9 @@ use std::fmt;
 pub struct Token([u8; 32]);
 
 impl Token {
+    /// Stands in where no claim is made (a local cache hit): never sent.
+    pub(crate) const UNUSED: Token = Token([b'0'; 32]);
+
     /// A fresh token from the thread-local CSPRNG.
     ///
     /// ```
