@@ -41,8 +41,7 @@ fn expand(
         Ok(func) => func,
         Err(_) => {
             errors.push(not_a_function(item));
-            errors.into_result()?;
-            unreachable!("an error was pushed");
+            return errors.into_result().map(|()| TokenStream::new());
         }
     };
     check_signature(&func.sig, &mut errors);
@@ -68,8 +67,14 @@ fn expand(
         }
     }
     errors.into_result()?;
-    let args = args.expect("no errors, so the arguments parsed");
-    Ok(generate(func, &args, &krate()))
+    match args {
+        Some(args) => generate(func, &args, &krate()),
+        // Unparsable arguments always leave an error, so this is not reached.
+        None => Err(syn::Error::new(
+            Span::call_site(),
+            "#[idempotent]: invalid arguments",
+        )),
+    }
 }
 
 /// The error for an item that is not a plain function with a body.
@@ -235,7 +240,7 @@ fn check_names_argument(
 }
 
 /// Builds the function: same attributes and signature, new body.
-fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
+fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> syn::Result<TokenStream> {
     let ItemFn {
         attrs,
         vis,
@@ -243,7 +248,10 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
         block,
     } = func;
     let ReturnType::Type(_, ret) = &sig.output else {
-        unreachable!("checked: the function returns a type")
+        return Err(syn::Error::new(
+            sig.ident.span(),
+            "#[idempotent] functions must return `Result<T, E>`",
+        ));
     };
     // `#krate::__private`, spanned on the user tokens a call is about, so a
     // failed bound underlines those tokens rather than the whole attribute.
@@ -280,7 +288,12 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
         }
     };
 
-    let key = args.key.as_ref().expect("checked: key is present");
+    let Some(key) = args.key.as_ref() else {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "#[idempotent] needs a `key`: write `#[idempotent(key = <expr>)]`",
+        ));
+    };
     let key_span = key.span();
     let private_key = private(key_span);
     let key_ref = borrow(key);
@@ -370,7 +383,7 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
     let await_ = quote_spanned!(ret_span=> .await);
     let run = quote!(#run_path #run_args #await_);
 
-    quote! {
+    Ok(quote! {
         #(#attrs)*
         #vis #sig {
             #owned
@@ -383,7 +396,7 @@ fn generate(func: ItemFn, args: &Args, krate: &TokenStream) -> TokenStream {
             };
             #run
         }
-    }
+    })
 }
 
 /// `&expr`, parenthesized only where precedence needs it. Without the
