@@ -14,11 +14,17 @@ local key, mine = KEYS[1], ARGV[1]
 -- Arguments are checked before the first write (Redis does not roll a
 -- script back on error); multi-value string.byte keeps this cheap.
 local v, s, n = string.byte(mine, 1, 3)
-local colon, one = string.byte(mine, -2, -1)
-if v ~= 49 or s ~= 80 or not n or n > 32 or #mine < 38 + n or colon ~= 58 or one ~= 49
+-- The whole record is checked, not just its ends: TOKEN (32 hex digits),
+-- LEASE_END (digits, from 1 to below the TTL: the record must outlive the
+-- lease, or a dead holder's key would look fresh) and ATTEMPT 1, so a malformed record is
+-- never written to be refused as "corrupt" by every later claim.
+local lease_end = v == 49 and s == 80 and n and n <= 32
+  and string.match(mine, '^%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x(%d+):1$', 4 + n)
+if not lease_end or #lease_end > 15 or tonumber(lease_end) < 1
+    or tonumber(lease_end) >= (tonumber(ARGV[2]) or 0)
     or #KEYS ~= 1 or #ARGV ~= 3 then
   return redis.error_reply('ERR idem claim: expected 1 key, a pending record ("1P", '
-    .. 'fingerprint length, fingerprint, 32-byte token, lease end, ":1"), ttl ms, want_ttl')
+    .. 'fingerprint length, fingerprint, 32 hex digit token, lease end below the ttl, ":1"), ttl ms, want_ttl')
 end
 
 -- A malformed TTL makes SET fail before it writes anything.
@@ -60,23 +66,24 @@ if state ~= 'P' then
 end
 
 local owner = string.sub(rec, 4 + fplen, 35 + fplen)
-local lease_end, attempt = string.match(rec, '^(%d+):(%d+)$', 36 + fplen)
-if #owner ~= 32 or not lease_end then
+local held_end, attempt = string.match(rec, '^(%d+):(%d+)$', 36 + fplen)
+if #owner ~= 32 or not held_end then
   return {6, rec}
 end
 if mismatch then
   return {5}
 end
-attempt = tonumber(attempt)
+-- Capped where the client's u32 saturates, so both stores agree.
+attempt = math.min(tonumber(attempt), 4294967295)
 local token = string.sub(mine, 4 + n, 35 + n)
 if owner ~= token then
-  local left = redis.call('PTTL', key) - tonumber(lease_end)
+  local left = redis.call('PTTL', key) - tonumber(held_end)
   if left > 0 then
     return {4, left}
   end
   -- The holder stopped renewing: take over and count the attempt. The
   -- taker's fingerprint, when it gives one, describes the run to come.
-  attempt = attempt + 1
+  attempt = math.min(attempt + 1, 4294967295)
   if fp == '' then
     fp = stored_fp
   end
@@ -86,6 +93,7 @@ else
   fp = stored_fp
 end
 -- Either way the lease starts now: our record, with this attempt number.
+-- '%d': a Lua number past 1e14 would print as "1e+14".
 redis.call('SET', key, '1P' .. string.char(#fp) .. fp .. token
-  .. string.sub(mine, 36 + n, -2) .. attempt, 'PX', ARGV[2])
+  .. string.format('%s:%d', lease_end, attempt), 'PX', ARGV[2])
 return {1, attempt}

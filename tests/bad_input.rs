@@ -828,8 +828,8 @@ async fn invalid_per_call_ttl_or_lease_fails_that_call() {
         ),
         // The builder's default lease (30 s) against a shorter per-call TTL.
         (
-            "TTL under the default lease",
-            |c| c.ttl(Duration::from_secs(10)),
+            "lease set over the TTL",
+            |c| c.ttl(Duration::from_secs(10)).lease(Duration::from_secs(30)),
             "lease (30s) is longer than the result TTL (10s)",
         ),
     ];

@@ -4,12 +4,10 @@
 //! ends with its value or a typed error, and nothing is stranded beyond the
 //! lease.
 
-mod reliability_support;
-
-use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig};
-use idem_testkit::{FaultProxy, RedisServer};
-use reliability_support::{
-    BodyError, Ledger, LogBuffer, eventually, is_typed_store_error, is_unavailable,
+use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig, ValueKind};
+use idem_testkit::{
+    BodyError, Ledger, LogCapture, RecordPeek, RecordState, RedisServer, TestContext, eventually,
+    is_typed_store_error, is_unavailable, record_state,
 };
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -34,33 +32,42 @@ async fn store(url: &str) -> RedisStore {
         .expect("connect")
 }
 
-/// An async connection straight to the server (no proxy), to look at records.
-async fn peek(server: &RedisServer) -> redis::aio::MultiplexedConnection {
-    server
-        .client()
-        .get_multiplexed_async_connection()
+const PENDING: Option<RecordState> = Some(RecordState::Pending);
+const COMPLETED: Option<RecordState> = Some(RecordState::Completed(ValueKind::Json));
+
+/// A store behind a `FaultProxy` and one straight to the server: `idem`
+/// goes through the proxy, `other` does not; both use namespace `ns` and
+/// `lease`. `con` reads records on the server directly.
+struct Proxied {
+    ctx: TestContext,
+    idem: Idempotency,
+    other: Idempotency,
+    con: RecordPeek,
+}
+
+async fn proxied(ns: &str, lease: Duration) -> Proxied {
+    let ctx = TestContext::redis_behind_proxy(RedisServer::start(), fast())
         .await
-        .unwrap()
-}
-
-async fn get(con: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<Vec<u8>> {
-    redis::cmd("GET").arg(key).query_async(con).await.unwrap()
-}
-
-fn state(rec: &Option<Vec<u8>>) -> Option<char> {
-    rec.as_ref().and_then(|r| r.get(1)).map(|&b| b as char)
+        .with_namespace(ns);
+    let idem = ctx.builder().lease(lease).build();
+    let other = Idempotency::builder(ctx.connect_direct().await)
+        .namespace(ns)
+        .lease(lease)
+        .build();
+    let con = ctx.peek().await;
+    Proxied {
+        ctx,
+        idem,
+        other,
+        con,
+    }
 }
 
 /// Waits until `key` exists on the server (the claim has landed).
-async fn landed(con: &mut redis::aio::MultiplexedConnection, key: &str) {
+async fn landed(con: &mut RecordPeek, key: &str) {
     let end = Instant::now() + Duration::from_secs(20);
     loop {
-        let n: u32 = redis::cmd("EXISTS")
-            .arg(key)
-            .query_async(con)
-            .await
-            .unwrap();
-        if n == 1 {
+        if con.exists(key).await {
             return;
         }
         assert!(Instant::now() < end, "{key} never reached Redis");
@@ -115,19 +122,15 @@ async fn call(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr());
     let lease = Duration::from_secs(1);
-    let idem = Idempotency::builder(store(&proxy.url()).await)
-        .namespace("f")
-        .lease(lease)
-        .build();
-    let other = Idempotency::builder(store(&server.url()).await)
-        .namespace("f")
-        .lease(lease)
-        .build();
-    let mut con = peek(&server).await;
-    let ledger = Ledger::new();
+    let Proxied {
+        ctx,
+        idem,
+        other,
+        mut con,
+    } = proxied("f", lease).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
 
     // The claim reaches Redis; its reply is held by the proxy.
     proxy.set_latency(MS(100));
@@ -157,11 +160,11 @@ async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
     );
     assert_eq!((v.as_str(), o), ("later-stalled", Outcome::Recovered));
     // The held claims and release finally arrive: they change nothing.
-    let before = get(&mut con, "f:op:stalled").await;
+    let before = con.raw("f:op:stalled").await;
     proxy.stall(false);
     proxy.set_latency(MS(0));
     tokio::time::sleep(MS(300)).await;
-    assert_eq!(get(&mut con, "f:op:stalled").await, before);
+    assert_eq!(con.raw("f:op:stalled").await, before);
     assert_eq!(
         call(&idem, &ledger, "stalled", "C").await.unwrap(),
         ("later-stalled".to_owned(), Outcome::Replayed)
@@ -189,19 +192,15 @@ async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr());
     let lease = Duration::from_secs(1);
-    let idem = Idempotency::builder(store(&proxy.url()).await)
-        .namespace("f")
-        .lease(lease)
-        .build();
-    let other = Idempotency::builder(store(&server.url()).await)
-        .namespace("f")
-        .lease(lease)
-        .build();
-    let mut con = peek(&server).await;
-    let ledger = Ledger::new();
+    let Proxied {
+        ctx,
+        idem,
+        other,
+        mut con,
+    } = proxied("f", lease).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
 
     proxy.set_latency(MS(100));
     let a = {
@@ -215,8 +214,8 @@ async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
     assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
     assert_eq!(ledger.count("lost"), 0);
     assert_eq!(
-        state(&get(&mut con, "f:op:lost").await),
-        Some('P'),
+        con.state("f:op:lost").await,
+        PENDING,
         "the lost claim landed"
     );
     let (v, o) = until_ok(&other, &ledger, "lost", lease + Duration::from_secs(10)).await;
@@ -236,17 +235,14 @@ async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
             returns another key's value. Needs replies bound to their request (see the reliability report)."]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_never_pair_a_request_with_another_reply() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr());
-    let idem = Idempotency::builder(store(&proxy.url()).await)
-        .namespace("pair")
-        .lease(Duration::from_secs(5))
-        .build();
-    let direct = Idempotency::builder(store(&server.url()).await)
-        .namespace("pair")
-        .lease(Duration::from_secs(5))
-        .build();
-    let ledger = Ledger::new();
+    let Proxied {
+        ctx,
+        idem,
+        other: direct,
+        ..
+    } = proxied("pair", Duration::from_secs(5)).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
 
     // Lose one call's requests inside the open connection.
     proxy.blackhole(true);
@@ -325,23 +321,19 @@ async fn lost_replies_never_pair_a_request_with_another_reply() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn complete_lost_value_returned_and_recovered_by_takeover() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr());
     let lease = Duration::from_secs(1);
-    let logs = LogBuffer::new();
-    let idem = Idempotency::builder(store(&proxy.url()).await)
-        .namespace("c")
-        .lease(lease)
-        .build();
-    let other = Idempotency::builder(store(&server.url()).await)
-        .namespace("c")
-        .lease(lease)
-        .build();
-    let mut con = peek(&server).await;
-    let ledger = Ledger::new();
+    let logs = LogCapture::new();
+    let Proxied {
+        ctx,
+        idem,
+        other,
+        mut con,
+    } = proxied("c", lease).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
 
     // The complete (and its re-sends) are lost: the caller still gets its value.
-    let (l, p) = (ledger.clone(), &proxy);
+    let (l, p) = (ledger.clone(), proxy);
     let started_at = Instant::now();
     let r = idem
         .call("op", "lost-complete")
@@ -352,13 +344,14 @@ async fn complete_lost_value_returned_and_recovered_by_takeover() {
         })
         .with_subscriber(logs.subscriber())
         .await;
-    assert_eq!(r.unwrap(), ("A".to_owned(), Outcome::Executed));
+    // The value comes back, and the outcome says it was not stored.
+    assert_eq!(r.unwrap(), ("A".to_owned(), Outcome::NotStored));
     assert!(
         logs.contents().contains("could not be stored"),
         "{}",
         logs.contents()
     );
-    assert_eq!(state(&get(&mut con, "c:op:lost-complete").await), Some('P'));
+    assert_eq!(con.state("c:op:lost-complete").await, PENDING);
     // Not stranded: the next caller takes over after the lease (and knows it).
     let (v, o) = until_ok(
         &other,
@@ -378,11 +371,11 @@ async fn complete_lost_value_returned_and_recovered_by_takeover() {
     // A complete that is only delayed (stall lifted within the lease) is
     // stored: no second run.
     let lease = Duration::from_secs(3);
-    let idem = Idempotency::builder(store(&proxy.url()).await)
+    let idem = Idempotency::builder(ctx.connect().await)
         .namespace("c")
         .lease(lease)
         .build();
-    let (l, p) = (ledger.clone(), &proxy);
+    let (l, p) = (ledger.clone(), proxy);
     let unstall = async {
         tokio::time::sleep(MS(400)).await;
         p.stall(false);
@@ -400,8 +393,8 @@ async fn complete_lost_value_returned_and_recovered_by_takeover() {
         || {
             let mut con = con.clone();
             async move {
-                let rec = get(&mut con, "c:op:late-complete").await;
-                (state(&rec) == Some('C')).then_some(rec)
+                let rec = con.raw("c:op:late-complete").await;
+                (record_state(rec.as_deref()) == COMPLETED).then_some(rec)
             }
         },
     )
@@ -414,22 +407,18 @@ async fn complete_lost_value_returned_and_recovered_by_takeover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_lost_error_returned_and_the_key_frees_itself() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr());
     let lease = Duration::from_secs(1);
-    let idem = Idempotency::builder(store(&proxy.url()).await)
-        .namespace("r")
-        .lease(lease)
-        .build();
-    let other = Idempotency::builder(store(&server.url()).await)
-        .namespace("r")
-        .lease(lease)
-        .build();
-    let mut con = peek(&server).await;
-    let ledger = Ledger::new();
+    let Proxied {
+        ctx,
+        idem,
+        other,
+        mut con,
+    } = proxied("r", lease).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
 
     // Release lost: the body's error is returned as is; the key is free after the lease.
-    let p = &proxy;
+    let p = proxy;
     let l = ledger.clone();
     let r: Result<String, BodyError> = idem
         .call("op", "lost-release")
@@ -444,7 +433,7 @@ async fn release_lost_error_returned_and_the_key_frees_itself() {
         matches!(&r, Err(BodyError::Boom(m)) if m == "declined"),
         "{r:?}"
     );
-    assert_eq!(state(&get(&mut con, "r:op:lost-release").await), Some('P'));
+    assert_eq!(con.state("r:op:lost-release").await, PENDING);
     let (v, _) = until_ok(
         &other,
         &ledger,
@@ -462,7 +451,7 @@ async fn release_lost_error_returned_and_the_key_frees_itself() {
     proxy.blackhole(false);
 
     // Release delayed (stall lifted later): it lands and frees the key.
-    let idem = Idempotency::builder(store(&proxy.url()).await)
+    let idem = Idempotency::builder(ctx.connect().await)
         .namespace("r")
         .lease(Duration::from_secs(30))
         .build();
@@ -479,12 +468,7 @@ async fn release_lost_error_returned_and_the_key_frees_itself() {
     proxy.stall(false);
     eventually("the delayed release lands", Duration::from_secs(10), || {
         let mut con = con.clone();
-        async move {
-            get(&mut con, "r:op:late-release")
-                .await
-                .is_none()
-                .then_some(())
-        }
+        async move { con.raw("r:op:late-release").await.is_none().then_some(()) }
     })
     .await;
     let r = call(&other, &ledger, "late-release", "B").await.unwrap();
@@ -622,18 +606,17 @@ async fn redis_killed_fail_closed_is_unavailable_and_works_after_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_runs_unprotected_with_a_warning() {
-    let mut server = RedisServer::start();
-    let idem = Idempotency::builder(store(&server.url()).await)
-        .namespace("open")
-        .fail_mode(FailMode::Open)
-        .build();
-    let ledger = Ledger::new();
+    let mut ctx = TestContext::redis_with(RedisServer::start(), fast())
+        .await
+        .with_namespace("open");
+    let idem = ctx.builder().fail_mode(FailMode::Open).build();
+    let ledger = ctx.ledger().clone();
     assert_eq!(
         call(&idem, &ledger, "k", "v").await.unwrap().1,
         Outcome::Executed
     );
-    server.kill();
-    let logs = LogBuffer::new();
+    ctx.server_mut().kill();
+    let logs = LogCapture::new();
     let r = call(&idem, &ledger, "k2", "open")
         .with_subscriber(logs.subscriber())
         .await;
@@ -684,6 +667,11 @@ fn fill(server: &RedisServer) -> usize {
     i
 }
 
+/// A server with 2 MB of memory and no eviction, for [`fill`].
+fn full_server() -> RedisServer {
+    RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+}
+
 fn free(server: &RedisServer, n: usize) {
     let mut con = server.connection();
     for i in 0..n {
@@ -702,15 +690,13 @@ fn free(server: &RedisServer, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
-    let server =
-        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let ctx = TestContext::redis_with(full_server(), fast())
+        .await
+        .with_namespace("oom");
     let lease = Duration::from_secs(2);
-    let idem = Idempotency::builder(store(&server.url()).await)
-        .namespace("oom")
-        .lease(lease)
-        .build();
-    let mut con = peek(&server).await;
-    let ledger = Ledger::new();
+    let idem = ctx.builder().lease(lease).build();
+    let mut con = ctx.peek().await;
+    let ledger = ctx.ledger().clone();
     assert_eq!(
         call(&idem, &ledger, "done", "stored").await.unwrap().1,
         Outcome::Executed
@@ -743,7 +729,7 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
     s1.await.unwrap();
     s2.await.unwrap();
     s3.await.unwrap();
-    let filled = fill(&server);
+    let filled = fill(ctx.server());
 
     // New claims fail cleanly: typed, saying why, nothing written.
     for i in 0..5 {
@@ -757,7 +743,7 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
         }
         assert_eq!(ledger.count(&key), 0);
         assert_eq!(
-            get(&mut con, &format!("oom:op:{key}")).await,
+            con.raw(&format!("oom:op:{key}")).await,
             None,
             "nothing half-written"
         );
@@ -766,18 +752,20 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
     f1.send(()).unwrap();
     assert!(matches!(releasing.await.unwrap(), Err(BodyError::Boom(_))));
     assert_eq!(
-        get(&mut con, "oom:op:releasing").await,
+        con.raw("oom:op:releasing").await,
         None,
         "released under OOM"
     );
-    // A body that runs on while Redis is full keeps its lease (extend is allow-oom).
+    // A body that runs on while Redis is full keeps its lease (extend is
+    // allow-oom), and a duplicate sees that holder: InProgress, not
+    // Unavailable (which FailMode::Open would answer by running the body).
     tokio::time::sleep(lease + MS(500)).await;
     let r = call(&idem, &ledger, "renewing", "x").await;
     assert!(
-        matches!(&r, Err(Error::Unavailable { reason, .. }) if reason.contains("memory")),
+        matches!(&r, Err(Error::InProgress { retry_after }) if *retry_after <= lease),
         "{r:?}"
     );
-    assert_eq!(state(&get(&mut con, "oom:op:renewing").await), Some('P'));
+    assert_eq!(con.state("oom:op:renewing").await, PENDING);
     // A body that succeeds while Redis is full: its value comes back and is kept.
     f2.send(()).unwrap();
     assert_eq!(
@@ -790,7 +778,7 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
         ("finished".to_owned(), Outcome::Executed)
     );
 
-    free(&server, filled);
+    free(ctx.server(), filled);
     // Memory back: new keys work; the finished bodies replay, never run again.
     assert_eq!(
         call(&idem, &ledger, "new-0", "v").await.unwrap(),
@@ -813,26 +801,25 @@ async fn out_of_memory_claims_fail_cleanly_and_running_bodies_finish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_still_replays_stored_results_even_in_fail_open() {
-    let server =
-        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
-    let closed = Idempotency::builder(store(&server.url()).await)
-        .namespace("full")
-        .build();
-    let open = Idempotency::builder(store(&server.url()).await)
+    let ctx = TestContext::redis_with(full_server(), fast())
+        .await
+        .with_namespace("full");
+    let closed = ctx.idem();
+    let open = Idempotency::builder(ctx.connect().await)
         .namespace("full")
         .fail_mode(FailMode::Open)
         .build();
-    let ledger = Ledger::new();
+    let ledger = ctx.ledger().clone();
     assert_eq!(
         call(&closed, &ledger, "paid", "receipt").await.unwrap(),
         ("receipt".to_owned(), Outcome::Executed)
     );
-    let filled = fill(&server);
+    let filled = fill(ctx.server());
 
     // A full Redis still has the answer: it is replayed, never run again.
     let r = call(&closed, &ledger, "paid", "again").await;
     assert_eq!(r.unwrap(), ("receipt".to_owned(), Outcome::Replayed));
-    let logs = LogBuffer::new();
+    let logs = LogCapture::new();
     let r = call(&open, &ledger, "paid", "again")
         .with_subscriber(logs.subscriber())
         .await;
@@ -853,7 +840,7 @@ async fn out_of_memory_still_replays_stored_results_even_in_fail_open() {
         call(&open, &ledger, "new", "v").await.unwrap(),
         ("v".to_owned(), Outcome::Unprotected)
     );
-    free(&server, filled);
+    free(ctx.server(), filled);
     assert_eq!(
         call(&closed, &ledger, "paid", "x").await.unwrap(),
         ("receipt".to_owned(), Outcome::Replayed)

@@ -37,11 +37,16 @@ impl ReplayCache {
         Some(entry.record)
     }
 
-    pub(crate) fn insert(&self, key: &str, record: Completed) {
+    /// Caches `record`, whose `ttl_left` the store measured no earlier than
+    /// `measured_from` (when the request that read it was sent): counting
+    /// from then, not from the reply's arrival, the copy expires no later
+    /// than the record, whatever the round trip took.
+    pub(crate) fn insert(&self, key: &str, record: Completed, measured_from: Instant) {
         let expires = record
             .ttl_left
             .filter(|t| !t.is_zero())
-            .and_then(|t| Instant::now().checked_add(t));
+            .and_then(|t| measured_from.checked_add(t))
+            .filter(|at| *at > Instant::now());
         if let Some(expires) = expires {
             self.cache.insert(key.to_owned(), Entry { record, expires });
         }
@@ -66,13 +71,33 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn entries_never_outlive_their_record() {
         let cache = ReplayCache::new(10);
-        cache.insert("k", record(Some(Duration::from_secs(5))));
-        cache.insert("no-ttl", record(None));
-        cache.insert("huge", record(Some(Duration::MAX)));
+        let now = Instant::now();
+        cache.insert("k", record(Some(Duration::from_secs(5))), now);
+        cache.insert("no-ttl", record(None), now);
+        cache.insert("huge", record(Some(Duration::MAX)), now);
         assert!(cache.get("k").is_some());
         assert!(cache.get("no-ttl").is_none());
         assert!(cache.get("huge").is_none());
         tokio::time::advance(Duration::from_secs(5)).await;
         assert!(cache.get("k").is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expiry_counts_from_the_request_not_the_reply() {
+        let cache = ReplayCache::new(10);
+        let sent = Instant::now();
+        // The reply took 2 s to arrive; the store measured 5 s left when it
+        // answered, so the record is gone 5 s after the send at the latest.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        cache.insert("k", record(Some(Duration::from_secs(5))), sent);
+        tokio::time::advance(Duration::from_millis(2_999)).await;
+        assert!(cache.get("k").is_some());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(cache.get("k").is_none(), "served past the record's expiry");
+        // Already expired on arrival: never cached.
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_secs(6)).await;
+        cache.insert("late", record(Some(Duration::from_secs(5))), sent);
+        assert!(cache.get("late").is_none());
     }
 }

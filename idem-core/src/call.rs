@@ -6,9 +6,10 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::idempotency::{FailMode, Inner, validate_ttl_lease};
 use crate::outcome::Outcome;
-use crate::store::{Claim, ClaimReply, Completed, Store, WriteReply};
+use crate::store::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
+use bytes::Bytes;
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use serde::Serialize;
@@ -51,7 +52,8 @@ pub struct Call<'a> {
     scope: &'a str,
     key: Result<String, Error>,
     ttl: Duration,
-    lease: Duration,
+    /// Set for this call; else the builder's, capped at the TTL.
+    lease: Option<Duration>,
     wait: Option<Duration>,
     fingerprint: Result<Option<Fingerprint>, Error>,
 }
@@ -63,7 +65,7 @@ impl<'a> Call<'a> {
             scope,
             key,
             ttl: inner.result_ttl,
-            lease: inner.lease,
+            lease: None,
             wait: inner.wait,
             fingerprint: Ok(None),
         }
@@ -80,14 +82,17 @@ impl<'a> Call<'a> {
         self
     }
 
-    /// This call's lease (overrides the builder's `lease`).
+    /// This call's lease (overrides the builder's `lease`). Without it, a
+    /// call whose [`ttl`](Call::ttl) is shorter than the builder's lease
+    /// uses the TTL as its lease; with it, a lease over the TTL is refused
+    /// with [`Error::InvalidConfig`].
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let call = idem.call("s", "k").lease(std::time::Duration::from_secs(5));
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = Some(lease);
         self
     }
 
@@ -199,7 +204,10 @@ impl<'a> Call<'a> {
         if let Some(msg) = &inner.config_error {
             return Err(Error::InvalidConfig(msg.clone()));
         }
-        validate_ttl_lease(self.ttl, self.lease).map_err(Error::InvalidConfig)?;
+        // A user who set only a TTL expects it to work: the builder's lease
+        // (30 s by default) yields to it.
+        let lease = self.lease.unwrap_or(inner.lease.min(self.ttl));
+        validate_ttl_lease(self.ttl, lease).map_err(Error::InvalidConfig)?;
         let key = self.key?;
         let fingerprint = self.fingerprint?;
         if !span.is_disabled() {
@@ -225,7 +233,7 @@ impl<'a> Call<'a> {
             token,
             started,
             ttl: self.ttl,
-            lease: self.lease,
+            lease,
             wait: self.wait,
             fingerprint,
         })
@@ -276,6 +284,7 @@ impl Exec<'_> {
             .map(|w| Instant::now() + w.min(Duration::from_secs(100 * 365 * 86_400)));
         let mut poll = Duration::from_millis(5);
         loop {
+            let sent = Instant::now();
             let reply = match self.claim().await {
                 Ok(reply) => reply,
                 Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
@@ -287,7 +296,7 @@ impl Exec<'_> {
                 ClaimReply::Acquired { attempt } => return self.execute(body, attempt).await,
                 ClaimReply::Completed(record) => {
                     if let Some(cache) = &self.inner.cache {
-                        cache.insert(&self.key, record.clone());
+                        cache.insert(&self.key, record.clone(), sent);
                     }
                     return self.replay(&record).map_err(E::from);
                 }
@@ -397,21 +406,25 @@ impl Exec<'_> {
         let result = self
             .keep_alive(AssertUnwindSafe(body()).catch_unwind())
             .await;
+        // From here on the body has finished: whatever happens to this
+        // future, the key is never released on the way out.
+        guard.armed = false;
         match result {
             Err(panic) => {
-                guard.armed = false;
                 self.release("the body panicked").await;
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(e)) => {
-                guard.armed = false;
                 span.record("outcome", "released");
                 self.release("the body returned an error").await;
                 Err(e)
             }
             Ok(Ok(value)) => {
-                self.complete(&value).await;
-                guard.armed = false;
+                let outcome = match self.complete(&value).await {
+                    Stored::Yes => outcome,
+                    Stored::LeaseLost => Outcome::LeaseLost,
+                    Stored::No => Outcome::NotStored,
+                };
                 span.record("outcome", outcome.as_str());
                 Ok((value, outcome))
             }
@@ -438,62 +451,41 @@ impl Exec<'_> {
     }
 
     /// Stores the result, re-trying within the lease. The work has happened
-    /// either way, so this never turns a success into an error.
-    async fn complete<T: Serialize>(&self, value: &T) {
+    /// either way, so this never turns a success into an error; and if this
+    /// future is dropped meanwhile (the caller gave up), the completion
+    /// goes on in a task of its own rather than leave the key to run again.
+    async fn complete<T: Serialize>(&self, value: &T) -> Stored {
         let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
         if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
             tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
         }
-        let retries = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(20))
-            .with_max_delay(self.lease / 4)
-            .with_total_delay(Some(self.lease / 2))
-            .without_max_times();
-        let mut resent = false;
-        let result = (|| {
-            self.store.complete(
-                &self.key,
-                &self.token,
-                self.fingerprint.as_ref(),
-                encoded.kind,
-                &encoded.bytes,
-            )
-        })
-        .retry(retries)
-        .when(is_unavailable)
-        .notify(|_, _| resent = true)
-        .await;
-        match result {
-            Ok(WriteReply::Done) => {
-                if let Some(cache) = &self.inner.cache {
-                    cache.insert(
-                        &self.key,
-                        Completed {
-                            kind: encoded.kind,
-                            value: encoded.bytes.into(),
-                            fingerprint: self.fingerprint,
-                            // The record's TTL runs from the claim: count
-                            // from before it was sent, so the copy never
-                            // outlives the record.
-                            ttl_left: self.started.and_then(|s| self.ttl.checked_sub(s.elapsed())),
-                        },
-                    );
-                }
+        let value: Bytes = encoded.bytes.into();
+        let completion = Completion {
+            store: self.store,
+            key: &self.key,
+            token: self.token,
+            fingerprint: self.fingerprint,
+            kind: encoded.kind,
+            value: &value,
+            lease: self.lease,
+        };
+        let mut detach = DetachOnDrop(Some(&completion));
+        let stored = completion.run().await;
+        detach.0 = None;
+        drop(detach);
+        if stored == Stored::Yes {
+            if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
+                let record = Completed {
+                    kind: encoded.kind,
+                    value: value.clone(),
+                    fingerprint: self.fingerprint,
+                    // The record's TTL runs from the claim, sent after this.
+                    ttl_left: Some(self.ttl),
+                };
+                cache.insert(&self.key, record, started);
             }
-            // A re-sent complete finding the record completed: most likely
-            // the first attempt landed and only its reply was lost.
-            Ok(WriteReply::AlreadyCompleted) if resent => tracing::info!(
-                "complete was re-sent and found the record completed: an earlier attempt most likely stored it"
-            ),
-            Ok(other) => tracing::error!(
-                ?other,
-                "the body finished after its lease was lost: another caller may have run it too; this result was not stored"
-            ),
-            Err(e) => tracing::warn!(
-                error = %e,
-                "the result could not be stored; the key stays in flight until its lease expires, then the next call runs the body again"
-            ),
         }
+        stored
     }
 
     /// Drives `body`, renewing the lease about every third of it from inside
@@ -543,6 +535,109 @@ impl Exec<'_> {
             Poll::Pending
         })
         .await
+    }
+}
+
+/// Whether a finished body's result made it into the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stored {
+    Yes,
+    /// The record was no longer ours: taken over, or expired.
+    LeaseLost,
+    /// The store could not be reached within the retry window.
+    No,
+}
+
+/// Everything a `complete` needs, borrowed from the call; `to_owned` for a
+/// completion that outlives it.
+struct Completion<'a> {
+    store: &'a Arc<dyn Store>,
+    key: &'a str,
+    token: Token,
+    fingerprint: Option<Fingerprint>,
+    kind: ValueKind,
+    value: &'a Bytes,
+    lease: Duration,
+}
+
+impl Completion<'_> {
+    /// Sends `complete`, re-sending while the store is unreachable, for at
+    /// most half a lease: past the lease the key may be taken over anyway.
+    /// A re-sent complete that finds its own result stored is `Done`.
+    async fn run(&self) -> Stored {
+        let retries = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(20))
+            .with_max_delay(self.lease / 4)
+            .with_total_delay(Some(self.lease / 2))
+            .without_max_times();
+        let result = (|| {
+            self.store.complete(
+                self.key,
+                &self.token,
+                self.fingerprint.as_ref(),
+                self.kind,
+                self.value,
+            )
+        })
+        .retry(retries)
+        .when(is_unavailable)
+        .await;
+        match result {
+            Ok(WriteReply::Done) => Stored::Yes,
+            Ok(other) => {
+                tracing::error!(
+                    ?other,
+                    "the body finished after its lease was lost (it blocked or was not polled for longer than the lease): another caller may have run it too; this result was NOT stored"
+                );
+                Stored::LeaseLost
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "the result could not be stored; the key stays in flight until its lease expires, then the next call runs the body again"
+                );
+                Stored::No
+            }
+        }
+    }
+}
+
+/// Finishes a [`Completion`] in a task of its own when the call's future
+/// is dropped while it runs: the body has succeeded, so dropping the
+/// caller must neither release the key nor leave it to run again.
+struct DetachOnDrop<'a>(Option<&'a Completion<'a>>);
+
+impl Drop for DetachOnDrop<'_> {
+    fn drop(&mut self) {
+        let Some(c) = self.0.take() else {
+            return;
+        };
+        let (store, key, value) = (Arc::clone(c.store), c.key.to_owned(), c.value.clone());
+        let (token, fingerprint, kind, lease) = (c.token, c.fingerprint, c.kind, c.lease);
+        let finish = async move {
+            let completion = Completion {
+                store: &store,
+                key: &key,
+                token,
+                fingerprint,
+                kind,
+                value: &value,
+                lease,
+            };
+            if completion.run().await == Stored::Yes {
+                tracing::debug!(
+                    "call dropped after its body succeeded: result stored by a detached completion"
+                );
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(finish.instrument(tracing::Span::current()));
+            }
+            Err(_) => tracing::warn!(
+                "call dropped outside a Tokio runtime after its body succeeded: the result is not stored; the key runs again after its lease"
+            ),
+        }
     }
 }
 

@@ -23,6 +23,18 @@ pub enum Outcome {
     /// The store was unreachable and `FailMode::Open` ran the body without
     /// protection: a duplicate may have run too.
     Unprotected,
+    /// The body ran and its value is returned, but its lease had run out
+    /// before the result could be stored (the body blocked its thread, or
+    /// the process froze, longer than the lease) and the record was taken
+    /// over or expired: the result was **not stored**, and another call may
+    /// have run the body too (it reports [`Outcome::Recovered`]). Bodies must
+    /// not block the executor: use `spawn_blocking` for blocking work.
+    LeaseLost,
+    /// The body ran and its value is returned, but the store stayed
+    /// unreachable for the whole completion retry window: the result was
+    /// **not stored**, the key stays in flight until its lease runs out, and
+    /// then the next call runs the body again (as [`Outcome::Recovered`]).
+    NotStored,
 }
 
 impl Outcome {
@@ -33,6 +45,20 @@ impl Outcome {
     /// ```
     pub fn ran_body(self) -> bool {
         !matches!(self, Outcome::Replayed)
+    }
+
+    /// True when the body ran but its result is not in the store, so a later
+    /// call with this key does not replay this value.
+    ///
+    /// ```
+    /// assert!(idem_core::Outcome::LeaseLost.result_not_stored());
+    /// assert!(!idem_core::Outcome::Executed.result_not_stored());
+    /// ```
+    pub fn result_not_stored(self) -> bool {
+        matches!(
+            self,
+            Outcome::LeaseLost | Outcome::NotStored | Outcome::Unprotected
+        )
     }
 
     /// A short lowercase name, as recorded in tracing spans.
@@ -46,6 +72,8 @@ impl Outcome {
             Outcome::Replayed => "replayed",
             Outcome::Recovered => "recovered",
             Outcome::Unprotected => "unprotected",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::NotStored => "not_stored",
         }
     }
 }

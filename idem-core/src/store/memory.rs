@@ -1,6 +1,6 @@
 //! `MemoryStore`: the same state machine as the Lua scripts, in process memory.
 
-use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply, store_duration};
+use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply, record_ttl, store_lease};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -140,8 +140,8 @@ fn mismatch(given: Option<&Fingerprint>, stored: Option<&Fingerprint>) -> bool {
 impl Store for MemoryStore {
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         let now = Instant::now();
-        let lease = store_duration(c.lease);
-        let ttl = store_duration(c.ttl).max(lease);
+        let lease = store_lease(c.lease);
+        let ttl = record_ttl(c.ttl, c.lease);
         let pending = |attempt| State::Pending {
             token: *c.token,
             deadline: now + lease,
@@ -210,6 +210,18 @@ impl Store for MemoryStore {
         let mut map = self.lock();
         let entry = match map.owned(key, token, now) {
             Ok(e) => e,
+            // Already holding exactly this result: this same complete, sent
+            // again after its reply was lost (as the Lua script decides).
+            Err(WriteReply::AlreadyCompleted) => {
+                let same = map.live(key, now).is_some_and(|e| {
+                    matches!(&e.state, State::Completed { kind: k, value: v } if *k == kind && v[..] == *value)
+                });
+                return Ok(if same {
+                    WriteReply::Done
+                } else {
+                    WriteReply::AlreadyCompleted
+                });
+            }
             Err(reply) => return Ok(reply),
         };
         entry.state = State::Completed {
@@ -233,7 +245,7 @@ impl Store for MemoryStore {
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         let now = Instant::now();
-        let lease = store_duration(lease);
+        let lease = store_lease(lease);
         let mut map = self.lock();
         let entry = match map.owned(key, token, now) {
             Ok(e) => e,

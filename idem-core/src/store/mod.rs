@@ -38,8 +38,9 @@ pub struct Claim<'a> {
     pub token: &'a Token,
     /// How long the claim holds without renewal.
     pub lease: Duration,
-    /// How long the pending record itself is kept (it expires with no
-    /// takeover after this); at least `lease`.
+    /// How long the record is kept, counted from the claim: the result TTL.
+    /// Stores keep it at least two leases, so an expired lease is seen as a
+    /// takeover rather than a fresh key.
     pub ttl: Duration,
     /// The payload's fingerprint, if the caller gave one.
     pub fingerprint: Option<&'a Fingerprint>,
@@ -230,6 +231,20 @@ pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .clamp(1, MAX_STORE_MS)
+}
+
+/// How long a claimed record is kept: the result TTL, and at least two
+/// leases, so that a lease that runs out leaves a record behind and the next
+/// claim counts a takeover (`Outcome::Recovered`) instead of finding a fresh
+/// key. A result whose TTL is under two leases is kept that long.
+pub(crate) fn record_ttl(ttl: Duration, lease: Duration) -> Duration {
+    store_duration(ttl).max(store_lease(lease) * 2)
+}
+
+/// A lease as the stores count it: as [`store_duration`], and at most half
+/// the longest TTL, so that two leases of record always fit.
+pub(crate) fn store_lease(lease: Duration) -> Duration {
+    store_duration(lease).min(Duration::from_millis(MAX_STORE_MS / 2))
 }
 
 /// `d` as the stores count it (see [`millis`]), so memory and Redis agree.

@@ -31,6 +31,62 @@ pub(crate) fn decode_completed(record: Vec<u8>, ttl_left_ms: i64) -> Result<Comp
     })
 }
 
+/// A pending record's parts (lua/README.md: `TOKEN LEASE_END ":" ATTEMPT`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pending {
+    pub(crate) fingerprint: Option<Fingerprint>,
+    /// The holder's token, as the 32 hex digits it is stored as.
+    pub(crate) token: [u8; 32],
+    /// The key's remaining TTL (ms) at which the lease runs out.
+    pub(crate) lease_end: u64,
+    pub(crate) attempt: u32,
+}
+
+/// Any record, as a plain `GET` finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Record {
+    Pending(Pending),
+    Completed(Completed),
+}
+
+/// Reads a record of either state; `ttl_left_ms` is the key's `PTTL`.
+pub(crate) fn decode(record: Vec<u8>, ttl_left_ms: i64) -> Result<Record, Error> {
+    match record.as_slice() {
+        [FORMAT_VERSION, b'P', fplen, rest @ ..] => {
+            let fplen = usize::from(*fplen);
+            decode_pending(rest, fplen)
+                .map(Record::Pending)
+                .ok_or_else(|| unreadable(&record))
+        }
+        _ => decode_completed(record, ttl_left_ms).map(Record::Completed),
+    }
+}
+
+/// `FP TOKEN LEASE_END ":" ATTEMPT`, all of it checked.
+fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
+    if fplen > 32 {
+        return None;
+    }
+    let (fp, rest) = rest.split_at_checked(fplen)?;
+    let (token, tail) = rest.split_at_checked(32)?;
+    if !token.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    let tail = std::str::from_utf8(tail).ok()?;
+    let (lease_end, attempt) = tail.split_once(':')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(lease_end) || !digits(attempt) {
+        return None;
+    }
+    Some(Pending {
+        fingerprint: Fingerprint::from_bytes(fp),
+        token: token.try_into().ok()?,
+        lease_end: lease_end.parse().ok()?,
+        // Saturating, as the scripts cap it.
+        attempt: attempt.parse::<u64>().ok()?.min(u64::from(u32::MAX)) as u32,
+    })
+}
+
 /// Says what is wrong with a record the scripts could not read.
 pub(crate) fn unreadable(record: &[u8]) -> Error {
     match record.first() {
@@ -90,6 +146,26 @@ mod tests {
             decode_completed(b"1Q\x00".to_vec(), 1),
             Err(Error::Corrupt(_))
         ));
+        let newer = unreadable(b"2C\x00x").to_string();
+        assert!(newer.contains("newer idem"), "{newer}");
+    }
+
+    #[test]
+    fn decodes_pending_records_whole() {
+        let token = [b'a'; 32];
+        let mut rec = b"1P\x00".to_vec();
+        rec.extend_from_slice(&token);
+        rec.extend_from_slice(b"1500:99999999999999999");
+        let Ok(Record::Pending(p)) = decode(rec.clone(), 2000) else {
+            panic!("pending record not read");
+        };
+        assert_eq!((p.token, p.lease_end, p.attempt), (token, 1500, u32::MAX));
+        for bad in [&b"x:1"[..], b"15:", b":1", b"1e+14:1", b"15"] {
+            let mut r = b"1P\x00".to_vec();
+            r.extend_from_slice(&token);
+            r.extend_from_slice(bad);
+            assert!(matches!(decode(r, 1), Err(Error::Corrupt(_))), "{bad:?}");
+        }
         let newer = unreadable(b"2C\x00x").to_string();
         assert!(newer.contains("newer idem"), "{newer}");
     }

@@ -1,7 +1,7 @@
 //! `RedisStore`: the state machine as four Lua scripts, one key each.
 
-use super::record::{FORMAT_VERSION, decode_completed, unreadable, wrong_type};
-use super::{Claim, ClaimReply, Store, ValueKind, WriteReply, millis};
+use super::record::{self, FORMAT_VERSION, Record, decode_completed, unreadable, wrong_type};
+use super::{Claim, ClaimReply, Store, ValueKind, WriteReply, millis, record_ttl, store_lease};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -14,20 +14,35 @@ use std::io::Write;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-struct Scripts {
-    claim: Script,
-    complete: Script,
-    release: Script,
-    extend: Script,
+/// A script and its source: `EVALSHA` by hash on the common path, `EVAL`
+/// of the source when the server no longer has it.
+struct Lua {
+    script: Script,
+    source: &'static str,
 }
 
-// Hashed once per process; EVALSHA with a reload on NOSCRIPT (redis::Script)
-// survives SCRIPT FLUSH, restarts and fail-overs.
+impl Lua {
+    fn new(source: &'static str) -> Lua {
+        Lua {
+            script: Script::new(source),
+            source,
+        }
+    }
+}
+
+struct Scripts {
+    claim: Lua,
+    complete: Lua,
+    release: Lua,
+    extend: Lua,
+}
+
+// Hashed once per process.
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    claim: Script::new(include_str!("../../../lua/claim.lua")),
-    complete: Script::new(include_str!("../../../lua/complete.lua")),
-    release: Script::new(include_str!("../../../lua/release.lua")),
-    extend: Script::new(include_str!("../../../lua/extend.lua")),
+    claim: Lua::new(include_str!("../../../lua/claim.lua")),
+    complete: Lua::new(include_str!("../../../lua/complete.lua")),
+    release: Lua::new(include_str!("../../../lua/release.lua")),
+    extend: Lua::new(include_str!("../../../lua/extend.lua")),
 });
 
 /// Timeouts and reconnection for [`RedisStore`].
@@ -274,55 +289,59 @@ impl RedisStore {
     /// Loads the four scripts now, so the first call of each is one round trip.
     async fn load_scripts(&self) -> Result<(), Error> {
         let s = &*SCRIPTS;
-        for script in [&s.claim, &s.complete, &s.release, &s.extend] {
+        for lua in [&s.claim, &s.complete, &s.release, &s.extend] {
             let loaded = match &self.conn {
-                Conn::Single(c) => script.load_async(&mut c.clone()).await,
-                Conn::Cluster(c) => script.load_async(&mut c.clone()).await,
+                Conn::Single(c) => lua.script.load_async(&mut c.clone()).await,
+                Conn::Cluster(c) => lua.script.load_async(&mut c.clone()).await,
             };
             loaded.map_err(|e| classify("connect", e))?;
         }
         Ok(())
     }
 
-    /// Runs `cmd` (from [`evalsha`]) and, when Redis no longer has the
-    /// script (`NOSCRIPT`: SCRIPT FLUSH, restart, fail-over), loads it and
-    /// sends the same command once more, as `redis::Script` does.
-    async fn eval(&self, op: &'static str, script: &Script, cmd: &Cmd) -> Result<Value, Error> {
-        let reply = match &self.conn {
+    /// Sends one command and turns a top-level error reply into an `Err`.
+    async fn send(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        server_error(match &self.conn {
             // The manager's own method: `ConnectionLike::req_packed_command`
             // would box one more future per call.
-            Conn::Single(c) => {
-                let mut c = c.clone();
-                match server_error(c.send_packed_command(cmd).await) {
-                    Err(e) if is_noscript(&e) => match script.load_async(&mut c).await {
-                        Ok(_) => server_error(c.send_packed_command(cmd).await),
-                        Err(e) => Err(e),
-                    },
-                    other => other,
-                }
-            }
+            Conn::Single(c) => c.clone().send_packed_command(cmd).await,
             Conn::Cluster(c) => {
-                let mut c = c.clone();
-                match server_error(
-                    redis::aio::ConnectionLike::req_packed_command(&mut c, cmd).await,
-                ) {
-                    Err(e) if is_noscript(&e) => match script.load_async(&mut c).await {
-                        Ok(_) => server_error(
-                            redis::aio::ConnectionLike::req_packed_command(&mut c, cmd).await,
-                        ),
-                        Err(e) => Err(e),
-                    },
-                    other => other,
-                }
+                redis::aio::ConnectionLike::req_packed_command(&mut c.clone(), cmd).await
             }
+        })
+    }
+
+    /// Runs `lua` on `key` with the arguments `args` appends (`args` more of
+    /// them, `extra` bytes in all): `EVALSHA`, and when Redis no longer has
+    /// the script (`NOSCRIPT`: SCRIPT FLUSH, restart, fail-over), `EVAL` of
+    /// its source, which runs it and caches it again. `EVAL` goes to the
+    /// key's own node: a `SCRIPT LOAD` would go to every primary and fail
+    /// while any one of them is down, healthy slots included.
+    async fn eval(
+        &self,
+        op: &'static str,
+        lua: &Lua,
+        key: &str,
+        (args, extra): (usize, usize),
+        fill: impl Fn(&mut Cmd),
+    ) -> Result<Value, Error> {
+        let mut cmd = invocation("EVALSHA", lua.script.get_hash(), key, args, extra);
+        fill(&mut cmd);
+        let reply = match self.send(&cmd).await {
+            Err(e) if is_noscript(&e) => {
+                let mut cmd = invocation("EVAL", lua.source, key, args, extra);
+                fill(&mut cmd);
+                self.send(&cmd).await
+            }
+            other => other,
         };
         reply.map_err(|e| classify(op, e))
     }
 
-    /// The completed record of `key` read with plain `GET` and `PTTL`
-    /// (allowed when Redis is out of memory), or `None` when there is no
-    /// readable completed record or Redis does not answer.
-    async fn read_completed(&self, key: &str) -> Option<super::Completed> {
+    /// The record of `key` and its `PTTL`, read with plain `GET` and `PTTL`
+    /// (allowed when Redis is out of memory); `None` when there is none or
+    /// Redis does not answer.
+    async fn read_record(&self, key: &str) -> Option<(Result<Record, Error>, i64)> {
         let mut pipe = redis::pipe();
         pipe.cmd("GET").arg(key).cmd("PTTL").arg(key);
         let read: redis::RedisResult<(Option<Vec<u8>>, i64)> = match &self.conn {
@@ -330,19 +349,42 @@ impl RedisStore {
             Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
         };
         let (record, ttl) = read.ok()?;
-        decode_completed(record?, ttl).ok()
+        Some((record::decode(record?, ttl), ttl))
     }
 }
 
-/// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
-/// arguments: the command is written once, straight into the buffer the
-/// connection packs from (`ScriptInvocation` first copies every key and
-/// argument into a `Vec<Vec<u8>>` of its own, then into a `Cmd`).
-fn evalsha(script: &Script, key: &str, args: usize, extra: usize) -> Cmd {
-    let hash = script.get_hash();
-    let mut cmd = Cmd::with_capacity(4 + args, 7 + hash.len() + 1 + key.len() + extra);
-    cmd.arg("EVALSHA").arg(hash).arg("1").arg(key);
+/// `<head> <body> 1 <key>` (`EVALSHA <sha1>` or `EVAL <source>`), sized for
+/// `extra` more bytes in `args` more arguments: the command is written once,
+/// straight into the buffer the connection packs from (`ScriptInvocation`
+/// first copies every key and argument into a `Vec<Vec<u8>>` of its own).
+fn invocation(head: &str, body: &str, key: &str, args: usize, extra: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(4 + args, head.len() + body.len() + 1 + key.len() + extra);
+    cmd.arg(head).arg(body).arg("1").arg(key);
     cmd
+}
+
+/// What a claim refused for lack of memory still knows from the record it
+/// found: what the script would have answered without writing. `None` when
+/// only a write could answer (an expired lease to take over).
+fn answer_without_write(found: Record, claim: &Claim<'_>, ttl_left_ms: i64) -> Option<ClaimReply> {
+    let given = claim.fingerprint;
+    let mismatch =
+        |stored: Option<Fingerprint>| matches!((given, stored), (Some(a), Some(b)) if *a != b);
+    match found {
+        Record::Completed(done) if mismatch(done.fingerprint) => Some(ClaimReply::Mismatch),
+        Record::Completed(done) => Some(ClaimReply::Completed(done)),
+        Record::Pending(p) if mismatch(p.fingerprint) => Some(ClaimReply::Mismatch),
+        // Our own claim landed before: the same claim.
+        Record::Pending(p) if p.token == *claim.token.as_bytes() => {
+            Some(ClaimReply::Acquired { attempt: p.attempt })
+        }
+        Record::Pending(p) => {
+            let left = u64::try_from(ttl_left_ms).ok()?.checked_sub(p.lease_end)?;
+            (left > 0).then(|| ClaimReply::InProgress {
+                retry_after: Duration::from_millis(left),
+            })
+        }
+    }
 }
 
 /// A pending record (lua/README.md), built here so that the script's fast
@@ -504,26 +546,37 @@ fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Error> {
 #[async_trait]
 impl Store for RedisStore {
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        let ttl = millis(claim.ttl.max(claim.lease));
+        let ttl = millis(record_ttl(claim.ttl, claim.lease));
         let record = PendingRecord {
             fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
             token: claim.token,
             // The lease ends when the key's remaining TTL falls to this: a
             // difference of durations, so no clock is read on either side.
-            lease_end: ttl - millis(claim.lease).min(ttl),
+            lease_end: ttl - millis(store_lease(claim.lease)),
         };
-        let script = &SCRIPTS.claim;
-        let mut cmd = evalsha(script, claim.key, 3, 3 + 16 + 32 + 2 * MS_DIGITS + 3);
-        cmd.arg(record)
-            .arg(ttl)
-            .arg(if claim.want_ttl_left { "1" } else { "0" });
-        match self.eval("claim", script, &cmd).await {
+        let want = if claim.want_ttl_left { "1" } else { "0" };
+        let reply = self
+            .eval(
+                "claim",
+                &SCRIPTS.claim,
+                claim.key,
+                (3, 3 + 16 + 32 + 2 * MS_DIGITS + 3),
+                |cmd| {
+                    cmd.arg(&record).arg(ttl).arg(want);
+                },
+            )
+            .await;
+        match reply {
             // A full Redis refuses the claim script before it runs (it may
-            // write), but a completed record needs no memory to replay:
-            // read it rather than fail (or, with FailMode::Open, run a
-            // finished body again). Anything else keeps the OOM error.
-            Err(e) if is_oom(&e) => match self.read_completed(claim.key).await {
-                Some(done) => Ok(ClaimReply::Completed(done)),
+            // write), but the record it would have found still answers
+            // every case that needs no write: a completed record replays, a
+            // live holder is InProgress (not "unavailable": with
+            // FailMode::Open that would run the body beside it). Only an
+            // absent record or an expired lease, which need a write, keep
+            // the OOM error for the fail mode to decide.
+            Err(e) if is_oom(&e) => match self.read_record(claim.key).await {
+                Some((Ok(found), pttl)) => answer_without_write(found, &claim, pttl).ok_or(e),
+                Some((Err(corrupt), _)) => Err(corrupt),
                 None => Err(e),
             },
             reply => parse_claim(reply?),
@@ -538,28 +591,43 @@ impl Store for RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        let script = &SCRIPTS.complete;
         let record = CompletedRecord {
             kind,
             fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
             value,
         };
-        let mut cmd = evalsha(script, key, 2, 32 + 3 + 16 + value.len());
-        cmd.arg(token.as_bytes().as_slice()).arg(record);
-        parse_write("complete", self.eval("complete", script, &cmd).await?)
+        let token = token.as_bytes().as_slice();
+        let reply = self
+            .eval(
+                "complete",
+                &SCRIPTS.complete,
+                key,
+                (2, 32 + 3 + 16 + value.len()),
+                |cmd| {
+                    cmd.arg(token).arg(&record);
+                },
+            )
+            .await?;
+        parse_write("complete", reply)
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        let script = &SCRIPTS.release;
-        let mut cmd = evalsha(script, key, 1, 32);
-        cmd.arg(token.as_bytes().as_slice());
-        parse_write("release", self.eval("release", script, &cmd).await?)
+        let token = token.as_bytes().as_slice();
+        let reply = self
+            .eval("release", &SCRIPTS.release, key, (1, 32), |cmd| {
+                cmd.arg(token);
+            })
+            .await?;
+        parse_write("release", reply)
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        let script = &SCRIPTS.extend;
-        let mut cmd = evalsha(script, key, 2, 32 + MS_DIGITS);
-        cmd.arg(token.as_bytes().as_slice()).arg(millis(lease));
-        parse_write("extend", self.eval("extend", script, &cmd).await?)
+        let (token, ms) = (token.as_bytes().as_slice(), millis(store_lease(lease)));
+        let reply = self
+            .eval("extend", &SCRIPTS.extend, key, (2, 32 + MS_DIGITS), |cmd| {
+                cmd.arg(token).arg(ms);
+            })
+            .await?;
+        parse_write("extend", reply)
     }
 }
