@@ -387,7 +387,7 @@ async fn noscript_is_recovered_on_healthy_nodes_while_one_is_down() {
     // Warm every node's script cache, then take node 2 down.
     for i in 0..30 {
         let r: Result<u32, Error> = idem
-            .call("op", &format!("warm-{i}"))
+            .call("op", format!("warm-{i}"))
             .run(|| async { Ok(i) })
             .await;
         r.expect("warm-up call");
