@@ -31,8 +31,11 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// ```
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
-/// Default per-attempt timeout.
-const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default per-attempt timeout: the default overall deadline. An idem
+/// server runs a started handler to completion whatever the client does, so
+/// an earlier timeout cannot make a slow operation faster: it only turns
+/// the wait into `409`s and retries.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How much of an error response body is read (for problem details).
 const ERROR_BODY_CAP: usize = 64 * 1024;
 /// How much of an error response body is kept in [`ClientError::Status`].
@@ -144,7 +147,15 @@ impl ClientBuilder {
     }
 
     /// Sets the timeout of each attempt, from connecting until the response
-    /// body is read (default 10 s). The policy's deadline may shorten it.
+    /// body is read (default 30 s, the default overall deadline). The
+    /// policy's deadline may shorten it.
+    ///
+    /// A timeout drops the connection, but an idem server (`idem-http`)
+    /// keeps running a handler that has started and stores its response;
+    /// the retry gets `409` (retried) until it is done, then the stored
+    /// response. A server configured with `cancel_on_disconnect(true)`
+    /// instead stops the handler, and the retry runs it again: there, give
+    /// attempts time to finish.
     ///
     /// ```
     /// use std::time::Duration;
@@ -297,6 +308,16 @@ impl Client {
     /// ```
     pub fn base_url(&self) -> &str {
         &self.inner.base
+    }
+
+    /// The per-attempt timeout (see [`ClientBuilder::timeout`]).
+    ///
+    /// ```
+    /// let client = idem_client::Client::new("http://127.0.0.1:3000").unwrap();
+    /// assert_eq!(client.timeout(), std::time::Duration::from_secs(30));
+    /// ```
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
     }
 
     /// The client's retry policy.
@@ -832,6 +853,18 @@ impl Operation<'_> {
         };
         let snippet =
             String::from_utf8_lossy(body.get(..SNIPPET_CAP).unwrap_or(&body)).into_owned();
+        if status == StatusCode::GONE {
+            if let Some(processed_status) = problem.as_ref().and_then(Problem::response_not_kept) {
+                return Outcome::Final(ClientError::ResponseNotKept {
+                    processed_status,
+                    problem: problem.unwrap_or_default(),
+                    method: self.method.clone(),
+                    path: self.path.clone(),
+                    key: self.key.clone(),
+                    attempts: attempt,
+                });
+            }
+        }
         let error = ClientError::Status {
             status,
             problem,

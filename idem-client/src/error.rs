@@ -91,6 +91,27 @@ pub enum ClientError {
         /// Attempts made so far, including this one.
         attempts: u32,
     },
+    /// The server says the operation **was applied** under this key, but it
+    /// did not keep the response (too large to store, or a stream), so it
+    /// cannot be replayed: an idem server's `410` problem of type
+    /// `response-not-kept`. Never retried, and the operation must not be
+    /// sent again with a new key: look its result up another way.
+    #[non_exhaustive]
+    ResponseNotKept {
+        /// The status the operation answered when it was applied, when the
+        /// server said (the problem's `processed_status` member).
+        processed_status: Option<StatusCode>,
+        /// The problem document.
+        problem: Problem,
+        /// HTTP method of the operation.
+        method: Method,
+        /// Request path, relative to the base URL.
+        path: String,
+        /// The idempotency key sent.
+        key: String,
+        /// Attempts made, including this one.
+        attempts: u32,
+    },
     /// The server answered with success, but the body did not decode into
     /// the requested type. The operation *was* applied. Not retried.
     #[non_exhaustive]
@@ -173,6 +194,7 @@ impl ClientError {
             ClientError::Status { status, .. } | ClientError::Decode { status, .. } => {
                 Some(*status)
             }
+            ClientError::ResponseNotKept { .. } => Some(StatusCode::GONE),
             ClientError::GaveUp { last, .. } => last.status(),
             _ => None,
         }
@@ -192,6 +214,7 @@ impl ClientError {
     pub fn problem(&self) -> Option<&Problem> {
         match self {
             ClientError::Status { problem, .. } => problem.as_ref(),
+            ClientError::ResponseNotKept { problem, .. } => Some(problem),
             ClientError::GaveUp { last, .. } => last.problem(),
             _ => None,
         }
@@ -208,6 +231,7 @@ impl ClientError {
             ClientError::Transport { key, .. }
             | ClientError::Status { key, .. }
             | ClientError::Decode { key, .. }
+            | ClientError::ResponseNotKept { key, .. }
             | ClientError::InvalidKey { key, .. }
             | ClientError::GaveUp { key, .. } => Some(key),
             _ => None,
@@ -225,6 +249,7 @@ impl ClientError {
             ClientError::Transport { attempts, .. }
             | ClientError::Status { attempts, .. }
             | ClientError::Decode { attempts, .. }
+            | ClientError::ResponseNotKept { attempts, .. }
             | ClientError::GaveUp { attempts, .. } => Some(*attempts),
             _ => None,
         }
@@ -294,6 +319,27 @@ impl fmt::Display for ClientError {
                     write!(f, " (server said: {said})")?;
                 }
                 Ok(())
+            }
+            ClientError::ResponseNotKept {
+                processed_status,
+                method,
+                path,
+                key,
+                attempts,
+                ..
+            } => {
+                write!(f, "{method} {path} was processed")?;
+                if let Some(status) = processed_status {
+                    write!(f, " (status {status})")?;
+                }
+                write!(
+                    f,
+                    " but the server did not keep its response, so it cannot be replayed \
+                     (key {}, {}): the operation was applied, so do not send it again with \
+                     this key or a new one; look its result up another way",
+                    short_key(key),
+                    plural_attempts(*attempts),
+                )
             }
             ClientError::Decode {
                 source,
@@ -489,6 +535,27 @@ mod tests {
         assert_eq!(err.problem().and_then(|p| p.title.as_deref()), Some("Busy"));
         assert_eq!(err.attempts(), Some(3));
         assert!(err.source().is_some());
+    }
+
+    #[test]
+    fn response_not_kept_message() {
+        let err = ClientError::ResponseNotKept {
+            processed_status: Some(StatusCode::CREATED),
+            problem: Problem::default(),
+            method: Method::POST,
+            path: "/payments".into(),
+            key: "5f0c".into(),
+            attempts: 1,
+        };
+        assert_eq!(
+            err.to_string(),
+            "POST /payments was processed (status 201 Created) but the server did not keep \
+             its response, so it cannot be replayed (key 5f0c, 1 attempt): the operation was \
+             applied, so do not send it again with this key or a new one; look its result up \
+             another way"
+        );
+        assert_eq!(err.status(), Some(StatusCode::GONE));
+        assert_eq!(err.key(), Some("5f0c"));
     }
 
     #[test]

@@ -59,6 +59,7 @@
 //! | `409` (same key still in progress), `429`, `502`, `503`, `504` | yes |
 //! | `500` | yes, unless it carries `Idempotent-Replayed: true` |
 //! | any response with `Idempotent-Replayed: true` | no — it is the stored outcome |
+//! | `410` `response-not-kept`: processed, response not kept | no ([`ClientError::ResponseNotKept`]) |
 //! | `400`, `422` and every other 4xx, 3xx, other 5xx | no |
 //! | 2xx whose body does not decode | no ([`ClientError::Decode`]) |
 //!
@@ -67,6 +68,22 @@
 //! (capped at 30 s), all within an overall deadline (default 30 s). When
 //! retries run out the error is [`ClientError::GaveUp`], which names the last
 //! status or transport error and the attempt count.
+//!
+//! # Timeouts and slow operations
+//!
+//! Each attempt times out after 30 s by default
+//! ([`ClientBuilder::timeout`]), the same as the overall deadline. An idem
+//! server (`idem-http`'s layer) runs a handler that has started to
+//! completion even when the client disconnects, and stores its response: a
+//! retry after a timeout gets `409` while the handler runs (retried, with its
+//! `Retry-After`), then the stored response, never a second execution. A
+//! shorter timeout is safe, it only spends attempts on `409`s. Only against
+//! a server that opted into `cancel_on_disconnect(true)` does a timeout
+//! cancel the handler, so that the retry runs it again.
+//!
+//! An operation the server processed but whose response it did not keep
+//! (too large, or a stream) is [`ClientError::ResponseNotKept`]: not
+//! retried, and not to be sent again under a new key.
 //!
 //! Redirects are not followed (a `301`/`302` would turn a `POST` into a
 //! `GET`). Each attempt emits a `tracing` event with the method, path, key,

@@ -94,6 +94,27 @@ impl Problem {
     }
 }
 
+/// The problem type slug of an idem server's "processed, response not kept"
+/// answer; the type URI ends with it (its base is the server's choice).
+pub(crate) const RESPONSE_NOT_KEPT: &str = "response-not-kept";
+
+impl Problem {
+    /// Whether this is an idem server's "processed, response not kept"
+    /// problem (its `type` ends with `response-not-kept`), and if so the
+    /// status the operation answered when it was applied.
+    pub(crate) fn response_not_kept(&self) -> Option<Option<http::StatusCode>> {
+        let t = self.r#type.as_deref()?;
+        let slug = t.rsplit(['/', '#']).next()?;
+        (slug == RESPONSE_NOT_KEPT).then(|| {
+            self.extensions
+                .get("processed_status")
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|s| u16::try_from(s).ok())
+                .and_then(|s| http::StatusCode::from_u16(s).ok())
+        })
+    }
+}
+
 /// Whether a `Content-Type` value names `application/problem+json`.
 pub(crate) fn is_problem_json(content_type: &str) -> bool {
     content_type
@@ -125,6 +146,27 @@ mod tests {
         assert_eq!(p.extensions.get("instance"), Some(&Value::from("/x")));
         assert!(!p.extensions.contains_key("status"));
         assert_eq!(p.summary().as_deref(), Some("d"));
+    }
+
+    #[test]
+    fn recognizes_response_not_kept_under_any_base() {
+        let p = |t: &str| Problem {
+            r#type: Some(t.into()),
+            ..Problem::default()
+        };
+        assert_eq!(
+            p("https://docs.rs/idem-http/latest/idem_http/#response-not-kept").response_not_kept(),
+            Some(None)
+        );
+        let mut q = p("https://errors.example.com/idempotency/response-not-kept");
+        q.extensions
+            .insert("processed_status".into(), Value::from(201));
+        assert_eq!(q.response_not_kept(), Some(Some(http::StatusCode::CREATED)));
+        assert_eq!(
+            p("https://x/not-response-not-kept").response_not_kept(),
+            None
+        );
+        assert_eq!(Problem::default().response_not_kept(), None);
     }
 
     #[test]

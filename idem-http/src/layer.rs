@@ -1,18 +1,14 @@
 //! `IdempotencyLayer`: the configuration, and the tower `Layer` impl.
 
-use crate::problem::{ProblemKind, problem_response};
+use crate::config::{Config, TenantSource};
 use crate::service::IdempotencyService;
-use axum::body::Body;
 use http::request::Parts;
-use http::{Method, Response};
+use http::{HeaderName, Method};
 use idem_core::Idempotency;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 use tower_layer::Layer;
-
-/// The tenant hook's type: derives a tenant from the request head.
-type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync + 'static;
 
 /// Default limit on buffered request and response bodies: 1 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
@@ -23,38 +19,9 @@ pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/id
 /// Default scope under which the layer stores keys.
 pub const DEFAULT_SCOPE: &str = "http";
 
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) retry_after: Duration,
-    pub(crate) replay_set_cookie: bool,
-    pub(crate) problem_type_base: String,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
-    pub(crate) tenant: Option<Arc<TenantFn>>,
-    pub(crate) scope: String,
-    pub(crate) retention: Duration,
-    pub(crate) advertise_retention: bool,
-    pub(crate) lease: Option<Duration>,
-    pub(crate) wait: Duration,
-}
-
-impl Config {
-    pub(crate) fn problem(
-        &self,
-        kind: ProblemKind,
-        detail: &str,
-        retry_after: bool,
-    ) -> Response<Body> {
-        problem_response(
-            &self.problem_type_base,
-            kind,
-            detail,
-            retry_after.then_some(self.retry_after),
-        )
-    }
-}
+/// The content type streamed through without being kept by default:
+/// Server-Sent Events, endless by design.
+pub const DEFAULT_STREAM_CONTENT_TYPE: &str = "text/event-stream";
 
 /// A tower [`Layer`] giving `POST` and `PATCH` requests `Idempotency-Key`
 /// semantics, with an [`Idempotency`] runtime (Redis or memory) as arbiter.
@@ -97,12 +64,15 @@ impl fmt::Debug for IdempotencyLayer {
             .field("problem_type_base", &c.problem_type_base)
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
-            .field("tenant", &c.tenant.is_some())
+            .field("tenant", &c.tenant.describe())
             .field("scope", &c.scope)
             .field("retention", &c.retention)
             .field("advertise_retention", &c.advertise_retention)
             .field("lease", &c.lease)
             .field("wait", &c.wait)
+            .field("bypass", &c.bypass.is_some())
+            .field("stream_content_types", &c.stream_content_types)
+            .field("cancel_on_disconnect", &c.cancel_on_disconnect)
             .finish()
     }
 }
@@ -110,8 +80,11 @@ impl fmt::Debug for IdempotencyLayer {
 impl IdempotencyLayer {
     /// A layer over `idem` with the defaults: `POST` and `PATCH`, key
     /// optional, `Retry-After: 1` on `409`, 1 MiB body limits, scope
-    /// `"http"`, no tenant, the runtime's `result_ttl` as retention (not
-    /// advertised), `Set-Cookie` not replayed.
+    /// `"http"`, one key space per `Authorization` value (see
+    /// [`tenant_from_headers`](Self::tenant_from_headers)), the runtime's
+    /// `result_ttl` as retention (not advertised), `Set-Cookie` not
+    /// replayed, `text/event-stream` streamed without being kept, handlers
+    /// run to completion when the client disconnects.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
@@ -129,12 +102,15 @@ impl IdempotencyLayer {
                 problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
                 max_request_body: DEFAULT_BODY_LIMIT,
                 max_response_body: DEFAULT_BODY_LIMIT,
-                tenant: None,
+                tenant: TenantSource::default_credentials(),
                 scope: DEFAULT_SCOPE.to_owned(),
                 retention,
                 advertise_retention: false,
                 lease: None,
                 wait: Duration::ZERO,
+                bypass: None,
+                stream_content_types: vec![DEFAULT_STREAM_CONTENT_TYPE.to_owned()],
+                cancel_on_disconnect: false,
             },
         }
     }
@@ -195,7 +171,7 @@ impl IdempotencyLayer {
     }
 
     /// The prefix of the `type` URI of problem responses; the type is this
-    /// base followed by the [`ProblemKind::slug`] (default
+    /// base followed by the [`ProblemKind::slug`](crate::ProblemKind::slug) (default
     /// [`DEFAULT_PROBLEM_TYPE_BASE`], which points at these docs).
     ///
     /// ```
@@ -223,8 +199,10 @@ impl IdempotencyLayer {
     }
 
     /// Largest response body stored for replay, in bytes (default 1 MiB). A
-    /// larger response is streamed to the client as it is, and the key is
-    /// released: a retry runs the handler again. Keep it under the runtime's
+    /// larger response is streamed to the client as it is, and the key
+    /// records that the request was processed but its response not kept: a
+    /// retry gets `410` [`response-not-kept`](crate#response-not-kept), and
+    /// the handler does not run again. Keep it under the runtime's
     /// `max_value_size` (4 MiB by default), which bounds the stored record.
     ///
     /// ```
@@ -239,6 +217,8 @@ impl IdempotencyLayer {
     /// A hook naming the tenant (account, API client) of a request, so that
     /// the same key sent by two tenants never meets: each tenant has its own
     /// key space. `None` puts the request in the tenant-less key space.
+    /// Replaces the default, a digest of the credentials
+    /// ([`tenant_from_headers`](Self::tenant_from_headers)).
     ///
     /// The hook sees the request head only; it typically reads an
     /// authenticated identity that an earlier layer put in the extensions, or
@@ -255,7 +235,120 @@ impl IdempotencyLayer {
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.config.tenant = Some(Arc::new(hook));
+        self.config.tenant = TenantSource::Hook(Arc::new(hook));
+        self
+    }
+
+    /// The request headers whose values (credentials) name the tenant,
+    /// replacing the default, `Authorization`. A request carrying any of
+    /// them gets the key space of a SHA-256 digest of their values (the
+    /// credentials themselves never reach the store); a request carrying
+    /// none shares the tenant-less key space with the others that carry
+    /// none.
+    ///
+    /// So by default principal B sending principal A's key never gets A's
+    /// response, and never blocks A's key. Prefer
+    /// [`tenant`](Self::tenant) with the authenticated principal's id when
+    /// an earlier layer puts it in the extensions: a credential that rotates
+    /// then keeps its key space.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).tenant_from_headers(["authorization", "x-api-key"]);
+    /// ```
+    pub fn tenant_from_headers<N>(mut self, names: impl IntoIterator<Item = N>) -> Self
+    where
+        N: TryInto<HeaderName>,
+    {
+        let names: Vec<HeaderName> = names
+            .into_iter()
+            .filter_map(|n| match n.try_into() {
+                Ok(name) => Some(name),
+                Err(_) => {
+                    tracing::error!("tenant_from_headers: an invalid header name is ignored");
+                    None
+                }
+            })
+            .collect();
+        self.config.tenant = TenantSource::Credentials(names);
+        self
+    }
+
+    /// One key space for every request, whoever sends it: the same key from
+    /// two API clients is the same operation. Only for services whose keys
+    /// cannot collide across clients (they are minted by the server, say);
+    /// otherwise one client can replay or block another's. The default is
+    /// a key space per credential ([`tenant_from_headers`](Self::tenant_from_headers)).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).shared_keys();
+    /// ```
+    pub fn shared_keys(mut self) -> Self {
+        self.config.tenant = TenantSource::Shared;
+        self
+    }
+
+    /// A predicate on the request head: when it is `true` the request passes
+    /// through unclaimed, as if the layer were not there (for streaming
+    /// routes, webhooks with their own deduplication, …).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem)
+    ///     .bypass(|parts: &http::request::Parts| parts.uri.path().starts_with("/events"));
+    /// ```
+    pub fn bypass<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.config.bypass = Some(Arc::new(predicate));
+        self
+    }
+
+    /// Response content types (media type without parameters, any case)
+    /// that are streamed to the client without being kept, replacing the
+    /// default [`DEFAULT_STREAM_CONTENT_TYPE`] (`text/event-stream`). Such a
+    /// response is never buffered: the key records at once that the request
+    /// was processed and its response not kept (a retry gets `410`
+    /// [`response-not-kept`](crate#response-not-kept)), and the stream runs
+    /// as long as the client reads it. Pass an empty list to keep those
+    /// responses like any other (up to [`max_response_body`](Self::max_response_body)).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem)
+    ///     .stream_content_types(["text/event-stream", "application/x-ndjson"]);
+    /// ```
+    pub fn stream_content_types<T: Into<String>>(
+        mut self,
+        types: impl IntoIterator<Item = T>,
+    ) -> Self {
+        self.config.stream_content_types = types
+            .into_iter()
+            .map(|t| t.into().trim().to_ascii_lowercase())
+            .collect();
+        self
+    }
+
+    /// Whether a client that disconnects cancels its handler (default
+    /// `false`).
+    ///
+    /// By default a handler that has started runs to completion in a task
+    /// of its own, whatever the client does: hyper drops a request's future
+    /// when its client goes away (a client timeout does that), and a handler
+    /// stopped half-way through a payment is worse than one that finishes.
+    /// Its response is stored, so the client's retry gets it (`409` while it
+    /// still runs). With `true` the handler is dropped at its next `.await`
+    /// and the key released, so the retry runs it again: only for handlers
+    /// that are safe to stop anywhere.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_http::IdempotencyLayer::new(idem).cancel_on_disconnect(true);
+    /// ```
+    pub fn cancel_on_disconnect(mut self, cancel: bool) -> Self {
+        self.config.cancel_on_disconnect = cancel;
         self
     }
 

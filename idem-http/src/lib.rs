@@ -64,16 +64,19 @@
 //! ## What the layer does
 //!
 //! Requests whose method is not in [`methods`](IdempotencyLayer::methods)
-//! (default `POST` and `PATCH`) pass through untouched. For the others:
+//! (default `POST` and `PATCH`), and those the
+//! [`bypass`](IdempotencyLayer::bypass) predicate picks, pass through
+//! untouched. For the others:
 //!
 //! | situation | answer |
 //! | --- | --- |
 //! | no `Idempotency-Key` | passes through without idempotency, or `400` [`missing-key`](#missing-key) with [`require_key(true)`](IdempotencyLayer::require_key) |
 //! | malformed key, header sent twice | `400` [`invalid-key`](#invalid-key) |
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) | `413` [`request-too-large`](#request-too-large) |
-//! | first request with this key | the handler runs; its response goes to the client and, if storable, is stored |
+//! | first request with this key | the handler runs (in a task of its own: a client that disconnects does not stop it); its response streams to the client and, if storable, is stored |
 //! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s); with [`wait`](IdempotencyLayer::wait) it first waits that long for the response, then gets it replayed |
 //! | same key, completed | the stored status, headers and body, with `Idempotent-Replayed: true`; the handler does not run |
+//! | same key, processed but its response not kept (over [`max_response_body`](IdempotencyLayer::max_response_body), or `text/event-stream`) | `410` [`response-not-kept`](#response-not-kept); the handler does not run |
 //! | same key, another method, path, query or body | `422` [`key-reused`](#key-reused) |
 //! | store unreachable | `503` [`store-unavailable`](#store-unavailable) with `Retry-After`; the handler does not run (fail-closed: the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
 //!
@@ -89,8 +92,9 @@
 //! is buffered for that, up to the request limit, and handed to the handler
 //! as it was.
 //!
-//! **What is stored.** Responses with a 2xx, 3xx or 4xx status, except 408,
-//! 409, 425 and 429, whose body fits in
+//! **What is stored.** Responses with a 2xx, 3xx or 4xx status, except 401,
+//! 403 and 407 (a client that fixes its credentials must not get the old
+//! refusal back) and 408, 409, 425 and 429, whose body ends within
 //! [`max_response_body`](IdempotencyLayer::max_response_body) (1 MiB). Stored:
 //! status, body, and the headers except hop-by-hop ones (`Connection` and
 //! those it names, `Keep-Alive`, `Transfer-Encoding`, `TE`, `Trailer`,
@@ -100,16 +104,57 @@
 //! dropped. The record is JSON: status, headers and body, with UTF-8 bytes as
 //! strings and other bytes in base64.
 //!
+//! **Streaming.** A response body that is complete at once (the usual JSON
+//! body) is stored, then sent. Any other body streams to the client from
+//! its first frame while a copy is kept: when it ends within the limit the
+//! copy is stored (before the client sees the end of the body, so a retry
+//! sent right after finds it); when it passes the limit, a marker saying
+//! "processed, response not kept" is stored **at once** and the rest streams
+//! on. A duplicate then gets `410` [`response-not-kept`](#response-not-kept),
+//! never a second run, and never an endless `409`. Responses whose
+//! `Content-Length` is over the limit, and content types listed in
+//! [`stream_content_types`](IdempotencyLayer::stream_content_types) (default
+//! `text/event-stream`), are not buffered at all: the marker is stored at
+//! once and the body streams through. A route that must not be claimed at
+//! all (an SSE endpoint taking `POST`, say) goes in
+//! [`bypass`](IdempotencyLayer::bypass).
+//!
+//! **Client disconnects.** Hyper drops a request's future when its client
+//! goes away, for instance when the client's timeout fires. The layer runs
+//! each claimed request in a Tokio task of its own, so a started handler
+//! runs to completion anyway and its response is stored: the client's retry
+//! gets `409` while it runs, then the stored response. A body still
+//! streaming when the client leaves is read on (up to the limit) to store
+//! it. With [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect)
+//! a disconnect instead drops the handler at its next `.await` and releases
+//! the key. Clients should give slow handlers time: `idem-client`'s default
+//! per-attempt timeout is 30 s, its whole retry budget, and a retry after a
+//! timeout is safe either way.
+//!
+//! **Compression.** Put compression layers *outside* this one, so that
+//! stored responses are uncompressed and each client gets the coding it
+//! accepts. A compression layer inside it makes the stored body compressed:
+//! a replay to a request whose `Accept-Encoding` does not accept that
+//! coding (no `Accept-Encoding` counts as identity only) gets the body
+//! decoded (`gzip`, `deflate`), or `406`
+//! [`encoding-not-acceptable`](#encoding-not-acceptable) for codings the
+//! layer cannot decode (`br`, `zstd`).
+//!
 //! **What releases the key** (the next request with it runs the handler):
-//! a 1xx or 5xx status, 408, 409, 425 and 429 (the response is sent as it is
-//! and never replayed); a response body over the limit (streamed to the
-//! client unbuffered past the limit); a failing response body; an error of
-//! the inner service; a handler that **panics** — the layer catches the
-//! panic (the inner service's future, and its `call`), logs it at `error`
-//! level and answers `500` [`handler-panicked`](#handler-panicked), so the
-//! client gets an answer and the server a free key; and a **dropped
-//! connection**: hyper drops the request's future when the client goes
-//! away, the runtime then releases the key at once.
+//! a 1xx or 5xx status, 401, 403, 407, 408, 409, 425 and 429 (the response
+//! is sent as it is and never replayed); a response body that fails or
+//! panics before it passed the limit; an error of the inner service; a
+//! handler that **panics** — the layer catches the panic (the inner
+//! service's future, its `call`, and the response body while the layer
+//! reads it), logs it at `error` level and answers `500`
+//! [`handler-panicked`](#handler-panicked) when nothing was sent yet (a body
+//! that panics after its first bytes went out is cut short), so the client
+//! gets an answer and the server a free key; and, with
+//! [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect),
+//! a dropped connection.
+//!
+//! The layer needs a Tokio runtime (as axum does); without one it answers
+//! `500` [`internal-error`](#internal-error).
 //!
 //! **Several layers.** A request that an outer `IdempotencyLayer` already
 //! handles (it carries an [`IdempotencyKey`] extension) passes through inner
@@ -122,10 +167,23 @@
 //! Keys are stored as `namespace:scope:key` by the runtime, where the
 //! namespace is the runtime's and the scope is
 //! [`scope`](IdempotencyLayer::scope) (default `"http"`) followed, when the
-//! [`tenant`](IdempotencyLayer::tenant) hook names a tenant, by `|` and the
-//! tenant. The tenant is percent-escaped (`%`, `|`, `#`, control characters;
-//! the runtime escapes `:`), or replaced by `#` and its SHA-256 when long, so
-//! no two tenants, nor a tenant and the tenant-less space, share a key.
+//! request has a tenant, by `|` and the tenant. The tenant is
+//! percent-escaped (`%`, `|`, `#`, control characters; the runtime escapes
+//! `:`), or replaced by `#` and its SHA-256 when long, so no two tenants,
+//! nor a tenant and the tenant-less space, share a key.
+//!
+//! **Isolation is the default.** Without configuration the tenant is a
+//! digest of the request's `Authorization` header (`cred:` and 128 bits of
+//! SHA-256; the credentials never reach the store): principal B sending A's
+//! key and body runs its own operation rather than getting A's response,
+//! and B's other body under A's key cannot block A. Requests without the
+//! header share the tenant-less space. Change the headers with
+//! [`tenant_from_headers`](IdempotencyLayer::tenant_from_headers), name
+//! tenants yourself with [`tenant`](IdempotencyLayer::tenant) (the
+//! authenticated principal's id is best: it survives credential rotation),
+//! or opt into one key space for all with
+//! [`shared_keys`](IdempotencyLayer::shared_keys).
+//!
 //! Method and path are not part of the scope (as with Stripe, a key names
 //! one operation of one tenant): they are in the fingerprint, so a key reused
 //! on another route is a `422`, not a second operation. Give layers
@@ -152,14 +210,27 @@
 //! `400`: the route requires an `Idempotency-Key`.
 //! ### unreadable-request
 //! `400`: the request body could not be read.
+//! ### encoding-not-acceptable
+//! `406`: the stored response is compressed with a coding this request does
+//! not accept and the layer cannot decode; send `Accept-Encoding` with it.
 //! ### key-in-use
 //! `409`: a request with this key is in flight; retry after `Retry-After`.
+//! ### response-not-kept
+//! `410`: the request with this key **was processed**, but its response was
+//! not kept (its body passed
+//! [`max_response_body`](IdempotencyLayer::max_response_body), or it was a
+//! stream such as `text/event-stream`), so it cannot be replayed. The
+//! member `processed_status` holds the status the handler answered. Not
+//! retryable, and the operation must not be sent again under a new key:
+//! look its result up another way (`idem-client` returns
+//! `ClientError::ResponseNotKept`).
 //! ### request-too-large
 //! `413`: the body is over the layer's buffering limit.
 //! ### key-reused
 //! `422`: the key was used with a different request; use a new key.
 //! ### handler-panicked
-//! `500`: the handler panicked; the key was released, retrying is safe.
+//! `500`: the handler (or its response body, before any of it was sent)
+//! panicked; the key was released, retrying is safe.
 //! ### response-failed
 //! `500`: the response body failed; the key was released.
 //! ### internal-error
@@ -179,6 +250,9 @@
     )
 )]
 
+mod body;
+mod config;
+mod encoding;
 mod key;
 mod layer;
 mod problem;
@@ -187,7 +261,10 @@ mod service;
 mod stored;
 
 pub use key::{IdempotencyKey, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};
-pub use layer::{DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE, IdempotencyLayer};
+pub use layer::{
+    DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE, DEFAULT_STREAM_CONTENT_TYPE,
+    IdempotencyLayer,
+};
 pub use problem::{PROBLEM_JSON, ProblemKind};
 pub use service::{IdempotencyService, ResponseFuture};
 

@@ -29,8 +29,16 @@ pub enum ProblemKind {
     MissingKey,
     /// `400`: the request body could not be read.
     UnreadableRequest,
+    /// `406`: the stored response has a content coding (from a compression
+    /// layer inside this one) that this request does not accept, and the
+    /// layer cannot decode it (only `gzip` and `deflate` are decoded).
+    EncodingNotAcceptable,
     /// `409`: a request with this key is being processed right now.
     KeyInUse,
+    /// `410`: the request with this key **was processed**, but its response
+    /// was not kept (over the size limit, or streamed), so it cannot be
+    /// replayed. Not retryable: the operation must not be sent again.
+    ResponseNotKept,
     /// `413`: the request body is over the layer's buffering limit.
     RequestTooLarge,
     /// `422`: the key was used before with a different request.
@@ -56,7 +64,9 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "invalid-key",
             ProblemKind::MissingKey => "missing-key",
             ProblemKind::UnreadableRequest => "unreadable-request",
+            ProblemKind::EncodingNotAcceptable => "encoding-not-acceptable",
             ProblemKind::KeyInUse => "key-in-use",
+            ProblemKind::ResponseNotKept => "response-not-kept",
             ProblemKind::RequestTooLarge => "request-too-large",
             ProblemKind::KeyReused => "key-reused",
             ProblemKind::HandlerPanicked => "handler-panicked",
@@ -76,7 +86,9 @@ impl ProblemKind {
             ProblemKind::InvalidKey | ProblemKind::MissingKey | ProblemKind::UnreadableRequest => {
                 StatusCode::BAD_REQUEST
             }
+            ProblemKind::EncodingNotAcceptable => StatusCode::NOT_ACCEPTABLE,
             ProblemKind::KeyInUse => StatusCode::CONFLICT,
+            ProblemKind::ResponseNotKept => StatusCode::GONE,
             ProblemKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::HandlerPanicked | ProblemKind::ResponseFailed | ProblemKind::Internal => {
@@ -96,7 +108,9 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "Invalid Idempotency-Key",
             ProblemKind::MissingKey => "Idempotency-Key required",
             ProblemKind::UnreadableRequest => "Unreadable request body",
+            ProblemKind::EncodingNotAcceptable => "Stored response encoding not acceptable",
             ProblemKind::KeyInUse => "Request in progress",
+            ProblemKind::ResponseNotKept => "Request processed, response not kept",
             ProblemKind::RequestTooLarge => "Request body too large",
             ProblemKind::KeyReused => "Idempotency-Key reused",
             ProblemKind::HandlerPanicked => "Internal error",
@@ -114,14 +128,20 @@ struct ProblemDoc<'a> {
     title: &'a str,
     status: u16,
     detail: &'a str,
+    /// Extension member of `response-not-kept`: the status the handler
+    /// answered when the request was processed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    processed_status: Option<u16>,
 }
 
-/// Builds a problem+json response. `retry_after` adds a `Retry-After` header.
+/// Builds a problem+json response. `retry_after` adds a `Retry-After`
+/// header; `processed_status` adds the `processed_status` member.
 pub(crate) fn problem_response(
     type_base: &str,
     kind: ProblemKind,
     detail: &str,
     retry_after: Option<Duration>,
+    processed_status: Option<u16>,
 ) -> Response<Body> {
     let status = kind.status();
     let doc = ProblemDoc {
@@ -129,6 +149,7 @@ pub(crate) fn problem_response(
         title: kind.title(),
         status: status.as_u16(),
         detail,
+        processed_status,
     };
     // Serializing this struct of strings and an integer cannot fail; keep a
     // fixed document as a fallback all the same.
@@ -154,10 +175,15 @@ pub(crate) fn problem_response(
     response
 }
 
-/// Whole seconds for `Retry-After`, rounded up (a sub-second hint is 1 s).
+/// Whole seconds for `Retry-After`, rounded up (a sub-second hint is 1 s),
+/// saturating: `Duration::MAX` is `u64::MAX` seconds, not an overflow.
 pub(crate) fn retry_after_secs(d: Duration) -> u64 {
     let secs = d.as_secs();
-    if d.subsec_nanos() > 0 { secs + 1 } else { secs }
+    if d.subsec_nanos() > 0 {
+        secs.saturating_add(1)
+    } else {
+        secs
+    }
 }
 
 #[cfg(test)]
@@ -173,12 +199,23 @@ mod tests {
     }
 
     #[test]
+    fn retry_after_saturates() {
+        assert_eq!(retry_after_secs(Duration::MAX), u64::MAX);
+        let r = problem_response("", ProblemKind::KeyInUse, "busy", Some(Duration::MAX), None);
+        assert_eq!(
+            r.headers()[header::RETRY_AFTER],
+            u64::MAX.to_string().as_str()
+        );
+    }
+
+    #[test]
     fn problem_has_rfc9457_members() {
         let r = problem_response(
             "https://errors.example.com/idempotency/",
             ProblemKind::KeyInUse,
             "busy",
             Some(Duration::from_secs(1)),
+            None,
         );
         assert_eq!(r.status(), StatusCode::CONFLICT);
         assert_eq!(r.headers()[header::CONTENT_TYPE], PROBLEM_JSON);

@@ -34,9 +34,35 @@ impl Blob {
     }
 }
 
-/// Current record format; a record of another version is refused (500)
-/// rather than misread.
+/// Record format of a kept response; a record of an unknown version is
+/// refused (500) rather than misread.
 pub(crate) const FORMAT_VERSION: u8 = 1;
+
+/// Record format of a "processed, response not kept" marker. A version of
+/// its own, so that a server that predates markers refuses them (500)
+/// instead of replaying them as an empty response.
+pub(crate) const MARKER_VERSION: u8 = 2;
+
+/// Why a processed request's response was not kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum NotKept {
+    /// Its body was over `max_response_body`.
+    TooLarge,
+    /// Its content type is streamed through unbuffered (`text/event-stream`).
+    Streamed,
+}
+
+impl NotKept {
+    pub(crate) fn explain(self) -> &'static str {
+        match self {
+            NotKept::TooLarge => "its body was over the size limit of stored responses",
+            NotKept::Streamed => {
+                "it was a stream (such as Server-Sent Events), which is never stored"
+            }
+        }
+    }
+}
 
 /// A completed response as kept in the store.
 #[derive(Debug, Serialize, Deserialize)]
@@ -49,6 +75,9 @@ pub(crate) struct StoredResponse {
     pub(crate) headers: Vec<(String, Blob)>,
     #[serde(rename = "b")]
     pub(crate) body: Blob,
+    /// Set on markers: the request was processed, its response not kept.
+    #[serde(rename = "nk", default, skip_serializing_if = "Option::is_none")]
+    pub(crate) not_kept: Option<NotKept>,
     /// The response as the handler produced it, for the request that ran the
     /// handler (it gets every header, `Set-Cookie` included). Never stored.
     #[serde(skip)]
@@ -63,16 +92,57 @@ pub(crate) struct Live {
 }
 
 impl StoredResponse {
+    /// A kept response, carrying the live one for the request that ran it.
+    #[cfg(test)]
     pub(crate) fn new(parts: Parts, body: Bytes, replay_set_cookie: bool) -> StoredResponse {
-        let headers = replayable_headers(&parts.headers, replay_set_cookie)
-            .map(|(name, value)| (name.as_str().to_owned(), Blob::from_bytes(value.as_bytes())))
-            .collect();
+        let mut stored = StoredHead::of(&parts, replay_set_cookie).with_body(&body);
+        stored.live = Some(Live { parts, body });
+        stored
+    }
+
+    /// A "processed, response not kept" marker for a response of `status`.
+    pub(crate) fn not_kept(status: u16, why: NotKept) -> StoredResponse {
+        StoredResponse {
+            version: MARKER_VERSION,
+            status,
+            headers: Vec::new(),
+            body: Blob::Text(String::new()),
+            not_kept: Some(why),
+            live: None,
+        }
+    }
+}
+
+/// What is stored of a response's head, taken before the head itself is sent
+/// on (streamed responses reach the client before their body is complete).
+#[derive(Debug)]
+pub(crate) struct StoredHead {
+    status: u16,
+    headers: Vec<(String, Blob)>,
+}
+
+impl StoredHead {
+    pub(crate) fn of(parts: &Parts, replay_set_cookie: bool) -> StoredHead {
+        StoredHead {
+            status: parts.status.as_u16(),
+            headers: replayable_headers(&parts.headers, replay_set_cookie)
+                .map(|(name, value)| (name.as_str().to_owned(), Blob::from_bytes(value.as_bytes())))
+                .collect(),
+        }
+    }
+
+    pub(crate) fn status(&self) -> u16 {
+        self.status
+    }
+
+    pub(crate) fn with_body(self, body: &[u8]) -> StoredResponse {
         StoredResponse {
             version: FORMAT_VERSION,
-            status: parts.status.as_u16(),
-            headers,
-            body: Blob::from_bytes(&body),
-            live: Some(Live { parts, body }),
+            status: self.status,
+            headers: self.headers,
+            body: Blob::from_bytes(body),
+            not_kept: None,
+            live: None,
         }
     }
 }
@@ -173,5 +243,15 @@ mod tests {
         let back: StoredResponse = serde_json::from_str(&json).unwrap();
         assert!(back.live.is_none());
         assert_eq!(back.status, 201);
+        assert_eq!(back.not_kept, None);
+    }
+
+    #[test]
+    fn markers_have_their_own_version() {
+        let json =
+            serde_json::to_string(&StoredResponse::not_kept(200, NotKept::TooLarge)).unwrap();
+        assert_eq!(json, r#"{"v":2,"s":200,"h":[],"b":"","nk":"too-large"}"#);
+        let back: StoredResponse = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.not_kept, Some(NotKept::TooLarge));
     }
 }

@@ -4,10 +4,11 @@
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
-use idem_core::{Idempotency, RedisStore, RedisStoreConfig};
+use idem_core::{Idempotency, Outcome, RedisStore, RedisStoreConfig};
 use idem_http::{IdempotencyKey, IdempotencyLayer};
 use idem_testkit::RedisServer;
 use std::sync::Arc;
@@ -27,6 +28,19 @@ struct Counters {
     /// Slow handlers whose future was dropped before finishing.
     cancelled: Arc<AtomicUsize>,
     panicked: Arc<AtomicBool>,
+    /// Streaming bodies dropped (the client went away, or they ended).
+    streams_dropped: Arc<AtomicUsize>,
+    /// Permits let `/gated` send the second half of its body.
+    gate: Gate,
+}
+
+#[derive(Clone)]
+struct Gate(Arc<tokio::sync::Semaphore>);
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
 }
 
 impl Counters {
@@ -120,6 +134,100 @@ async fn big_stream(State(c): State<Counters>) -> Response {
     Body::from_stream(futures_util::stream::iter(chunks)).into_response()
 }
 
+/// Server-Sent Events, one every 20 ms, forever.
+async fn sse(
+    State(c): State<Counters>,
+) -> Sse<impl futures_util::Stream<Item = Result<Event, std::convert::Infallible>>> {
+    let n = c.runs.fetch_add(1, SeqCst) + 1;
+    let guard = CancelGuard(Some(c.streams_dropped.clone()));
+    let events = futures_util::stream::unfold((0u64, guard), move |(i, guard)| async move {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let event = Event::default().data(format!("run {n} event {i}"));
+        Some((Ok(event), (i + 1, guard)))
+    });
+    Sse::new(events)
+}
+
+/// 64 KiB chunks of octets, forever, no Content-Length.
+async fn endless(State(c): State<Counters>) -> Response {
+    c.runs.fetch_add(1, SeqCst);
+    let guard = CancelGuard(Some(c.streams_dropped.clone()));
+    let chunks = futures_util::stream::unfold(guard, |guard| async move {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        Some((
+            Ok::<_, std::io::Error>(Bytes::from(vec![b'e'; 64 * 1024])),
+            guard,
+        ))
+    });
+    (
+        [("content-type", "application/octet-stream")],
+        Body::from_stream(chunks),
+    )
+        .into_response()
+}
+
+/// `part1;`, then, once the test adds a permit to the gate, `part2`.
+async fn gated(State(c): State<Counters>) -> Response {
+    let n = c.runs.fetch_add(1, SeqCst) + 1;
+    let gate = c.gate.0.clone();
+    let parts = futures_util::stream::unfold(0u8, move |i| {
+        let gate = gate.clone();
+        async move {
+            match i {
+                0 => Some((
+                    Ok::<_, std::io::Error>(Bytes::from(format!("run {n} part1;"))),
+                    1,
+                )),
+                1 => {
+                    gate.acquire().await.expect("gate open").forget();
+                    Some((Ok(Bytes::from_static(b"part2")), 2))
+                }
+                _ => None,
+            }
+        }
+    });
+    (StatusCode::CREATED, Body::from_stream(parts)).into_response()
+}
+
+/// A body whose stream panics on its first poll (after the handler returned).
+async fn panic_body(State(c): State<Counters>) -> Response {
+    c.runs.fetch_add(1, SeqCst);
+    let chunks = futures_util::stream::poll_fn(
+        |_| -> std::task::Poll<Option<Result<Bytes, std::io::Error>>> {
+            panic!("the response body panics (test)")
+        },
+    );
+    Body::from_stream(chunks).into_response()
+}
+
+/// 401 unless `Authorization: Bearer good`.
+async fn guarded(State(c): State<Counters>, headers: HeaderMap) -> Response {
+    let n = c.runs.fetch_add(1, SeqCst) + 1;
+    match headers.get("authorization").and_then(|v| v.to_str().ok()) {
+        Some("Bearer good") => (StatusCode::CREATED, format!("created by run {n}")).into_response(),
+        Some(_) => (StatusCode::FORBIDDEN, format!("forbidden run {n}")).into_response(),
+        None => (StatusCode::UNAUTHORIZED, format!("unauthorized run {n}")).into_response(),
+    }
+}
+
+/// A JSON document large enough for tower-http to compress it.
+async fn compressible(State(c): State<Counters>) -> Response {
+    let n = c.runs.fetch_add(1, SeqCst) + 1;
+    let doc = serde_json::json!({ "run": n, "padding": "abc".repeat(200) });
+    (StatusCode::CREATED, axum::Json(doc)).into_response()
+}
+
+/// Whether the layer handled the request (it puts the key in the extensions).
+async fn claimed(State(c): State<Counters>, request: axum::extract::Request) -> String {
+    c.runs.fetch_add(1, SeqCst);
+    format!(
+        "claimed={}",
+        request.extensions().get::<IdempotencyKey>().is_some()
+    )
+}
+
 async fn key_echo(State(c): State<Counters>, Extension(key): Extension<IdempotencyKey>) -> String {
     c.runs.fetch_add(1, SeqCst);
     format!("key={key}")
@@ -136,6 +244,16 @@ fn routes(c: &Counters) -> Router {
         .route("/big", post(big))
         .route("/big-stream", post(big_stream))
         .route("/key", post(key_echo))
+        .route("/sse", post(sse))
+        .route("/endless", post(endless))
+        .route("/gated", post(gated))
+        .route("/panic-body", post(panic_body))
+        .route("/guarded", post(guarded))
+        .route("/claimed", post(claimed))
+        .route(
+            "/compressed",
+            post(compressible).layer(tower_http::compression::CompressionLayer::new()),
+        )
         .with_state(c.clone())
 }
 
@@ -172,6 +290,28 @@ impl Harness {
 
     fn runs(&self) -> usize {
         self.counters.runs()
+    }
+
+    /// Whether `key` (of the tenant-less key space) is free, found without
+    /// running any handler: a direct call claims it, runs nothing of the
+    /// app's, and says whether it executed. Waits out a claim still being
+    /// released.
+    async fn key_is_free(&self, key: &str) -> bool {
+        let idem = idem_over(&self.redis).await;
+        let end = Instant::now() + Duration::from_secs(5);
+        loop {
+            let r = idem
+                .call(idem_http::DEFAULT_SCOPE, key)
+                .run_outcome(|| async { Ok::<_, idem_core::Error>(()) })
+                .await;
+            match r {
+                Err(idem_core::Error::InProgress { .. }) if Instant::now() < end => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok((_, outcome)) => return outcome == Outcome::Executed,
+                Err(_) => return false,
+            }
+        }
     }
 }
 
@@ -550,10 +690,42 @@ async fn a_panicking_handler_is_a_500_and_releases_the_key() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dropped_client_connection_releases_the_key() {
+async fn a_dropped_client_connection_does_not_cancel_the_handler() {
     let h = Harness::start(|l| l).await;
     let aborted = h
         .post("/slow", "drop-1")
+        .header("x-sleep-ms", "1000")
+        .timeout(Duration::from_millis(200))
+        .send()
+        .await;
+    assert!(aborted.is_err_and(|e| e.is_timeout()));
+
+    // The retry while the handler still runs is told to come back later...
+    let during = send(h.post("/slow", "drop-1")).await;
+    during.assert_problem(409, "key-in-use");
+    wait_until("the handler finishes", || h.counters.done.load(SeqCst) == 1).await;
+    assert_eq!(h.counters.cancelled.load(SeqCst), 0);
+
+    // ...and then gets the response of the run the client walked away from.
+    let end = Instant::now() + Duration::from_secs(5);
+    let retry = loop {
+        let a = send(h.post("/slow", "drop-1")).await;
+        if a.status != StatusCode::CONFLICT || Instant::now() > end {
+            break a;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(retry.replayed());
+    assert_eq!(&retry.body[..], b"slow run 1");
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_disconnect_cancels_the_handler_and_frees_the_key() {
+    let h = Harness::start(|l| l.cancel_on_disconnect(true)).await;
+    let aborted = h
+        .post("/slow", "drop-2")
         .header("x-sleep-ms", "5000")
         .timeout(Duration::from_millis(300))
         .send()
@@ -563,55 +735,340 @@ async fn a_dropped_client_connection_releases_the_key() {
         h.counters.cancelled.load(SeqCst) == 1
     })
     .await;
-
-    // The key is free at once (not after the 30 s lease): the handler runs again.
-    let end = Instant::now() + Duration::from_secs(2);
-    let retry = loop {
-        let a = send(h.post("/slow", "drop-1").header("x-sleep-ms", "10")).await;
-        if a.status != StatusCode::CONFLICT || Instant::now() > end {
-            break a;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(retry.status, StatusCode::OK);
-    assert!(!retry.replayed());
-    assert_eq!(&retry.body[..], b"slow run 2");
-    assert_eq!(h.runs(), 2);
-    assert_eq!(h.counters.done.load(SeqCst), 1);
+    assert!(h.key_is_free("drop-2").await, "the key is released at once");
+    assert_eq!(h.runs(), 1);
+    assert_eq!(h.counters.done.load(SeqCst), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_responses_pass_through_and_are_not_cached() {
     let h = Harness::start(|l| l).await;
-    for run in 1..=2u8 {
-        let a = send(h.post("/big", "big-1")).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert!(!a.replayed());
-        assert_eq!(a.body.len(), BIG);
-        assert_eq!(a.body[0], b'0' + run);
-    }
+    let a = send(h.post("/big", "big-1")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(!a.replayed());
+    assert_eq!(a.body.len(), BIG);
+    assert_eq!(a.body[0], b'1');
     // Over the limit only mid-stream: every byte still arrives, in order.
-    for _ in 0..2 {
-        let a = send(h.post("/big-stream", "big-2")).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert_eq!(a.body.len(), 1_800_000);
-        assert_eq!(
-            (a.body[0], a.body[600_000], a.body[1_799_999]),
-            (b'a', b'b', b'c')
-        );
+    let a = send(h.post("/big-stream", "big-2")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body.len(), 1_800_000);
+    assert_eq!(
+        (a.body[0], a.body[600_000], a.body[1_799_999]),
+        (b'a', b'b', b'c')
+    );
+    // Duplicates learn that the request was processed; nothing runs again.
+    for key in ["big-1", "big-2"] {
+        let path = if key == "big-1" {
+            "/big"
+        } else {
+            "/big-stream"
+        };
+        for _ in 0..2 {
+            let d = send(h.post(path, key)).await;
+            d.assert_problem(410, "response-not-kept");
+            assert_eq!(d.json()["processed_status"], 200);
+            assert!(
+                d.json()["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains("was processed")
+            );
+        }
     }
-    assert_eq!(h.runs(), 4);
+    assert_eq!(h.runs(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_limit_is_configurable() {
     let h = Harness::start(|l| l.max_response_body(16)).await;
-    for n in 1..=2 {
-        let a = send(h.post("/pay", "small-limit")).await;
-        assert_eq!(a.header("x-payment-id"), Some(n.to_string().as_str()));
-        assert!(!a.replayed());
+    let a = send(h.post("/pay", "small-limit")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(a.header("x-payment-id"), Some("1"));
+    let b = send(h.post("/pay", "small-limit")).await;
+    b.assert_problem(410, "response-not-kept");
+    assert_eq!(b.json()["processed_status"], 201);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_gets_a_typed_error_for_a_response_not_kept() {
+    let h = Harness::start(|l| l.max_response_body(16)).await;
+    let client = idem_client::Client::builder(&h.url)
+        .retry(
+            idem_client::RetryPolicy::default()
+                .max_retries(3)
+                .initial_backoff(Duration::from_millis(10)),
+        )
+        .build()
+        .unwrap();
+    let first = client
+        .post_with_key::<_, serde_json::Value>("/pay", "nk-1", &serde_json::json!({"a": 1}))
+        .await
+        .unwrap();
+    assert_eq!(first.value["payment"], 1);
+    let err = client
+        .post_with_key::<_, serde_json::Value>("/pay", "nk-1", &serde_json::json!({"a": 1}))
+        .await
+        .unwrap_err();
+    match &err {
+        idem_client::ClientError::ResponseNotKept {
+            processed_status,
+            attempts,
+            ..
+        } => {
+            assert_eq!(*processed_status, Some(StatusCode::CREATED));
+            assert_eq!(*attempts, 1, "never retried");
+        }
+        other => panic!("expected ResponseNotKept, got {other:?}"),
     }
+    assert!(err.to_string().contains("was processed"), "{err}");
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_response_within_the_limit_is_streamed_then_stored() {
+    let h = Harness::start(|l| l).await;
+    let mut first = h.post("/gated", "gated-1").send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // The first half arrives while the handler's body is still open.
+    let head = first.chunk().await.unwrap().unwrap();
+    assert_eq!(&head[..], b"run 1 part1;");
+    let during = send(h.post("/gated", "gated-1")).await;
+    during.assert_problem(409, "key-in-use");
+
+    h.counters.gate.0.add_permits(1);
+    let mut body = head.to_vec();
+    while let Some(chunk) = first.chunk().await.unwrap() {
+        body.extend_from_slice(&chunk);
+    }
+    assert_eq!(&body[..], b"run 1 part1;part2");
+    // Stored before the client saw the end of the body: no 409 now.
+    let again = send(h.post("/gated", "gated-1")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(&again.body[..], &body[..]);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_sent_events_stream_and_duplicates_get_not_kept() {
+    let h = Harness::start(|l| l).await;
+    let mut events = h.post("/sse", "sse-1").send().await.unwrap();
+    assert_eq!(events.status(), StatusCode::OK);
+    assert_eq!(events.headers()["content-type"], "text/event-stream");
+    let mut seen = String::new();
+    while !seen.contains("event 2") {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), events.chunk())
+            .await
+            .expect("events arrive while the stream is open")
+            .unwrap()
+            .unwrap();
+        seen.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(seen.starts_with("data: run 1 event 0"), "{seen}");
+    // The stream is still open, and the key does not answer 409 for it.
+    let dup = send(h.post("/sse", "sse-1")).await;
+    dup.assert_problem(410, "response-not-kept");
+    assert_eq!(dup.json()["processed_status"], 200);
+    drop(events);
+    wait_until("the endless stream is dropped with its client", || {
+        h.counters.streams_dropped.load(SeqCst) == 1
+    })
+    .await;
+    let dup = send(h.post("/sse", "sse-1")).await;
+    dup.assert_problem(410, "response-not-kept");
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_stream_is_marked_not_kept_once_past_the_limit() {
+    let h = Harness::start(|l| l.max_response_body(256 * 1024)).await;
+    let mut stream = h.post("/endless", "endless-1").send().await.unwrap();
+    assert_eq!(stream.status(), StatusCode::OK);
+    let first = stream.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let mut read = first.len();
+    while read <= 512 * 1024 {
+        read += stream.chunk().await.unwrap().unwrap().len();
+    }
+    // Past the limit the marker is stored while the stream goes on.
+    let end = Instant::now() + Duration::from_secs(5);
+    let dup = loop {
+        let d = send(h.post("/endless", "endless-1")).await;
+        if d.status != StatusCode::CONFLICT || Instant::now() > end {
+            break d;
+        }
+        read += stream.chunk().await.unwrap().unwrap().len();
+    };
+    dup.assert_problem(410, "response-not-kept");
+    read += stream.chunk().await.unwrap().unwrap().len();
+    assert!(read > 512 * 1024);
+    drop(stream);
+    wait_until("the endless stream is dropped with its client", || {
+        h.counters.streams_dropped.load(SeqCst) == 1
+    })
+    .await;
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_content_types_and_bypass_are_configurable() {
+    // Event streams kept like any response (and cut at the limit)...
+    let h = Harness::start(|l| {
+        l.stream_content_types(Vec::<String>::new())
+            .max_response_body(4096)
+            .bypass(|parts: &axum::http::request::Parts| parts.uri.path() == "/claimed")
+    })
+    .await;
+    let mut events = h.post("/sse", "sse-2").send().await.unwrap();
+    let chunk = events.chunk().await.unwrap().unwrap();
+    assert!(chunk.starts_with(b"data: run 1 event 0"));
+    let dup = send(h.post("/sse", "sse-2")).await;
+    dup.assert_problem(409, "key-in-use"); // buffered up to the limit, not yet past it
+    drop(events);
+    // ...and a bypassed route is never claimed.
+    let a = send(h.post("/claimed", "bypassed")).await;
+    assert_eq!(&a.body[..], b"claimed=false");
+    assert!(h.key_is_free("bypassed").await);
     assert_eq!(h.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_response_body_is_a_500_and_releases_the_key() {
+    let h = Harness::start(|l| l).await;
+    let a = send(h.post("/panic-body", "pb-1")).await;
+    a.assert_problem(500, "handler-panicked");
+    assert_eq!(h.runs(), 1);
+    assert!(h.key_is_free("pb-1").await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_response_is_replayed_decoded_to_a_client_without_gzip() {
+    let h = Harness::start(|l| l).await;
+    let gz = send(
+        h.post("/compressed", "gz-1")
+            .header("accept-encoding", "gzip"),
+    )
+    .await;
+    assert_eq!(gz.status, StatusCode::CREATED);
+    assert_eq!(gz.header("content-encoding"), Some("gzip"));
+    assert_eq!(&gz.body[..2], &[0x1f, 0x8b]);
+
+    let plain = send(h.post("/compressed", "gz-1")).await;
+    assert_eq!(plain.status, StatusCode::CREATED);
+    assert!(plain.replayed());
+    assert_eq!(plain.header("content-encoding"), None);
+    assert_eq!(plain.json()["run"], 1);
+    assert_eq!(
+        plain.header("content-length"),
+        Some(plain.body.len().to_string().as_str())
+    );
+
+    let identity = send(
+        h.post("/compressed", "gz-1")
+            .header("accept-encoding", "gzip;q=0, identity"),
+    )
+    .await;
+    assert_eq!(identity.body, plain.body);
+
+    let gz_again = send(
+        h.post("/compressed", "gz-1")
+            .header("accept-encoding", "gzip"),
+    )
+    .await;
+    assert!(gz_again.replayed());
+    assert_eq!(gz_again.header("content-encoding"), Some("gzip"));
+    assert_eq!(gz_again.body, gz.body);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_isolated_per_credential_by_default() {
+    let h = Harness::start(|l| l).await;
+    let as_ = |who: &str, key: &str, body: &'static str| {
+        h.post("/pay", key)
+            .header("authorization", format!("Bearer {who}"))
+            .body(body)
+    };
+    // B uses the key first, with its own body: A's request is not a 422.
+    let b_other = send(as_("b", "shared", r#"{"amount":1}"#)).await;
+    let a = send(as_("a", "shared", r#"{"amount":500}"#)).await;
+    assert_eq!(b_other.status, StatusCode::CREATED);
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert!(!a.replayed());
+    // A's key and body from B never replay A's response (and its Location-like headers).
+    let a2 = send(as_("a", "k2", r#"{"amount":7}"#)).await;
+    let b2 = send(as_("b", "k2", r#"{"amount":7}"#)).await;
+    assert!(!b2.replayed());
+    assert_ne!(b2.header("x-payment-id"), a2.header("x-payment-id"));
+    // Each principal's retries replay its own responses.
+    for (who, key, body, first) in [
+        ("a", "shared", r#"{"amount":500}"#, &a),
+        ("b", "shared", r#"{"amount":1}"#, &b_other),
+        ("a", "k2", r#"{"amount":7}"#, &a2),
+        ("b", "k2", r#"{"amount":7}"#, &b2),
+    ] {
+        let again = send(as_(who, key, body)).await;
+        assert!(again.replayed(), "{who} {key}");
+        assert_eq!(again.body, first.body, "{who} {key}");
+        assert_eq!(again.header("x-payment-id"), first.header("x-payment-id"));
+    }
+    assert_eq!(h.runs(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_keys_are_an_explicit_opt_in() {
+    let h = Harness::start(|l| l.shared_keys()).await;
+    let a = send(h.post("/pay", "s").header("authorization", "Bearer a")).await;
+    let b = send(h.post("/pay", "s").header("authorization", "Bearer b")).await;
+    assert!(b.replayed());
+    assert_eq!(b.body, a.body);
+    assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credential_refusals_are_never_stored() {
+    // One key space for all, so the fixed request meets the refused one's key.
+    let h = Harness::start(|l| l.shared_keys()).await;
+    let refused = send(h.post("/guarded", "g")).await;
+    assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    let forbidden = send(
+        h.post("/guarded", "g")
+            .header("authorization", "Bearer bad"),
+    )
+    .await;
+    assert_eq!(forbidden.status, StatusCode::FORBIDDEN);
+    assert!(!forbidden.replayed());
+    let ok = send(
+        h.post("/guarded", "g")
+            .header("authorization", "Bearer good"),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert!(!ok.replayed());
+    let again = send(
+        h.post("/guarded", "g")
+            .header("authorization", "Bearer good"),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, ok.body);
+    assert_eq!(h.runs(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_duration_max_saturates() {
+    let h = Harness::start(|l| l.retry_after(Duration::MAX)).await;
+    let first = tokio::spawn(send(h.post("/slow", "max").header("x-sleep-ms", "500")));
+    wait_until("the first request runs", || h.runs() == 1).await;
+    let dup = send(h.post("/slow", "max")).await;
+    dup.assert_problem(409, "key-in-use");
+    assert_eq!(
+        dup.header("retry-after"),
+        Some(u64::MAX.to_string().as_str())
+    );
+    first.await.expect("first request");
+    assert_eq!(h.runs(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
