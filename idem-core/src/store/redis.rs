@@ -9,13 +9,14 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, RedisError, RedisWrite, Script, ServerErrorKind, ToRedisArgs, Value};
 use std::io::Write;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-/// A script and its source: `EVALSHA` by hash on the common path, `EVAL`
-/// of the source when the server no longer has it.
+/// A script and its source: `EVALSHA` by hash, and the source to load on a
+/// node that no longer has it.
 struct Lua {
     script: Script,
     source: &'static str,
@@ -311,27 +312,36 @@ impl RedisStore {
         })
     }
 
-    /// Runs `lua` on `key` with the arguments `args` appends (`args` more of
-    /// them, `extra` bytes in all): `EVALSHA`, and when Redis no longer has
-    /// the script (`NOSCRIPT`: SCRIPT FLUSH, restart, fail-over), `EVAL` of
-    /// its source, which runs it and caches it again. `EVAL` goes to the
-    /// key's own node: a `SCRIPT LOAD` would go to every primary and fail
-    /// while any one of them is down, healthy slots included.
+    /// Sends `cmd` (from [`invocation`]: `lua` on `key`) and, when Redis no longer has
+    /// the script (`NOSCRIPT`: SCRIPT FLUSH, restart, fail-over), loads it on
+    /// the key's node and sends the same command once more.
     async fn eval(
         &self,
         op: &'static str,
         lua: &Lua,
         key: &str,
-        (args, extra): (usize, usize),
-        fill: impl Fn(&mut Cmd),
+        cmd: &Cmd,
     ) -> Result<Value, Error> {
-        let mut cmd = invocation("EVALSHA", lua.script.get_hash(), key, args, extra);
-        fill(&mut cmd);
-        let reply = match self.send(&cmd).await {
+        let reply = match self.send(cmd).await {
             Err(e) if is_noscript(&e) => {
-                let mut cmd = invocation("EVAL", lua.source, key, args, extra);
-                fill(&mut cmd);
-                self.send(&cmd).await
+                let loaded = match &self.conn {
+                    Conn::Single(c) => lua.script.load_async(&mut c.clone()).await.map(drop),
+                    // To the key's own primary only: redis-rs sends a plain
+                    // SCRIPT LOAD to every primary, which fails while any
+                    // one of them is down, healthy slots included.
+                    Conn::Cluster(c) => {
+                        let mut load = redis::cmd("SCRIPT");
+                        load.arg("LOAD").arg(lua.source);
+                        let node = Route::with_key(key, SlotAddr::Master);
+                        let routing =
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                        c.clone().route_command(load, routing).await.map(drop)
+                    }
+                };
+                match loaded {
+                    Ok(()) => self.send(cmd).await,
+                    Err(e) => Err(e),
+                }
             }
             other => other,
         };
@@ -353,13 +363,13 @@ impl RedisStore {
     }
 }
 
-/// `<head> <body> 1 <key>` (`EVALSHA <sha1>` or `EVAL <source>`), sized for
-/// `extra` more bytes in `args` more arguments: the command is written once,
-/// straight into the buffer the connection packs from (`ScriptInvocation`
-/// first copies every key and argument into a `Vec<Vec<u8>>` of its own).
-fn invocation(head: &str, body: &str, key: &str, args: usize, extra: usize) -> Cmd {
-    let mut cmd = Cmd::with_capacity(4 + args, head.len() + body.len() + 1 + key.len() + extra);
-    cmd.arg(head).arg(body).arg("1").arg(key);
+/// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
+/// arguments: the command is written once, straight into the buffer the
+/// connection packs from (`ScriptInvocation` first copies every key and
+/// argument into a `Vec<Vec<u8>>` of its own).
+fn invocation(hash: &str, key: &str, args: usize, extra: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(4 + args, 7 + hash.len() + 1 + key.len() + extra);
+    cmd.arg("EVALSHA").arg(hash).arg("1").arg(key);
     cmd
 }
 
@@ -555,17 +565,15 @@ impl Store for RedisStore {
             lease_end: ttl - millis(store_lease(claim.lease)),
         };
         let want = if claim.want_ttl_left { "1" } else { "0" };
-        let reply = self
-            .eval(
-                "claim",
-                &SCRIPTS.claim,
-                claim.key,
-                (3, 3 + 16 + 32 + 2 * MS_DIGITS + 3),
-                |cmd| {
-                    cmd.arg(&record).arg(ttl).arg(want);
-                },
-            )
-            .await;
+        let lua = &SCRIPTS.claim;
+        let mut cmd = invocation(
+            lua.script.get_hash(),
+            claim.key,
+            3,
+            3 + 16 + 32 + 2 * MS_DIGITS + 3,
+        );
+        cmd.arg(record).arg(ttl).arg(want);
+        let reply = self.eval("claim", lua, claim.key, &cmd).await;
         match reply {
             // A full Redis refuses the claim script before it runs (it may
             // write), but the record it would have found still answers
@@ -596,38 +604,24 @@ impl Store for RedisStore {
             fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
             value,
         };
-        let token = token.as_bytes().as_slice();
-        let reply = self
-            .eval(
-                "complete",
-                &SCRIPTS.complete,
-                key,
-                (2, 32 + 3 + 16 + value.len()),
-                |cmd| {
-                    cmd.arg(token).arg(&record);
-                },
-            )
-            .await?;
-        parse_write("complete", reply)
+        let lua = &SCRIPTS.complete;
+        let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + 3 + 16 + value.len());
+        cmd.arg(token.as_bytes().as_slice()).arg(record);
+        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        let token = token.as_bytes().as_slice();
-        let reply = self
-            .eval("release", &SCRIPTS.release, key, (1, 32), |cmd| {
-                cmd.arg(token);
-            })
-            .await?;
-        parse_write("release", reply)
+        let lua = &SCRIPTS.release;
+        let mut cmd = invocation(lua.script.get_hash(), key, 1, 32);
+        cmd.arg(token.as_bytes().as_slice());
+        parse_write("release", self.eval("release", lua, key, &cmd).await?)
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        let (token, ms) = (token.as_bytes().as_slice(), millis(store_lease(lease)));
-        let reply = self
-            .eval("extend", &SCRIPTS.extend, key, (2, 32 + MS_DIGITS), |cmd| {
-                cmd.arg(token).arg(ms);
-            })
-            .await?;
-        parse_write("extend", reply)
+        let lua = &SCRIPTS.extend;
+        let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + MS_DIGITS);
+        cmd.arg(token.as_bytes().as_slice())
+            .arg(millis(store_lease(lease)));
+        parse_write("extend", self.eval("extend", lua, key, &cmd).await?)
     }
 }
