@@ -374,7 +374,7 @@ async fn a_resent_complete_finds_its_own_result_stored() {
 /// the hung one and fails).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn noscript_is_recovered_on_healthy_nodes_while_one_hangs() {
-    let mut cluster = RedisCluster::start();
+    let cluster = RedisCluster::start();
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
     let cfg = RedisStoreConfig::default()
