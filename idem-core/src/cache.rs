@@ -13,8 +13,9 @@ struct Entry {
 
 /// Completed records by stored key, bounded by entry count (S3-FIFO
 /// eviction). In-flight records are never cached: only a `Completed` with a
-/// known remaining TTL gets in, and an entry is never served past that TTL,
-/// so a cached result never outlives the record it copies.
+/// known remaining TTL gets in, and an entry is never served past that TTL
+/// counted from the request that read it. A record deleted or lost in the
+/// store before its TTL is not seen: its copy replays until the TTL.
 #[derive(Clone)]
 pub(crate) struct ReplayCache {
     cache: std::sync::Arc<Cache<String, Entry>>,

@@ -309,8 +309,13 @@ impl IdempotencyBuilder {
     }
 
     /// Keeps up to `max_entries` completed results in this process, so a hot
-    /// key replays with no round trip (default off). Entries expire with
-    /// their record; in-flight records are never cached.
+    /// key replays with no round trip (default off). In-flight records are
+    /// never cached, and an entry is never served past its record's TTL
+    /// (counted from when the request that read it was sent). It does not
+    /// see what happens to the record in the store before then: a record
+    /// deleted by an operator, or lost with a Redis fail-over or restart,
+    /// keeps replaying from this cache until its TTL ends, in this process
+    /// only. Leave it off where records are evicted by hand.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).local_cache(10_000).build();
