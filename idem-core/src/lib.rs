@@ -26,6 +26,7 @@
 mod cache;
 mod call;
 mod codec;
+mod derive;
 mod error;
 mod fingerprint;
 mod idempotency;
@@ -36,6 +37,7 @@ mod store;
 mod token;
 
 pub use call::Call;
+pub use derive::{DeriveError, KeyDeriver};
 pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use idempotency::{FailMode, Idempotency, IdempotencyBuilder};
