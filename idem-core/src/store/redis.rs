@@ -297,7 +297,20 @@ impl RedisStore {
             };
             loaded.map_err(|e| classify("connect", e))?;
         }
-        Ok(())
+        // Fresh claims and replays need no script, so a user without
+        // EVALSHA would see bodies run and then fail to store: refuse at
+        // connect instead. With no key the script itself answers an error
+        // (argument check); only the ACL answers NOPERM.
+        let probe = redis::cmd("EVALSHA")
+            .arg(s.extend.script.get_hash())
+            .arg(0)
+            .to_owned();
+        match self.send(&probe).await {
+            Err(e) if matches!(e.kind(), redis::ErrorKind::Server(ServerErrorKind::NoPerm)) => {
+                Err(classify("connect", e))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Sends one command and turns a top-level error reply into an `Err`.
@@ -348,6 +361,66 @@ impl RedisStore {
         reply.map_err(|e| classify(op, e))
     }
 
+    /// The common paths of a claim as one plain command, no script:
+    /// `SET key pending NX PX ttl GET` creates a fresh record (nil) or hands
+    /// back the one there without writing. With `PTTL` pipelined in the same
+    /// round trip when the remaining TTL is wanted (the local cache).
+    async fn set_nx_get(
+        &self,
+        claim: &Claim<'_>,
+        record: &PendingRecord<'_>,
+        ttl: u64,
+    ) -> Result<(Option<Vec<u8>>, i64), Error> {
+        let mut set = Cmd::with_capacity(7, 3 + claim.key.len() + 3 + 16 + 32 + 2 * MS_DIGITS + 12);
+        set.arg("SET")
+            .arg(claim.key)
+            .arg(record)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl)
+            .arg("GET");
+        let (found, pttl) = if claim.want_ttl_left {
+            let mut pipe = redis::pipe();
+            pipe.add_command(set).cmd("PTTL").arg(claim.key);
+            let replies: redis::RedisResult<Vec<Value>> = match &self.conn {
+                Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+                Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+            };
+            let mut replies = replies.map_err(classify_claim)?.into_iter();
+            let found = server_error(Ok(replies.next().unwrap_or(Value::Nil)));
+            let pttl = as_int(replies.next().as_ref()).unwrap_or(-1);
+            (found, pttl)
+        } else {
+            (self.send(&set).await, -1)
+        };
+        match found.map_err(classify_claim)? {
+            Value::Nil => Ok((None, pttl)),
+            Value::BulkString(found) => Ok((Some(found), pttl)),
+            other => Err(protocol("claim", &other)),
+        }
+    }
+
+    /// The rare path of a claim, when a pending record is there: the claim
+    /// script, which answers InProgress, takes an expired lease over
+    /// (attempt + 1) or restarts our own re-sent claim, atomically.
+    async fn claim_contended(
+        &self,
+        claim: &Claim<'_>,
+        record: PendingRecord<'_>,
+        ttl: u64,
+    ) -> Result<ClaimReply, Error> {
+        let want = if claim.want_ttl_left { "1" } else { "0" };
+        let lua = &SCRIPTS.claim;
+        let mut cmd = invocation(
+            lua.script.get_hash(),
+            claim.key,
+            3,
+            3 + 16 + 32 + 2 * MS_DIGITS + 3,
+        );
+        cmd.arg(record).arg(ttl).arg(want);
+        parse_claim(self.eval("claim", lua, claim.key, &cmd).await?)
+    }
+
     /// The record of `key` and its `PTTL`, read with plain `GET` and `PTTL`
     /// (allowed when Redis is out of memory); `None` when there is none or
     /// Redis does not answer.
@@ -373,10 +446,11 @@ fn invocation(hash: &str, key: &str, args: usize, extra: usize) -> Cmd {
     cmd
 }
 
-/// What a claim refused for lack of memory still knows from the record it
-/// found: what the script would have answered without writing. `None` when
-/// only a write could answer (an expired lease to take over).
-fn answer_without_write(found: Record, claim: &Claim<'_>, ttl_left_ms: i64) -> Option<ClaimReply> {
+/// The claim's answer from a record it found, when no write is needed: a
+/// completed record (or a mismatch), and, for a claim refused for lack of
+/// memory, a live holder. `None` when only a write could answer (an
+/// expired lease to take over).
+fn answer_found(found: Record, claim: &Claim<'_>, ttl_left_ms: i64) -> Option<ClaimReply> {
     let given = claim.fingerprint;
     let mismatch =
         |stored: Option<Fingerprint>| matches!((given, stored), (Some(a), Some(b)) if *a != b);
@@ -468,6 +542,15 @@ fn bad_url(e: RedisError) -> Error {
     Error::InvalidConfig(format!(
         "the Redis URL cannot be used: {e}; expected redis://[user:password@]host:port/[db]"
     ))
+}
+
+/// A refused `SET`: another Redis type under the key is a corrupt record,
+/// as the scripts report it; the rest as any error.
+fn classify_claim(e: RedisError) -> Error {
+    if e.code() == Some("WRONGTYPE") {
+        return wrong_type();
+    }
+    classify("claim", e)
 }
 
 fn classify(op: &'static str, e: RedisError) -> Error {
@@ -564,30 +647,27 @@ impl Store for RedisStore {
             // difference of durations, so no clock is read on either side.
             lease_end: ttl - millis(store_lease(claim.lease)),
         };
-        let want = if claim.want_ttl_left { "1" } else { "0" };
-        let lua = &SCRIPTS.claim;
-        let mut cmd = invocation(
-            lua.script.get_hash(),
-            claim.key,
-            3,
-            3 + 16 + 32 + 2 * MS_DIGITS + 3,
-        );
-        cmd.arg(record).arg(ttl).arg(want);
-        let reply = self.eval("claim", lua, claim.key, &cmd).await;
-        match reply {
-            // A full Redis refuses the claim script before it runs (it may
-            // write), but the record it would have found still answers
-            // every case that needs no write: a completed record replays, a
-            // live holder is InProgress (not "unavailable": with
-            // FailMode::Open that would run the body beside it). Only an
-            // absent record or an expired lease, which need a write, keep
-            // the OOM error for the fail mode to decide.
+        match self.set_nx_get(&claim, &record, ttl).await {
+            Ok((None, _)) => Ok(ClaimReply::Acquired { attempt: 1 }),
+            Ok((Some(found), pttl)) => match record::decode(found, pttl)? {
+                // Someone holds it, or held it and stopped (a takeover), or
+                // it is our own claim re-sent: the script decides atomically.
+                Record::Pending(_) => self.claim_contended(&claim, record, ttl).await,
+                completed => answer_found(completed, &claim, pttl)
+                    .ok_or_else(|| protocol("claim", &Value::Nil)),
+            },
+            // A full Redis refuses the write before it runs, but the record
+            // there still answers every case that needs no write: a
+            // completed record replays, a live holder is InProgress (not
+            // "unavailable": with FailMode::Open that would run the body
+            // beside it). Only an absent record or an expired lease, which
+            // need a write, keep the OOM error for the fail mode to decide.
             Err(e) if is_oom(&e) => match self.read_record(claim.key).await {
-                Some((Ok(found), pttl)) => answer_without_write(found, &claim, pttl).ok_or(e),
+                Some((Ok(found), pttl)) => answer_found(found, &claim, pttl).ok_or(e),
                 Some((Err(corrupt), _)) => Err(corrupt),
                 None => Err(e),
             },
-            reply => parse_claim(reply?),
+            Err(e) => Err(e),
         }
     }
 
