@@ -11,9 +11,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::GiveUpReason;
+use crate::key::header_value;
 use crate::problem::is_problem_json;
 use crate::retry::{is_retryable_status, retry_after};
-use crate::{ClientError, Problem, RetryPolicy, new_key, validate_key};
+use crate::{ClientError, Problem, RetryPolicy, new_key};
 
 /// Name of the request header carrying the idempotency key.
 ///
@@ -628,17 +629,9 @@ impl RequestBuilder {
         if let Some(reason) = error {
             return Err(ClientError::Build { reason });
         }
-        let key = match key {
-            Some(key) => {
-                validate_key(&key)?;
-                key
-            }
-            None => new_key(),
-        };
-        let key_value = HeaderValue::from_str(&key).map_err(|e| ClientError::InvalidKey {
-            key: key.clone(),
-            reason: e.to_string(),
-        })?;
+        let key = key.unwrap_or_else(new_key);
+        // The header form the server reads back as exactly this key.
+        let key_value = header_value(&key)?;
         let body = match body {
             None => None,
             Some(Ok(bytes)) => Some(bytes),

@@ -2,8 +2,9 @@
 
 use crate::ClientError;
 
-/// Longest key accepted, in bytes.
-pub const MAX_KEY_LEN: usize = 255;
+/// Longest key accepted, in bytes: the grammar's, from `idem-key`, which
+/// idem's server (`idem-http`) shares.
+pub use idem_key::MAX_KEY_LEN;
 
 /// A fresh key for a new logical operation: a random (version 4) UUID in its
 /// hyphenated lowercase form.
@@ -20,43 +21,40 @@ pub fn new_key() -> String {
 
 /// Checks a caller-supplied idempotency key.
 ///
-/// A key is 1 to 255 bytes of visible ASCII (`0x20..=0x7E`, so spaces are
-/// allowed), and not made only of spaces. The error is
-/// [`ClientError::InvalidKey`], which the client returns before sending
-/// anything.
+/// A key is 1 to 255 bytes of printable ASCII (`0x20..=0x7E`, so spaces are
+/// allowed), and not made only of spaces: the grammar of `idem-key`, which
+/// idem's server (`idem-http`) parses with, so a key this accepts is never
+/// refused there. The error is [`ClientError::InvalidKey`], which the
+/// client returns before sending anything.
+///
+/// A key that is not a bare token (it has a space, or starts with `"`) is
+/// sent as a quoted Structured Field String (`"a b"`); the server reads both
+/// forms as the same key.
 ///
 /// ```
 /// use idem_client::{validate_key, ClientError};
 ///
 /// assert!(validate_key("order-42:charge").is_ok());
+/// assert!(validate_key(" spaced key ").is_ok());
 /// assert!(matches!(validate_key(""), Err(ClientError::InvalidKey { .. })));
 /// assert!(validate_key("tab\there").is_err());
 /// assert!(validate_key(&"k".repeat(256)).is_err());
 /// assert!(validate_key("   ").is_err());
 /// ```
 pub fn validate_key(key: &str) -> Result<(), ClientError> {
+    header_value(key).map(drop)
+}
+
+/// The `Idempotency-Key` header value carrying `key` (bare, or quoted when
+/// it must be), or why the key is refused.
+pub(crate) fn header_value(key: &str) -> Result<http::HeaderValue, ClientError> {
     let invalid = |reason: String| ClientError::InvalidKey {
         key: key.to_owned(),
         reason,
     };
-    if key.is_empty() {
-        return Err(invalid("it is empty".to_owned()));
-    }
-    if key.len() > MAX_KEY_LEN {
-        return Err(invalid(format!(
-            "it is {} bytes long and the limit is {MAX_KEY_LEN}",
-            key.len()
-        )));
-    }
-    if let Some(pos) = key.bytes().position(|b| !(0x20..=0x7E).contains(&b)) {
-        return Err(invalid(format!(
-            "byte {pos} is a control or non-ASCII character"
-        )));
-    }
-    if key.bytes().all(|b| b == b' ') {
-        return Err(invalid("it is only spaces".to_owned()));
-    }
-    Ok(())
+    let encoded = idem_key::encode(key).map_err(|e| invalid(e.to_string()))?;
+    // Printable ASCII only, so a valid header value.
+    http::HeaderValue::from_str(&encoded).map_err(|e| invalid(e.to_string()))
 }
 
 #[cfg(test)]
@@ -69,15 +67,23 @@ mod tests {
         assert!(validate_key(&"x".repeat(255)).is_ok());
         assert!(validate_key(" a ").is_ok());
         assert!(validate_key("~!").is_ok());
+        assert!(validate_key("\"quoted\"").is_ok());
+    }
+
+    #[test]
+    fn keys_are_sent_bare_or_quoted() {
+        assert_eq!(header_value("abc").unwrap(), "abc");
+        assert_eq!(header_value(" a b ").unwrap(), "\" a b \"");
+        assert_eq!(header_value("\"x").unwrap(), "\"\\\"x\"");
     }
 
     #[test]
     fn rejects_bad_keys_with_reasons() {
         for (key, needle) in [
             ("", "empty"),
-            ("\u{7f}", "control"),
-            ("caf\u{e9}", "non-ASCII"),
-            ("a\nb", "byte 1"),
+            ("\u{7f}", "0x7f at offset 0"),
+            ("caf\u{e9}", "not printable ASCII"),
+            ("a\nb", "offset 1"),
             ("  ", "only spaces"),
         ] {
             match validate_key(key) {

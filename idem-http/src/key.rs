@@ -3,8 +3,9 @@
 use http::{HeaderMap, HeaderValue};
 use std::fmt;
 
-/// Longest accepted key, in bytes (after unquoting).
-pub const MAX_KEY_LEN: usize = 255;
+/// Longest accepted key, in bytes (after unquoting); the grammar's, from
+/// `idem-key`, which `idem-client` shares.
+pub use idem_key::MAX_KEY_LEN;
 
 /// Why an `Idempotency-Key` header was refused (answered with `400`).
 ///
@@ -21,6 +22,9 @@ pub enum KeyHeaderError {
         "the Idempotency-Key header is empty; send 1 to {MAX_KEY_LEN} printable ASCII characters, e.g. a UUID"
     )]
     Empty,
+    /// The key is only spaces (almost certainly one never filled in).
+    #[error("the Idempotency-Key is only spaces; send a unique value per operation, e.g. a UUID")]
+    OnlySpaces,
     /// The key is longer than [`MAX_KEY_LEN`] bytes.
     #[error("the Idempotency-Key is {len} bytes, over the {MAX_KEY_LEN}-byte limit")]
     TooLong {
@@ -99,17 +103,38 @@ impl fmt::Display for IdempotencyKey {
     }
 }
 
+impl From<idem_key::KeyError> for KeyHeaderError {
+    fn from(e: idem_key::KeyError) -> Self {
+        use idem_key::KeyError as K;
+        match e {
+            K::Empty => KeyHeaderError::Empty,
+            K::OnlySpaces => KeyHeaderError::OnlySpaces,
+            K::TooLong { len } => KeyHeaderError::TooLong { len },
+            K::NotPrintable { byte, at } => KeyHeaderError::NotPrintable { byte, at },
+            K::SpaceInToken => KeyHeaderError::SpaceInToken,
+            K::BadEscape { at } => KeyHeaderError::BadEscape { at },
+            K::Unterminated => KeyHeaderError::Unterminated,
+            K::TrailingCharacters => KeyHeaderError::TrailingCharacters,
+            // The grammar's enum is non-exhaustive; a refusal it adds later
+            // is still a malformed header.
+            _ => KeyHeaderError::Empty,
+        }
+    }
+}
+
 /// Parses one `Idempotency-Key` header value into the key it carries.
 ///
-/// Two forms are accepted and mean the same key:
+/// The grammar is `idem-key`'s, shared with `idem-client`, which never
+/// sends a key this refuses. Two forms are accepted and mean the same key:
 ///
 /// * a bare token: 1–255 visible ASCII characters (`0x21..=0x7E`), not
 ///   starting with `"` — for example a UUID;
-/// * a structured-field string (RFC 8941): `"..."` holding printable ASCII
+/// * a Structured Field String (RFC 9651): `"..."` holding printable ASCII
 ///   (`0x20..=0x7E`), with `\"` and `\\` as the only escapes.
 ///
 /// Surrounding spaces and tabs are ignored. Anything else (invalid UTF-8,
-/// control characters, an empty or over-long key) is an error.
+/// control characters, parameters, an empty, all-spaces or over-long key)
+/// is an error.
 ///
 /// ```
 /// use idem_http::parse_idempotency_key;
@@ -120,74 +145,7 @@ impl fmt::Display for IdempotencyKey {
 /// assert!(parse_idempotency_key(&HeaderValue::from_static("")).is_err());
 /// ```
 pub fn parse_idempotency_key(value: &HeaderValue) -> Result<String, KeyHeaderError> {
-    let raw = value.as_bytes();
-    let start = raw
-        .iter()
-        .position(|b| !matches!(b, b' ' | b'\t'))
-        .unwrap_or(raw.len());
-    let end = raw
-        .iter()
-        .rposition(|b| !matches!(b, b' ' | b'\t'))
-        .map_or(start, |i| i + 1);
-    let trimmed = raw.get(start..end).unwrap_or_default();
-    if let Some((at, &byte)) = trimmed
-        .iter()
-        .enumerate()
-        .find(|(_, b)| !(0x20..=0x7e).contains(*b))
-    {
-        return Err(KeyHeaderError::NotPrintable {
-            byte,
-            at: at + start,
-        });
-    }
-    let key = match trimmed.first() {
-        None => return Err(KeyHeaderError::Empty),
-        Some(b'"') => unquote(trimmed, start)?,
-        Some(_) => {
-            if trimmed.contains(&b' ') {
-                return Err(KeyHeaderError::SpaceInToken);
-            }
-            // All bytes are ASCII, checked above.
-            trimmed.iter().map(|&b| char::from(b)).collect()
-        }
-    };
-    if key.is_empty() {
-        return Err(KeyHeaderError::Empty);
-    }
-    if key.len() > MAX_KEY_LEN {
-        return Err(KeyHeaderError::TooLong { len: key.len() });
-    }
-    Ok(key)
-}
-
-/// Unquotes a structured-field string; `s` starts with `"` and is printable ASCII.
-fn unquote(s: &[u8], offset: usize) -> Result<String, KeyHeaderError> {
-    let mut out = String::with_capacity(s.len());
-    let mut i = 1;
-    while let Some(&b) = s.get(i) {
-        match b {
-            b'\\' => match s.get(i + 1) {
-                Some(&e @ (b'"' | b'\\')) => {
-                    out.push(char::from(e));
-                    i += 2;
-                }
-                Some(_) => return Err(KeyHeaderError::BadEscape { at: offset + i }),
-                None => return Err(KeyHeaderError::Unterminated),
-            },
-            b'"' => {
-                return if i + 1 == s.len() {
-                    Ok(out)
-                } else {
-                    Err(KeyHeaderError::TrailingCharacters)
-                };
-            }
-            b => {
-                out.push(char::from(b));
-                i += 1;
-            }
-        }
-    }
-    Err(KeyHeaderError::Unterminated)
+    idem_key::decode(value.as_bytes()).map_err(KeyHeaderError::from)
 }
 
 /// The key of a request: `Ok(None)` when the header is absent.
@@ -229,6 +187,7 @@ mod tests {
     fn refusals() {
         assert_eq!(parse(b""), Err(KeyHeaderError::Empty));
         assert_eq!(parse(b"\"\""), Err(KeyHeaderError::Empty));
+        assert_eq!(parse(b"\"  \""), Err(KeyHeaderError::OnlySpaces));
         assert_eq!(parse(b"a b"), Err(KeyHeaderError::SpaceInToken));
         assert_eq!(parse(b"\"abc"), Err(KeyHeaderError::Unterminated));
         assert_eq!(parse(b"\"abc\\"), Err(KeyHeaderError::Unterminated));

@@ -228,6 +228,14 @@ async fn claimed(State(c): State<Counters>, request: axum::extract::Request) -> 
     )
 }
 
+async fn key_json(
+    State(c): State<Counters>,
+    Extension(key): Extension<IdempotencyKey>,
+) -> axum::Json<serde_json::Value> {
+    c.runs.fetch_add(1, SeqCst);
+    axum::Json(serde_json::json!({ "key": key.as_str() }))
+}
+
 async fn key_echo(State(c): State<Counters>, Extension(key): Extension<IdempotencyKey>) -> String {
     c.runs.fetch_add(1, SeqCst);
     format!("key={key}")
@@ -244,6 +252,7 @@ fn routes(c: &Counters) -> Router {
         .route("/big", post(big))
         .route("/big-stream", post(big_stream))
         .route("/key", post(key_echo))
+        .route("/key-json", post(key_json))
         .route("/sse", post(sse))
         .route("/endless", post(endless))
         .route("/gated", post(gated))
@@ -1337,4 +1346,88 @@ async fn with_wait_a_duplicate_gets_the_replay_instead_of_409() {
     assert!(!first.replayed());
     assert_eq!(dup.body, first.body);
     assert_eq!(h.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_never_sends_a_key_the_server_refuses() {
+    let h = Harness::start(|l| l).await;
+    let client = idem_client::Client::builder(&h.url)
+        .retry(idem_client::RetryPolicy::no_retries())
+        .build()
+        .unwrap();
+    let mut keys: Vec<String> = [
+        "a",
+        "a b",
+        " a ",
+        " a",
+        "a ",
+        "\"",
+        "\"abc",
+        "abc\"",
+        "a\"b",
+        "a\\b",
+        "\\",
+        "\"\"",
+        "~!#$%&'()*+,-./:;<=>?@[]^_`{|}",
+        "a;b=1",
+        "",
+        " ",
+        "   ",
+        "\t",
+        "a\tb",
+        "a\nb",
+        "\u{7f}",
+        "caf\u{e9}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    keys.push("k".repeat(255));
+    keys.push("k".repeat(256));
+    keys.push(" ".repeat(254) + "x");
+    for b in 0x20u8..=0x7e {
+        keys.push(format!("x{}y", char::from(b)));
+    }
+    let mut sent = 0;
+    for key in &keys {
+        let answer = client
+            .post_with_key::<_, serde_json::Value>("/key-json", key, &serde_json::json!({}))
+            .await;
+        match answer {
+            Ok(r) => {
+                sent += 1;
+                assert_eq!(r.value["key"], key.as_str(), "the server read {key:?} back");
+            }
+            Err(idem_client::ClientError::InvalidKey { .. }) => {
+                // Refused by the client: the server refuses every form of it as well.
+                for form in [
+                    key.clone(),
+                    format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\"")),
+                ] {
+                    let Ok(value) = HeaderValue::from_str(&form) else {
+                        continue; // not even a header value
+                    };
+                    let a = send(
+                        h.http
+                            .post(format!("{}/key-json", h.url))
+                            .header("idempotency-key", value)
+                            .body("{}"),
+                    )
+                    .await;
+                    if a.status.is_success() {
+                        assert_ne!(
+                            a.json()["key"],
+                            key.as_str(),
+                            "{form:?} accepted as {key:?}"
+                        );
+                    } else {
+                        a.assert_problem(400, "invalid-key");
+                    }
+                }
+            }
+            Err(e) => panic!("{key:?}: {e}"),
+        }
+    }
+    assert_eq!(h.runs(), sent);
+    assert!(sent > 90, "{sent}");
 }
