@@ -96,7 +96,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("3. in flight: first -> {:?}", a.map(|r| r.charge_no));
     match b {
         Err(PaymentError::Idem(Error::InProgress { retry_after })) => {
-            println!("   in flight: second -> InProgress, retry after {retry_after:?}")
+            // Rounded as people read durations: "29.9 s", not "29.948439359s".
+            println!(
+                "   in flight: second -> InProgress, retry after {:.1} s",
+                retry_after.as_secs_f64()
+            )
         }
         other => println!("   in flight: second -> {other:?}"),
     }
