@@ -79,6 +79,32 @@ pub enum Error {
         limit: usize,
     },
 
+    /// The body ran inside a store transaction (PostgreSQL `run_in_tx`) and
+    /// its lease on the key was lost before the result could be stored
+    /// (taken over after the lease ran out, or the record expired): the
+    /// transaction was rolled back, so nothing the body wrote was committed.
+    #[error(
+        "the lease on this idempotency key ran out before the result was stored, so the \
+         transaction was rolled back and nothing the body wrote was committed; retry with the \
+         same key (it replays the new holder's result or runs again), and keep bodies shorter \
+         than the lease or raise it with `.lease(..)`"
+    )]
+    LeaseLost,
+
+    /// A store transaction conflicted with another one (PostgreSQL SQLSTATE
+    /// `40001` serialization failure or `40P01` deadlock) and was rolled
+    /// back: nothing was committed and the key was released.
+    #[error(
+        "the transaction conflicted with a concurrent one (SQLSTATE {code}: {reason}) and was \
+         rolled back; nothing was committed and the key was released — retry the call with the same key"
+    )]
+    Conflict {
+        /// The SQLSTATE, `40001` or `40P01`.
+        code: String,
+        /// What the database said.
+        reason: String,
+    },
+
     /// `#[idempotent]` without `using` found no installed default.
     #[error(
         "no default Idempotency is installed; call `idem.install()` at startup \
@@ -93,13 +119,19 @@ pub enum Error {
 
 impl Error {
     /// True for errors where trying the same call again later can succeed
-    /// (`InProgress`, `Unavailable`).
+    /// (`InProgress`, `Unavailable`, `LeaseLost`, `Conflict`).
     ///
     /// ```
     /// assert!(!idem_core::Error::FingerprintMismatch.is_retryable());
     /// ```
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::InProgress { .. } | Error::Unavailable { .. })
+        matches!(
+            self,
+            Error::InProgress { .. }
+                | Error::Unavailable { .. }
+                | Error::LeaseLost
+                | Error::Conflict { .. }
+        )
     }
 
     pub(crate) fn unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
