@@ -2,6 +2,13 @@
 
 use crate::ClientError;
 
+/// Name of the request header carrying the idempotency key.
+///
+/// ```
+/// assert_eq!(idem_client::IDEMPOTENCY_KEY, "idempotency-key");
+/// ```
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
 /// Longest key accepted, in bytes: the grammar's, from `idem-key`, which
 /// idem's server (`idem-http`) shares.
 pub use idem_key::MAX_KEY_LEN;

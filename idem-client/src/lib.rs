@@ -108,15 +108,17 @@
 mod client;
 mod error;
 mod key;
+mod operation;
 mod problem;
+mod request;
 mod retry;
 
-pub use client::{
-    Client, ClientBuilder, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RequestBuilder, Response,
-};
+pub use client::{Client, ClientBuilder};
 pub use error::{ClientError, GiveUpReason};
-pub use key::{MAX_KEY_LEN, new_key, validate_key};
+pub use key::{IDEMPOTENCY_KEY, MAX_KEY_LEN, new_key, validate_key};
+pub use operation::{IDEMPOTENT_REPLAYED, Response};
 pub use problem::Problem;
+pub use request::RequestBuilder;
 pub use retry::RetryPolicy;
 
 /// Re-exported so callers can name methods and statuses without adding
