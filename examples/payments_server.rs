@@ -6,7 +6,10 @@
 //! * `IdempotencyLayer` in front of the routes: a `POST /payments` must carry
 //!   an `Idempotency-Key`; a retry with the same key gets the first response
 //!   again (`Idempotent-Replayed: true`), a duplicate still in flight gets
-//!   `409` + `Retry-After`, a key reused with another body gets `422`.
+//!   `409` + `Retry-After`, a key reused with another body gets `422`. Each
+//!   `Authorization` value has its own key space, and a client that
+//!   disconnects (a timeout) does not stop a charge half-way: it completes
+//!   and the retry gets its receipt.
 //! * `#[idempotent]` on the service function that talks to the card
 //!   processor, keyed by the order id: even two requests with *different*
 //!   idempotency keys for the same order charge it once.
