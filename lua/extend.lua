@@ -1,34 +1,13 @@
-#!lua flags=allow-oom
--- idem extend: restart our lease (it now ends `lease` ms from now, server
--- time), only if we still own the record. allow-oom: keeping a running
--- body's lease must not fail because Redis is full. Codes: lua/README.md.
+-- idem extend (flags: allow-oom): restart our lease (it now ends `lease` ms
+-- from now, server time), only if we still own the record. allow-oom:
+-- keeping a running body's lease must not fail because Redis is full.
 local key, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if #KEYS ~= 1 or #ARGV ~= 2 or #token ~= 32 or not lease or lease < 1 or lease % 1 ~= 0 then
   return redis.error_reply('ERR idem extend: expected 1 key, a token (32 bytes) and lease ms >= 1')
 end
-local rec = redis.pcall('GET', key)
-if type(rec) == 'table' then
-  if string.find(rec.err or '', 'WRONGTYPE', 1, true) then
-    return 7
-  end
-  return rec
-end
+local rec, n, _, attempt = owned(key, token)
 if not rec then
-  return 0
-end
-local fplen = string.byte(rec, 3)
-if string.sub(rec, 1, 1) ~= '1' or not fplen or fplen > 32 then
-  return 6
-end
-if string.sub(rec, 2, 2) ~= 'P' then
-  return 3
-end
-if string.sub(rec, 4 + fplen, 35 + fplen) ~= token then
-  return 2
-end
-local attempt = string.match(rec, ':(%d+)$', 36 + fplen)
-if not attempt then
-  return 6
+  return n
 end
 -- The lease ends when the key's remaining TTL falls to lease_end. Keep at
 -- least one more lease of record after that, so an expired lease is still
@@ -38,6 +17,6 @@ if pttl < 2 * lease then
   pttl = 2 * lease
   redis.call('PEXPIRE', key, pttl)
 end
-redis.call('SET', key, string.sub(rec, 1, 35 + fplen)
+redis.call('SET', key, string.sub(rec, 1, 35 + n)
   .. string.format('%d:%s', pttl - lease, attempt), 'KEEPTTL')
-return 1
+return DONE

@@ -173,7 +173,12 @@ async fn a_body_blocking_past_its_lease_reports_the_lease_lost() {
 async fn claim_refuses_malformed_pending_records_and_writes_nothing() {
     let server = RedisServer::start();
     let mut con = server.connection();
-    let script = redis::Script::new(include_str!("../lua/claim.lua"));
+    // Assembled as idem-core assembles it: the shared prelude, then the body.
+    let script = redis::Script::new(concat!(
+        "#!lua\n",
+        include_str!("../lua/prelude.lua"),
+        include_str!("../lua/claim.lua")
+    ));
     let token = "0123456789abcdef0123456789abcdef";
     let cases: [(&str, String); 6] = [
         ("non-numeric lease end", format!("1P\x00{token}abc:1")),
@@ -195,14 +200,14 @@ async fn claim_refuses_malformed_pending_records_and_writes_nothing() {
         assert_eq!(server.cli(&["EXISTS", "idem:bad"]), "0", "{case}: written");
     }
     // The well-formed record is accepted.
-    let ok: i64 = script
+    let ok: (i64, i64) = script
         .key("idem:bad")
         .arg(format!("1P\x00{token}5000:1").as_bytes())
         .arg(60_000)
         .arg("0")
         .invoke(&mut con)
         .expect("a valid record");
-    assert_eq!(ok, 1);
+    assert_eq!(ok, (1, 1), "acquired, attempt 1");
 }
 
 /// With `lease == ttl` the record used to expire with the lease, so a dead

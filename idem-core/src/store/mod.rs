@@ -8,7 +8,6 @@
 //! encoding; [`MemoryStore`] keeps the same machine in process memory.
 
 mod memory;
-mod record;
 mod redis;
 
 pub use self::memory::MemoryStore;

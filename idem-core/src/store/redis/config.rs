@@ -1,0 +1,93 @@
+//! `RedisStoreConfig`: timeouts and reconnection.
+
+use std::time::Duration;
+
+/// Timeouts and reconnection for [`RedisStore`].
+///
+/// ```
+/// use idem_core::RedisStoreConfig;
+/// use std::time::Duration;
+/// let cfg = RedisStoreConfig::default().response_timeout(Duration::from_millis(250));
+/// assert_eq!(cfg.get_response_timeout(), Duration::from_millis(250));
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisStoreConfig {
+    pub(super) connection_timeout: Duration,
+    pub(super) response_timeout: Duration,
+    pub(super) reconnect_retries: usize,
+}
+
+impl Default for RedisStoreConfig {
+    fn default() -> Self {
+        RedisStoreConfig {
+            connection_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+            reconnect_retries: 1,
+        }
+    }
+}
+
+impl RedisStoreConfig {
+    /// How long to wait for a TCP connection (default 1 s).
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().connection_timeout(std::time::Duration::from_secs(2));
+    /// assert_eq!(c.get_connection_timeout().as_secs(), 2);
+    /// ```
+    pub fn connection_timeout(mut self, d: Duration) -> Self {
+        self.connection_timeout = d;
+        self
+    }
+
+    /// How long to wait for one reply (default 1 s). A timed-out claim may
+    /// still have landed; idem re-sends it with the same owner token, which
+    /// the script answers as the same claim.
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
+    /// assert_eq!(c.get_response_timeout().as_millis(), 300);
+    /// ```
+    pub fn response_timeout(mut self, d: Duration) -> Self {
+        self.response_timeout = d;
+        self
+    }
+
+    /// How many reconnection attempts follow a dropped connection before a
+    /// request fails (default 1; idem re-sends claims itself).
+    ///
+    /// ```
+    /// let c = idem_core::RedisStoreConfig::default().reconnect_retries(5);
+    /// assert_eq!(c.get_reconnect_retries(), 5);
+    /// ```
+    pub fn reconnect_retries(mut self, n: usize) -> Self {
+        self.reconnect_retries = n;
+        self
+    }
+
+    /// The connection timeout.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_connection_timeout().as_secs(), 1);
+    /// ```
+    pub fn get_connection_timeout(&self) -> Duration {
+        self.connection_timeout
+    }
+
+    /// The response timeout.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_response_timeout().as_secs(), 1);
+    /// ```
+    pub fn get_response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+
+    /// The reconnection attempts.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::RedisStoreConfig::default().get_reconnect_retries(), 1);
+    /// ```
+    pub fn get_reconnect_retries(&self) -> usize {
+        self.reconnect_retries
+    }
+}

@@ -1,0 +1,64 @@
+//! The Lua scripts, each joined at build time behind the shared prelude
+//! (`lua/prelude.lua`: the record format and reply codes, written once).
+
+use redis::{Cmd, Script};
+use std::sync::LazyLock;
+
+/// A script's full source: its shebang flags, the prelude, its body.
+macro_rules! script {
+    ($flags:literal, $file:literal) => {
+        concat!(
+            "#!lua",
+            $flags,
+            "\n",
+            include_str!("../../../../lua/prelude.lua"),
+            include_str!(concat!("../../../../lua/", $file))
+        )
+    };
+}
+
+/// The prelude alone, for tests that check it against the Rust side.
+#[cfg(test)]
+pub(super) const PRELUDE: &str = include_str!("../../../../lua/prelude.lua");
+
+/// A script and its source: `EVALSHA` by hash, and the source to load on a
+/// node that no longer has it.
+pub(super) struct Lua {
+    pub(super) script: Script,
+    pub(super) source: &'static str,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Lua {
+        Lua {
+            script: Script::new(source),
+            source,
+        }
+    }
+}
+
+pub(super) struct Scripts {
+    pub(super) claim: Lua,
+    pub(super) complete: Lua,
+    pub(super) release: Lua,
+    pub(super) extend: Lua,
+}
+
+// `claim` may write, so Redis refuses it when out of memory; the others
+// must still run then (free keys, keep leases, store a finished body's result).
+pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    claim: Lua::new(script!("", "claim.lua")),
+    complete: Lua::new(script!(" flags=allow-oom", "complete.lua")),
+    release: Lua::new(script!(" flags=allow-oom", "release.lua")),
+    extend: Lua::new(script!(" flags=allow-oom", "extend.lua")),
+});
+
+/// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
+/// arguments: the command is written once, straight into the buffer the
+/// connection packs from (`ScriptInvocation` first copies every key and
+/// argument into a `Vec<Vec<u8>>` of its own).
+pub(super) fn invocation(hash: &str, key: &str, args: usize, extra: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(4 + args, 7 + hash.len() + 1 + key.len() + extra);
+    cmd.arg("EVALSHA").arg(hash).arg("1").arg(key);
+    cmd
+}

@@ -1,0 +1,73 @@
+-- idem's record format for the scripts: joined in front of each script at
+-- build time (idem-core/src/store/redis/scripts.rs), so it is written once.
+-- The format is described in lua/README.md; its Rust side is
+-- idem-core/src/store/record.rs, and a test checks the two agree.
+
+-- Reply codes (Rust: record::Code).
+local MISSING, DONE, OTHER_OWNER, COMPLETED, IN_PROGRESS, MISMATCH, UNREADABLE, WRONG_TYPE =
+  0, 1, 2, 3, 4, 5, 6, 7
+-- State bytes: pending, and the completed kinds (Rust: ValueKind::tag).
+local PENDING, KINDS = 'P', 'CZLU'
+
+-- The record's state byte and fingerprint length, or nil when it is not a
+-- record of this format version ("1").
+local function header(rec)
+  local v, s, n = string.byte(rec, 1, 3)
+  if v ~= 49 or not n or n > 32 or #rec < 3 + n then
+    return nil
+  end
+  local state = string.char(s)
+  if state ~= PENDING and not string.find(KINDS, state, 1, true) then
+    return nil
+  end
+  return state, n
+end
+
+-- A pending record's owner token, lease end and attempt (both digit
+-- strings), or nil when the body is malformed.
+local function pending(rec, n)
+  local owner = string.sub(rec, 4 + n, 35 + n)
+  local lease_end, attempt = string.match(rec, '^(%d+):(%d+)$', 36 + n)
+  if #owner ~= 32 or not lease_end then
+    return nil
+  end
+  return owner, lease_end, attempt
+end
+
+-- An error reply from redis.pcall: WRONGTYPE as its code (not our key),
+-- anything else (an ACL refusal, OOM) passed back as it is.
+local function failed(reply)
+  if string.find(reply.err or '', 'WRONGTYPE', 1, true) then
+    return WRONG_TYPE
+  end
+  return reply
+end
+
+-- The caller's pending record at key: rec, fplen, lease end, attempt. Or
+-- nil and the reply code that says why not (or the error to pass back),
+-- then the record itself when it is completed.
+local function owned(key, token)
+  local rec = redis.pcall('GET', key)
+  if type(rec) == 'table' then
+    return nil, failed(rec)
+  end
+  if not rec then
+    return nil, MISSING
+  end
+  local state, n = header(rec)
+  if not state then
+    return nil, UNREADABLE
+  end
+  if state ~= PENDING then
+    return nil, COMPLETED, rec, n
+  end
+  local owner, lease_end, attempt = pending(rec, n)
+  if not owner then
+    return nil, UNREADABLE
+  end
+  if owner ~= token then
+    return nil, OTHER_OWNER
+  end
+  return rec, n, lease_end, attempt
+end
+
