@@ -83,8 +83,10 @@
 //! **The key.** A bare token (`Idempotency-Key: 5f0c7a3e-…`, visible ASCII,
 //! no spaces) or a structured-field string (`Idempotency-Key: "5f0c 7a3e"`,
 //! escapes `\"` and `\\`); both forms of the same characters are the same
-//! key. 1–255 printable ASCII characters after unquoting; see
-//! [`parse_idempotency_key`]. The parsed key is put in the request's
+//! key. 1–255 printable ASCII characters after unquoting, not all spaces;
+//! see [`parse_idempotency_key`]. The grammar is shared with `idem-client`
+//! (crate `idem-key`), which never sends a key this layer refuses. The
+//! parsed key is put in the request's
 //! extensions as an [`IdempotencyKey`].
 //!
 //! **The fingerprint.** SHA-256 over the method, the path, the query string
@@ -138,7 +140,9 @@
 //! coding (no `Accept-Encoding` counts as identity only) gets the body
 //! decoded (`gzip`, `deflate`), or `406`
 //! [`encoding-not-acceptable`](#encoding-not-acceptable) for codings the
-//! layer cannot decode (`br`, `zstd`).
+//! layer cannot decode (`br`, `zstd`). Other request headers a response
+//! `Vary`s on are not renegotiated: a key names one operation, and its
+//! answer is the one its first request got.
 //!
 //! **What releases the key** (the next request with it runs the handler):
 //! a 1xx or 5xx status, 401, 403, 407, 408, 409, 425 and 429 (the response
