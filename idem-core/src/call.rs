@@ -4,8 +4,8 @@
 use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::idempotency::{FailMode, Inner, validate_ttl_lease};
 use crate::outcome::Outcome;
+use crate::settings::{FailMode, Inner, validate_ttl_lease};
 use crate::store::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};

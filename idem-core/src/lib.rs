@@ -33,6 +33,7 @@ mod idempotency;
 mod key;
 mod outcome;
 mod private;
+mod settings;
 mod store;
 mod token;
 
@@ -40,9 +41,10 @@ pub use call::Call;
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
-pub use idempotency::{FailMode, Idempotency, IdempotencyBuilder};
+pub use idempotency::{Idempotency, IdempotencyBuilder};
 pub use key::{MAX_KEY_LEN, validate_key_part};
 pub use outcome::Outcome;
+pub use settings::FailMode;
 pub use store::{
     Claim, ClaimReply, Completed, MemoryStore, RedisStore, RedisStoreConfig, Store, ValueKind,
     WriteReply,

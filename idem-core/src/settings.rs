@@ -1,0 +1,69 @@
+//! What every call of one runtime shares: its store, defaults and limits.
+//! `Idempotency` builds it and `Call` reads it; neither needs the other.
+
+use crate::cache::ReplayCache;
+use crate::store::Store;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What to do when the store cannot be reached.
+///
+/// ```
+/// assert_eq!(idem_core::FailMode::default(), idem_core::FailMode::Closed);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailMode {
+    /// Return [`Error::Unavailable`] and do not run the body (the default):
+    /// no duplicate can slip through, at the price of availability.
+    #[default]
+    Closed,
+    /// Run the body without protection and log a warning: availability
+    /// first, duplicates possible while the store is down.
+    Open,
+}
+
+/// Longest accepted result TTL: a year.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Longest accepted lease: a day (a body holding a key longer is a bug).
+const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
+pub(crate) struct Inner {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) prefix: String,
+    pub(crate) result_ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) fail_mode: FailMode,
+    pub(crate) max_value_size: usize,
+    pub(crate) compress_above: Option<usize>,
+    pub(crate) store_retries: usize,
+    pub(crate) log_keys: bool,
+    pub(crate) cache: Option<ReplayCache>,
+    pub(crate) config_error: Option<String>,
+}
+
+/// Checks a TTL and lease pair; the message names the setting to fix.
+pub(crate) fn validate_ttl_lease(ttl: Duration, lease: Duration) -> Result<(), String> {
+    if ttl < Duration::from_millis(1) {
+        return Err(format!(
+            "result TTL is {ttl:?}; use at least 1 ms (typically hours)"
+        ));
+    }
+    if ttl > MAX_TTL {
+        return Err(format!("result TTL is {ttl:?}, over the one-year limit"));
+    }
+    if lease < Duration::from_millis(1) {
+        return Err(format!(
+            "lease is {lease:?}; use at least 1 ms (typically the body's worst-case duration)"
+        ));
+    }
+    if lease > MAX_LEASE {
+        return Err(format!("lease is {lease:?}, over the one-day limit"));
+    }
+    if lease > ttl {
+        return Err(format!(
+            "lease ({lease:?}) is longer than the result TTL ({ttl:?}); the TTL must cover the lease"
+        ));
+    }
+    Ok(())
+}
