@@ -254,22 +254,12 @@ impl IdempotencyLayer {
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
-    /// let layer = idem_http::IdempotencyLayer::new(idem).tenant_from_headers(["authorization", "x-api-key"]);
+    /// use http::header::{AUTHORIZATION, HeaderName};
+    /// let layer = idem_http::IdempotencyLayer::new(idem)
+    ///     .tenant_from_headers([AUTHORIZATION, HeaderName::from_static("x-api-key")]);
     /// ```
-    pub fn tenant_from_headers<N>(mut self, names: impl IntoIterator<Item = N>) -> Self
-    where
-        N: TryInto<HeaderName>,
-    {
-        let names: Vec<HeaderName> = names
-            .into_iter()
-            .filter_map(|n| match n.try_into() {
-                Ok(name) => Some(name),
-                Err(_) => {
-                    tracing::error!("tenant_from_headers: an invalid header name is ignored");
-                    None
-                }
-            })
-            .collect();
+    pub fn tenant_from_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        let names: Vec<HeaderName> = names.into_iter().collect();
         self.config.tenant = TenantSource::Credentials(names);
         self
     }

@@ -1431,3 +1431,24 @@ async fn the_client_never_sends_a_key_the_server_refuses() {
     assert_eq!(h.runs(), sent);
     assert!(sent > 90, "{sent}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credential_headers_are_configurable() {
+    let h = Harness::start(|l| {
+        l.tenant_from_headers([axum::http::HeaderName::from_static("x-api-key")])
+    })
+    .await;
+    let with = |api_key: &str, auth: &str| {
+        h.post("/pay", "k")
+            .header("x-api-key", api_key)
+            .header("authorization", auth)
+    };
+    let a = send(with("key-a", "Bearer 1")).await;
+    let b = send(with("key-b", "Bearer 1")).await;
+    assert!(!b.replayed(), "another API key is another key space");
+    // Authorization no longer counts: same API key, same space.
+    let a2 = send(with("key-a", "Bearer 2")).await;
+    assert!(a2.replayed());
+    assert_eq!(a2.body, a.body);
+    assert_eq!(h.runs(), 2);
+}
