@@ -371,7 +371,8 @@ impl IdempotencyLayer {
 
     /// Whether responses whose result is now stored (the first one and every
     /// replay) carry `Idempotency-Retention: <seconds>`, the retention
-    /// period (default `false`).
+    /// period (default `false`). A first response that streams (its head
+    /// leaves before its body is stored) does not carry it.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
