@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
+use std::any::Any;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -71,7 +72,7 @@ impl HttpBody for CatchPanic {
             Err(panic) => {
                 self.inner = None;
                 tracing::error!(
-                    panic = crate::service::panic_message(panic.as_ref()),
+                    panic = panic_message(panic.as_ref()),
                     "the response body panicked while streaming: the response is cut short"
                 );
                 Poll::Ready(Some(Err(panicked())))
@@ -107,7 +108,7 @@ pub(crate) async fn next_frame(body: &mut Body) -> Next {
         Ok(Some(Ok(frame))) => Next::Frame(frame),
         Ok(None) => Next::End,
         Ok(Some(Err(e))) => Next::Failed(e),
-        Err(panic) => Next::Panicked(crate::service::panic_message(panic.as_ref()).to_owned()),
+        Err(panic) => Next::Panicked(panic_message(panic.as_ref()).to_owned()),
     }
 }
 
@@ -149,5 +150,16 @@ impl Forward {
                 return;
             }
         }
+    }
+}
+
+/// The message of a caught panic, for the log.
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    if let Some(s) = panic.downcast_ref::<&'static str>() {
+        s
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s
+    } else {
+        "(non-string panic payload)"
     }
 }

@@ -254,12 +254,14 @@
     )
 )]
 
+mod answer;
 mod body;
 mod config;
 mod encoding;
 mod key;
 mod layer;
 mod problem;
+mod run;
 mod scope;
 mod service;
 mod stored;

@@ -1,0 +1,172 @@
+//! The layer's answers from what the run produced: the first response, a
+//! replay (re-negotiating a stored content coding), the runtime's errors.
+
+use crate::config::Config;
+use crate::encoding::{self, Replay};
+use crate::problem::{ProblemKind, problem_response};
+use crate::stored::{FORMAT_VERSION, Live, StoredResponse};
+use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED};
+use axum::body::Body;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Response, StatusCode};
+use idem_core::{Error, KeyError, KeyPart};
+
+fn retention_header(cfg: &Config, response: &mut Response<Body>) {
+    if cfg.advertise_retention {
+        response.headers_mut().insert(
+            IDEMPOTENCY_RETENTION,
+            HeaderValue::from(cfg.retention.as_secs()),
+        );
+    }
+}
+
+/// The response for the request that ran the handler: exactly what the
+/// handler answered (every header, `Set-Cookie` included).
+pub(crate) fn first_response(live: Live, cfg: &Config) -> Response<Body> {
+    let mut response = Response::from_parts(live.parts, Body::from(live.body));
+    retention_header(cfg, &mut response);
+    response
+}
+
+/// A replay: the stored status, headers and body, marked as a replay; or,
+/// for a marker, the `response-not-kept` problem.
+pub(crate) fn replay(
+    stored: StoredResponse,
+    cfg: &Config,
+    accept: Option<&HeaderValue>,
+) -> Response<Body> {
+    if let Some(why) = stored.not_kept {
+        tracing::debug!(status = stored.status, "processed, response not kept: 410");
+        let detail = format!(
+            "The request with this Idempotency-Key was processed (status {}), but its response was not kept because {}, so it cannot be replayed. Do not send the request again, with this key or a new one: the operation was applied. Look its result up another way.",
+            stored.status,
+            why.explain()
+        );
+        return problem_response(
+            &cfg.problem_type_base,
+            ProblemKind::ResponseNotKept,
+            &detail,
+            None,
+            Some(stored.status),
+        );
+    }
+    let mut response = match rebuild(&stored) {
+        Ok(response) => response,
+        Err(why) => return corrupt(why, cfg),
+    };
+    let coded = response.headers().contains_key(header::CONTENT_ENCODING);
+    // `rebuild` decoded the body already, so this cannot fail.
+    let body = || stored.body.to_bytes().unwrap_or_default();
+    match coded
+        .then(|| encoding::negotiate(response.headers(), &body(), accept, cfg.max_response_body))
+    {
+        None | Some(Replay::AsStored) => {}
+        Some(Replay::Decoded(body)) => {
+            tracing::debug!("stored body decoded for a request that does not accept its coding");
+            response.headers_mut().remove(header::CONTENT_ENCODING);
+            *response.body_mut() = Body::from(body);
+        }
+        Some(Replay::NotAcceptable(why)) => {
+            tracing::debug!(reason = %why, "stored coding not acceptable: 406");
+            return cfg.problem(
+                ProblemKind::EncodingNotAcceptable,
+                &format!(
+                    "{why}. Send Accept-Encoding with that coding to get the stored response."
+                ),
+                false,
+            );
+        }
+    }
+    response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    retention_header(cfg, &mut response);
+    response
+}
+
+fn corrupt(why: String, cfg: &Config) -> Response<Body> {
+    tracing::error!(reason = %why, "a stored response cannot be replayed");
+    cfg.problem(
+        ProblemKind::Internal,
+        "The stored response for this Idempotency-Key cannot be replayed.",
+        false,
+    )
+}
+
+fn rebuild(stored: &StoredResponse) -> Result<Response<Body>, String> {
+    if stored.version != FORMAT_VERSION {
+        return Err(format!("unknown record format version {}", stored.version));
+    }
+    let status = StatusCode::from_u16(stored.status)
+        .map_err(|_| format!("invalid stored status {}", stored.status))?;
+    let body = stored
+        .body
+        .to_bytes()
+        .map_err(|e| format!("stored body: {e}"))?;
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|e| format!("stored header name {name:?}: {e}"))?;
+        let value = value
+            .to_bytes()
+            .map_err(|e| format!("stored header {name}: {e}"))
+            .and_then(|v| {
+                HeaderValue::from_maybe_shared(v).map_err(|e| format!("stored header {name}: {e}"))
+            })?;
+        headers.append(name, value);
+    }
+    Ok(response)
+}
+
+/// Maps a runtime error to the layer's answer.
+pub(crate) fn idem_error(e: Error, cfg: &Config) -> Response<Body> {
+    match e {
+        Error::InProgress { .. } => {
+            tracing::debug!("a request with this key is in flight: 409");
+            cfg.problem(
+                ProblemKind::KeyInUse,
+                "A request with this Idempotency-Key is being processed; retry after the Retry-After delay to get its response.",
+                true,
+            )
+        }
+        Error::FingerprintMismatch => {
+            tracing::debug!("key reused with another request: 422");
+            cfg.problem(
+                ProblemKind::KeyReused,
+                "This Idempotency-Key was already used with a different request (method, path, query or body); use a new key for a new operation.",
+                false,
+            )
+        }
+        Error::Unavailable { .. } => {
+            tracing::warn!(error = %e, "idempotency store unavailable: 503, handler not run");
+            cfg.problem(
+                ProblemKind::StoreUnavailable,
+                "The request was not processed because the idempotency store is unavailable; retry later with the same Idempotency-Key.",
+                true,
+            )
+        }
+        Error::InvalidKey(ref k) if key_part(k) == Some(KeyPart::Key) => {
+            tracing::debug!(error = %e, "key refused by the runtime: 400");
+            cfg.problem(ProblemKind::InvalidKey, &k.to_string(), false)
+        }
+        other => {
+            tracing::error!(error = %other, "idempotency layer failure: 500");
+            cfg.problem(
+                ProblemKind::Internal,
+                "The idempotency layer failed; the request may not have been processed.",
+                false,
+            )
+        }
+    }
+}
+
+fn key_part(e: &KeyError) -> Option<KeyPart> {
+    match e {
+        KeyError::Empty { part }
+        | KeyError::TooLong { part, .. }
+        | KeyError::ControlChar { part, .. } => Some(*part),
+        _ => None,
+    }
+}

@@ -1,0 +1,361 @@
+//! One idempotent run, as a task of its own: claim, run the handler,
+//! stream its response to the client while keeping a copy, and store the
+//! response or a "processed, response not kept" marker.
+
+use crate::answer::{first_response, idem_error, replay};
+use crate::body::{
+    CatchPanic, ChannelBody, Forward, FrameResult, Next, next_frame, panic_message, panicked,
+};
+use crate::config::Config;
+use crate::problem::ProblemKind;
+use crate::stored::{Live, NotKept, StoredHead, StoredResponse};
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use futures_util::future::FutureExt;
+use http::header::HeaderValue;
+use http::{Request, Response, StatusCode};
+use http_body::Body as HttpBody;
+use idem_core::{Error, Fingerprint, Idempotency, Outcome};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+use tower_service::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why the run body did not produce a response to store.
+pub(crate) enum RunError<E> {
+    /// The runtime refused or failed (in flight, mismatch, store down, …).
+    Idem(Error),
+    /// A response to send as it is, with the key released: a status that is
+    /// not stored, a panic or a failed body turned into a 500.
+    Respond(Response<Body>),
+    /// The key is released; the client already has what it gets (a
+    /// response cut short, or nothing: it went away under
+    /// `cancel_on_disconnect`).
+    Released,
+    /// The inner service's own error, passed on (the key is released).
+    Inner(E),
+}
+
+impl<E> From<Error> for RunError<E> {
+    fn from(e: Error) -> Self {
+        RunError::Idem(e)
+    }
+}
+
+/// Where the run sends the answer of the request; the service future
+/// waits on the other end.
+pub(crate) type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+
+/// Everything one idempotent run needs, owned, so it can be a task.
+pub(crate) struct Job<S> {
+    pub(crate) inner: S,
+    pub(crate) idem: Idempotency,
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) scope: String,
+    pub(crate) key: String,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) accept_encoding: Option<HeaderValue>,
+    pub(crate) request: Request<Body>,
+}
+
+impl<S, ResBody> Job<S>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    pub(crate) async fn run(self, reply: Reply<S::Error>) {
+        let Job {
+            inner,
+            idem,
+            cfg,
+            scope,
+            key,
+            fingerprint,
+            accept_encoding,
+            request,
+        } = self;
+        let mut reply = Some(reply);
+        let mut rest: Option<Forward> = None;
+        let mut call = idem
+            .call(&scope, key.as_str())
+            .fingerprint_raw(fingerprint)
+            .ttl(cfg.retention)
+            .wait(cfg.wait);
+        if let Some(lease) = cfg.lease {
+            call = call.lease(lease);
+        }
+        let config: &Config = &cfg;
+        let result = call
+            .run_outcome(|| execute(inner, request, config, &mut reply, &mut rest))
+            .await;
+        let answer = match result {
+            Ok((stored, Outcome::Replayed)) => {
+                tracing::debug!(status = stored.status, "replaying the stored response");
+                Some(Ok(replay(stored, config, accept_encoding.as_ref())))
+            }
+            Ok((stored, outcome)) => {
+                tracing::debug!(%outcome, status = stored.status, kept = stored.not_kept.is_none(), "handler ran; outcome stored");
+                stored.live.map(|live| Ok(first_response(live, config)))
+            }
+            Err(RunError::Respond(response)) => Some(Ok(response)),
+            Err(RunError::Inner(e)) => Some(Err(e)),
+            Err(RunError::Idem(e)) => Some(Ok(idem_error(e, config))),
+            Err(RunError::Released) => None,
+        };
+        if let (Some(answer), Some(reply)) = (answer, reply.take()) {
+            // The client may be gone; the outcome is stored all the same.
+            let _ = reply.send(answer);
+        }
+        if let Some(rest) = rest {
+            rest.finish().await;
+        }
+    }
+}
+
+/// Runs the handler once, streams its response to the client, and decides
+/// what is stored: the response when its body ends within the limit, a
+/// "processed, response not kept" marker when it does not (stored as soon
+/// as the limit is passed, while the rest streams on).
+async fn execute<S, ResBody>(
+    mut inner: S,
+    request: Request<Body>,
+    cfg: &Config,
+    reply: &mut Option<Reply<S::Error>>,
+    rest: &mut Option<Forward>,
+) -> Result<StoredResponse, RunError<S::Error>>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // A panic in the handler becomes a 500 problem here, so the key is
+    // released (by the Err) and the client gets an answer instead of a
+    // reset connection.
+    let outcome = AssertUnwindSafe(async move { inner.call(request).await })
+        .catch_unwind()
+        .await;
+    let response = match outcome {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => {
+            tracing::debug!("the inner service failed; key released");
+            return Err(RunError::Inner(e));
+        }
+        Err(panic) => {
+            tracing::error!(
+                panic = panic_message(panic.as_ref()),
+                "the handler panicked: answering 500 and releasing the Idempotency-Key"
+            );
+            return Err(RunError::Respond(panicked_problem(cfg)));
+        }
+    };
+    let status = response.status();
+    if !is_stored(status) {
+        tracing::debug!(
+            status = status.as_u16(),
+            "status is not stored: key released, a retry runs the handler again"
+        );
+        return Err(RunError::Respond(
+            response.map(|b| CatchPanic::wrap(Body::new(b))),
+        ));
+    }
+    let (parts, body) = response.into_parts();
+    let body = Body::new(body);
+    let limit = cfg.max_response_body;
+    let not_kept = if cfg.streams_through(&parts.headers) {
+        Some(NotKept::Streamed)
+    } else if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
+        Some(NotKept::TooLarge)
+    } else {
+        None
+    };
+    if let Some(why) = not_kept {
+        // Known before a byte is read: the marker is stored at once and
+        // hyper reads the body itself.
+        tracing::debug!(
+            status = status.as_u16(),
+            reason = why.explain(),
+            "response passed through; stored as processed, not kept"
+        );
+        send(
+            reply,
+            Ok(Response::from_parts(parts, CatchPanic::wrap(body))),
+        );
+        return Ok(StoredResponse::not_kept(status.as_u16(), why));
+    }
+    tee(parts, body, cfg, reply, rest).await
+}
+
+/// Reads the body, sending it on to the client as it comes (from its first
+/// frame on, unless it is complete at once) while keeping a copy up to the
+/// limit.
+async fn tee<E>(
+    parts: http::response::Parts,
+    mut body: Body,
+    cfg: &Config,
+    reply: &mut Option<Reply<E>>,
+    rest: &mut Option<Forward>,
+) -> Result<StoredResponse, RunError<E>> {
+    let limit = cfg.max_response_body;
+    let head = StoredHead::of(&parts, cfg.replay_set_cookie);
+    let mut parts = Some(parts);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut total = 0usize;
+    let mut tx: Option<mpsc::Sender<FrameResult>> = None;
+    loop {
+        let frame = match next_frame(&mut body).await {
+            Next::Frame(frame) => frame,
+            Next::End => break,
+            Next::Failed(e) => {
+                tracing::warn!(error = %e, "the response body failed: key released");
+                return Err(match tx {
+                    Some(tx) => {
+                        let _ = tx.send(Err(e)).await;
+                        RunError::Released
+                    }
+                    None => RunError::Respond(cfg.problem(
+                        ProblemKind::ResponseFailed,
+                        "The response could not be produced; retry with the same Idempotency-Key.",
+                        false,
+                    )),
+                });
+            }
+            Next::Panicked(why) => {
+                tracing::error!(panic = %why, "the response body panicked: key released");
+                return Err(match tx {
+                    Some(tx) => {
+                        let _ = tx.send(Err(panicked())).await;
+                        RunError::Released
+                    }
+                    None => RunError::Respond(panicked_problem(cfg)),
+                });
+            }
+        };
+        if let Some(data) = frame.data_ref() {
+            total = total.saturating_add(data.len());
+            if total <= limit {
+                chunks.push(data.clone());
+            } else {
+                chunks = Vec::new();
+            }
+        }
+        let over = total > limit;
+        let complete_at_once = tx.is_none() && !over && body.is_end_stream();
+        if !complete_at_once {
+            if let Some(parts) = parts.take() {
+                // The head goes out with the first frame: a panic before it
+                // still gets a 500, and the client streams from here on.
+                let (sender, receiver) = ChannelBody::pair();
+                if send(reply, Ok(Response::from_parts(parts, Body::new(receiver)))) {
+                    tx = Some(sender);
+                } else if cfg.cancel_on_disconnect {
+                    return Err(RunError::Released);
+                }
+            }
+            if let Some(sender) = &tx {
+                if sender.send(Ok(frame)).await.is_err() {
+                    tracing::debug!("client gone mid-response");
+                    tx = None;
+                    if cfg.cancel_on_disconnect {
+                        return Err(RunError::Released);
+                    }
+                    // Otherwise read on: the retry gets the stored response.
+                }
+            }
+        }
+        if over {
+            tracing::debug!(
+                limit,
+                "response over the size limit: streamed on, stored as processed, not kept"
+            );
+            if let Some(tx) = tx {
+                *rest = Some(Forward {
+                    body: Some(body),
+                    tx,
+                });
+            }
+            return Ok(StoredResponse::not_kept(head.status(), NotKept::TooLarge));
+        }
+        if complete_at_once {
+            break;
+        }
+    }
+    let bytes = concat(chunks, total);
+    match (parts, tx) {
+        // Nothing sent yet: the response goes out once it is stored.
+        (Some(parts), _) => {
+            let mut stored = head.with_body(&bytes);
+            stored.live = Some(Live { parts, body: bytes });
+            Ok(stored)
+        }
+        (None, tx) => {
+            // The client's body ends only once the response is stored (the
+            // sender is dropped after that), so that a retry sent as soon
+            // as the response ended finds it.
+            if let Some(tx) = tx {
+                *rest = Some(Forward { body: None, tx });
+            }
+            Ok(head.with_body(&bytes))
+        }
+    }
+}
+
+/// Sends the answer, if not sent yet; `false` when the client is gone.
+fn send<E>(reply: &mut Option<Reply<E>>, answer: Result<Response<Body>, E>) -> bool {
+    match reply.take() {
+        Some(reply) => reply.send(answer).is_ok(),
+        None => false,
+    }
+}
+
+fn concat(mut chunks: Vec<Bytes>, total: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => {
+            let mut all = BytesMut::with_capacity(total);
+            for c in chunks {
+                all.extend_from_slice(&c);
+            }
+            all.freeze()
+        }
+    }
+}
+
+fn panicked_problem(cfg: &Config) -> Response<Body> {
+    cfg.problem(
+        ProblemKind::HandlerPanicked,
+        "The request failed and was not recorded; it is safe to retry with the same Idempotency-Key.",
+        false,
+    )
+}
+
+/// Which statuses are stored and replayed: 2xx, 3xx and 4xx except 401,
+/// 403 and 407 (a client that fixes its credentials must not get the old
+/// refusal replayed) and 408, 409, 425 and 429 (transient: the client is
+/// expected to retry). 1xx (upgrades included) and 5xx release the key.
+fn is_stored(status: StatusCode) -> bool {
+    match status.as_u16() {
+        401 | 403 | 407 | 408 | 409 | 425 | 429 => false,
+        s => (200..500).contains(&s),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stored_statuses() {
+        for s in [200, 201, 204, 303, 400, 404, 410, 422] {
+            assert!(is_stored(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+        for s in [101, 401, 403, 407, 408, 409, 425, 429, 500, 502, 503, 504] {
+            assert!(!is_stored(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+    }
+}
