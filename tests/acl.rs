@@ -3,10 +3,7 @@
 //! not logged in clear by default.
 
 use idem::{Claim, Error, FailMode, Idempotency, Outcome, RedisStore, Store, Token};
-use idem_testkit::RedisServer;
-use std::io;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use idem_testkit::{LogCapture, RedisServer, Runs};
 use std::time::Duration;
 
 const USER: &str = "idem";
@@ -61,19 +58,6 @@ fn denied_commands(log: &str) -> Vec<String> {
 
 fn user_url(server: &RedisServer) -> String {
     format!("redis://{USER}:{PASSWORD}@127.0.0.1:{}/", server.port())
-}
-
-#[derive(Default)]
-struct Runs(AtomicUsize);
-
-impl Runs {
-    fn body<T>(&self, v: T) -> impl Future<Output = Result<T, Error>> + use<T> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        async move { Ok(v) }
-    }
-    fn get(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
 }
 
 fn assert_acl_error(e: &Error, op: &str, case: &str) {
@@ -404,38 +388,12 @@ async fn key_outside_the_pattern_is_refused() {
 
 // ------------------------------------------------------------- logging ---
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 /// Runs every logging path once (executed, replayed, in progress,
 /// fingerprint mismatch, body error, refused key) with a subscriber that
 /// records spans and events at TRACE, and returns what it wrote.
 async fn captured_logs(idem: &Idempotency, key: &str) -> String {
-    let out = Captured::default();
-    let writer = out.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::TRACE)
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
-        .with_ansi(false)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let out = LogCapture::new();
+    let _guard = tracing::subscriber::set_default(out.trace_subscriber());
     let _: u8 = idem
         .call("charge", key)
         .fingerprint(&1)
@@ -474,7 +432,7 @@ async fn captured_logs(idem: &Idempotency, key: &str) -> String {
     let (h, d) = tokio::join!(holder, duplicate);
     assert_eq!(h.unwrap(), 4);
     assert!(matches!(d, Err(Error::InProgress { .. })));
-    out.text()
+    out.contents()
 }
 
 #[tokio::test]

@@ -8,60 +8,21 @@ use idem::{
     Error, FailMode, Idempotency, IdempotencyBuilder, KeyError, KeyPart, MemoryStore, Outcome,
     RedisStore, Store, Token, WriteReply,
 };
-use idem_testkit::RedisServer;
+use idem_testkit::{Runs, TestContext};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 const SENTINEL: u32 = 41;
 
-/// One Redis per test (tests run in parallel) and a builder per store.
-struct Env {
-    server: RedisServer,
-    redis: RedisStore,
-}
-
-impl Env {
-    async fn start() -> Env {
-        let server = RedisServer::start();
-        let redis = RedisStore::connect(&server.url())
-            .await
-            .expect("connect to the test Redis");
-        Env { server, redis }
-    }
-
-    /// Fresh builders over an empty `MemoryStore` and over this Redis.
-    fn builders(&self) -> Vec<(&'static str, IdempotencyBuilder)> {
-        vec![
-            ("memory", Idempotency::builder(MemoryStore::new())),
-            ("redis", Idempotency::builder(self.redis.clone())),
-        ]
-    }
-
-    fn raw(&self) -> redis::Connection {
-        self.server.connection()
-    }
-
-    fn dbsize(&self) -> i64 {
-        redis::cmd("DBSIZE").query(&mut self.raw()).unwrap()
-    }
-}
-
-/// Counts body runs.
-#[derive(Default)]
-struct Runs(AtomicUsize);
-
-impl Runs {
-    fn body<T>(&self, v: T) -> impl Future<Output = Result<T, Error>> + use<T> {
-        self.0.fetch_add(1, Ordering::SeqCst);
-        async move { Ok(v) }
-    }
-
-    fn get(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
+/// Fresh builders over an empty `MemoryStore` and over the context's Redis
+/// (one Redis per test: tests run in parallel).
+fn builders(ctx: &TestContext) -> Vec<(&'static str, IdempotencyBuilder)> {
+    ["memory", "redis"]
+        .into_iter()
+        .map(|store| (store, builder_clone(store, ctx)))
+        .collect()
 }
 
 /// Stores the sentinel result another key keeps through every bad input.
@@ -97,7 +58,7 @@ impl fmt::Display for FailingDisplay {
 
 #[tokio::test]
 async fn refused_keys_never_reach_the_store() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let long_unicode = "é".repeat(128); // 128 chars, 256 bytes: the limit is in bytes
     let keys: Vec<(&str, String, &str)> = vec![
         ("empty", String::new(), "is empty"),
@@ -122,10 +83,10 @@ async fn refused_keys_never_reach_the_store() {
         ("C1 control U+0085", "a\u{85}b".into(), "control character"),
         ("DEL", "a\x7fb".into(), "control character"),
     ];
-    for (store, builder) in env.builders() {
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
         plant_sentinel(&idem).await;
-        let before = env.dbsize();
+        let before = ctx.dbsize();
         let runs = Runs::default();
         for (case, key, says) in &keys {
             let r: Result<u32, Error> = idem.call("charge", key).run(|| runs.body(1)).await;
@@ -199,7 +160,7 @@ async fn refused_keys_never_reach_the_store() {
         }
         assert_eq!(runs.get(), 0, "{store}: a refused key ran the body");
         if store == "redis" {
-            assert_eq!(env.dbsize(), before, "a refused key wrote to Redis");
+            assert_eq!(ctx.dbsize(), before, "a refused key wrote to Redis");
         }
         assert_sentinel(&idem, store).await;
     }
@@ -207,7 +168,7 @@ async fn refused_keys_never_reach_the_store() {
 
 #[tokio::test]
 async fn unusual_but_valid_keys_work() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let keys: Vec<(&str, String)> = vec![
         ("exactly 255 bytes", "k".repeat(255)),
         ("hash tag braces", "{user:1000}:order-7".into()),
@@ -222,7 +183,7 @@ async fn unusual_but_valid_keys_work() {
             "\u{202e}7-redro".into(),
         ),
     ];
-    for (store, builder) in env.builders() {
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
         for (case, key) in &keys {
             let runs = Runs::default();
@@ -265,7 +226,7 @@ async fn unusual_but_valid_keys_work() {
         );
     }
     // The exact stored key: namespace:scope:key, the key verbatim.
-    let mut con = env.raw();
+    let mut con = ctx.server().connection();
     let exists = |con: &mut redis::Connection, k: &str| -> bool {
         redis::cmd("EXISTS").arg(k).query::<i64>(con).unwrap() == 1
     };
@@ -279,15 +240,15 @@ async fn unusual_but_valid_keys_work() {
 
 #[tokio::test]
 async fn oversized_result_is_returned_once_then_too_large() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let big = "x".repeat(100); // 102 bytes of JSON
     let fits = "y".repeat(62); // exactly 64 bytes of JSON
     for store in ["memory", "redis"] {
         for cache in [false, true] {
             let b = if cache {
-                builder_clone(store, &env).local_cache(100)
+                builder_clone(store, &ctx).local_cache(100)
             } else {
-                builder_clone(store, &env)
+                builder_clone(store, &ctx)
             };
             let idem = b
                 .max_value_size(64)
@@ -342,19 +303,19 @@ async fn oversized_result_is_returned_once_then_too_large() {
 }
 
 /// A builder over the same store `store` names (memory: a fresh one).
-fn builder_clone(store: &str, env: &Env) -> IdempotencyBuilder {
+fn builder_clone(store: &str, ctx: &TestContext) -> IdempotencyBuilder {
     match store {
         "memory" => Idempotency::builder(MemoryStore::new()),
-        _ => Idempotency::builder(env.redis.clone()),
+        _ => ctx.builder(),
     }
 }
 
 #[tokio::test]
 async fn unserializable_result_is_returned_once_then_codec() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     // serde_json cannot write a map whose keys are not strings or numbers.
     let value: HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
-    for (store, builder) in env.builders() {
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
         plant_sentinel(&idem).await;
         let runs = Runs::default();
@@ -386,11 +347,11 @@ async fn unserializable_result_is_returned_once_then_codec() {
 
 #[tokio::test]
 async fn unserializable_fingerprint_is_refused_before_the_body() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let payload: HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
-    for (store, builder) in env.builders() {
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
-        let before = env.dbsize();
+        let before = ctx.dbsize();
         let runs = Runs::default();
         let r: Result<u8, Error> = idem
             .call("charge", "order-1")
@@ -406,7 +367,7 @@ async fn unserializable_fingerprint_is_refused_before_the_body() {
         }
         assert_eq!(runs.get(), 0, "{store}");
         if store == "redis" {
-            assert_eq!(env.dbsize(), before);
+            assert_eq!(ctx.dbsize(), before);
         }
         // The key is free: the same call with a usable fingerprint runs.
         let ok: u8 = idem
@@ -427,8 +388,8 @@ struct ReceiptV2 {
 
 #[tokio::test]
 async fn changed_result_type_is_codec_naming_the_type() {
-    let env = Env::start().await;
-    for (store, builder) in env.builders() {
+    let ctx = TestContext::redis().await;
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
         let runs = Runs::default();
         // Deployment 1 stored a u32 ...
@@ -490,17 +451,15 @@ const KEY: &str = "idem:charge:order-1";
 /// no body, leaves the record untouched, answers the same again, and that
 /// the sentinel survived. Then deleting the key (the advice) frees it.
 async fn assert_corrupt(
-    env: &Env,
+    ctx: &TestContext,
     case: &str,
     setup: &dyn Fn(&mut redis::Connection),
     says: &[&str],
 ) {
     for fail_mode in [FailMode::Closed, FailMode::Open] {
-        let idem = Idempotency::builder(env.redis.clone())
-            .fail_mode(fail_mode)
-            .build();
+        let idem = ctx.builder().fail_mode(fail_mode).build();
         plant_sentinel_once(&idem).await;
-        let mut con = env.raw();
+        let mut con = ctx.server().connection();
         let _: () = redis::cmd("DEL").arg(KEY).query(&mut con).unwrap();
         setup(&mut con);
         let dump = |con: &mut redis::Connection| -> Vec<u8> {
@@ -539,7 +498,7 @@ async fn assert_corrupt(
         // change it (they answer Corrupt, or AlreadyCompleted / OtherOwner
         // for a readable envelope around a bad value).
         let t = Token::from_u128(1);
-        let store: &dyn Store = &env.redis;
+        let store = ctx.store();
         let writes = [
             store.release(KEY, &t).await,
             store.extend(KEY, &t, Duration::from_secs(1)).await,
@@ -598,7 +557,7 @@ const NOT_OURS: [&str; 2] = [
 
 #[tokio::test]
 async fn truncated_records_are_corrupt() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let cases: [(&str, &'static [u8]); 7] = [
         ("empty string", b""),
         ("version byte only", b"1"),
@@ -615,13 +574,13 @@ async fn truncated_records_are_corrupt() {
         ),
     ];
     for (case, bytes) in cases {
-        assert_corrupt(&env, case, &set_raw(bytes), &NOT_OURS).await;
+        assert_corrupt(&ctx, case, &set_raw(bytes), &NOT_OURS).await;
     }
 }
 
 #[tokio::test]
 async fn garbage_records_are_corrupt() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let cases: [(&str, &'static [u8], &[&str]); 5] = [
         ("text", b"hello world", &NOT_OURS),
         ("binary", &[0xde, 0xad, 0xbe, 0xef, 0x00, 0x01], &NOT_OURS),
@@ -635,19 +594,19 @@ async fn garbage_records_are_corrupt() {
         ),
     ];
     for (case, bytes, says) in cases {
-        assert_corrupt(&env, case, &set_raw(bytes), says).await;
+        assert_corrupt(&ctx, case, &set_raw(bytes), says).await;
     }
     // A compressed value whose length prefix lies: refused before lz4
     // allocates anything.
     assert_corrupt(
-        &env,
+        &ctx,
         "lz4 with a huge length prefix",
         &set_raw(b"1Z\x00\xff\xff\xff\x7f\x01\x02"),
         &["compressed record"],
     )
     .await;
     assert_corrupt(
-        &env,
+        &ctx,
         "lz4 garbage",
         &set_raw(b"1Z\x00\x05\x00\x00\x00\xff\xff"),
         &["does not decompress"],
@@ -657,7 +616,7 @@ async fn garbage_records_are_corrupt() {
 
 #[tokio::test]
 async fn wrong_redis_type_is_corrupt() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let says = [
         "a Redis type other than string",
         "use a distinct namespace, or delete the key",
@@ -680,29 +639,29 @@ async fn wrong_redis_type_is_corrupt() {
     let set = |con: &mut redis::Connection| {
         let _: () = redis::cmd("SADD").arg(KEY).arg("x").query(con).unwrap();
     };
-    assert_corrupt(&env, "hash", &hash, &says).await;
-    assert_corrupt(&env, "list", &list, &says).await;
-    assert_corrupt(&env, "set", &set, &says).await;
+    assert_corrupt(&ctx, "hash", &hash, &says).await;
+    assert_corrupt(&ctx, "list", &list, &says).await;
+    assert_corrupt(&ctx, "set", &set, &says).await;
 }
 
 #[tokio::test]
 async fn newer_format_version_is_corrupt_and_says_newer() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let says = [
         "written by a newer idem (format version 2)",
         "upgrade this service",
     ];
-    assert_corrupt(&env, "2C", &set_raw(b"2C\x00{\"amount\":500}"), &says).await;
+    assert_corrupt(&ctx, "2C", &set_raw(b"2C\x00{\"amount\":500}"), &says).await;
     assert_corrupt(
-        &env,
+        &ctx,
         "2P",
         &set_raw(b"2P\x000123456789abcdef0123456789abcdef99:1"),
         &says,
     )
     .await;
-    assert_corrupt(&env, "2 only", &set_raw(b"2"), &says).await;
+    assert_corrupt(&ctx, "2 only", &set_raw(b"2"), &says).await;
     assert_corrupt(
-        &env,
+        &ctx,
         "9X",
         &set_raw(b"9X\x07future"),
         &["newer idem (format version 9)"],
@@ -714,7 +673,7 @@ async fn newer_format_version_is_corrupt_and_says_newer() {
 
 #[tokio::test]
 async fn invalid_builder_config_fails_every_call_without_panicking() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     type Tweak = fn(IdempotencyBuilder) -> IdempotencyBuilder;
     let cases: Vec<(&str, Tweak, &str)> = vec![
         (
@@ -783,7 +742,7 @@ async fn invalid_builder_config_fails_every_call_without_panicking() {
     ];
     for store in ["memory", "redis"] {
         for (case, tweak, says) in &cases {
-            let idem = tweak(builder_clone(store, &env)).build();
+            let idem = tweak(builder_clone(store, &ctx)).build();
             let runs = Runs::default();
             for _ in 0..2 {
                 let r: Result<u8, Error> =
@@ -798,12 +757,12 @@ async fn invalid_builder_config_fails_every_call_without_panicking() {
             assert_eq!(runs.get(), 0, "{store}/{case}");
         }
     }
-    assert_eq!(env.dbsize(), 0, "an invalid configuration wrote to Redis");
+    assert_eq!(ctx.dbsize(), 0, "an invalid configuration wrote to Redis");
 }
 
 #[tokio::test]
 async fn invalid_per_call_ttl_or_lease_fails_that_call() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     type Tweak = for<'a> fn(idem::Call<'a>) -> idem::Call<'a>;
     let cases: Vec<(&str, Tweak, &str)> = vec![
         ("zero TTL", |c| c.ttl(Duration::ZERO), "result TTL is 0ns"),
@@ -829,11 +788,14 @@ async fn invalid_per_call_ttl_or_lease_fails_that_call() {
         // The builder's default lease (30 s) against a shorter per-call TTL.
         (
             "lease set over the TTL",
-            |c| c.ttl(Duration::from_secs(10)).lease(Duration::from_secs(30)),
+            |c| {
+                c.ttl(Duration::from_secs(10))
+                    .lease(Duration::from_secs(30))
+            },
             "lease (30s) is longer than the result TTL (10s)",
         ),
     ];
-    for (store, builder) in env.builders() {
+    for (store, builder) in builders(&ctx) {
         let idem = builder.build();
         plant_sentinel(&idem).await;
         let runs = Runs::default();
@@ -864,8 +826,8 @@ async fn invalid_per_call_ttl_or_lease_fails_that_call() {
 
 #[tokio::test]
 async fn absurd_wait_does_not_panic() {
-    let env = Env::start().await;
-    for (store, builder) in env.builders() {
+    let ctx = TestContext::redis().await;
+    for (store, builder) in builders(&ctx) {
         let idem = builder.wait(Duration::MAX).build();
         // No contention: the wait is never used, but must not overflow.
         let v: u8 = idem
@@ -903,7 +865,7 @@ async fn absurd_wait_does_not_panic() {
         let (h, w) = tokio::join!(holder, waiter);
         assert_eq!((h.unwrap(), w.unwrap()), (3, 3), "{store}");
         // A zero wait is no wait.
-        let idem2 = builder_clone(store, &env).namespace("zero-wait").build();
+        let idem2 = builder_clone(store, &ctx).namespace("zero-wait").build();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let holder = idem2.call("charge", "d").run(|| async move {
             let _ = rx.await;
@@ -927,8 +889,8 @@ async fn absurd_wait_does_not_panic() {
 
 #[tokio::test]
 async fn smallest_valid_durations_work() {
-    let env = Env::start().await;
-    for (store, builder) in env.builders() {
+    let ctx = TestContext::redis().await;
+    for (store, builder) in builders(&ctx) {
         // 1 ms lease and TTL: valid, the body outlives its lease many times
         // over (renewed every ~0.3 ms), and the result expires at once.
         let idem = builder
@@ -939,7 +901,7 @@ async fn smallest_valid_durations_work() {
         let r: u8 = idem
             .call("charge", "order-1")
             .run(|| async {
-                runs.0.fetch_add(1, Ordering::SeqCst);
+                runs.record();
                 tokio::time::sleep(Duration::from_millis(30)).await;
                 Ok::<_, Error>(5)
             })
@@ -1005,9 +967,9 @@ async fn bad_redis_urls_and_unreachable_redis() {
 /// disagree.
 #[tokio::test]
 async fn absurd_durations_at_the_store_level_do_not_panic() {
-    let env = Env::start().await;
+    let ctx = TestContext::redis().await;
     let memory = MemoryStore::new();
-    let stores: [(&str, &dyn Store); 2] = [("redis", &env.redis), ("memory", &memory)];
+    let stores: [(&str, &dyn Store); 2] = [("redis", ctx.store()), ("memory", &memory)];
     for (name, store) in stores {
         let (a, b) = (Token::from_u128(0xa), Token::from_u128(0xb));
         for (case, lease, ttl) in [

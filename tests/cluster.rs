@@ -5,11 +5,11 @@
 //! load. Every assertion on executions is exact, from a ledger the bodies
 //! write to.
 
-mod reliability_support;
-
-use idem::{Error, Idempotency, Outcome, RedisStore};
-use idem_testkit::{RedisCluster, key_slot};
-use reliability_support::{BodyError, Ledger, Rng, eventually, is_unavailable};
+use idem::{Error, Idempotency, Outcome, RedisStore, ValueKind};
+use idem_testkit::{
+    BodyError, Ledger, RecordState, RedisCluster, Rng, TestContext, eventually, is_unavailable,
+    key_slot, record_state,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -30,22 +30,12 @@ fn stored_key(namespace: &str, scope: &str, key: &str) -> String {
     format!("{namespace}:{scope}:{key}")
 }
 
-/// `GET key` on node `i` directly (no redirection), as raw bytes.
-fn direct_get(cluster: &RedisCluster, i: usize, key: &str) -> Result<Option<Vec<u8>>, String> {
-    let mut con = cluster.nodes()[i].connection();
-    redis::cmd("GET")
-        .arg(key)
-        .query(&mut con)
-        .map_err(|e| e.to_string())
-}
+const PENDING: Option<RecordState> = Some(RecordState::Pending);
+const COMPLETED: Option<RecordState> = Some(RecordState::Completed(ValueKind::Json));
 
-/// The record of `key`, read on the node that owns its slot.
-fn record(cluster: &RedisCluster, key: &str) -> Option<Vec<u8>> {
-    direct_get(cluster, cluster.slot_owner(key), key).expect("GET on the slot owner")
-}
-
-fn state_of(rec: &Option<Vec<u8>>) -> Option<char> {
-    rec.as_ref().and_then(|r| r.get(1)).map(|&b| b as char)
+/// The state of the record of `key`, read on the node that owns its slot.
+fn state_of(cluster: &RedisCluster, key: &str) -> Option<RecordState> {
+    record_state(cluster.record(key).as_deref())
 }
 
 fn owners(cluster: &RedisCluster, keys: &[String]) -> BTreeSet<usize> {
@@ -72,12 +62,10 @@ fn spread_keys(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_under_concurrency_on_every_master() {
-    let cluster = RedisCluster::start();
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace("once")
-        .lease(Duration::from_secs(10))
-        .build();
-    let keys = spread_keys(&cluster, "once", "charge", "order", 120);
+    let ctx = TestContext::redis_cluster().await.with_namespace("once");
+    let cluster = ctx.cluster();
+    let idem = ctx.builder().lease(Duration::from_secs(10)).build();
+    let keys = spread_keys(cluster, "once", "charge", "order", 120);
     let ledger = Ledger::new();
     const TASKS: usize = 64;
 
@@ -132,10 +120,10 @@ async fn exactly_once_under_concurrency_on_every_master() {
             TASKS - 1,
             "{key}: {o:?}"
         );
-        let rec = record(&cluster, &stored_key("once", "charge", key));
+        let rec = cluster.record(&stored_key("once", "charge", key));
         assert_eq!(
-            state_of(&rec),
-            Some('C'),
+            record_state(rec.as_deref()),
+            COMPLETED,
             "{key} is stored as completed on its master"
         );
     }
@@ -146,22 +134,15 @@ async fn replay_case<T>(idem: &Idempotency, ledger: &Ledger, key: &str, first: T
 where
     T: Serialize + DeserializeOwned + PartialEq + Debug + Clone + Send + 'static,
 {
-    let l = ledger.clone();
-    let k = key.to_owned();
-    let v = first.clone();
-    let r = idem
-        .call("replay", key)
-        .run_outcome(|| async move {
-            l.record(&k);
-            Ok::<_, Error>(v)
-        })
-        .await
-        .unwrap();
-    assert_eq!(r, (first.clone(), Outcome::Executed), "{key}");
-    for _ in 0..2 {
+    // The first call runs and stores `first`; two more replay it.
+    let calls = [
+        (first.clone(), Outcome::Executed),
+        (other.clone(), Outcome::Replayed),
+        (other, Outcome::Replayed),
+    ];
+    for (v, expected) in calls {
         let l = ledger.clone();
         let k = key.to_owned();
-        let v = other.clone();
         let r = idem
             .call("replay", key)
             .run_outcome(|| async move {
@@ -170,17 +151,16 @@ where
             })
             .await
             .unwrap();
-        assert_eq!(r, (first.clone(), Outcome::Replayed), "{key}");
+        assert_eq!(r, (first.clone(), expected), "{key}");
     }
     assert_eq!(ledger.count(key), 1, "{key}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_every_value_including_zero_false_unit_none_and_empty() {
-    let cluster = RedisCluster::start();
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace("replay")
-        .build();
+    let ctx = TestContext::redis_cluster().await.with_namespace("replay");
+    let cluster = ctx.cluster();
+    let idem = ctx.idem();
     let ledger = Ledger::new();
     // Several keys per value, so every value is replayed from every master.
     for round in 0..6 {
@@ -222,17 +202,16 @@ async fn replays_every_value_including_zero_false_unit_none_and_empty() {
                 .map(move |n| format!("replay:replay:{n}-{r}"))
         })
         .collect();
-    assert_eq!(owners(&cluster, &stored), BTreeSet::from([0, 1, 2]));
+    assert_eq!(owners(cluster, &stored), BTreeSet::from([0, 1, 2]));
     assert_eq!(ledger.total(), 6 * 9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_releases_the_key_on_every_master() {
-    let cluster = RedisCluster::start();
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace("err")
-        .build();
-    let keys = spread_keys(&cluster, "err", "pay", "k", 24);
+    let ctx = TestContext::redis_cluster().await.with_namespace("err");
+    let cluster = ctx.cluster();
+    let idem = ctx.idem();
+    let keys = spread_keys(cluster, "err", "pay", "k", 24);
     let ledger = Ledger::new();
     for key in &keys {
         let (l, k) = (ledger.clone(), key.clone());
@@ -249,7 +228,7 @@ async fn an_error_releases_the_key_on_every_master() {
         );
         // Released at once (not left to the lease): nothing is stored.
         assert_eq!(
-            record(&cluster, &stored_key("err", "pay", key)),
+            cluster.record(&stored_key("err", "pay", key)),
             None,
             "{key}"
         );
@@ -329,19 +308,17 @@ fn frozen_holder(
 async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
     const NS: &str = "takeover";
     let lease = Duration::from_secs(1);
-    let cluster = RedisCluster::start();
+    let ctx = TestContext::redis_cluster().await.with_namespace(NS);
+    let cluster = ctx.cluster();
     let urls = cluster.urls();
-    let idem = Idempotency::builder(connect(&urls).await)
-        .namespace(NS)
-        .lease(lease)
-        .build();
+    let idem = ctx.builder().lease(lease).build();
 
     // Case 1: A's late complete arrives while B (the new holder) is running.
     let ledger = Ledger::new();
     let key = "while-b-runs";
     let stored = stored_key(NS, "takeover", key);
     let (a, go, a_claimed_at) = frozen_holder(urls.clone(), NS, key, lease, ledger.clone());
-    assert_eq!(state_of(&record(&cluster, &stored)), Some('P'));
+    assert_eq!(state_of(cluster, &stored), PENDING);
     let r: Result<String, Error> = idem
         .call("takeover", key)
         .run(|| async { Ok("C".to_owned()) })
@@ -378,11 +355,7 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
         .unwrap();
     // A's work happened: it gets its own value back, but stores nothing.
     assert_eq!(a_result.unwrap(), ("A".to_owned(), Outcome::Executed));
-    assert_eq!(
-        state_of(&record(&cluster, &stored)),
-        Some('P'),
-        "B still holds the key"
-    );
+    assert_eq!(state_of(cluster, &stored), PENDING, "B still holds the key");
     b_finish_tx.send(()).unwrap();
     assert_eq!(
         b.await.unwrap().unwrap(),
@@ -411,15 +384,15 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
         .unwrap();
     assert!(a_claimed_at.elapsed() >= lease - Duration::from_millis(50));
     assert_eq!((value.as_str(), outcome), ("B", Outcome::Recovered));
-    let before = record(&cluster, &stored);
-    assert_eq!(state_of(&before), Some('C'));
+    let before = cluster.record(&stored);
+    assert_eq!(record_state(before.as_deref()), COMPLETED);
     go.send(()).unwrap();
     let a_result = tokio::task::spawn_blocking(move || a.join().unwrap())
         .await
         .unwrap();
     assert_eq!(a_result.unwrap(), ("A".to_owned(), Outcome::Executed));
     assert_eq!(
-        record(&cluster, &stored),
+        cluster.record(&stored),
         before,
         "A's late complete changed nothing"
     );
@@ -433,11 +406,10 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fingerprint_mismatch_is_refused_pending_or_completed() {
-    let cluster = RedisCluster::start();
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace("fp")
-        .build();
-    let keys = spread_keys(&cluster, "fp", "refund", "r", 12);
+    let ctx = TestContext::redis_cluster().await.with_namespace("fp");
+    let cluster = ctx.cluster();
+    let idem = ctx.idem();
+    let keys = spread_keys(cluster, "fp", "refund", "r", 12);
     let ledger = Ledger::new();
     for key in &keys {
         let req = (key.as_str(), 500u64, "EUR");
@@ -507,11 +479,10 @@ async fn fingerprint_mismatch_is_refused_pending_or_completed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hash_tag_in_the_namespace_or_the_key_co_locates_records() {
-    let cluster = RedisCluster::start();
     let ns = "{tenant-7}";
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace(ns)
-        .build();
+    let ctx = TestContext::redis_cluster().await.with_namespace(ns);
+    let cluster = ctx.cluster();
+    let idem = ctx.idem();
     let keys: Vec<String> = (0..40).map(|i| format!("order-{i}")).collect();
     let stored: Vec<String> = keys
         .iter()
@@ -550,8 +521,8 @@ async fn a_hash_tag_in_the_namespace_or_the_key_co_locates_records() {
     assert_eq!(n, stored.len());
     for s in &stored {
         assert_eq!(
-            state_of(&direct_get(&cluster, owner, s).unwrap()),
-            Some('C'),
+            record_state(cluster.record_on(owner, s).unwrap().as_deref()),
+            COMPLETED,
             "{s}"
         );
     }
@@ -559,7 +530,7 @@ async fn a_hash_tag_in_the_namespace_or_the_key_co_locates_records() {
 
     // A hash tag in the key itself co-locates one customer's keys, across
     // scopes, under a plain namespace.
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
+    let idem = Idempotency::builder(ctx.connect().await)
         .namespace("plain")
         .build();
     let tagged: Vec<(&str, String)> = ["charge", "refund", "notify"]
@@ -577,8 +548,13 @@ async fn a_hash_tag_in_the_namespace_or_the_key_co_locates_records() {
             .unwrap();
         assert_eq!(r, (1, Outcome::Executed));
         assert_eq!(
-            state_of(&direct_get(&cluster, cluster.slot_owner_of(slot), &s).unwrap()),
-            Some('C'),
+            record_state(
+                cluster
+                    .record_on(cluster.slot_owner_of(slot), &s)
+                    .unwrap()
+                    .as_deref()
+            ),
+            COMPLETED,
             "{s}"
         );
     }
@@ -586,12 +562,12 @@ async fn a_hash_tag_in_the_namespace_or_the_key_co_locates_records() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn noscript_after_script_flush_on_every_node_is_recovered() {
-    let cluster = RedisCluster::start();
-    let idem = Idempotency::builder(connect(&cluster.urls()).await)
-        .namespace("noscript")
-        .lease(Duration::from_secs(3))
-        .build();
-    let keys = spread_keys(&cluster, "noscript", "op", "k", 30);
+    let ctx = TestContext::redis_cluster()
+        .await
+        .with_namespace("noscript");
+    let cluster = ctx.cluster();
+    let idem = ctx.builder().lease(Duration::from_secs(3)).build();
+    let keys = spread_keys(cluster, "noscript", "op", "k", 30);
     let ledger = Ledger::new();
     let run = |key: String, value: u32| {
         let (idem, l) = (idem.clone(), ledger.clone());
@@ -616,7 +592,7 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
         for node in cluster.nodes() {
             assert_eq!(node.cli(&["SCRIPT", "FLUSH"]), "OK");
         }
-        noscript_errors(&cluster)
+        noscript_errors(cluster)
     };
     let before = flush_all();
     for (i, key) in keys.iter().enumerate() {
@@ -627,7 +603,7 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
         );
     }
     // NOSCRIPT really happened, for claim and for complete.
-    assert!(noscript_errors(&cluster) >= before + 2);
+    assert!(noscript_errors(cluster) >= before + 2);
     let before = flush_all();
     for (i, key) in keys.iter().enumerate() {
         assert_eq!(
@@ -636,7 +612,7 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
             "{key}"
         );
     }
-    assert!(noscript_errors(&cluster) > before);
+    assert!(noscript_errors(cluster) > before);
     // Release and extend after a flush: an erroring body (release) and a body
     // that outlives a third of its lease (extend) on every master.
     let before = flush_all();
@@ -648,12 +624,12 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
             .await;
         assert!(matches!(r, Err(BodyError::Boom(_))));
         assert_eq!(
-            record(&cluster, &stored_key("noscript", "op", &k)),
+            cluster.record(&stored_key("noscript", "op", &k)),
             None,
             "{k} released"
         );
     }
-    assert!(noscript_errors(&cluster) >= before + 2);
+    assert!(noscript_errors(cluster) >= before + 2);
     let before = flush_all();
     let slow: Vec<_> = keys
         .iter()
@@ -684,7 +660,7 @@ async fn noscript_after_script_flush_on_every_node_is_recovered() {
         assert_eq!(s.await.unwrap().unwrap(), (1, Outcome::Executed));
     }
     // claim, extend and complete each met NOSCRIPT once.
-    assert!(noscript_errors(&cluster) >= before + 3);
+    assert!(noscript_errors(cluster) >= before + 3);
     for key in &keys {
         assert_eq!(ledger.count(key), 1, "{key}");
     }

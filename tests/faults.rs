@@ -6,8 +6,8 @@
 
 use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig, ValueKind};
 use idem_testkit::{
-    BodyError, Ledger, LogCapture, RecordPeek, RecordState, RedisServer, TestContext, eventually,
-    is_typed_store_error, is_unavailable, record_state,
+    BodyError, FaultProxy, Ledger, LogCapture, RecordPeek, RecordState, RedisServer, TestContext,
+    eventually, is_typed_store_error, is_unavailable, record_state,
 };
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -35,17 +35,10 @@ async fn store(url: &str) -> RedisStore {
 const PENDING: Option<RecordState> = Some(RecordState::Pending);
 const COMPLETED: Option<RecordState> = Some(RecordState::Completed(ValueKind::Json));
 
-/// A store behind a `FaultProxy` and one straight to the server: `idem`
-/// goes through the proxy, `other` does not; both use namespace `ns` and
-/// `lease`. `con` reads records on the server directly.
-struct Proxied {
-    ctx: TestContext,
-    idem: Idempotency,
-    other: Idempotency,
-    con: RecordPeek,
-}
-
-async fn proxied(ns: &str, lease: Duration) -> Proxied {
+/// A store behind a `FaultProxy` and one straight to the server: returns
+/// the context, `idem` through the proxy, `other` past it (both with
+/// namespace `ns` and `lease`), and a peek at the records on the server.
+async fn proxied(ns: &str, lease: Duration) -> (TestContext, Idempotency, Idempotency, RecordPeek) {
     let ctx = TestContext::redis_behind_proxy(RedisServer::start(), fast())
         .await
         .with_namespace(ns);
@@ -55,12 +48,7 @@ async fn proxied(ns: &str, lease: Duration) -> Proxied {
         .lease(lease)
         .build();
     let con = ctx.peek().await;
-    Proxied {
-        ctx,
-        idem,
-        other,
-        con,
-    }
+    (ctx, idem, other, con)
 }
 
 /// Waits until `key` exists on the server (the claim has landed).
@@ -73,6 +61,31 @@ async fn landed(con: &mut RecordPeek, key: &str) {
         assert!(Instant::now() < end, "{key} never reached Redis");
         tokio::time::sleep(MS(1)).await;
     }
+}
+
+/// Calls `key` (namespace `f`) through the proxy with 100 ms of latency and,
+/// once its claim has landed on the server, applies `fault` so that no reply
+/// comes back: the call fails with `Unavailable`. Returns when the fault
+/// began.
+async fn reply_lost(
+    idem: &Idempotency,
+    ledger: &Ledger,
+    con: &mut RecordPeek,
+    proxy: &FaultProxy,
+    key: &str,
+    fault: impl FnOnce(&FaultProxy),
+) -> Instant {
+    proxy.set_latency(MS(100));
+    let a = {
+        let (idem, ledger, key) = (idem.clone(), ledger.clone(), key.to_owned());
+        tokio::spawn(async move { call(&idem, &ledger, &key, "A").await })
+    };
+    landed(con, &format!("f:op:{key}")).await;
+    fault(proxy);
+    let fault_at = Instant::now();
+    let r = a.await.unwrap();
+    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    fault_at
 }
 
 /// Calls `key` until it returns a value (the key is no longer stranded),
@@ -123,26 +136,15 @@ async fn call(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
     let lease = Duration::from_secs(1);
-    let Proxied {
-        ctx,
-        idem,
-        other,
-        mut con,
-    } = proxied("f", lease).await;
+    let (ctx, idem, other, mut con) = proxied("f", lease).await;
     let proxy = ctx.proxy();
     let ledger = ctx.ledger().clone();
 
     // The claim reaches Redis; its reply is held by the proxy.
-    proxy.set_latency(MS(100));
-    let a = {
-        let (idem, ledger) = (idem.clone(), ledger.clone());
-        tokio::spawn(async move { call(&idem, &ledger, "stalled", "A").await })
-    };
-    landed(&mut con, "f:op:stalled").await;
-    proxy.stall(true);
-    let landed_at = Instant::now();
-    let r = a.await.unwrap();
-    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    let landed_at = reply_lost(&idem, &ledger, &mut con, proxy, "stalled", |p| {
+        p.stall(true)
+    })
+    .await;
     assert_eq!(
         ledger.count("stalled"),
         0,
@@ -173,15 +175,7 @@ async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
 
     // Stall lifted before the lease: the held re-sent claims and the release
     // land in order, so the key is free again at once (no takeover needed).
-    proxy.set_latency(MS(100));
-    let a = {
-        let (idem, ledger) = (idem.clone(), ledger.clone());
-        tokio::spawn(async move { call(&idem, &ledger, "lifted", "A").await })
-    };
-    landed(&mut con, "f:op:lifted").await;
-    proxy.stall(true);
-    let r = a.await.unwrap();
-    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    reply_lost(&idem, &ledger, &mut con, proxy, "lifted", |p| p.stall(true)).await;
     proxy.stall(false);
     proxy.set_latency(MS(0));
     let (v, o) = until_ok(&idem, &ledger, "lifted", Duration::from_secs(10)).await;
@@ -193,25 +187,14 @@ async fn claim_reply_stalled_no_run_and_the_key_frees_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
     let lease = Duration::from_secs(1);
-    let Proxied {
-        ctx,
-        idem,
-        other,
-        mut con,
-    } = proxied("f", lease).await;
+    let (ctx, idem, other, mut con) = proxied("f", lease).await;
     let proxy = ctx.proxy();
     let ledger = ctx.ledger().clone();
 
-    proxy.set_latency(MS(100));
-    let a = {
-        let (idem, ledger) = (idem.clone(), ledger.clone());
-        tokio::spawn(async move { call(&idem, &ledger, "lost", "A").await })
-    };
-    landed(&mut con, "f:op:lost").await;
-    proxy.blackhole(true);
-    let landed_at = Instant::now();
-    let r = a.await.unwrap();
-    assert!(matches!(r, Err(Error::Unavailable { .. })), "{r:?}");
+    let landed_at = reply_lost(&idem, &ledger, &mut con, proxy, "lost", |p| {
+        p.blackhole(true)
+    })
+    .await;
     assert_eq!(ledger.count("lost"), 0);
     assert_eq!(
         con.state("f:op:lost").await,
@@ -235,12 +218,7 @@ async fn claim_reply_blackholed_no_run_and_the_key_frees_itself() {
             returns another key's value. Needs replies bound to their request (see the reliability report)."]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_replies_never_pair_a_request_with_another_reply() {
-    let Proxied {
-        ctx,
-        idem,
-        other: direct,
-        ..
-    } = proxied("pair", Duration::from_secs(5)).await;
+    let (ctx, idem, direct, _) = proxied("pair", Duration::from_secs(5)).await;
     let proxy = ctx.proxy();
     let ledger = ctx.ledger().clone();
 
@@ -323,12 +301,7 @@ async fn lost_replies_never_pair_a_request_with_another_reply() {
 async fn complete_lost_value_returned_and_recovered_by_takeover() {
     let lease = Duration::from_secs(1);
     let logs = LogCapture::new();
-    let Proxied {
-        ctx,
-        idem,
-        other,
-        mut con,
-    } = proxied("c", lease).await;
+    let (ctx, idem, other, mut con) = proxied("c", lease).await;
     let proxy = ctx.proxy();
     let ledger = ctx.ledger().clone();
 
@@ -408,12 +381,7 @@ async fn complete_lost_value_returned_and_recovered_by_takeover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_lost_error_returned_and_the_key_frees_itself() {
     let lease = Duration::from_secs(1);
-    let Proxied {
-        ctx,
-        idem,
-        other,
-        mut con,
-    } = proxied("r", lease).await;
+    let (ctx, idem, other, mut con) = proxied("r", lease).await;
     let proxy = ctx.proxy();
     let ledger = ctx.ledger().clone();
 

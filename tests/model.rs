@@ -13,10 +13,8 @@
 //! ≥ 150 ms in the past (a sleep since). Long durations (5 s leases, 60 s
 //! TTLs) outlive a whole sequence.
 
-use idem::{
-    Claim, ClaimReply, Fingerprint, MemoryStore, RedisStore, Store, Token, ValueKind, WriteReply,
-};
-use idem_testkit::RedisServer;
+use idem::{Claim, ClaimReply, Fingerprint, MemoryStore, Store, Token, ValueKind, WriteReply};
+use idem_testkit::TestContext;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use std::time::{Duration, Instant};
@@ -210,12 +208,8 @@ fn same(mem: &Reply, red: &Reply) -> bool {
     }
 }
 
-async fn run_case(
-    ops: &[Op],
-    redis: &RedisStore,
-    server: &RedisServer,
-) -> Result<(), TestCaseError> {
-    server.flushall();
+async fn run_case(ops: &[Op], redis: &TestContext) -> Result<(), TestCaseError> {
+    redis.server().flushall();
     let memory = MemoryStore::new();
     let mut log = Vec::new();
     // Every sequence ends with a probe of each key by an outsider token, so
@@ -233,7 +227,7 @@ async fn run_case(
             tokio::time::sleep(ADVANCE).await;
         }
         let mem = step(&memory, op).await;
-        let red = step(redis, op).await;
+        let red = step(redis.store(), op).await;
         let (mem, red) = match (mem, red) {
             (Ok(m), Ok(r)) => (m, r),
             (m, r) => {
@@ -266,16 +260,19 @@ async fn run_case(
     Ok(())
 }
 
-#[test]
-fn memory_and_redis_stores_are_one_state_machine() {
-    let server = RedisServer::start();
+/// A private Redis, and the runtime that drives both stores.
+fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let redis = rt
-        .block_on(RedisStore::connect(&server.url()))
-        .expect("connect to the test Redis");
+    let redis = rt.block_on(TestContext::redis());
+    (rt, redis)
+}
+
+#[test]
+fn memory_and_redis_stores_are_one_state_machine() {
+    let (rt, redis) = runtime_and_redis();
     // IDEM_MODEL_CASES=500 for a longer hunt; 24 keeps CI under a minute.
     let cases = std::env::var("IDEM_MODEL_CASES")
         .ok()
@@ -289,7 +286,7 @@ fn memory_and_redis_stores_are_one_state_machine() {
     };
     let mut runner = TestRunner::new(config);
     let started = Instant::now();
-    let result = runner.run(&ops(), |ops| rt.block_on(run_case(&ops, &redis, &server)));
+    let result = runner.run(&ops(), |ops| rt.block_on(run_case(&ops, &redis)));
     if let Err(e) = result {
         panic!("MemoryStore and RedisStore diverge: {e}");
     }
@@ -301,14 +298,7 @@ fn memory_and_redis_stores_are_one_state_machine() {
 #[test]
 fn memory_and_redis_agree_on_every_transition() {
     use Op::*;
-    let server = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = rt
-        .block_on(RedisStore::connect(&server.url()))
-        .expect("connect to the test Redis");
+    let (rt, redis) = runtime_and_redis();
     let claim = |key, token, fp, long_ttl| Claim {
         key,
         token,
@@ -444,7 +434,7 @@ fn memory_and_redis_agree_on_every_transition() {
         ],
     ];
     for ops in sequences {
-        rt.block_on(run_case(&ops, &redis, &server))
+        rt.block_on(run_case(&ops, &redis))
             .unwrap_or_else(|e| panic!("{e}"));
     }
 }

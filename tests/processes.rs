@@ -5,31 +5,19 @@
 //! truth: exactly one run per key, and after `SIGKILL` of holders mid-body,
 //! exactly one more run for each key a dead holder had, after its lease.
 
-mod reliability_support;
-
 use idem::{Error, Idempotency, RedisStore};
-use idem_testkit::RedisServer;
-use reliability_support::Rng;
+use idem_testkit::{FileLedger, RedisServer, Rng, unix_ms};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::OpenOptions;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// What a body returns: which key, and which process ran it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Receipt {
     key: String,
     pid: u32,
-}
-
-fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
 }
 
 // ---------------------------------------------------------------- worker side
@@ -84,17 +72,9 @@ fn worker() {
     std::process::exit(0);
 }
 
-/// Appends one line to the ledger: its own `open(O_APPEND)` and one `write`,
-/// so lines from concurrent processes never interleave.
-fn ledger_append(dir: &Path, key: &str) {
-    let line = format!("{key} {} {}\n", std::process::id(), now_ms());
-    let mut f = OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(dir.join("ledger"))
-        .unwrap();
-    let n = f.write(line.as_bytes()).unwrap();
-    assert_eq!(n, line.len(), "short append to the ledger");
+/// The ledger every process of a test appends its runs to.
+fn ledger(dir: &Path) -> FileLedger {
+    FileLedger::at(dir.join("ledger"))
 }
 
 async fn run_worker(cfg: WorkerConfig) {
@@ -128,13 +108,13 @@ async fn hammer(cfg: &WorkerConfig, idem: &Idempotency, mut keys: Vec<String>) {
     let mut out = String::new();
     for key in keys {
         let pause = rng.below(3);
-        let dir = cfg.dir.clone();
+        let ledger = ledger(&cfg.dir);
         let k = key.clone();
         let r = idem
             .call("op", &key)
             .wait(Duration::from_secs(30))
             .run_outcome(|| async move {
-                ledger_append(&dir, &k);
+                ledger.record(&k);
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 Ok::<_, Error>(Receipt {
                     key: k,
@@ -164,12 +144,12 @@ async fn victim(cfg: &WorkerConfig, idem: &Idempotency, keys: Vec<String>) {
         Rng::new(cfg.seed * 10 + t).shuffle(&mut keys);
         tasks.push(tokio::spawn(async move {
             for key in keys {
-                let dir = dir.clone();
+                let ledger = ledger(&dir);
                 let k = key.clone();
                 let _ = idem
                     .call("op", &key)
                     .run(|| async move {
-                        ledger_append(&dir, &k);
+                        ledger.record(&k);
                         tokio::time::sleep(Duration::from_secs(600)).await;
                         Ok::<_, Error>(Receipt {
                             key: k,
@@ -200,7 +180,7 @@ impl Rig {
         let dir = std::env::temp_dir().join(format!(
             "idem-processes-{tag}-{}-{}",
             std::process::id(),
-            now_ms()
+            unix_ms()
         ));
         std::fs::create_dir_all(&dir).unwrap();
         Rig {
@@ -280,17 +260,10 @@ impl Rig {
 
     /// Ledger lines as (key, pid, ms).
     fn ledger(&self) -> Vec<(String, u32, u128)> {
-        let text = std::fs::read_to_string(self.dir.join("ledger")).unwrap_or_default();
-        text.lines()
-            .map(|l| {
-                let f: Vec<&str> = l.split(' ').collect();
-                assert_eq!(f.len(), 3, "torn ledger line {l:?}");
-                (
-                    f[0].to_owned(),
-                    f[1].parse().unwrap(),
-                    f[2].parse().unwrap(),
-                )
-            })
+        ledger(&self.dir)
+            .runs()
+            .into_iter()
+            .map(|r| (r.key, r.pid, r.unix_ms))
             .collect()
     }
 
@@ -430,7 +403,7 @@ fn sigkilled_holders_lose_their_keys_after_the_lease_and_nothing_else_runs_twice
     std::thread::sleep(lease * 2);
     let alive_ledger = rig.ledger();
     // ...then the victims die mid-body.
-    let killed_at = now_ms();
+    let killed_at = unix_ms();
     for name in &victims {
         rig.kill(name);
     }

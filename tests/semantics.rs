@@ -2,10 +2,10 @@
 //! MemoryStore: both stores must behave as one state machine.
 
 use idem::{
-    Claim, ClaimReply, Error, FailMode, Idempotency, MemoryStore, Outcome, RedisStore, Store,
-    Token, ValueKind, WriteReply,
+    Claim, ClaimReply, Error, FailMode, Idempotency, Outcome, RedisStore, Token, ValueKind,
+    WriteReply,
 };
-use idem_testkit::RedisServer;
+use idem_testkit::{RedisServer, TestContext};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Debug;
@@ -14,54 +14,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
-/// A store under test, with what the Redis-only tests need.
-struct Backend {
-    redis: Option<RedisServer>,
-    store: Arc<dyn StoreClone>,
+/// The store under test: a private Redis, every key in namespace `test`.
+async fn redis() -> TestContext {
+    TestContext::redis().await.with_namespace("test")
 }
 
-/// A store that can be cloned into a builder.
-trait StoreClone: Send + Sync {
-    fn builder(&self) -> idem::IdempotencyBuilder;
-    fn as_store(&self) -> &dyn Store;
-}
-
-impl<S: Store + Clone> StoreClone for S {
-    fn builder(&self) -> idem::IdempotencyBuilder {
-        Idempotency::builder(self.clone())
-    }
-    fn as_store(&self) -> &dyn Store {
-        self
-    }
-}
-
-impl Backend {
-    async fn redis() -> Backend {
-        let server = RedisServer::start();
-        let store = RedisStore::connect(&server.url()).await.expect("connect");
-        Backend {
-            redis: Some(server),
-            store: Arc::new(store),
-        }
-    }
-
-    fn memory() -> Backend {
-        Backend {
-            redis: None,
-            store: Arc::new(MemoryStore::new()),
-        }
-    }
-
-    fn idem(&self) -> Idempotency {
-        self.store.builder().namespace("test").build()
-    }
-
-    fn with(
-        &self,
-        f: impl FnOnce(idem::IdempotencyBuilder) -> idem::IdempotencyBuilder,
-    ) -> Idempotency {
-        f(self.store.builder().namespace("test")).build()
-    }
+/// The store under test: an empty `MemoryStore`, namespace `test`.
+fn memory() -> TestContext {
+    TestContext::memory().with_namespace("test")
 }
 
 /// Runs each listed test against Redis and against MemoryStore.
@@ -70,11 +30,11 @@ macro_rules! both_stores {
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn redis() {
-                super::$name(super::Backend::redis().await).await;
+                super::$name(super::redis().await).await;
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn memory() {
-                super::$name(super::Backend::memory()).await;
+                super::$name(super::memory()).await;
             }
         }
     )*};
@@ -102,7 +62,7 @@ both_stores!(
 
 type Res<T> = Result<T, Error>;
 
-async fn exactly_once_64_tasks(b: Backend) {
+async fn exactly_once_64_tasks(b: TestContext) {
     let idem = b.idem();
     let runs = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
@@ -187,7 +147,7 @@ struct Receipt {
     tags: Vec<String>,
 }
 
-async fn replays_every_value(b: Backend) {
+async fn replays_every_value(b: TestContext) {
     let idem = b.idem();
     replay_one(&idem, "zero", 0u64).await;
     replay_one(&idem, "false", false).await;
@@ -210,7 +170,7 @@ async fn replays_every_value(b: Backend) {
     .await;
 }
 
-async fn err_releases(b: Backend) {
+async fn err_releases(b: TestContext) {
     let idem = b.idem();
     let r: Result<u32, Declined> = idem
         .call("err", "k")
@@ -235,7 +195,7 @@ impl From<Error> for Declined {
     }
 }
 
-async fn panic_releases(b: Backend) {
+async fn panic_releases(b: TestContext) {
     let idem = b.idem();
     let i2 = idem.clone();
     let joined = tokio::spawn(async move {
@@ -259,9 +219,9 @@ async fn panic_releases(b: Backend) {
     assert_eq!((v, o), (2, Outcome::Executed));
 }
 
-async fn cancellation_releases_at_once(b: Backend) {
+async fn cancellation_releases_at_once(b: TestContext) {
     // A 60 s lease: anything that frees the key sooner is the release.
-    let idem = b.with(|x| x.lease(Duration::from_secs(60)));
+    let idem = b.idem_with(|x| x.lease(Duration::from_secs(60)));
     let (entered_tx, entered_rx) = oneshot::channel();
     let i2 = idem.clone();
     let task = tokio::spawn(async move {
@@ -295,9 +255,9 @@ async fn cancellation_releases_at_once(b: Backend) {
     }
 }
 
-async fn frozen_holder_is_taken_over_and_late_complete_refused(b: Backend) {
+async fn frozen_holder_is_taken_over_and_late_complete_refused(b: TestContext) {
     let lease = Duration::from_millis(300);
-    let idem = b.with(|x| x.lease(lease));
+    let idem = b.idem_with(|x| x.lease(lease));
     let gate = Arc::new(Notify::new());
     let g2 = gate.clone();
     let mut old = Box::pin(idem.call("frozen", "k").run_outcome(move || async move {
@@ -338,9 +298,9 @@ async fn frozen_holder_is_taken_over_and_late_complete_refused(b: Backend) {
     assert_eq!((v.as_str(), o), ("new holder", Outcome::Replayed));
 }
 
-async fn keep_alive_holds_the_key_past_the_lease(b: Backend) {
+async fn keep_alive_holds_the_key_past_the_lease(b: TestContext) {
     let lease = Duration::from_millis(300);
-    let idem = b.with(|x| x.lease(lease));
+    let idem = b.idem_with(|x| x.lease(lease));
     let runs = Arc::new(AtomicUsize::new(0));
     let (i2, r2) = (idem.clone(), runs.clone());
     let first = tokio::spawn(async move {
@@ -369,7 +329,7 @@ async fn keep_alive_holds_the_key_past_the_lease(b: Backend) {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-async fn wait_gets_the_first_result(b: Backend) {
+async fn wait_gets_the_first_result(b: TestContext) {
     let idem = b.idem();
     let runs = Arc::new(AtomicUsize::new(0));
     let (i2, r2) = (idem.clone(), runs.clone());
@@ -416,8 +376,8 @@ async fn wait_gets_the_first_result(b: Backend) {
     slow.await.unwrap().unwrap();
 }
 
-async fn wait_takes_over_from_a_dead_holder(b: Backend) {
-    let idem = b.with(|x| x.lease(Duration::from_millis(300)));
+async fn wait_takes_over_from_a_dead_holder(b: TestContext) {
+    let idem = b.idem_with(|x| x.lease(Duration::from_millis(300)));
     let mut dead = Box::pin(idem.call("dead", "k").run(|| async {
         std::future::pending::<()>().await;
         Res::Ok(0u8)
@@ -438,7 +398,7 @@ async fn wait_takes_over_from_a_dead_holder(b: Backend) {
     assert_eq!((v, o), (9, Outcome::Recovered));
 }
 
-async fn fingerprint_mismatch(b: Backend) {
+async fn fingerprint_mismatch(b: TestContext) {
     let idem = b.idem();
     let body = |n: u32| move || async move { Res::Ok(n) };
     assert_eq!(
@@ -483,8 +443,8 @@ async fn fingerprint_mismatch(b: Backend) {
     holder.await.unwrap().unwrap();
 }
 
-async fn ttl_expiry_runs_again(b: Backend) {
-    let idem = b.with(|x| {
+async fn ttl_expiry_runs_again(b: TestContext) {
+    let idem = b.idem_with(|x| {
         x.result_ttl(Duration::from_millis(400))
             .lease(Duration::from_millis(200))
     });
@@ -507,9 +467,9 @@ async fn ttl_expiry_runs_again(b: Backend) {
     assert_eq!(long(2).await.unwrap(), (1, Outcome::Replayed));
 }
 
-async fn namespace_and_scope_isolation(b: Backend) {
-    let a = b.with(|x| x.namespace("svc-a"));
-    let other = b.with(|x| x.namespace("svc-b"));
+async fn namespace_and_scope_isolation(b: TestContext) {
+    let a = b.idem_with(|x| x.namespace("svc-a"));
+    let other = b.idem_with(|x| x.namespace("svc-b"));
     let run = |idem: &Idempotency, scope: &'static str, n: u32| {
         let idem = idem.clone();
         async move {
@@ -528,7 +488,7 @@ async fn namespace_and_scope_isolation(b: Backend) {
     assert_eq!(run(&other, "charge", 6).await, (2, Outcome::Replayed));
 }
 
-async fn awkward_keys_work(b: Backend) {
+async fn awkward_keys_work(b: TestContext) {
     let idem = b.idem();
     let keys = [
         "{tag}",
@@ -554,7 +514,7 @@ async fn awkward_keys_work(b: Backend) {
     }
 }
 
-async fn bad_keys_refused_before_the_body(b: Backend) {
+async fn bad_keys_refused_before_the_body(b: TestContext) {
     let idem = b.idem();
     let runs = AtomicUsize::new(0);
     let long = "x".repeat(256);
@@ -576,7 +536,7 @@ async fn bad_keys_refused_before_the_body(b: Backend) {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
 
-async fn stored_type_mismatch_is_codec(b: Backend) {
+async fn stored_type_mismatch_is_codec(b: TestContext) {
     let idem = b.idem();
     idem.call("types", "k")
         .run(|| async { Res::Ok(7u32) })
@@ -598,8 +558,8 @@ async fn stored_type_mismatch_is_codec(b: Backend) {
     }
 }
 
-async fn same_token_resend_is_acquired_again(b: Backend) {
-    let store = b.store.as_store();
+async fn same_token_resend_is_acquired_again(b: TestContext) {
+    let store = b.store();
     let (a, other) = (Token::from_u128(1), Token::from_u128(2));
     let claim = |token| Claim {
         key: "raw:resend",
@@ -627,8 +587,8 @@ async fn same_token_resend_is_acquired_again(b: Backend) {
     );
 }
 
-async fn late_writes_by_old_owner_are_refused(b: Backend) {
-    let store = b.store.as_store();
+async fn late_writes_by_old_owner_are_refused(b: TestContext) {
+    let store = b.store();
     let (old, new) = (Token::from_u128(1), Token::from_u128(2));
     let claim = |token| Claim {
         key: "raw:late",
@@ -729,8 +689,8 @@ fn exactly_once_across_16_runtimes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_records_and_wrong_types_are_corrupt() {
-    let b = Backend::redis().await;
-    let server = b.redis.as_ref().unwrap();
+    let b = redis().await;
+    let server = b.server();
     let idem = b.idem();
     let runs = AtomicUsize::new(0);
     server.cli(&["SET", "test:raw:garbage", "not an idem record"]);
@@ -766,7 +726,7 @@ async fn corrupt_records_and_wrong_types_are_corrupt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_fails_closed_then_recovers() {
-    let mut b = Backend::redis().await;
+    let mut b = redis().await;
     let idem = b.idem();
     let runs = Arc::new(AtomicUsize::new(0));
     let body = |runs: Arc<AtomicUsize>| {
@@ -779,7 +739,7 @@ async fn redis_down_fails_closed_then_recovers() {
         .run(body(runs.clone()))
         .await
         .unwrap();
-    b.redis.as_mut().unwrap().kill();
+    b.server_mut().kill();
     let r = idem.call("down", "k").run(body(runs.clone())).await;
     match r {
         Err(Error::Unavailable { op, .. }) => assert_eq!(op, "claim"),
@@ -791,7 +751,7 @@ async fn redis_down_fails_closed_then_recovers() {
         "the body must not run while Redis is down"
     );
 
-    b.redis.as_mut().unwrap().restart();
+    b.server_mut().restart();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         match idem.call("down", "k").run_outcome(body(runs.clone())).await {
@@ -810,9 +770,9 @@ async fn redis_down_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_runs_unprotected_when_redis_is_down() {
-    let mut b = Backend::redis().await;
-    let idem = b.with(|x| x.fail_mode(FailMode::Open));
-    b.redis.as_mut().unwrap().kill();
+    let mut b = redis().await;
+    let idem = b.idem_with(|x| x.fail_mode(FailMode::Open));
+    b.server_mut().kill();
     let (v, o) = idem
         .call("open", "k")
         .run_outcome(|| async { Res::Ok(3u8) })
@@ -823,8 +783,8 @@ async fn fail_open_runs_unprotected_when_redis_is_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_script_flush() {
-    let b = Backend::redis().await;
-    let server = b.redis.as_ref().unwrap();
+    let b = redis().await;
+    let server = b.server();
     let idem = b.idem();
     let run = |key: &'static str, n: u8| {
         idem.call("flush", key)
@@ -846,24 +806,24 @@ async fn survives_script_flush() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completed_record_is_compact() {
-    let b = Backend::redis().await;
-    let server = b.redis.as_ref().unwrap();
+    let b = redis().await;
+    let server = b.server();
     let idem = b.idem();
     idem.call("s", "k")
         .run(|| async { Res::Ok(12345u32) })
         .await
         .unwrap();
-    let raw = server.cli(&["GET", "test:s:k"]);
-    // "1" + "C" + fingerprint length 0 (a NUL, dropped by the shell) + value.
-    assert_eq!(raw.replace('\0', ""), "1C12345");
+    let raw = b.record("test:s:k").expect("the record");
+    // "1" + "C" + fingerprint length 0 + value.
+    assert_eq!(raw, b"1C\x0012345");
     let ttl: i64 = server.cli(&["PTTL", "test:s:k"]).parse().unwrap();
     assert!(ttl > 23 * 3600 * 1000, "default TTL is 24 h, got {ttl} ms");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_cache_replays_without_redis_and_expires_with_the_record() {
-    let mut b = Backend::redis().await;
-    let idem = b.with(|x| {
+    let mut b = redis().await;
+    let idem = b.idem_with(|x| {
         x.local_cache(1000)
             .result_ttl(Duration::from_millis(1500))
             .lease(Duration::from_millis(500))
@@ -883,7 +843,7 @@ async fn local_cache_replays_without_redis_and_expires_with_the_record() {
     };
     assert_eq!(call("hot", 1).await.unwrap(), (1, Outcome::Executed));
     // Redis gone: the hot key still replays, from this process's cache.
-    b.redis.as_mut().unwrap().kill();
+    b.server_mut().kill();
     assert_eq!(call("hot", 2).await.unwrap(), (1, Outcome::Replayed));
     let mismatch = idem
         .call("cached", "hot")

@@ -1,17 +1,51 @@
 //! Test support for `idem`: real `redis-server` processes, 3-master Redis
-//! clusters and a fault-injecting TCP proxy.
+//! clusters, a fault-injecting TCP proxy, and the one context every test
+//! builds on.
 //!
 //! This crate is dev-only (`publish = false`). It is used by the integration
 //! tests and benchmarks of the other crates in the workspace. Every setup
 //! failure panics with a clear message (including the tail of the server log
 //! where one exists): that is the right behaviour for test support code.
 //!
+//! * [`TestContext`]: a private server, a store on it (or a `MemoryStore`),
+//!   idem over that store and a [`Ledger`]; optionally a [`FaultProxy`]
+//!   between store and server.
+//! * [`Ledger`] and [`FileLedger`]: exact counts of body runs per key, across
+//!   tasks, and across OS processes through an `O_APPEND` file; [`Runs`]
+//!   when a plain count is enough.
+//! * [`LogCapture`]: what idem logs, captured to assert on.
+//! * [`RecordState`], [`RecordPeek`], [`RedisServer::record`],
+//!   [`RedisCluster::record`]: the one place tests read stored records.
+//! * [`eventually`], [`Rng`], [`BodyError`]: polling without timing
+//!   assertions, deterministic shuffles, a body error type.
 //! * [`RedisServer`]: one `redis-server` on a free port of `127.0.0.1`, no
 //!   persistence, files in a temporary directory, killed on drop.
 //! * [`RedisCluster`]: three such servers formed into a real cluster of three
 //!   masters (no replicas), with helpers to restart a node and move a slot.
 //! * [`FaultProxy`]: a TCP proxy that can add latency, stall, blackhole,
 //!   drop or refuse connections.
+//!
+//! ```no_run
+//! use idem_testkit::TestContext;
+//!
+//! # async fn demo() {
+//! let ctx = TestContext::redis().await.with_namespace("test");
+//! let idem = ctx.idem();
+//! let ledger = ctx.ledger().clone();
+//! let v: u32 = idem
+//!     .call("charge", "order-1")
+//!     .run(|| async move {
+//!         ledger.record("order-1");
+//!         Ok::<_, idem_core::Error>(500)
+//!     })
+//!     .await
+//!     .unwrap();
+//! assert_eq!((v, ctx.ledger().count("order-1")), (500, 1));
+//! assert!(ctx.record_state("test:charge:order-1").is_some_and(|s| s.is_completed()));
+//! # }
+//! ```
+//!
+//! The lower-level pieces work on their own too:
 //!
 //! ```no_run
 //! use idem_testkit::{FaultProxy, RedisServer};
@@ -25,12 +59,28 @@
 #![warn(missing_docs)]
 
 mod cluster;
+mod context;
+mod errors;
+mod ledger;
+mod logs;
+mod poll;
 mod proxy;
+mod record;
+mod rng;
+mod runs;
 mod server;
 mod spawn;
 
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
+pub use context::TestContext;
+pub use errors::{BodyError, is_typed_store_error, is_unavailable};
+pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};
+pub use logs::LogCapture;
+pub use poll::eventually;
 pub use proxy::FaultProxy;
+pub use record::{RecordPeek, RecordState, record_state};
+pub use rng::Rng;
+pub use runs::Runs;
 pub use server::RedisServer;
 
 use std::collections::HashSet;
