@@ -54,7 +54,7 @@ pub(crate) enum ScopeArg {
 }
 
 /// The parsed arguments. Only `key` is required; the checks for that and for
-/// the relation to the function live in `expand`.
+/// the relation to the function live in `check`.
 #[derive(Debug, Default)]
 pub(crate) struct Args {
     /// Names given so far, valid values or not, to report duplicates.
@@ -90,6 +90,17 @@ impl Errors {
 
     pub fn into_result(self) -> syn::Result<()> {
         self.0.map_or(Ok(()), Err)
+    }
+
+    /// Every error so far, followed by `last`.
+    pub fn ending_with(self, last: syn::Error) -> syn::Error {
+        match self.0 {
+            Some(mut all) => {
+                all.combine(last);
+                all
+            }
+            None => last,
+        }
     }
 }
 

@@ -5,8 +5,10 @@
 //! that instead).
 
 mod args;
+mod check;
 mod crate_path;
 mod expand;
+mod generate;
 
 use proc_macro::TokenStream;
 
