@@ -202,6 +202,15 @@ async fn panic_body(State(c): State<Counters>) -> Response {
     Body::from_stream(chunks).into_response()
 }
 
+/// A body whose stream fails on its first poll.
+async fn failing_body(State(c): State<Counters>) -> Response {
+    c.runs.fetch_add(1, SeqCst);
+    let chunks = futures_util::stream::iter([Err::<Bytes, _>(std::io::Error::other(
+        "the database went away (test)",
+    ))]);
+    Body::from_stream(chunks).into_response()
+}
+
 /// 401 unless `Authorization: Bearer good`.
 async fn guarded(State(c): State<Counters>, headers: HeaderMap) -> Response {
     let n = c.runs.fetch_add(1, SeqCst) + 1;
@@ -257,6 +266,7 @@ fn routes(c: &Counters) -> Router {
         .route("/endless", post(endless))
         .route("/gated", post(gated))
         .route("/panic-body", post(panic_body))
+        .route("/failing-body", post(failing_body))
         .route("/guarded", post(guarded))
         .route("/claimed", post(claimed))
         .route(
@@ -1451,4 +1461,13 @@ async fn credential_headers_are_configurable() {
     assert!(a2.replayed());
     assert_eq!(a2.body, a.body);
     assert_eq!(h.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_response_body_is_a_500_and_releases_the_key() {
+    let h = Harness::start(|l| l).await;
+    let a = send(h.post("/failing-body", "fb-1")).await;
+    a.assert_problem(500, "response-failed");
+    assert_eq!(h.runs(), 1);
+    assert!(h.key_is_free("fb-1").await);
 }
