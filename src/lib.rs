@@ -46,3 +46,9 @@ pub use idem_client as client;
 /// The `Idempotency-Key` tower layer (feature `http`); see [`idem_http`].
 #[cfg(feature = "http")]
 pub use idem_http as http;
+
+/// Exactly-once message consumers: the broker-agnostic core and the Redis
+/// Streams, NATS JetStream and RabbitMQ adapters (feature `consumer`, plus
+/// `redis-streams`, `nats`, `rabbitmq`); see [`idem_consumer`].
+#[cfg(feature = "consumer")]
+pub use idem_consumer as consumer;

@@ -1,0 +1,443 @@
+//! The broker-agnostic core: one message (or a batch) through idem, and the
+//! decision that follows.
+
+use crate::decision::{AllRetryable, Classify, DeadLetterReason, Decision, ErrorClass};
+use crate::message::{KeySource, Message};
+use idem_core::{Error, Idempotency, Outcome};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+/// What happened to one message: the decision for the broker, and what idem
+/// did.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Handled<T> {
+    /// What the adapter tells the broker.
+    pub decision: Decision,
+    /// What idem did, when the call reached it: `Executed` (the handler ran),
+    /// `Replayed` (a duplicate: the stored result), `Recovered`, …
+    pub outcome: Option<Outcome>,
+    /// The handler's value (run now, or replayed).
+    pub value: Option<T>,
+    /// The idempotency key, when one could be made.
+    pub key: Option<String>,
+    /// In a batch: the index of an earlier copy of this message (same key
+    /// and payload) that was handled instead of this one.
+    pub duplicate_of: Option<usize>,
+}
+
+impl<T> Handled<T> {
+    fn decided(decision: Decision, key: Option<String>) -> Handled<T> {
+        Handled {
+            decision,
+            outcome: None,
+            value: None,
+            key,
+            duplicate_of: None,
+        }
+    }
+}
+
+/// Why the body of an idem call did not return a value.
+enum Failure<E> {
+    Idem(Error),
+    Handler(E),
+    /// The delivery limit was passed: the body declines to run, so the key
+    /// is released untouched (a completed key still replays and acks).
+    OverLimit,
+}
+
+impl<E> From<Error> for Failure<E> {
+    fn from(e: Error) -> Self {
+        Failure::Idem(e)
+    }
+}
+
+/// Runs message handlers through idem and decides ack / nack / dead-letter.
+///
+/// `C` classifies handler errors ([`AllRetryable`] by default; any
+/// `Fn(&E) -> ErrorClass`, or [`ByTrait`](crate::ByTrait)).
+///
+/// ```
+/// use idem_consumer::{Consumer, Decision, ErrorClass, Message};
+/// use idem_core::{Idempotency, MemoryStore, Outcome};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).namespace("orders").build();
+/// let consumer = Consumer::new(idem, "orders.charge")
+///     .max_deliveries(5)
+///     .classify(|e: &String| ErrorClass::from_retryable(!e.starts_with("declined")));
+///
+/// let charge = |m: Message| async move {
+///     let order: serde_json::Value = m.json().map_err(|e| e.to_string())?;
+///     Ok::<u64, String>(order["amount"].as_u64().unwrap_or(0))
+/// };
+/// let msg = Message::new(r#"{"order":"o-1","amount":500}"#).with_id("o-1");
+/// let first = consumer.handle(&msg, &charge).await;
+/// let again = consumer.handle(&msg.clone().with_delivery_count(2), &charge).await;
+/// assert_eq!((first.decision, first.outcome), (Decision::Ack, Some(Outcome::Executed)));
+/// assert_eq!((again.decision, again.outcome), (Decision::Ack, Some(Outcome::Replayed)));
+/// # });
+/// ```
+#[derive(Clone)]
+pub struct Consumer<C = AllRetryable> {
+    idem: Idempotency,
+    scope: Arc<str>,
+    keys: KeySource,
+    fingerprint: bool,
+    max_deliveries: u32,
+    backoff_initial: Duration,
+    backoff_max: Duration,
+    wait: Option<Duration>,
+    ttl: Option<Duration>,
+    concurrency: usize,
+    classifier: Arc<C>,
+}
+
+impl<C> fmt::Debug for Consumer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("scope", &self.scope)
+            .field("keys", &self.keys)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Consumer<AllRetryable> {
+    /// A consumer running handlers through `idem` under `scope` (the name of
+    /// the operation, part of every key: one per kind of message handled).
+    ///
+    /// Defaults: keys from the message id or else the payload, payload
+    /// fingerprints on, 5 deliveries at most, backoff 500 ms doubling to
+    /// 30 s, no waiting for in-flight duplicates, 16 messages at a time in a
+    /// batch, every handler error retryable.
+    pub fn new(idem: Idempotency, scope: &str) -> Consumer<AllRetryable> {
+        Consumer {
+            idem,
+            scope: Arc::from(scope),
+            keys: KeySource::default(),
+            fingerprint: true,
+            max_deliveries: 5,
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(30),
+            wait: None,
+            ttl: None,
+            concurrency: 16,
+            classifier: Arc::new(AllRetryable),
+        }
+    }
+}
+
+impl<C> Consumer<C> {
+    /// Where keys come from (default [`KeySource::IdOrPayload`]).
+    pub fn keys(mut self, keys: KeySource) -> Self {
+        self.keys = keys;
+        self
+    }
+
+    /// Whether to fingerprint payloads (default on): a message id reused
+    /// for another payload is then dead-lettered instead of acked as a
+    /// duplicate. Turn it off when producers legitimately re-send an id with
+    /// changed content (and exclude the changing fields instead where you can).
+    pub fn fingerprint(mut self, on: bool) -> Self {
+        self.fingerprint = on;
+        self
+    }
+
+    /// Deliveries before a message that keeps failing is dead-lettered
+    /// (default 5; at least 1). A delivery past the limit does not run the
+    /// handler, but a message whose work is already done is still acked.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// Nack delays: `initial` after the first failed delivery, doubling up
+    /// to `max` (defaults 500 ms and 30 s).
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.backoff_initial = initial;
+        self.backoff_max = max.max(initial);
+        self
+    }
+
+    /// Wait up to `d` for a duplicate that another consumer is running, then
+    /// ack with its result, instead of nacking at once.
+    pub fn wait(mut self, d: Duration) -> Self {
+        self.wait = Some(d);
+        self
+    }
+
+    /// How long results (and so duplicate detection) last; default the
+    /// runtime's `result_ttl`. Keep it longer than the broker's redelivery
+    /// horizon.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+
+    /// Messages of one batch handled at once (default 16; at least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// How handler errors are classified.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use idem_consumer::{Consumer, ErrorClass};
+    /// let c = Consumer::new(idem, "s").classify(|_: &std::io::Error| ErrorClass::Permanent);
+    /// ```
+    pub fn classify<C2>(self, classifier: C2) -> Consumer<C2> {
+        Consumer {
+            idem: self.idem,
+            scope: self.scope,
+            keys: self.keys,
+            fingerprint: self.fingerprint,
+            max_deliveries: self.max_deliveries,
+            backoff_initial: self.backoff_initial,
+            backoff_max: self.backoff_max,
+            wait: self.wait,
+            ttl: self.ttl,
+            concurrency: self.concurrency,
+            classifier: Arc::new(classifier),
+        }
+    }
+
+    /// The idem runtime.
+    pub fn idem(&self) -> &Idempotency {
+        &self.idem
+    }
+
+    /// The scope every key is stored under.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The configured delivery limit.
+    pub fn delivery_limit(&self) -> u32 {
+        self.max_deliveries
+    }
+
+    /// Messages handled at once in a batch.
+    pub fn batch_concurrency(&self) -> usize {
+        self.concurrency
+    }
+
+    /// How often adapters tell the broker a message is still being worked
+    /// on: a third of idem's lease, the period of idem's own keep-alive.
+    pub fn keep_alive_period(&self) -> Duration {
+        self.idem.lease() / 3
+    }
+
+    /// The key of `msg` under this consumer's key source.
+    pub fn key_of(&self, msg: &Message) -> Result<String, crate::ConsumerError> {
+        self.keys.key(msg)
+    }
+
+    /// The fingerprint stored with `msg`'s key.
+    pub(crate) fn fingerprint_of(&self, msg: &Message) -> idem_core::Fingerprint {
+        self.keys.fingerprint(msg)
+    }
+
+    /// The nack delay after the `delivery`-th delivery failed.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use std::time::Duration;
+    /// let c = idem_consumer::Consumer::new(idem, "s").backoff(Duration::from_secs(1), Duration::from_secs(5));
+    /// assert_eq!(c.backoff_for(1), Duration::from_secs(1));
+    /// assert_eq!(c.backoff_for(3), Duration::from_secs(4));
+    /// assert_eq!(c.backoff_for(40), Duration::from_secs(5));
+    /// ```
+    pub fn backoff_for(&self, delivery: u32) -> Duration {
+        let doublings = delivery.saturating_sub(1).min(31);
+        self.backoff_initial
+            .saturating_mul(1u32 << doublings)
+            .min(self.backoff_max)
+    }
+
+    /// Runs `handler` for `msg` at most once per key (a redelivery or a
+    /// duplicate replays the stored result) and decides what the broker
+    /// should do with it.
+    ///
+    /// The handler gets the message by value (a cheap clone: the payload is
+    /// shared), so the future of a consumer loop stays `Send` and can be
+    /// spawned; both `|m: Message| async move { … }` and
+    /// `async |m: Message| -> Result<T, E> { … }` work.
+    pub async fn handle<T, E, H, Fut>(&self, msg: &Message, handler: &H) -> Handled<T>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let key = self.keys.key(msg);
+        self.handle_keyed(msg, key, handler).await
+    }
+
+    pub(crate) async fn handle_keyed<T, E, H, Fut>(
+        &self,
+        msg: &Message,
+        key: Result<String, crate::ConsumerError>,
+        handler: &H,
+    ) -> Handled<T>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let span = tracing::info_span!(
+            "idem.consume",
+            broker = msg.broker(),
+            source = msg.source(),
+            id = msg.id(),
+            delivery = msg.delivery_count(),
+            outcome = Empty,
+            decision = Empty,
+        );
+        let handled = self
+            .decide(msg, key, handler)
+            .instrument(span.clone())
+            .await;
+        if let Some(o) = handled.outcome {
+            span.record("outcome", o.as_str());
+        }
+        span.record("decision", handled.decision.as_str());
+        let _enter = span.enter();
+        match &handled.decision {
+            Decision::Ack => tracing::debug!("message acked"),
+            Decision::Nack { delay } => {
+                tracing::info!(delay_ms = delay.as_millis() as u64, "message nacked")
+            }
+            Decision::DeadLetter { reason } => {
+                tracing::warn!(reason = %reason, kind = reason.kind(), "message dead-lettered")
+            }
+        }
+        handled
+    }
+
+    async fn decide<T, E, H, Fut>(
+        &self,
+        msg: &Message,
+        key: Result<String, crate::ConsumerError>,
+        handler: &H,
+    ) -> Handled<T>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let key = match key {
+            Ok(k) => k,
+            Err(e) => {
+                let reason = DeadLetterReason::BadMessage(e.to_string());
+                return Handled::decided(Decision::DeadLetter { reason }, None);
+            }
+        };
+        let deliveries = msg.delivery_count();
+        let over_limit = deliveries > self.max_deliveries;
+        let mut call = self.idem.call(&self.scope, &key);
+        if self.fingerprint {
+            call = call.fingerprint_raw(self.keys.fingerprint(msg));
+        }
+        if let Some(w) = self.wait {
+            call = call.wait(w);
+        }
+        if let Some(ttl) = self.ttl {
+            call = call.ttl(ttl);
+        }
+        let result = call
+            .run_outcome(|| async {
+                if over_limit {
+                    return Err(Failure::OverLimit);
+                }
+                handler(msg.clone()).await.map_err(Failure::Handler)
+            })
+            .await;
+        let decision = match result {
+            Ok((value, outcome)) => {
+                if outcome.result_not_stored() {
+                    // Acking is still right: the work is done, and a
+                    // redelivery would only run it again.
+                    tracing::warn!(outcome = %outcome, "handler ran but its result is not stored");
+                }
+                return Handled {
+                    decision: Decision::Ack,
+                    outcome: Some(outcome),
+                    value: Some(value),
+                    key: Some(key),
+                    duplicate_of: None,
+                };
+            }
+            Err(Failure::OverLimit) => Decision::DeadLetter {
+                reason: DeadLetterReason::MaxDeliveries {
+                    deliveries,
+                    last_error: format!(
+                        "delivery {deliveries} is over the limit of {}; the handler was not run",
+                        self.max_deliveries
+                    ),
+                },
+            },
+            Err(Failure::Handler(e)) => match self.classifier.classify(&e) {
+                ErrorClass::Permanent => Decision::DeadLetter {
+                    reason: DeadLetterReason::Permanent(e.to_string()),
+                },
+                ErrorClass::Retryable if deliveries >= self.max_deliveries => {
+                    Decision::DeadLetter {
+                        reason: DeadLetterReason::MaxDeliveries {
+                            deliveries,
+                            last_error: e.to_string(),
+                        },
+                    }
+                }
+                ErrorClass::Retryable => Decision::Nack {
+                    delay: self.backoff_for(deliveries),
+                },
+            },
+            Err(Failure::Idem(e)) => self.decide_idem_error(e, deliveries),
+        };
+        Handled::decided(decision, Some(key))
+    }
+
+    fn decide_idem_error(&self, e: Error, deliveries: u32) -> Decision {
+        match e {
+            Error::InProgress { retry_after } => Decision::Nack {
+                // Come back when the holder's lease would have run out: by
+                // then it has finished (replay) or died (take over).
+                delay: retry_after.max(Duration::from_millis(10)),
+            },
+            Error::FingerprintMismatch => Decision::DeadLetter {
+                reason: DeadLetterReason::FingerprintMismatch,
+            },
+            Error::InvalidKey(k) => Decision::DeadLetter {
+                reason: DeadLetterReason::BadMessage(k.to_string()),
+            },
+            e @ (Error::Corrupt(_) | Error::Codec(_) | Error::TooLarge { .. }) => {
+                Decision::DeadLetter {
+                    reason: DeadLetterReason::Store(e.to_string()),
+                }
+            }
+            e => {
+                // Unavailable (nothing ran), configuration errors and anything
+                // newer: the message itself is fine, so keep it.
+                tracing::warn!(error = %e, "idempotency store refused the message; nacking");
+                Decision::Nack {
+                    delay: self.backoff_for(deliveries),
+                }
+            }
+        }
+    }
+}

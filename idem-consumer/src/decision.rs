@@ -1,0 +1,230 @@
+//! What to tell the broker about a message, and why.
+
+use std::fmt;
+use std::time::Duration;
+
+/// What the adapter tells the broker about one message.
+///
+/// | idem says | decision |
+/// | --- | --- |
+/// | `Executed`, `Replayed`, `Recovered` (and the body-ran outcomes `LeaseLost`, `NotStored`, `Unprotected`) | [`Ack`](Decision::Ack) |
+/// | `InProgress { retry_after }` | [`Nack`](Decision::Nack) after `retry_after` (or, with `.wait(d)`, the first run's result and `Ack`) |
+/// | store unavailable (fail-closed, nothing ran) | `Nack` with backoff |
+/// | handler `Err`, retryable | key released, `Nack` with backoff; `DeadLetter` once `max_deliveries` is reached |
+/// | handler `Err`, permanent | [`DeadLetter`](Decision::DeadLetter) |
+/// | `FingerprintMismatch`, unkeyable message | `DeadLetter` |
+///
+/// ```
+/// use idem_consumer::Decision;
+/// assert!(Decision::Ack.is_ack());
+/// assert_eq!(Decision::Ack.to_string(), "ack");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Decision {
+    /// Done (or a duplicate of done work): remove it from the broker.
+    Ack,
+    /// Not done, nothing left half-done by this delivery: deliver it again
+    /// after `delay`.
+    Nack {
+        /// How long the broker should wait before the next delivery.
+        delay: Duration,
+    },
+    /// Never going to succeed as it is: move it aside (dead-letter stream,
+    /// exchange or subject, or terminate) for a human.
+    DeadLetter {
+        /// Why.
+        reason: DeadLetterReason,
+    },
+}
+
+impl Decision {
+    /// True for [`Decision::Ack`].
+    pub fn is_ack(&self) -> bool {
+        matches!(self, Decision::Ack)
+    }
+
+    /// True for [`Decision::Nack`].
+    pub fn is_nack(&self) -> bool {
+        matches!(self, Decision::Nack { .. })
+    }
+
+    /// True for [`Decision::DeadLetter`].
+    pub fn is_dead_letter(&self) -> bool {
+        matches!(self, Decision::DeadLetter { .. })
+    }
+
+    /// `"ack"`, `"nack"` or `"dead_letter"`, as recorded in tracing spans.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Decision::Ack => "ack",
+            Decision::Nack { .. } => "nack",
+            Decision::DeadLetter { .. } => "dead_letter",
+        }
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decision::Ack => f.write_str("ack"),
+            Decision::Nack { delay } => write!(f, "nack (redeliver in {} ms)", delay.as_millis()),
+            Decision::DeadLetter { reason } => write!(f, "dead_letter ({reason})"),
+        }
+    }
+}
+
+/// Why a message was dead-lettered. Its `Display` is what adapters write
+/// next to the dead-lettered message.
+///
+/// ```
+/// use idem_consumer::DeadLetterReason;
+/// let r = DeadLetterReason::MaxDeliveries { deliveries: 5, last_error: "timeout".into() };
+/// assert_eq!(r.kind(), "max_deliveries");
+/// assert!(r.to_string().contains("timeout"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeadLetterReason {
+    /// The handler failed with an error classified as permanent.
+    Permanent(String),
+    /// The handler kept failing with retryable errors until the delivery
+    /// limit.
+    MaxDeliveries {
+        /// Deliveries so far, this one included.
+        deliveries: u32,
+        /// The last error (or why this delivery did not run).
+        last_error: String,
+    },
+    /// The key was used before by a message with another payload: two
+    /// different messages claim one id.
+    FingerprintMismatch,
+    /// The message cannot be keyed or read (no id, bad id, payload not JSON…).
+    BadMessage(String),
+    /// idem could not store or read this message's result (record
+    /// unreadable, result too large or not serializable).
+    Store(String),
+}
+
+impl DeadLetterReason {
+    /// A stable machine-readable name: `permanent`, `max_deliveries`,
+    /// `fingerprint_mismatch`, `bad_message` or `store`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DeadLetterReason::Permanent(_) => "permanent",
+            DeadLetterReason::MaxDeliveries { .. } => "max_deliveries",
+            DeadLetterReason::FingerprintMismatch => "fingerprint_mismatch",
+            DeadLetterReason::BadMessage(_) => "bad_message",
+            DeadLetterReason::Store(_) => "store",
+        }
+    }
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeadLetterReason::Permanent(e) => write!(f, "permanent error: {e}"),
+            DeadLetterReason::MaxDeliveries {
+                deliveries,
+                last_error,
+            } => write!(
+                f,
+                "gave up after {deliveries} deliveries; last error: {last_error}"
+            ),
+            DeadLetterReason::FingerprintMismatch => f.write_str(
+                "another message with a different payload already used this idempotency key",
+            ),
+            DeadLetterReason::BadMessage(e) => write!(f, "bad message: {e}"),
+            DeadLetterReason::Store(e) => write!(f, "result not storable or readable: {e}"),
+        }
+    }
+}
+
+/// Whether a handler error is worth another delivery.
+///
+/// ```
+/// use idem_consumer::ErrorClass;
+/// assert_eq!(ErrorClass::from_retryable(false), ErrorClass::Permanent);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// Transient (timeout, 503, lock contention): nack and try again.
+    Retryable,
+    /// Will fail the same way every time (validation, unknown customer):
+    /// dead-letter now.
+    Permanent,
+}
+
+impl ErrorClass {
+    /// `Retryable` when `retryable` is true, else `Permanent`.
+    pub fn from_retryable(retryable: bool) -> ErrorClass {
+        if retryable {
+            ErrorClass::Retryable
+        } else {
+            ErrorClass::Permanent
+        }
+    }
+}
+
+/// Classifies a handler's errors. Implemented for every
+/// `Fn(&E) -> ErrorClass`, for [`AllRetryable`] (the default) and for
+/// [`ByTrait`] (uses the error type's own [`ClassifyError`]).
+///
+/// ```
+/// use idem_consumer::{Classify, ErrorClass};
+/// let c = |e: &String| ErrorClass::from_retryable(e.starts_with("timeout"));
+/// assert_eq!(c.classify(&"bad amount".to_string()), ErrorClass::Permanent);
+/// ```
+pub trait Classify<E>: Send + Sync {
+    /// The class of `error`.
+    fn classify(&self, error: &E) -> ErrorClass;
+}
+
+impl<E, F> Classify<E> for F
+where
+    F: Fn(&E) -> ErrorClass + Send + Sync,
+{
+    fn classify(&self, error: &E) -> ErrorClass {
+        self(error)
+    }
+}
+
+/// The default classifier: every handler error is retryable, so nothing is
+/// dead-lettered before `max_deliveries` (a transient failure mistaken for
+/// a permanent one would lose the message to the dead-letter queue at once).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllRetryable;
+
+impl<E> Classify<E> for AllRetryable {
+    fn classify(&self, _: &E) -> ErrorClass {
+        ErrorClass::Retryable
+    }
+}
+
+/// An error type that knows its own class; use it with
+/// `Consumer::classify(ByTrait)`.
+///
+/// ```
+/// use idem_consumer::{Classify, ClassifyError, ByTrait, ErrorClass};
+/// enum PayError { Declined, Timeout }
+/// impl ClassifyError for PayError {
+///     fn class(&self) -> ErrorClass {
+///         match self { PayError::Declined => ErrorClass::Permanent, PayError::Timeout => ErrorClass::Retryable }
+///     }
+/// }
+/// assert_eq!(ByTrait.classify(&PayError::Declined), ErrorClass::Permanent);
+/// ```
+pub trait ClassifyError {
+    /// The class of this error.
+    fn class(&self) -> ErrorClass;
+}
+
+/// Classifier that asks the error itself, through [`ClassifyError`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ByTrait;
+
+impl<E: ClassifyError> Classify<E> for ByTrait {
+    fn classify(&self, error: &E) -> ErrorClass {
+        error.class()
+    }
+}

@@ -1,0 +1,56 @@
+//! # idem-consumer
+//!
+//! Exactly-once side effects for **at-least-once message consumers**, on
+//! [idem](https://docs.rs/idem).
+//!
+//! Brokers redeliver: a consumer that crashes after its side effect but
+//! before its ack gets the message again, and so may another consumer that
+//! sees it go stale. This crate runs each message's handler through idem
+//! (any [`Store`](idem_core::Store): Redis, memory…) keyed on the message id
+//! or a hash of its payload, so the handler runs **once per key** and every
+//! redelivery replays its result, then returns a [`Decision`] (ack, nack
+//! with delay, dead-letter with a reason) for the adapter to apply.
+//!
+//! The core is broker-agnostic ([`Consumer`], [`Message`], [`Decision`]);
+//! adapters are thin over it:
+//!
+//! * `redis-streams`: [`redis_streams::RedisStreamsConsumer`]: consumer
+//!   groups, `XREADGROUP`, `XACK`, stale entries via `XAUTOCLAIM`, dead-letter
+//!   stream.
+//!
+//! ```
+//! use idem_consumer::{Consumer, Decision, Message};
+//! use idem_core::{Idempotency, MemoryStore};
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders.ship");
+//! let ship = |m: Message| async move {
+//!     Ok::<_, std::io::Error>(format!("shipped {}", m.id().unwrap_or("?"))) // the side effect
+//! };
+//! let m = Message::new(r#"{"order":1}"#).with_id("order-1");
+//! assert_eq!(consumer.handle(&m, &ship).await.decision, Decision::Ack);
+//! // The broker redelivers after a crash before the ack: replayed, acked, not shipped twice.
+//! let again = consumer.handle(&m.with_delivery_count(2), &ship).await;
+//! assert_eq!(again.decision, Decision::Ack);
+//! assert_eq!(again.outcome, Some(idem_core::Outcome::Replayed));
+//! # });
+//! ```
+#![warn(missing_docs)]
+
+mod batch;
+mod consumer;
+mod decision;
+mod error;
+mod heartbeat;
+mod message;
+
+#[cfg(feature = "redis-streams")]
+pub mod redis_streams;
+
+pub use consumer::{Consumer, Handled};
+pub use decision::{
+    AllRetryable, ByTrait, Classify, ClassifyError, DeadLetterReason, Decision, ErrorClass,
+};
+pub use error::ConsumerError;
+pub use heartbeat::with_heartbeat;
+pub use idem_core::{DeriveError, KeyDeriver};
+pub use message::{KeySource, Message};

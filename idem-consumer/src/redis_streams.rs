@@ -1,0 +1,670 @@
+//! Redis Streams adapter: a consumer group read with `XREADGROUP`, acked
+//! with `XACK`, stale entries taken over with `XAUTOCLAIM`, failures moved
+//! to a dead-letter stream.
+//!
+//! Redis has no "nack": an entry that is not acked stays in the group's
+//! pending list and any consumer takes it with `XAUTOCLAIM` once it has been
+//! idle for [`StreamsConfig::claim_idle`]. A nack with a delay therefore
+//! re-claims the entry for ourselves with its idle time set so that it
+//! becomes claimable after that delay (`XCLAIM … IDLE n JUSTID`, which does
+//! not count as a delivery). While a handler runs, the owner re-claims its
+//! in-flight entries every [`Consumer::keep_alive_period`] so nobody else's
+//! `XAUTOCLAIM` takes them mid-run.
+//!
+//! Entries are hashes of fields: the payload is in one field (default
+//! `payload`), the producer's id, when there is one, in another (default
+//! `id`).
+//!
+//! ```no_run
+//! use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
+//! use idem_consumer::{Consumer, Message};
+//! use idem_core::{Idempotency, RedisStore};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?).build();
+//! let consumer = Consumer::new(idem, "orders.charge").max_deliveries(5);
+//! let stream = RedisStreamsConsumer::connect(
+//!     "redis://127.0.0.1/",
+//!     StreamsConfig::new("orders", "billing", "billing-1"),
+//! ).await?;
+//! stream.ensure_group().await?;
+//! let charge = |m: Message| async move { Ok::<_, std::io::Error>(format!("charged {:?}", m.id())) };
+//! let shutdown = std::future::pending::<()>(); // e.g. tokio::signal::ctrl_c()
+//! stream.run(&consumer, &charge, shutdown).await?;
+//! # Ok(()) }
+//! ```
+
+use crate::consumer::{Consumer, Handled};
+use crate::decision::{Classify, Decision};
+use crate::error::ConsumerError;
+use crate::heartbeat::with_heartbeat;
+use crate::message::Message;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
+use redis::{RedisError, Value};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const BROKER: &str = "redis-streams";
+
+/// Where and how to consume.
+///
+/// ```
+/// use idem_consumer::redis_streams::StreamsConfig;
+/// use std::time::Duration;
+/// let cfg = StreamsConfig::new("orders", "billing", "billing-1")
+///     .dead_letter_stream("orders:failed")
+///     .claim_idle(Duration::from_secs(60))
+///     .batch(32);
+/// assert_eq!(cfg.dead_letter(), "orders:failed");
+/// ```
+#[derive(Debug, Clone)]
+pub struct StreamsConfig {
+    stream: String,
+    group: String,
+    consumer: String,
+    dead_letter: String,
+    payload_field: String,
+    id_field: String,
+    batch: usize,
+    block: Duration,
+    claim_idle: Duration,
+    start_id: String,
+    keep_claimed: bool,
+}
+
+impl StreamsConfig {
+    /// Consume `stream` in consumer group `group` as consumer `consumer`
+    /// (unique per process: a restarted process may reuse its name).
+    ///
+    /// Defaults: dead letters to `<stream>:dead`, payload field `payload`,
+    /// id field `id`, batches of 64, block 1 s for new entries, stale after
+    /// 30 s idle, a new group starts at the beginning of the stream (`0`).
+    pub fn new(
+        stream: impl Into<String>,
+        group: impl Into<String>,
+        consumer: impl Into<String>,
+    ) -> StreamsConfig {
+        let stream = stream.into();
+        StreamsConfig {
+            dead_letter: format!("{stream}:dead"),
+            stream,
+            group: group.into(),
+            consumer: consumer.into(),
+            payload_field: "payload".into(),
+            id_field: "id".into(),
+            batch: 64,
+            block: Duration::from_secs(1),
+            claim_idle: Duration::from_secs(30),
+            start_id: "0".into(),
+            keep_claimed: true,
+        }
+    }
+
+    /// The stream dead-lettered entries are added to, with fields `payload`,
+    /// `id`, `source_id`, `reason`, `kind` and `deliveries`.
+    pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
+        self.dead_letter = stream.into();
+        self
+    }
+
+    /// The field holding the payload (default `payload`).
+    pub fn payload_field(mut self, field: impl Into<String>) -> Self {
+        self.payload_field = field.into();
+        self
+    }
+
+    /// The field holding the producer's message id (default `id`).
+    pub fn id_field(mut self, field: impl Into<String>) -> Self {
+        self.id_field = field.into();
+        self
+    }
+
+    /// Entries fetched at once (default 64, at least 1).
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+
+    /// How long `XREADGROUP` blocks waiting for new entries (default 1 s).
+    pub fn block(mut self, d: Duration) -> Self {
+        self.block = d;
+        self
+    }
+
+    /// How long a pending entry stays idle before any consumer takes it over
+    /// with `XAUTOCLAIM` (default 30 s). Also the longest nack delay.
+    pub fn claim_idle(mut self, d: Duration) -> Self {
+        self.claim_idle = d.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Where a group created by [`RedisStreamsConsumer::ensure_group`]
+    /// starts: `0` (everything in the stream, the default) or `$` (only new
+    /// entries).
+    pub fn start_id(mut self, id: impl Into<String>) -> Self {
+        self.start_id = id.into();
+        self
+    }
+
+    /// Whether to re-claim in-flight entries while handlers run (default
+    /// on). Off, a handler slower than `claim_idle` sees its entry taken
+    /// over by another consumer, which gets `InProgress` from idem and nacks.
+    pub fn keep_claimed(mut self, on: bool) -> Self {
+        self.keep_claimed = on;
+        self
+    }
+
+    /// The dead-letter stream's name.
+    pub fn dead_letter(&self) -> &str {
+        &self.dead_letter
+    }
+
+    /// The stream's name.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+}
+
+/// What one [`poll`](RedisStreamsConsumer::poll) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PollReport {
+    /// Entries handled (new and taken over).
+    pub fetched: usize,
+    /// Of those, stale entries taken over from the pending list.
+    pub claimed: usize,
+    /// Acked (done, duplicates and replays included).
+    pub acked: usize,
+    /// Left pending for a later delivery.
+    pub nacked: usize,
+    /// Moved to the dead-letter stream.
+    pub dead_lettered: usize,
+}
+
+/// One fetched entry: its stream id and the message made of it (or why
+/// no message could be made: such entries are dead-lettered).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct StreamEntry {
+    /// The entry's id in the stream (`1700000000000-0`).
+    pub id: String,
+    /// The message, or why the entry is not one.
+    pub message: Result<Message, ConsumerError>,
+}
+
+/// A consumer of one stream in one consumer group.
+#[derive(Clone)]
+pub struct RedisStreamsConsumer {
+    /// Commands that answer at once: acks, claims, dead letters.
+    conn: ConnectionManager,
+    /// `XREADGROUP … BLOCK`: on its own connection, so a blocked read does
+    /// not hold up acks behind it on a multiplexed pipeline.
+    reader: ConnectionManager,
+    cfg: Arc<StreamsConfig>,
+    source: Arc<str>,
+    /// Where the next `XAUTOCLAIM` scan of the pending list resumes.
+    cursor: Arc<Mutex<String>>,
+}
+
+impl fmt::Debug for RedisStreamsConsumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamsConsumer")
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+fn broker_err(op: &'static str) -> impl Fn(RedisError) -> ConsumerError {
+    move |e| ConsumerError::broker(BROKER, op, e)
+}
+
+impl RedisStreamsConsumer {
+    /// Connects to the Redis at `url` (two auto-reconnecting connections).
+    pub async fn connect(url: &str, cfg: StreamsConfig) -> Result<Self, ConsumerError> {
+        let client = redis::Client::open(url).map_err(broker_err("connect"))?;
+        let commands = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_connection_timeout(Some(Duration::from_secs(2)));
+        let reads = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(cfg.block + Duration::from_secs(5)))
+            .set_connection_timeout(Some(Duration::from_secs(2)));
+        let conn = ConnectionManager::new_with_config(client.clone(), commands)
+            .await
+            .map_err(broker_err("connect"))?;
+        let reader = ConnectionManager::new_with_config(client, reads)
+            .await
+            .map_err(broker_err("connect"))?;
+        Ok(Self::from_connections(conn, reader, cfg))
+    }
+
+    /// Uses connections you made. `reader` serves only the blocking reads;
+    /// its response timeout must exceed the configured block time.
+    pub fn from_connections(
+        conn: ConnectionManager,
+        reader: ConnectionManager,
+        cfg: StreamsConfig,
+    ) -> Self {
+        RedisStreamsConsumer {
+            conn,
+            reader,
+            source: Arc::from(cfg.stream.as_str()),
+            cfg: Arc::new(cfg),
+            cursor: Arc::new(Mutex::new("0-0".into())),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StreamsConfig {
+        &self.cfg
+    }
+
+    /// Creates the consumer group (and the stream) if missing.
+    pub async fn ensure_group(&self) -> Result<(), ConsumerError> {
+        let mut conn = self.conn.clone();
+        let created: Result<(), RedisError> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.cfg.stream)
+            .arg(&self.cfg.group)
+            .arg(&self.cfg.start_id)
+            .arg("MKSTREAM")
+            .query_async(&mut conn)
+            .await;
+        match created {
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            other => other.map_err(broker_err("ensure_group")),
+        }
+    }
+
+    /// Fetches one batch (stale entries first, then new ones), handles it
+    /// through `consumer` and applies every decision.
+    pub async fn poll<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> Result<PollReport, ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let (entries, claimed) = self.fetch().await?;
+        let handled = self.handle(consumer, handler, entries).await;
+        let mut report = self.apply(&handled).await?;
+        report.claimed = claimed;
+        Ok(report)
+    }
+
+    /// Handles fetched entries through `consumer`, re-claiming them while
+    /// handlers run; returns each entry with its decision, for
+    /// [`apply`](Self::apply). Entries that are not messages get a
+    /// dead-letter decision without running anything.
+    pub async fn handle<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        entries: Vec<StreamEntry>,
+    ) -> Vec<(StreamEntry, Decision)>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let mut out = Vec::with_capacity(entries.len());
+        let mut ids = Vec::new();
+        let mut msgs = Vec::new();
+        for e in entries {
+            match &e.message {
+                Ok(m) => {
+                    ids.push(e.id.clone());
+                    msgs.push(m.clone());
+                }
+                Err(err) => {
+                    tracing::warn!(stream = %self.source, entry = %e.id, error = %err, "unreadable stream entry");
+                    let reason = crate::DeadLetterReason::BadMessage(err.to_string());
+                    out.push((e, Decision::DeadLetter { reason }));
+                }
+            }
+        }
+        let period = consumer.keep_alive_period().min(self.cfg.claim_idle / 3);
+        let batch = consumer.handle_batch(&msgs, handler);
+        let handled: Vec<Handled<T>> = if self.cfg.keep_claimed {
+            with_heartbeat(batch, period, || self.touch(&ids)).await
+        } else {
+            batch.await
+        };
+        for ((id, msg), h) in ids.into_iter().zip(msgs).zip(handled) {
+            out.push((
+                StreamEntry {
+                    id,
+                    message: Ok(msg),
+                },
+                h.decision,
+            ));
+        }
+        out
+    }
+
+    /// Polls until `shutdown` completes. Broker errors are logged and
+    /// retried with backoff (the connections reconnect by themselves); a
+    /// shutdown drops the batch in flight, whose entries stay pending and are
+    /// taken over later (idem makes that safe).
+    pub async fn run<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        shutdown: impl Future,
+    ) -> Result<(), ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let mut shutdown = pin!(shutdown);
+        let mut failures = 0u32;
+        loop {
+            let polled = tokio::select! {
+                biased;
+                _ = &mut shutdown => return Ok(()),
+                r = self.poll(consumer, handler) => r,
+            };
+            match polled {
+                Ok(_) => failures = 0,
+                Err(e) => {
+                    failures = failures.saturating_add(1);
+                    // A restarted Redis without persistence, or a deleted
+                    // stream, lost the group: recreate it, and go on.
+                    if matches!(&e, ConsumerError::Broker { reason, .. } if reason.contains("NOGROUP"))
+                    {
+                        if let Err(e) = self.ensure_group().await {
+                            tracing::warn!(error = %e, "could not recreate the consumer group");
+                        }
+                        continue;
+                    }
+                    let pause = consumer.backoff_for(failures);
+                    tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "stream poll failed");
+                    tokio::select! {
+                        biased;
+                        _ = &mut shutdown => return Ok(()),
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fetches one batch: stale entries (idle over `claim_idle`, anyone's) first; new entries
+    /// fill the rest of the batch. Returns the entries and how many were
+    /// taken over.
+    pub async fn fetch(&self) -> Result<(Vec<StreamEntry>, usize), ConsumerError> {
+        let mut entries = self.claim_stale().await?;
+        let claimed = entries.len();
+        if entries.len() < self.cfg.batch {
+            let mut reader = self.reader.clone();
+            let mut read = redis::cmd("XREADGROUP");
+            read.arg("GROUP")
+                .arg(&self.cfg.group)
+                .arg(&self.cfg.consumer)
+                .arg("COUNT")
+                .arg(self.cfg.batch - entries.len());
+            // Never block with taken-over work in hand.
+            if entries.is_empty() {
+                read.arg("BLOCK").arg(self.cfg.block.as_millis() as u64);
+            }
+            read.arg("STREAMS").arg(&self.cfg.stream).arg(">");
+            let reply: Option<StreamReadReply> = read
+                .query_async(&mut reader)
+                .await
+                .map_err(broker_err("fetch"))?;
+            for key in reply.map(|r| r.keys).unwrap_or_default() {
+                for sid in key.ids {
+                    entries.push(self.entry(sid, 1));
+                }
+            }
+        }
+        Ok((entries, claimed))
+    }
+
+    async fn claim_stale(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
+        let mut conn = self.conn.clone();
+        let start = self
+            .cursor
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_else(|_| "0-0".into());
+        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+            .arg(&self.cfg.stream)
+            .arg(&self.cfg.group)
+            .arg(&self.cfg.consumer)
+            .arg(self.cfg.claim_idle.as_millis() as u64)
+            .arg(&start)
+            .arg("COUNT")
+            .arg(self.cfg.batch)
+            .query_async(&mut conn)
+            .await
+            .map_err(broker_err("claim"))?;
+        if let Ok(mut c) = self.cursor.lock() {
+            *c = reply.next_stream_id.clone();
+        }
+        if !reply.deleted_ids.is_empty() {
+            // Trimmed out of the stream while pending: nothing left to handle.
+            let _: Result<usize, _> = redis::cmd("XACK")
+                .arg(&self.cfg.stream)
+                .arg(&self.cfg.group)
+                .arg(&reply.deleted_ids)
+                .query_async(&mut conn)
+                .await;
+        }
+        if reply.claimed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let counts = self.delivery_counts(&reply.claimed).await?;
+        Ok(reply
+            .claimed
+            .into_iter()
+            .map(|sid| {
+                // XAUTOCLAIM counted this delivery; a missing count means the
+                // entry was acked meanwhile, and a second delivery is the
+                // least it can be.
+                let n = counts.get(&sid.id).copied().unwrap_or(2);
+                self.entry(sid, n)
+            })
+            .collect())
+    }
+
+    /// Delivery counts of our own pending entries, from `XPENDING`.
+    async fn delivery_counts(
+        &self,
+        ids: &[StreamId],
+    ) -> Result<HashMap<String, u32>, ConsumerError> {
+        let mut conn = self.conn.clone();
+        let mut pipe = redis::pipe();
+        for sid in ids {
+            pipe.cmd("XPENDING")
+                .arg(&self.cfg.stream)
+                .arg(&self.cfg.group)
+                .arg(&sid.id)
+                .arg(&sid.id)
+                .arg(1)
+                .arg(&self.cfg.consumer);
+        }
+        let replies: Vec<StreamPendingCountReply> = pipe
+            .query_async(&mut conn)
+            .await
+            .map_err(broker_err("pending"))?;
+        Ok(replies
+            .into_iter()
+            .flat_map(|r| r.ids)
+            .map(|p| (p.id, u32::try_from(p.times_delivered).unwrap_or(u32::MAX)))
+            .collect())
+    }
+
+    fn entry(&self, sid: StreamId, deliveries: u32) -> StreamEntry {
+        let message = self.message_of(&sid.map, deliveries);
+        StreamEntry {
+            id: sid.id,
+            message,
+        }
+    }
+
+    fn message_of(
+        &self,
+        fields: &HashMap<String, Value>,
+        deliveries: u32,
+    ) -> Result<Message, ConsumerError> {
+        let payload = match fields.get(&self.cfg.payload_field) {
+            Some(Value::BulkString(b)) => b.clone(),
+            Some(Value::SimpleString(s)) => s.clone().into_bytes(),
+            Some(other) => {
+                return Err(ConsumerError::Malformed(format!(
+                    "field `{}` is not a string but {other:?}",
+                    self.cfg.payload_field
+                )));
+            }
+            None => {
+                return Err(ConsumerError::Malformed(format!(
+                    "the entry has no `{}` field; producers must XADD the payload under it \
+                     (or set StreamsConfig::payload_field)",
+                    self.cfg.payload_field
+                )));
+            }
+        };
+        let mut msg = Message::new(payload)
+            .with_delivery_count(deliveries)
+            .with_source(BROKER, self.source.clone());
+        match fields.get(&self.cfg.id_field) {
+            None => {}
+            Some(Value::BulkString(b)) => match String::from_utf8(b.clone()) {
+                Ok(id) => msg = msg.with_id(id),
+                Err(_) => {
+                    msg = msg
+                        .with_unreadable_id(format!("field `{}` is not UTF-8", self.cfg.id_field))
+                }
+            },
+            Some(Value::SimpleString(s)) => msg = msg.with_id(s.clone()),
+            Some(other) => {
+                msg = msg.with_unreadable_id(format!(
+                    "field `{}` is {other:?}, not a string",
+                    self.cfg.id_field
+                ))
+            }
+        }
+        Ok(msg)
+    }
+
+    /// Re-claims our in-flight entries (resetting their idle time) so that
+    /// no other consumer's `XAUTOCLAIM` takes them while the handler runs.
+    /// `JUSTID` keeps their delivery counts. Failures are only logged: the
+    /// worst case is a takeover, which idem answers with `InProgress`.
+    async fn touch(&self, ids: &[String]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let r: Result<Value, _> = redis::cmd("XCLAIM")
+            .arg(&self.cfg.stream)
+            .arg(&self.cfg.group)
+            .arg(&self.cfg.consumer)
+            .arg(0)
+            .arg(ids)
+            .arg("JUSTID")
+            .query_async(&mut conn)
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "could not re-claim in-flight stream entries");
+        }
+    }
+
+    /// Applies decisions: one `XACK` for all acks, and for each nack a
+    /// re-claim with its idle time preset, for each dead letter an `XADD`
+    /// to the dead-letter stream then an `XACK`, atomically.
+    pub async fn apply(
+        &self,
+        decisions: &[(StreamEntry, Decision)],
+    ) -> Result<PollReport, ConsumerError> {
+        let mut report = PollReport {
+            fetched: decisions.len(),
+            ..PollReport::default()
+        };
+        let mut conn = self.conn.clone();
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let acks: Vec<&str> = decisions
+            .iter()
+            .filter(|(_, d)| d.is_ack())
+            .map(|(e, _)| e.id.as_str())
+            .collect();
+        if !acks.is_empty() {
+            pipe.cmd("XACK")
+                .arg(&self.cfg.stream)
+                .arg(&self.cfg.group)
+                .arg(&acks)
+                .ignore();
+        }
+        report.acked += acks.len();
+        for (entry, decision) in decisions {
+            let id = &entry.id;
+            let msg = entry.message.as_ref().ok();
+            match decision {
+                Decision::Ack => {}
+                Decision::Nack { delay } => {
+                    report.nacked += 1;
+                    let idle = self.cfg.claim_idle.saturating_sub(*delay);
+                    pipe.cmd("XCLAIM")
+                        .arg(&self.cfg.stream)
+                        .arg(&self.cfg.group)
+                        .arg(&self.cfg.consumer)
+                        .arg(0)
+                        .arg(id)
+                        .arg("IDLE")
+                        .arg(idle.as_millis() as u64)
+                        .arg("JUSTID")
+                        .ignore();
+                }
+                Decision::DeadLetter { reason } => {
+                    report.dead_lettered += 1;
+                    let payload = msg.map(|m| m.payload().to_vec()).unwrap_or_default();
+                    let deliveries = msg.map_or(0, Message::delivery_count);
+                    pipe.cmd("XADD")
+                        .arg(&self.cfg.dead_letter)
+                        .arg("*")
+                        .arg("payload")
+                        .arg(payload)
+                        .arg("id")
+                        .arg(msg.and_then(Message::id).unwrap_or(""))
+                        .arg("source_id")
+                        .arg(id)
+                        .arg("reason")
+                        .arg(reason.to_string())
+                        .arg("kind")
+                        .arg(reason.kind())
+                        .arg("deliveries")
+                        .arg(deliveries)
+                        .ignore();
+                    pipe.cmd("XACK")
+                        .arg(&self.cfg.stream)
+                        .arg(&self.cfg.group)
+                        .arg(id)
+                        .ignore();
+                }
+            }
+        }
+        let _: () = pipe
+            .query_async(&mut conn)
+            .await
+            .map_err(broker_err("apply"))?;
+        Ok(report)
+    }
+}
