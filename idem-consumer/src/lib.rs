@@ -16,7 +16,9 @@
 //!
 //! * `redis-streams`: [`redis_streams::RedisStreamsConsumer`]: consumer
 //!   groups, `XREADGROUP`, `XACK`, stale entries via `XAUTOCLAIM`, dead-letter
-//!   stream.
+//!   stream;
+//! * `nats`: [`nats::NatsConsumer`]: JetStream pull consumers with progress
+//!   acks, nak with delay, term and a dead-letter subject.
 //!
 //! ```
 //! use idem_consumer::{Consumer, Decision, Message};
@@ -43,6 +45,8 @@ mod error;
 mod heartbeat;
 mod message;
 
+#[cfg(feature = "nats")]
+pub mod nats;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
