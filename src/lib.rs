@@ -52,3 +52,7 @@ pub use idem_http as http;
 /// `redis-streams`, `nats`, `rabbitmq`); see [`idem_consumer`].
 #[cfg(feature = "consumer")]
 pub use idem_consumer as consumer;
+
+/// The PostgreSQL store and `run_in_tx` (feature `postgres`); see [`idem_postgres`].
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;

@@ -1,0 +1,230 @@
+//! `PgStoreConfig`: which table holds the records, and how its name is
+//! checked and quoted before it is ever spliced into SQL.
+
+use idem_core::Error;
+use std::fmt;
+
+/// The table name used when none is configured.
+pub const DEFAULT_TABLE: &str = "idem_keys";
+
+/// Longest identifier PostgreSQL keeps (`NAMEDATALEN - 1`); longer ones are
+/// silently truncated by the server, which would make two configured names
+/// meet in one table.
+const MAX_IDENT: usize = 63;
+
+/// Settings of a [`PgStore`](crate::PgStore).
+///
+/// The table may be schema-qualified (`"billing.idem_keys"`). Each part must
+/// be a plain identifier (ASCII letters, digits, `_`, not starting with a
+/// digit, at most 63 bytes); it is then double-quoted in every statement, so
+/// it is used exactly as written, case included. Anything else (quotes,
+/// semicolons, spaces) is refused with [`Error::InvalidConfig`] when the
+/// store is built: the name is the one piece of SQL idem cannot bind as a
+/// parameter.
+///
+/// ```
+/// use idem_postgres::PgStoreConfig;
+/// let config = PgStoreConfig::table("billing.idem_keys");
+/// assert_eq!(config.table_name(), "billing.idem_keys");
+/// assert!(PgStoreConfig::table("x\"; DROP TABLE orders; --").validate().is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgStoreConfig {
+    table: String,
+}
+
+impl Default for PgStoreConfig {
+    fn default() -> PgStoreConfig {
+        PgStoreConfig::table(DEFAULT_TABLE)
+    }
+}
+
+impl PgStoreConfig {
+    /// A configuration whose records live in `table` (default `idem_keys`).
+    /// Checked by [`validate`](PgStoreConfig::validate) when the store is built.
+    ///
+    /// ```
+    /// let config = idem_postgres::PgStoreConfig::table("idem_keys");
+    /// assert!(config.validate().is_ok());
+    /// ```
+    pub fn table(name: impl Into<String>) -> PgStoreConfig {
+        PgStoreConfig { table: name.into() }
+    }
+
+    /// The table name as configured.
+    ///
+    /// ```
+    /// assert_eq!(idem_postgres::PgStoreConfig::default().table_name(), "idem_keys");
+    /// ```
+    pub fn table_name(&self) -> &str {
+        &self.table
+    }
+
+    /// Checks the table name; the error says what is wrong with it.
+    ///
+    /// ```
+    /// use idem_postgres::PgStoreConfig;
+    /// assert!(PgStoreConfig::table("a.b.c").validate().is_err());
+    /// assert!(PgStoreConfig::table("1abc").validate().is_err());
+    /// ```
+    pub fn validate(&self) -> Result<(), Error> {
+        TableName::parse(&self.table).map(|_| ())
+    }
+
+    pub(crate) fn table_ident(&self) -> Result<TableName, Error> {
+        TableName::parse(&self.table)
+    }
+}
+
+/// A checked, possibly schema-qualified table name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+impl TableName {
+    /// [`DEFAULT_TABLE`], which needs no check (the tests parse it).
+    pub(crate) fn default_table() -> TableName {
+        TableName {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+        }
+    }
+
+    pub(crate) fn parse(name: &str) -> Result<TableName, Error> {
+        let mut parts = name.split('.');
+        let first = parts.next().unwrap_or_default();
+        let second = parts.next();
+        if parts.next().is_some() {
+            return Err(invalid(
+                name,
+                "it has more than one `.`; use `table` or `schema.table`",
+            ));
+        }
+        for part in [Some(first), second].into_iter().flatten() {
+            check_ident(name, part)?;
+        }
+        Ok(match second {
+            Some(table) => TableName {
+                schema: Some(first.to_owned()),
+                table: table.to_owned(),
+            },
+            None => TableName {
+                schema: None,
+                table: first.to_owned(),
+            },
+        })
+    }
+
+    /// `"index_name"` for an index of this table, quoted; PostgreSQL puts
+    /// an index in its table's schema, so it is never qualified.
+    pub(crate) fn index(&self, suffix: &str) -> String {
+        let mut name = format!("{}_{suffix}", self.table);
+        // Keep under the identifier limit the server would truncate to
+        // anyway, so that `IF NOT EXISTS` finds the same name every time.
+        while name.len() > MAX_IDENT {
+            name.pop();
+        }
+        quote(&name)
+    }
+}
+
+impl fmt::Display for TableName {
+    /// The quoted, SQL-ready form: `"schema"."table"`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(schema) = &self.schema {
+            write!(f, "{}.", quote(schema))?;
+        }
+        f.write_str(&quote(&self.table))
+    }
+}
+
+fn check_ident(whole: &str, part: &str) -> Result<(), Error> {
+    if part.is_empty() {
+        return Err(invalid(whole, "a part of it is empty"));
+    }
+    if part.len() > MAX_IDENT {
+        return Err(invalid(
+            whole,
+            &format!(
+                "`{part}` is {} bytes, over PostgreSQL's 63-byte identifier limit",
+                part.len()
+            ),
+        ));
+    }
+    let mut bytes = part.bytes();
+    let starts_ok = bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_');
+    if !starts_ok || !bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        return Err(invalid(
+            whole,
+            "use ASCII letters, digits and `_` only, not starting with a digit",
+        ));
+    }
+    Ok(())
+}
+
+/// Double-quotes an identifier. The checked names hold no `"`, but doubling
+/// keeps this correct for any input.
+fn quote(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+fn invalid(name: &str, why: &str) -> Error {
+    Error::InvalidConfig(format!(
+        "PgStoreConfig::table({name:?}) cannot be used: {why} (e.g. \"idem_keys\" or \"app.idem_keys\")"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_qualified_names() {
+        assert_eq!(
+            TableName::parse("idem_keys").unwrap().to_string(),
+            "\"idem_keys\""
+        );
+        assert_eq!(
+            TableName::parse("App.Keys_2").unwrap().to_string(),
+            "\"App\".\"Keys_2\""
+        );
+        assert_eq!(
+            TableName::parse("_x").unwrap().index("expires_idx"),
+            "\"_x_expires_idx\""
+        );
+    }
+
+    #[test]
+    fn refuses_everything_else() {
+        for bad in [
+            "",
+            ".",
+            "a.",
+            ".a",
+            "a.b.c",
+            "9lives",
+            "idem keys",
+            "idem\"keys",
+            "idem;keys",
+            "x\"; DROP TABLE orders; --",
+            "idem-keys",
+            "clé",
+            "a\0b",
+            &"x".repeat(64),
+        ] {
+            let e = TableName::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidConfig(_)), "{bad:?}: {e}");
+        }
+        assert!(TableName::parse(&"x".repeat(63)).is_ok());
+    }
+
+    #[test]
+    fn long_index_names_stay_under_the_limit() {
+        let t = TableName::parse(&"t".repeat(63)).unwrap();
+        assert_eq!(t.index("expires_idx").len(), 63 + 2);
+    }
+}

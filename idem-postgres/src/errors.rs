@@ -1,0 +1,55 @@
+//! From driver errors to `idem_core::Error`, with messages that say what to do.
+
+use idem_core::Error;
+
+/// Maps a sqlx error met during `op`. Connection-level failures become
+/// [`Error::Unavailable`] (so `FailMode` applies); conflicts become
+/// [`Error::Conflict`]; a missing table or privilege becomes
+/// [`Error::InvalidConfig`], since retrying cannot fix it.
+pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &e {
+        let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+        let msg = db.message().to_owned();
+        return match code.as_str() {
+            "40001" | "40P01" => Error::Conflict { code, reason: msg },
+            // undefined_table
+            "42P01" | "3F000" => Error::InvalidConfig(format!(
+                "table {table} does not exist ({msg}); run `PgStore::migrate()` once, or apply \
+                 idem-postgres/schema.sql with your migrations"
+            )),
+            // insufficient_privilege
+            "42501" => Error::InvalidConfig(format!(
+                "the database user may not use table {table} ({msg}); grant SELECT, INSERT, \
+                 UPDATE and DELETE on it"
+            )),
+            // undefined_column, datatype_mismatch: a table of another shape
+            "42703" | "42804" => Error::InvalidConfig(format!(
+                "table {table} does not have idem's columns ({msg}); it was not created by \
+                 idem-postgres — configure another name with `PgStoreConfig::table(..)`"
+            )),
+            "57014" => unavailable(
+                op,
+                format!("the statement was cancelled or hit statement_timeout ({msg})"),
+            ),
+            _ => unavailable(
+                op,
+                format!("PostgreSQL refused the statement: {msg} (SQLSTATE {code})"),
+            ),
+        };
+    }
+    let reason = match &e {
+        sqlx::Error::PoolTimedOut => "no connection became free in time: the pool is exhausted or \
+            PostgreSQL does not answer; check the server, or raise the pool's max_connections"
+            .to_owned(),
+        sqlx::Error::PoolClosed => "the connection pool was closed".to_owned(),
+        other => format!("{other}; check that PostgreSQL is up and the URL is right"),
+    };
+    unavailable(op, reason)
+}
+
+pub(crate) fn unavailable(op: &'static str, reason: impl Into<String>) -> Error {
+    Error::Unavailable {
+        op,
+        reason: format!("PostgreSQL: {}", reason.into()),
+    }
+}

@@ -1,0 +1,60 @@
+//! # idem-postgres
+//!
+//! A PostgreSQL store for [idem](https://docs.rs/idem): the same
+//! exactly-once state machine as its Redis store, in one table, on the
+//! database's clock — and [`RunInTx::run_in_tx`], which commits a body's own
+//! writes and its stored result **in one transaction**, so there is never
+//! a moment where the work is done but the key says "in flight", or the key
+//! says "done" but the rows are missing.
+//!
+//! ```no_run
+//! use idem_core::{Error, Idempotency};
+//! use idem_postgres::{PgStore, RunInTx};
+//!
+//! # async fn demo() -> Result<(), Error> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await
+//!     .map_err(|e| Error::Unavailable { op: "connect", reason: e.to_string() })?;
+//! let store = PgStore::from_pool(pool.clone());
+//! store.migrate().await?; // creates `idem_keys` if missing (or apply schema.sql yourself)
+//! let idem = Idempotency::builder(store).namespace("orders").build();
+//!
+//! // Plain calls work as on Redis:
+//! let n: u32 = idem.call("orders.count", "req-1").run(|| async { Ok::<_, Error>(3) }).await?;
+//!
+//! // The row and the stored result commit together:
+//! let id: i64 = idem
+//!     .call("orders.create", "req-2")
+//!     .run_in_tx(&pool, async |tx| {
+//!         let (id,): (i64,) = sqlx::query_as("INSERT INTO orders (amount) VALUES (500) RETURNING id")
+//!             .fetch_one(&mut *tx)
+//!             .await
+//!             .map_err(|e| Error::Codec(e.to_string()))?;
+//!         Ok::<_, Error>(id)
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Tables: [`PgStoreConfig`]; schema: `schema.sql` or [`PgStore::migrate`];
+//! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`].
+#![warn(missing_docs)]
+
+mod config;
+mod errors;
+mod reaper;
+mod schema;
+mod sql;
+mod store;
+mod tx;
+
+pub use config::{DEFAULT_TABLE, PgStoreConfig};
+pub use reaper::Reaper;
+pub use store::PgStore;
+pub use tx::RunInTx;
+
+/// The schema of the default table (`idem_keys`), as shipped in `schema.sql`.
+///
+/// ```
+/// assert!(idem_postgres::SCHEMA_SQL.contains("CREATE TABLE IF NOT EXISTS \"idem_keys\""));
+/// ```
+pub const SCHEMA_SQL: &str = include_str!("../schema.sql");

@@ -1,0 +1,731 @@
+//! `PgStore`: the state machine of `idem_core::Store` in one PostgreSQL table.
+
+use crate::config::{PgStoreConfig, TableName};
+use crate::errors::{self, map};
+use crate::schema;
+use crate::sql::Statements;
+use crate::tx::{self, TxSlot};
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Claim, ClaimReply, Completed, Error, Fingerprint, Store, Token, ValueKind, WriteReply,
+};
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest lease or TTL kept, in ms (about 317 years), as idem-core's
+/// stores clamp it, so that timestamps never overflow.
+const MAX_STORE_MS: u64 = 10_000_000_000_000;
+
+/// How many times a claim or write is re-run when the row changed between
+/// the refused write and its read-back (see `sql.rs`). Each re-run means
+/// another caller's write landed in between, so a handful is plenty.
+const MAX_RACES: usize = 16;
+
+/// Idempotency records in a PostgreSQL table, with exactly the semantics of
+/// idem's `RedisStore` and `MemoryStore`: leases, takeovers, owner tokens,
+/// fingerprints and TTLs counted from the claim, all on the database's
+/// clock. Cheap to clone (it shares one pool).
+///
+/// Each method is one statement in its own implicit transaction (READ
+/// COMMITTED, autocommit), so it is never caught in a caller's snapshot.
+/// A claim costs one round trip, and so does a replay: the claim statement
+/// returns the completed row it found.
+///
+/// ```no_run
+/// use idem_core::Idempotency;
+/// use idem_postgres::PgStore;
+/// # async fn demo() -> Result<(), idem_core::Error> {
+/// let store = PgStore::connect("postgres://postgres@127.0.0.1/app").await?;
+/// store.migrate().await?;
+/// let idem = Idempotency::builder(store).namespace("orders").build();
+/// let v: Result<u64, idem_core::Error> = idem.call("orders.create", "o-1").run(|| async { Ok(7) }).await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PgStore {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) pool: PgPool,
+    pub(crate) table: TableName,
+    pub(crate) sql: Statements,
+}
+
+impl fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.inner.table.to_string())
+            .field("pool_size", &self.inner.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// Connects a pool to `url` with the default table (`idem_keys`).
+    /// Fails with [`Error::Unavailable`] when the server cannot be reached.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_postgres::PgStore::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<PgStore, Error> {
+        PgStore::connect_with(url, PgStoreConfig::default()).await
+    }
+
+    /// Connects a pool to `url`, with `config`.
+    ///
+    /// ```no_run
+    /// use idem_postgres::{PgStore, PgStoreConfig};
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = PgStore::connect_with("postgres://postgres@127.0.0.1/app", PgStoreConfig::table("billing.idem_keys")).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_with(url: &str, config: PgStoreConfig) -> Result<PgStore, Error> {
+        let table = config.table_ident()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            // Fail fast: a caller waiting on a dead server is better told.
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(|e| {
+                let e = map("connect", &table.to_string(), e);
+                tracing::warn!(error = %e, "cannot connect to PostgreSQL");
+                e
+            })?;
+        Ok(PgStore::build(pool, table))
+    }
+
+    /// A store over an existing pool (the one the application already uses:
+    /// `run_in_tx` needs the table in the database its pool connects to).
+    /// The pool should have a connection to spare for each body running in
+    /// `run_in_tx` at once, since their lease renewals use the pool.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) {
+    /// let store = idem_postgres::PgStore::from_pool(pool.clone());
+    /// # }
+    /// ```
+    pub fn from_pool(pool: PgPool) -> PgStore {
+        PgStore::build(pool, TableName::default_table())
+    }
+
+    /// A store over an existing pool, with `config`; fails with
+    /// [`Error::InvalidConfig`] for a table name that cannot be used.
+    ///
+    /// ```no_run
+    /// use idem_postgres::{PgStore, PgStoreConfig};
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), idem_core::Error> {
+    /// let store = PgStore::from_pool_with(pool, PgStoreConfig::table("app.idem_keys"))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn from_pool_with(pool: PgPool, config: PgStoreConfig) -> Result<PgStore, Error> {
+        Ok(PgStore::build(pool, config.table_ident()?))
+    }
+
+    fn build(pool: PgPool, table: TableName) -> PgStore {
+        let sql = Statements::new(&table);
+        PgStore {
+            inner: Arc::new(Inner { pool, table, sql }),
+        }
+    }
+
+    /// The pool this store uses.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: idem_postgres::PgStore) {
+    /// let pool: &sqlx::PgPool = store.pool();
+    /// # }
+    /// ```
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// Creates the table and its index if they are missing. Safe to call at
+    /// every start, from several processes at once (an advisory lock
+    /// serializes them). The schema itself is not created: a
+    /// schema-qualified table needs its schema to exist.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: idem_postgres::PgStore) -> Result<(), idem_core::Error> {
+    /// store.migrate().await?;
+    /// store.migrate().await?; // nothing to do the second time
+    /// # Ok(()) }
+    /// ```
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let table = self.inner.table.to_string();
+        let fail = |e| map("migrate", &table, e);
+        let mut tx = self.inner.pool.begin().await.map_err(fail)?;
+        // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the
+        // catalog (a unique violation on pg_type): take turns. One lock for
+        // every table, since two spellings can name the same one.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-postgres migrate'))")
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        for statement in schema::ddl(&self.inner.table) {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        tracing::debug!(table, "idem-postgres schema is in place");
+        Ok(())
+    }
+
+    /// Same as [`migrate`](PgStore::migrate).
+    ///
+    /// ```no_run
+    /// # async fn demo(store: idem_postgres::PgStore) -> Result<(), idem_core::Error> {
+    /// store.install_schema().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn install_schema(&self) -> Result<(), Error> {
+        self.migrate().await
+    }
+
+    /// The DDL that [`migrate`](PgStore::migrate) runs for this store's
+    /// table, as a script for teams that run their own migrations
+    /// (`idem-postgres/schema.sql` is this for the default table).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let pool = sqlx::PgPool::connect_lazy("postgres://localhost/app").unwrap();
+    /// let store = idem_postgres::PgStore::from_pool(pool);
+    /// assert!(store.schema_sql().contains("CREATE TABLE IF NOT EXISTS \"idem_keys\""));
+    /// # }
+    /// ```
+    pub fn schema_sql(&self) -> String {
+        schema::script(&self.inner.table)
+    }
+
+    pub(crate) fn table_str(&self) -> String {
+        self.inner.table.to_string()
+    }
+
+    fn fail(&self, op: &'static str) -> impl Fn(sqlx::Error) -> Error + '_ {
+        move |e| map(op, &self.table_str(), e)
+    }
+
+    /// Runs a write statement (`complete`, `release`, `extend`,
+    /// `resolve`) and reads its reply, re-running it while the read-back
+    /// contradicts the refusal (the row changed in between).
+    async fn write(
+        &self,
+        op: &'static str,
+        sql: &Arc<str>,
+        key: &str,
+        token: &[u8; 16],
+        third: Third,
+        fourth: Option<&[u8]>,
+    ) -> Result<WriteState, Error> {
+        for _ in 0..MAX_RACES {
+            let mut q = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
+                .bind(key)
+                .bind(&token[..]);
+            q = match third {
+                Third::Kind(k) => q.bind(k),
+                Third::Ms(ms) => q.bind(ms),
+                Third::None => q,
+            };
+            if let Some(v) = fourth {
+                q = q.bind(v);
+            }
+            let row = q
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(self.fail(op))?;
+            match read_write_row(row.as_ref(), token)? {
+                WriteState::Ours => continue,
+                state => return Ok(state),
+            }
+        }
+        Err(errors::unavailable(
+            op,
+            "the record kept changing under this write; retry",
+        ))
+    }
+
+    /// Completes inside the body's transaction (see `tx.rs`): a
+    /// compare-and-set on the owner token, then commit.
+    async fn complete_in_tx(
+        &self,
+        slot: &TxSlot,
+        mut txn: Transaction<'static, Postgres>,
+        key: &str,
+        token: &[u8; 16],
+        kind: i8,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let cas = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.complete_in_tx)))
+            .bind(key)
+            .bind(&token[..])
+            .bind(kind)
+            .bind(value)
+            .execute(&mut *txn)
+            .await;
+        let failure = match cas {
+            Ok(done) if done.rows_affected() == 1 => match txn.commit().await {
+                Ok(()) => {
+                    slot.committed();
+                    return Ok(WriteReply::Done);
+                }
+                Err(e) if matches!(e, sqlx::Error::Database(_)) => e,
+                Err(e) => {
+                    // The commit may or may not have landed. The record
+                    // tells: idem re-sends `complete`, which finds it
+                    // completed (committed) or still ours (rolled back).
+                    let e = self.fail("commit")(e);
+                    slot.failed(Error::Unavailable {
+                        op: "commit",
+                        reason: format!(
+                            "{e}; the commit's outcome was unknown and it did not land, so the \
+                             key was released: retry with the same key"
+                        ),
+                    });
+                    return Err(e);
+                }
+            },
+            Ok(_) => {
+                // The CAS touched no row: the lease is no longer ours.
+                rollback(txn).await;
+                let reply = match self.classify(key, token, kind, value).await? {
+                    WriteState::Reply(r) => r,
+                    WriteState::Ours | WriteState::TxBound => WriteReply::Missing,
+                };
+                tracing::warn!(
+                    ?reply,
+                    "the lease was lost before the body's transaction could commit: rolled back, nothing of the body was kept"
+                );
+                slot.failed(Error::LeaseLost);
+                return Ok(reply);
+            }
+            Err(e) if matches!(e, sqlx::Error::Database(_)) => {
+                rollback(txn).await;
+                e
+            }
+            Err(e) => {
+                // The connection broke: the transaction is gone with it.
+                let e = self.fail("complete")(e);
+                slot.failed(Error::Unavailable {
+                    op: "complete",
+                    reason: format!(
+                        "{e}; the body's transaction did not commit and the key was released: \
+                         retry with the same key"
+                    ),
+                });
+                return Err(e);
+            }
+        };
+        // The database refused the CAS or the commit: the transaction rolled
+        // back, so the key is released for the next call to run.
+        let e = self.fail("complete")(failure);
+        let e = match e {
+            Error::Conflict { .. } => e,
+            other => Error::Unavailable {
+                op: "commit",
+                reason: format!(
+                    "the body's transaction could not commit ({other}); nothing was committed and \
+                     the key was released. If the body caught a failed statement and returned Ok, \
+                     return its error instead (an aborted transaction cannot commit)"
+                ),
+            },
+        };
+        tracing::warn!(error = %e, "the body's transaction was rolled back; releasing the key");
+        let _ = self
+            .write(
+                "release",
+                &self.inner.sql.release,
+                key,
+                token,
+                Third::None,
+                None,
+            )
+            .await;
+        slot.failed(e);
+        Ok(WriteReply::Missing)
+    }
+
+    /// Reads the row as it is now (a fresh statement, so a fresh snapshot).
+    async fn classify(
+        &self,
+        key: &str,
+        token: &[u8; 16],
+        kind: i8,
+        value: &[u8],
+    ) -> Result<WriteState, Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.classify)))
+            .bind(key)
+            .bind(kind)
+            .bind(value)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(self.fail("complete"))?;
+        read_write_row(row.as_ref(), token)
+    }
+}
+
+/// The third bound parameter of a write statement.
+#[derive(Clone, Copy)]
+enum Third {
+    Kind(i8),
+    Ms(i64),
+    None,
+}
+
+/// What a write statement's reply says.
+#[derive(Debug)]
+enum WriteState {
+    Reply(WriteReply),
+    /// The read-back shows the caller's own pending record: the row changed
+    /// between the refused write and the read. Re-run.
+    Ours,
+    /// The caller's own pending record, claimed by `run_in_tx`: only its
+    /// transaction may complete it.
+    TxBound,
+}
+
+fn read_write_row(row: Option<&PgRow>, token: &[u8; 16]) -> Result<WriteState, Error> {
+    let Some(row) = row else {
+        return Ok(WriteState::Reply(WriteReply::Missing));
+    };
+    let done: bool = get(row, "done")?;
+    if done {
+        return Ok(WriteState::Reply(WriteReply::Done));
+    }
+    let live: Option<bool> = get(row, "live")?;
+    if live != Some(true) {
+        return Ok(WriteState::Reply(WriteReply::Missing));
+    }
+    let state: Option<i8> = get(row, "state")?;
+    let state = state.map(|s| s as u8);
+    match state {
+        Some(b'P') => {
+            let stored: Option<Vec<u8>> = get(row, "token")?;
+            match stored {
+                Some(t) if t.len() == 16 && t[..] == token[..] => {
+                    let in_tx: Option<bool> = get(row, "in_tx")?;
+                    Ok(if in_tx == Some(true) {
+                        WriteState::TxBound
+                    } else {
+                        WriteState::Ours
+                    })
+                }
+                Some(t) if t.len() == 16 => Ok(WriteState::Reply(WriteReply::OtherOwner)),
+                _ => Err(corrupt("a pending record without a 16-byte owner token")),
+            }
+        }
+        Some(tag) if ValueKind::from_tag(tag).is_some() => {
+            let same: Option<bool> = get(row, "same")?;
+            Ok(WriteState::Reply(if same == Some(true) {
+                WriteReply::Done
+            } else {
+                WriteReply::AlreadyCompleted
+            }))
+        }
+        other => Err(corrupt(&format!(
+            "unknown state {:?}",
+            other.map(char::from)
+        ))),
+    }
+}
+
+fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, Error>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(column)
+        .map_err(|e| corrupt(&format!("column {column}: {e}")))
+}
+
+fn corrupt(what: &str) -> Error {
+    Error::Corrupt(format!(
+        "{what}; the row was not written by idem-postgres (or was edited by hand) and was left \
+         as it is — delete it, or use a table of its own for idem"
+    ))
+}
+
+async fn rollback(txn: Transaction<'static, Postgres>) {
+    if let Err(e) = txn.rollback().await {
+        // The connection is gone: the server rolls back on its own.
+        tracing::debug!(error = %e, "rollback failed; the server aborts the transaction with the connection");
+    }
+}
+
+/// The 16 raw bytes of a token's 32 hex digits.
+pub(crate) fn token_bytes(token: &Token) -> [u8; 16] {
+    let hex = token.as_bytes();
+    let mut out = [0u8; 16];
+    for (i, slot) in out.iter_mut().enumerate() {
+        *slot = (nibble(hex[2 * i]) << 4) | nibble(hex[2 * i + 1]);
+    }
+    out
+}
+
+fn nibble(b: u8) -> u8 {
+    match b {
+        b'0'..=b'9' => b - b'0',
+        b'a'..=b'f' => b - b'a' + 10,
+        b'A'..=b'F' => b - b'A' + 10,
+        _ => 0,
+    }
+}
+
+/// A duration as the stores count it: whole ms, at least 1, clamped.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, MAX_STORE_MS)
+}
+
+/// The lease as idem-core's stores count it: at most half the longest TTL.
+fn lease_ms(lease: Duration) -> u64 {
+    millis(lease).min(MAX_STORE_MS / 2)
+}
+
+/// How long a claimed record is kept: the result TTL and at least two
+/// leases, so that a lease that runs out leaves a record and the next claim
+/// counts a takeover instead of finding a fresh key. The same rule as
+/// idem-core's `record_ttl` (crate-private there).
+fn record_ttl_ms(ttl: Duration, lease: Duration) -> u64 {
+    millis(ttl).max(lease_ms(lease) * 2)
+}
+
+fn ms_i64(ms: u64) -> i64 {
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+fn duration_ms(ms: Option<i64>) -> Duration {
+    Duration::from_millis(ms.and_then(|m| u64::try_from(m).ok()).unwrap_or(0))
+}
+
+fn mismatch(given: Option<&Fingerprint>, stored: Option<&[u8]>) -> bool {
+    matches!((given, stored), (Some(a), Some(b)) if a.as_bytes()[..] != *b)
+}
+
+/// What one claim statement answered.
+enum ClaimRead {
+    Reply(ClaimReply),
+    /// The snapshot says the claim should have won: re-run it.
+    Race,
+}
+
+fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<ClaimRead, Error> {
+    let Some(row) = row else {
+        // Gone between the conflict and the read (released or reaped).
+        return Ok(ClaimRead::Race);
+    };
+    let won: bool = get(row, "won")?;
+    let attempt: Option<i64> = get(row, "attempt")?;
+    if won {
+        let attempt = attempt
+            .and_then(|a| u32::try_from(a).ok())
+            .ok_or_else(|| corrupt("attempt out of range"))?;
+        return Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }));
+    }
+    let ttl_ms: Option<i64> = get(row, "ttl_ms")?;
+    if ttl_ms.is_none_or(|t| t <= 0) {
+        return Ok(ClaimRead::Race);
+    }
+    let state: Option<i8> = get(row, "state")?;
+    let fingerprint: Option<Vec<u8>> = get(row, "fingerprint")?;
+    if fingerprint.as_ref().is_some_and(|f| f.len() != 16) {
+        return Err(corrupt("a fingerprint that is not 16 bytes"));
+    }
+    let fp = fingerprint.as_deref();
+    match state.map(|s| s as u8) {
+        Some(b'P') => {
+            let stored: Option<Vec<u8>> = get(row, "token")?;
+            let lease_ms: Option<i64> = get(row, "lease_ms")?;
+            let valid = stored.as_ref().is_some_and(|t| t.len() == 16)
+                && attempt.is_some_and(|a| (1..=i64::from(u32::MAX)).contains(&a))
+                && lease_ms.is_some();
+            if !valid {
+                return Err(corrupt(
+                    "a pending record with a bad owner token, attempt or lease",
+                ));
+            }
+            if mismatch(c.fingerprint, fp) {
+                return Ok(ClaimRead::Reply(ClaimReply::Mismatch));
+            }
+            match lease_ms {
+                Some(left) if left > 0 && stored.as_deref() != Some(&token[..]) => {
+                    Ok(ClaimRead::Reply(ClaimReply::InProgress {
+                        retry_after: duration_ms(Some(left)),
+                    }))
+                }
+                _ => Ok(ClaimRead::Race),
+            }
+        }
+        Some(tag) => {
+            let Some(kind) = ValueKind::from_tag(tag) else {
+                return Err(corrupt(&format!("unknown state {:?}", char::from(tag))));
+            };
+            if mismatch(c.fingerprint, fp) {
+                return Ok(ClaimRead::Reply(ClaimReply::Mismatch));
+            }
+            let value: Option<Vec<u8>> = get(row, "value")?;
+            let value = value.ok_or_else(|| corrupt("a completed record without a value"))?;
+            Ok(ClaimRead::Reply(ClaimReply::Completed(Completed {
+                kind,
+                value: Bytes::from(value),
+                fingerprint: fp.and_then(Fingerprint::from_bytes),
+                ttl_left: Some(duration_ms(ttl_ms)),
+            })))
+        }
+        None => Err(corrupt("a record without a state")),
+    }
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
+        let token = token_bytes(c.token);
+        let slot = tx::current();
+        if let Some(slot) = &slot {
+            slot.note_claim(token);
+        }
+        let lease = ms_i64(lease_ms(c.lease));
+        let ttl = ms_i64(record_ttl_ms(c.ttl, c.lease));
+        let fingerprint = c.fingerprint.map(|f| &f.as_bytes()[..]);
+        for _ in 0..MAX_RACES {
+            let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.claim)))
+                .bind(c.key)
+                .bind(&token[..])
+                .bind(lease)
+                .bind(ttl)
+                .bind(fingerprint)
+                .bind(slot.is_some())
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(self.fail("claim"))?;
+            if let ClaimRead::Reply(reply) = read_claim(row.as_ref(), &c, &token)? {
+                return Ok(reply);
+            }
+        }
+        Err(errors::unavailable(
+            "claim",
+            "the record kept changing under this claim; retry",
+        ))
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        _fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let token = token_bytes(token);
+        let tag = kind.tag() as i8;
+        // A `run_in_tx` call's own complete: inside the body's transaction.
+        if let Some(slot) = tx::current()
+            && let Some(txn) = slot.take_tx(&token)
+        {
+            return self
+                .complete_in_tx(&slot, txn, key, &token, tag, value)
+                .await;
+        }
+        let sql = &self.inner.sql;
+        let first = self
+            .write(
+                "complete",
+                &sql.complete,
+                key,
+                &token,
+                Third::Kind(tag),
+                Some(value),
+            )
+            .await;
+        match first {
+            Ok(WriteState::Reply(r)) => Ok(r),
+            // A `run_in_tx` claim completed outside its transaction: that
+            // transaction did not commit (or this would find the record
+            // completed), so its writes are gone: release instead.
+            Ok(WriteState::TxBound) => self.resolve_in_tx(key, &token, tag, value).await,
+            Ok(WriteState::Ours) => Ok(WriteReply::Missing),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let token = token_bytes(token);
+        match self
+            .write(
+                "release",
+                &self.inner.sql.release,
+                key,
+                &token,
+                Third::None,
+                None,
+            )
+            .await?
+        {
+            WriteState::Reply(r) => Ok(r),
+            WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
+        }
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let token = token_bytes(token);
+        let ms = ms_i64(lease_ms(lease));
+        match self
+            .write(
+                "extend",
+                &self.inner.sql.extend,
+                key,
+                &token,
+                Third::Ms(ms),
+                None,
+            )
+            .await?
+        {
+            WriteState::Reply(r) => Ok(r),
+            WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
+        }
+    }
+}
+
+impl PgStore {
+    async fn resolve_in_tx(
+        &self,
+        key: &str,
+        token: &[u8; 16],
+        tag: i8,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.resolve_in_tx)))
+            .bind(key)
+            .bind(&token[..])
+            .bind(tag)
+            .bind(value)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(self.fail("complete"))?;
+        if row_done(row.as_ref()) {
+            tracing::warn!(
+                "the body's transaction did not commit: nothing of it was kept; the key was released"
+            );
+            if let Some(slot) = tx::current() {
+                slot.failed_if_unset(Error::LeaseLost);
+            }
+            return Ok(WriteReply::Missing);
+        }
+        match read_write_row(row.as_ref(), token)? {
+            WriteState::Reply(r) => Ok(r),
+            WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
+        }
+    }
+}
+
+fn row_done(row: Option<&PgRow>) -> bool {
+    row.is_some_and(|r| r.try_get::<bool, _>("done").unwrap_or(false))
+}

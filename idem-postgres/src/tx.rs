@@ -1,0 +1,229 @@
+//! `run_in_tx`: the body's writes and its stored result commit together.
+//!
+//! The call runs through idem-core's ordinary `Call::run_outcome` (so
+//! waiting, replay, the local cache, keep-alive, release on `Err`, panic or
+//! cancellation and `FailMode` all behave as for every other call), with a
+//! task-local [`TxSlot`] that tells the `PgStore` serving that call:
+//!
+//! 1. the claim (its own short autocommit statement) marks the row `in_tx`;
+//! 2. the body gets a transaction opened on the caller's pool;
+//! 3. on `Ok`, idem-core's `complete` reaches `PgStore::complete`, which
+//!    takes the open transaction from the slot, runs the owner-token
+//!    compare-and-set in it and commits: record and rows together;
+//! 4. if the CAS touches no row (the lease was lost) it rolls back and the
+//!    call fails with `Error::LeaseLost`;
+//! 5. a plain `complete` of an `in_tx` row (a re-send after a broken
+//!    connection, or a completion idem-core finishes in a task of its own
+//!    after the caller's future was dropped) never stores the result: the
+//!    transaction is gone, so it releases the key unless it finds the
+//!    record completed by the commit.
+//!
+//! The lease is renewed by idem-core on another pool connection, never
+//! through the caller's transaction.
+
+use crate::errors;
+use idem_core::{Call, Error, Outcome};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::{Postgres, Transaction};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+tokio::task_local! {
+    /// The `run_in_tx` call this task is running, if any. `None` inside the
+    /// body, so that idem calls the body makes are ordinary calls.
+    static SLOT: Option<Arc<TxSlot>>;
+}
+
+/// The slot of the `run_in_tx` call running in this task, if any.
+pub(crate) fn current() -> Option<Arc<TxSlot>> {
+    SLOT.try_with(Clone::clone).ok().flatten()
+}
+
+/// What one `run_in_tx` call shares with the `PgStore` serving it.
+#[derive(Default)]
+pub(crate) struct TxSlot {
+    state: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// A `PgStore` claimed for this call (so `run_in_tx` is not used over
+    /// some other store, where the result could not join the transaction).
+    claimed_by_pg: bool,
+    token: Option<[u8; 16]>,
+    /// The body's transaction, between the body's `Ok` and the CAS.
+    txn: Option<Transaction<'static, Postgres>>,
+    committed: bool,
+    /// Why the body's writes were not committed.
+    failure: Option<Error>,
+}
+
+impl TxSlot {
+    fn lock(&self) -> MutexGuard<'_, SlotState> {
+        // Nothing panics while holding it; recover anyway.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn note_claim(&self, token: [u8; 16]) {
+        let mut s = self.lock();
+        s.claimed_by_pg = true;
+        s.token = Some(token);
+    }
+
+    /// The open transaction, for the holder of `token` only.
+    pub(crate) fn take_tx(&self, token: &[u8; 16]) -> Option<Transaction<'static, Postgres>> {
+        let mut s = self.lock();
+        if s.token.as_ref() == Some(token) {
+            s.txn.take()
+        } else {
+            None
+        }
+    }
+
+    pub(crate) fn committed(&self) {
+        self.lock().committed = true;
+    }
+
+    pub(crate) fn failed(&self, e: Error) {
+        self.lock().failure = Some(e);
+    }
+
+    pub(crate) fn failed_if_unset(&self, e: Error) {
+        self.lock().failure.get_or_insert(e);
+    }
+}
+
+/// `run_in_tx` and `run_in_tx_outcome` on idem's [`Call`]: the body's
+/// writes and its stored result commit in one PostgreSQL transaction.
+///
+/// The `Idempotency` must be built over a [`PgStore`](crate::PgStore) whose
+/// table is in the database `pool` connects to (typically
+/// `PgStore::from_pool(pool.clone())`).
+///
+/// - The claim commits first, in its own short statement, so duplicates see
+///   the key in flight (`Error::InProgress { retry_after }`) at once.
+/// - The body gets `&mut PgConnection` inside a transaction idem opened on
+///   `pool` (READ COMMITTED; it may `SET TRANSACTION ISOLATION LEVEL …` as
+///   its first statement). It must not commit or roll back itself.
+/// - `Ok`: the completed record is written in that transaction with an
+///   owner-token compare-and-set, then it commits. A lease lost meanwhile
+///   (the body outran it without being polled, or the row was taken over)
+///   rolls everything back and answers `Error::LeaseLost`.
+/// - `Err`, panic, cancellation: rolled back, then the key is released.
+/// - A serialization failure or deadlock at the CAS or the commit
+///   (SQLSTATE `40001`, `40P01`) answers `Error::Conflict`, retryable; the
+///   key is released. Under REPEATABLE READ or SERIALIZABLE, a lease renewal
+///   during a long body is such a conflict: keep those bodies under a third
+///   of the lease, or raise the lease.
+/// - Replays and `FailMode` work as for [`Call::run`]; with
+///   `FailMode::Open` and the store down, the body's transaction is
+///   committed on its own (`Outcome::Unprotected`).
+///
+/// ```no_run
+/// use idem_core::{Error, Idempotency};
+/// use idem_postgres::{PgStore, RunInTx};
+///
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Error> {
+/// let idem = Idempotency::builder(PgStore::from_pool(pool.clone())).namespace("orders").build();
+/// let order_id: i64 = idem
+///     .call("orders.create", "req-42")
+///     .run_in_tx(&pool, async |tx| {
+///         let row: (i64,) = sqlx::query_as("INSERT INTO orders (amount) VALUES (500) RETURNING id")
+///             .fetch_one(&mut *tx)
+///             .await
+///             .map_err(|e| Error::Codec(e.to_string()))?; // use your own error type
+///         Ok::<_, Error>(row.0)
+///     })
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub trait RunInTx: Sized {
+    /// Runs `body` in a transaction at most once for this key; its writes
+    /// and its result commit together. Returns what `Call::run` returns.
+    #[allow(async_fn_in_trait)]
+    async fn run_in_tx<F, T, E>(self, pool: &PgPool, body: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>;
+
+    /// Like [`run_in_tx`](RunInTx::run_in_tx), also saying what happened
+    /// (`Executed`, `Replayed`, `Recovered`, `Unprotected`).
+    #[allow(async_fn_in_trait)]
+    async fn run_in_tx_outcome<F, T, E>(self, pool: &PgPool, body: F) -> Result<(T, Outcome), E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>;
+}
+
+impl RunInTx for Call<'_> {
+    async fn run_in_tx<F, T, E>(self, pool: &PgPool, body: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        self.run_in_tx_outcome(pool, body).await.map(|(v, _)| v)
+    }
+
+    async fn run_in_tx_outcome<F, T, E>(self, pool: &PgPool, body: F) -> Result<(T, Outcome), E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let slot = Arc::new(TxSlot::default());
+        let in_body = Arc::clone(&slot);
+        let run = self.run_outcome(move || async move {
+            if !in_body.lock().claimed_by_pg {
+                return Err(E::from(Error::InvalidConfig(
+                    "run_in_tx needs an Idempotency built over a PgStore (e.g. \
+                     `Idempotency::builder(PgStore::from_pool(pool.clone()))`)"
+                        .to_owned(),
+                )));
+            }
+            let mut txn = pool
+                .begin()
+                .await
+                .map_err(|e| E::from(errors::map("begin", "", e)))?;
+            // Hidden from the body: idem calls it makes are plain calls.
+            match SLOT.scope(None, body(&mut txn)).await {
+                Ok(value) => {
+                    in_body.lock().txn = Some(txn);
+                    Ok(value)
+                }
+                Err(e) => {
+                    // Roll back before idem-core releases the key, so the
+                    // next holder never waits on this transaction's locks.
+                    if let Err(err) = txn.rollback().await {
+                        tracing::debug!(error = %err, "rollback after the body's error failed; the server aborts it with the connection");
+                    }
+                    Err(e)
+                }
+            }
+        });
+        let (value, outcome) = SLOT.scope(Some(Arc::clone(&slot)), run).await?;
+        let (txn, failure) = {
+            let mut s = slot.lock();
+            (s.txn.take(), s.failure.take())
+        };
+        match outcome {
+            Outcome::LeaseLost | Outcome::NotStored => {
+                Err(E::from(failure.unwrap_or(Error::LeaseLost)))
+            }
+            Outcome::Unprotected => {
+                // The store was down (FailMode::Open): no record to join,
+                // so the body's own writes commit alone.
+                if let Some(txn) = txn {
+                    txn.commit()
+                        .await
+                        .map_err(|e| E::from(errors::map("commit", "", e)))?;
+                }
+                Ok((value, outcome))
+            }
+            _ => Ok((value, outcome)),
+        }
+    }
+}
