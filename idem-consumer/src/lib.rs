@@ -18,7 +18,9 @@
 //!   groups, `XREADGROUP`, `XACK`, stale entries via `XAUTOCLAIM`, dead-letter
 //!   stream;
 //! * `nats`: [`nats::NatsConsumer`]: JetStream pull consumers with progress
-//!   acks, nak with delay, term and a dead-letter subject.
+//!   acks, nak with delay, term and a dead-letter subject;
+//! * `rabbitmq`: [`rabbitmq::RabbitConsumer`]: `basic_ack`, delayed
+//!   `basic_nack` with requeue, reject to a dead-letter exchange.
 //!
 //! ```
 //! use idem_consumer::{Consumer, Decision, Message};
@@ -47,6 +49,8 @@ mod message;
 
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 

@@ -1,0 +1,433 @@
+//! RabbitMQ adapter (`lapin`): `basic_ack`, `basic_nack` with requeue after
+//! the nack delay, `basic_reject` without requeue to the queue's
+//! dead-letter exchange, AMQP `message_id` as key.
+//!
+//! RabbitMQ cannot delay a requeue, so a nacked delivery is held (it keeps
+//! its prefetch slot) for its delay and then nacked with requeue. Delivery
+//! counts come from the `x-delivery-count` header that **quorum queues**
+//! add; on a classic queue the adapter only knows first delivery (1) from
+//! redelivery (2), so use a quorum queue when `max_deliveries` matters.
+//! Dead letters are rejected without requeue: declare the queue with an
+//! `x-dead-letter-exchange` (see [`declare_queue`]), or they are dropped by
+//! the broker. The reason is logged and in the [`Decision`]; RabbitMQ adds
+//! its own `x-death` header to the dead-lettered message. While a handler
+//! runs nothing is needed: RabbitMQ redelivers only when the channel closes.
+//!
+//! ```no_run
+//! use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
+//! use idem_consumer::{Consumer, Message};
+//! use idem_core::{Idempotency, RedisStore};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let conn = lapin::Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", Default::default()).await?;
+//! let channel = conn.create_channel().await?;
+//! declare_queue(&channel, "orders", "orders.dlx", "orders.dead").await?;
+//! let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?).build();
+//! let consumer = Consumer::new(idem, "orders.charge");
+//! let rabbit = RabbitConsumer::new(channel, RabbitConfig::new("orders")).await?;
+//! let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+//! rabbit.run(&consumer, &charge, std::future::pending::<()>()).await?;
+//! # Ok(()) }
+//! ```
+
+use crate::consumer::{Consumer, Handled};
+use crate::decision::{Classify, Decision};
+use crate::error::ConsumerError;
+use crate::message::Message;
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, ExchangeKind};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::fmt;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+const BROKER: &str = "rabbitmq";
+
+fn short(what: &str, s: &str) -> Result<ShortString, ConsumerError> {
+    ShortString::try_new(s)
+        .map_err(|e| ConsumerError::Config(format!("{what} `{s}` is too long for AMQP: {e}")))
+}
+
+fn amqp_err(op: &'static str) -> impl Fn(lapin::Error) -> ConsumerError {
+    move |e| ConsumerError::broker(BROKER, op, e)
+}
+
+/// Declares a durable **quorum** queue whose rejected messages go to the
+/// fanout exchange `dlx`, bound to the durable queue `dead`. Idempotent.
+pub async fn declare_queue(
+    channel: &Channel,
+    queue: &str,
+    dlx: &str,
+    dead: &str,
+) -> Result<(), ConsumerError> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            short("exchange", dlx)?,
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp_err("declare"))?;
+    channel
+        .queue_declare(short("queue", dead)?, durable, FieldTable::default())
+        .await
+        .map_err(amqp_err("declare"))?;
+    channel
+        .queue_bind(
+            short("queue", dead)?,
+            short("exchange", dlx)?,
+            short("routing key", "")?,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp_err("declare"))?;
+    let mut args = FieldTable::default();
+    args.insert(
+        short("argument", "x-queue-type")?,
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        short("argument", "x-dead-letter-exchange")?,
+        AMQPValue::LongString(dlx.into()),
+    );
+    channel
+        .queue_declare(short("queue", queue)?, durable, args)
+        .await
+        .map_err(amqp_err("declare"))?;
+    Ok(())
+}
+
+/// How to consume.
+///
+/// ```
+/// use idem_consumer::rabbitmq::RabbitConfig;
+/// let cfg = RabbitConfig::new("orders").prefetch(64).id_header("x-order-id");
+/// ```
+#[derive(Debug, Clone)]
+pub struct RabbitConfig {
+    queue: String,
+    prefetch: u16,
+    block: Duration,
+    id_header: Option<String>,
+    consumer_tag: String,
+}
+
+impl RabbitConfig {
+    /// Consume `queue`. Defaults: prefetch (and batch) 32, wait up to 1 s
+    /// for a first message, keys from the `message_id` property.
+    pub fn new(queue: impl Into<String>) -> RabbitConfig {
+        RabbitConfig {
+            queue: queue.into(),
+            prefetch: 32,
+            block: Duration::from_secs(1),
+            id_header: None,
+            consumer_tag: String::new(),
+        }
+    }
+
+    /// Unacked deliveries the broker hands over at once, and the batch size
+    /// (at least 1).
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n.max(1);
+        self
+    }
+
+    /// How long a poll waits for a first message (default 1 s).
+    pub fn block(mut self, d: Duration) -> Self {
+        self.block = d;
+        self
+    }
+
+    /// Take the id from this header (a string) instead of `message_id`;
+    /// a header of another type dead-letters the message as unreadable.
+    pub fn id_header(mut self, name: impl Into<String>) -> Self {
+        self.id_header = Some(name.into());
+        self
+    }
+}
+
+/// What one [`poll`](RabbitConsumer::poll) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PollReport {
+    /// Deliveries handled.
+    pub fetched: usize,
+    /// Of those, redeliveries.
+    pub redelivered: usize,
+    /// Acked.
+    pub acked: usize,
+    /// Nacked with requeue (after their delay).
+    pub nacked: usize,
+    /// Rejected to the dead-letter exchange.
+    pub dead_lettered: usize,
+}
+
+impl PollReport {
+    /// Adds another report's counts to this one.
+    pub fn add(&mut self, other: PollReport) {
+        self.fetched += other.fetched;
+        self.redelivered += other.redelivered;
+        self.acked += other.acked;
+        self.nacked += other.nacked;
+        self.dead_lettered += other.dead_lettered;
+    }
+}
+
+/// A RabbitMQ queue consumer run through idem.
+#[derive(Clone)]
+pub struct RabbitConsumer {
+    deliveries: Arc<Mutex<lapin::Consumer>>,
+    cfg: Arc<RabbitConfig>,
+    source: Arc<str>,
+}
+
+impl fmt::Debug for RabbitConsumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitConsumer")
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitConsumer {
+    /// Sets the channel's prefetch and starts consuming the queue.
+    pub async fn new(channel: Channel, cfg: RabbitConfig) -> Result<Self, ConsumerError> {
+        channel
+            .basic_qos(cfg.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(amqp_err("qos"))?;
+        let deliveries = channel
+            .basic_consume(
+                short("queue", &cfg.queue)?,
+                short("consumer tag", &cfg.consumer_tag)?,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp_err("consume"))?;
+        Ok(RabbitConsumer {
+            deliveries: Arc::new(Mutex::new(deliveries)),
+            source: Arc::from(cfg.queue.as_str()),
+            cfg: Arc::new(cfg),
+        })
+    }
+
+    /// Waits up to the block time for deliveries; returns those ready, at
+    /// most a prefetch's worth.
+    pub async fn fetch(&self) -> Result<Vec<Delivery>, ConsumerError> {
+        let mut stream = self.deliveries.lock().await;
+        let mut out = Vec::new();
+        let mut next = match tokio::time::timeout(self.cfg.block, stream.next()).await {
+            Err(_) => return Ok(out),
+            Ok(None) => {
+                return Err(ConsumerError::broker(
+                    BROKER,
+                    "fetch",
+                    "the consumer was cancelled or its channel closed; create a new RabbitConsumer on a new channel",
+                ));
+            }
+            Ok(Some(item)) => Some(item),
+        };
+        while let Some(item) = next.take() {
+            out.push(item.map_err(amqp_err("fetch"))?);
+            if out.len() >= usize::from(self.cfg.prefetch) {
+                break;
+            }
+            next = futures_util::FutureExt::now_or_never(stream.next()).flatten();
+        }
+        Ok(out)
+    }
+
+    /// Turns a delivery into the core's [`Message`].
+    pub fn message_of(&self, d: &Delivery) -> Message {
+        let headers = d.properties.headers().as_ref().map(FieldTable::inner);
+        // Quorum queues count deliveries before this one.
+        let before = headers
+            .and_then(|h| h.get("x-delivery-count"))
+            .and_then(as_u32);
+        let deliveries = match before {
+            Some(n) => n.saturating_add(1),
+            None if d.redelivered => 2,
+            None => 1,
+        };
+        let mut msg = Message::new(d.data.clone())
+            .with_delivery_count(deliveries)
+            .with_source(BROKER, self.source.clone());
+        match &self.cfg.id_header {
+            None => {
+                if let Some(id) = d.properties.message_id() {
+                    msg = msg.with_id(id.as_str());
+                }
+            }
+            Some(name) => match headers.and_then(|h| h.get(name.as_str())) {
+                None => {}
+                Some(AMQPValue::LongString(s)) => match std::str::from_utf8(s.as_bytes()) {
+                    Ok(id) => msg = msg.with_id(id),
+                    Err(_) => msg = msg.with_unreadable_id(format!("header `{name}` is not UTF-8")),
+                },
+                Some(AMQPValue::ShortString(s)) => msg = msg.with_id(s.as_str()),
+                Some(other) => {
+                    msg = msg
+                        .with_unreadable_id(format!("header `{name}` is {other:?}, not a string"))
+                }
+            },
+        }
+        msg
+    }
+
+    /// Handles deliveries through `consumer`; returns each with its
+    /// decision for [`apply`](Self::apply).
+    pub async fn handle<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        fetched: Vec<Delivery>,
+    ) -> Vec<(Delivery, Decision)>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let msgs: Vec<Message> = fetched.iter().map(|d| self.message_of(d)).collect();
+        let handled: Vec<Handled<T>> = consumer.handle_batch(&msgs, handler).await;
+        fetched
+            .into_iter()
+            .zip(handled)
+            .map(|(d, h)| (d, h.decision))
+            .collect()
+    }
+
+    /// Applies decisions: `basic_ack`; `basic_nack` with requeue once the
+    /// delay has passed (in a task of its own, so the next batch need not
+    /// wait); `basic_reject` without requeue for dead letters.
+    pub async fn apply(
+        &self,
+        decided: Vec<(Delivery, Decision)>,
+    ) -> Result<PollReport, ConsumerError> {
+        let mut report = PollReport {
+            fetched: decided.len(),
+            ..PollReport::default()
+        };
+        let mut first_error = None;
+        for (d, decision) in decided {
+            if d.redelivered {
+                report.redelivered += 1;
+            }
+            let done = match decision {
+                Decision::Ack => {
+                    report.acked += 1;
+                    d.acker.ack(BasicAckOptions::default()).await
+                }
+                Decision::Nack { delay } => {
+                    report.nacked += 1;
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let requeue = BasicNackOptions {
+                            requeue: true,
+                            ..BasicNackOptions::default()
+                        };
+                        if let Err(e) = d.acker.nack(requeue).await {
+                            // The channel is gone: the broker requeues it anyway.
+                            tracing::warn!(error = %e, "delayed nack failed");
+                        }
+                    });
+                    Ok(true)
+                }
+                Decision::DeadLetter { reason } => {
+                    report.dead_lettered += 1;
+                    tracing::warn!(queue = %self.source, reason = %reason, kind = reason.kind(), "rejecting to the dead-letter exchange");
+                    d.acker.reject(BasicRejectOptions { requeue: false }).await
+                }
+            };
+            if let Err(e) = done {
+                first_error.get_or_insert(ConsumerError::broker(BROKER, "ack", e));
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Fetches, handles and applies one batch.
+    pub async fn poll<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> Result<PollReport, ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let fetched = self.fetch().await?;
+        if fetched.is_empty() {
+            return Ok(PollReport::default());
+        }
+        let decided = self.handle(consumer, handler, fetched).await;
+        self.apply(decided).await
+    }
+
+    /// Polls until `shutdown` completes, or the channel is gone (then the
+    /// error is returned: open a new channel and consumer; the broker has
+    /// requeued every unacked delivery).
+    pub async fn run<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        shutdown: impl Future,
+    ) -> Result<(), ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let mut shutdown = pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => return Ok(()),
+                r = self.poll(consumer, handler) => { r?; }
+            }
+        }
+    }
+}
+
+fn as_u32(v: &AMQPValue) -> Option<u32> {
+    let n: i64 = match v {
+        AMQPValue::ShortShortInt(n) => i64::from(*n),
+        AMQPValue::ShortShortUInt(n) => i64::from(*n),
+        AMQPValue::ShortInt(n) => i64::from(*n),
+        AMQPValue::ShortUInt(n) => i64::from(*n),
+        AMQPValue::LongInt(n) => i64::from(*n),
+        AMQPValue::LongUInt(n) => i64::from(*n),
+        AMQPValue::LongLongInt(n) => *n,
+        _ => return None,
+    };
+    u32::try_from(n).ok()
+}
