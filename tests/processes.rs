@@ -54,21 +54,7 @@ fn worker() {
         lease: Duration::from_millis(env("IDEM_LEASE_MS").parse().unwrap()),
     };
     // Never outlive the test process that started us.
-    let parent = std::os::unix::process::parent_id();
-    std::thread::spawn(move || {
-        loop {
-            if std::os::unix::process::parent_id() != parent {
-                std::process::exit(3);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(run_worker(cfg));
+    idem_testkit::run_worker(work(cfg));
     std::process::exit(0);
 }
 
@@ -77,7 +63,7 @@ fn ledger(dir: &Path) -> FileLedger {
     FileLedger::at(dir.join("ledger"))
 }
 
-async fn run_worker(cfg: WorkerConfig) {
+async fn work(cfg: WorkerConfig) {
     let store = RedisStore::connect(&cfg.url)
         .await
         .expect("worker: connect");

@@ -18,6 +18,8 @@
 //!   [`RedisCluster::record`]: the one place tests read stored records.
 //! * [`eventually`], [`Rng`], [`BodyError`]: polling without timing
 //!   assertions, deterministic shuffles, a body error type.
+//! * [`run_worker`], [`exit_with_parent`]: the child side of tests that
+//!   re-execute their binary as worker processes.
 //! * [`RedisServer`]: one `redis-server` on a free port of `127.0.0.1`, no
 //!   persistence, files in a temporary directory, killed on drop.
 //! * [`RedisCluster`]: three such servers formed into a real cluster of three
@@ -71,6 +73,7 @@ mod rng;
 mod runs;
 mod server;
 mod spawn;
+mod worker;
 
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;
@@ -84,6 +87,7 @@ pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;
 pub use runs::Runs;
 pub use server::RedisServer;
+pub use worker::{exit_with_parent, run_worker};
 
 use std::collections::HashSet;
 use std::net::TcpListener;

@@ -1,0 +1,37 @@
+//! The child side of multi-process tests: a test binary re-executed as a
+//! worker process (see `tests/processes.rs`), which must never outlive the
+//! test that started it.
+
+use std::future::Future;
+use std::time::Duration;
+
+/// Exits this process (status 3) as soon as its parent is gone, checked
+/// every 100 ms on a thread of its own: a worker whose test process died
+/// (killed, or aborted) must not go on hammering a store.
+pub fn exit_with_parent() {
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || {
+        loop {
+            if std::os::unix::process::parent_id() != parent {
+                std::process::exit(3);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+}
+
+/// Runs `body` to completion as a worker process: [`exit_with_parent`],
+/// then a multi-threaded Tokio runtime with two workers.
+///
+/// # Panics
+///
+/// When the runtime cannot be built.
+pub fn run_worker<F: Future>(body: F) -> F::Output {
+    exit_with_parent();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("idem-testkit: cannot build the worker runtime: {e}"))
+        .block_on(body)
+}
