@@ -32,6 +32,10 @@
 //! # Ok(()) }
 //! ```
 
+/// The `async-nats` crate this adapter is built on, re-exported so your
+/// connection and setup code uses the same version.
+pub use async_nats;
+
 use crate::consumer::{Consumer, Handled};
 use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;

@@ -30,6 +30,10 @@
 //! # Ok(()) }
 //! ```
 
+/// The `lapin` crate this adapter is built on, re-exported so your
+/// connection and setup code uses the same version.
+pub use lapin;
+
 use crate::consumer::{Consumer, Handled};
 use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;

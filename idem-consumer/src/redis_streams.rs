@@ -34,6 +34,10 @@
 //! # Ok(()) }
 //! ```
 
+/// The `redis` crate this adapter is built on, re-exported so your
+/// connection and setup code uses the same version.
+pub use redis;
+
 use crate::consumer::{Consumer, Handled};
 use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;
