@@ -60,6 +60,20 @@ fn spread_keys(
     keys
 }
 
+/// A private cluster, idem over it in namespace `ns`, and the keys of
+/// [`spread_keys`].
+async fn spread_over_a_cluster(
+    ns: &str,
+    scope: &str,
+    prefix: &str,
+    n: usize,
+) -> (TestContext, Idempotency, Vec<String>) {
+    let ctx = TestContext::redis_cluster().await.with_namespace(ns);
+    let idem = ctx.idem();
+    let keys = spread_keys(ctx.cluster(), ns, scope, prefix, n);
+    (ctx, idem, keys)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_under_concurrency_on_every_master() {
     let ctx = TestContext::redis_cluster().await.with_namespace("once");
@@ -159,7 +173,6 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_every_value_including_zero_false_unit_none_and_empty() {
     let ctx = TestContext::redis_cluster().await.with_namespace("replay");
-    let cluster = ctx.cluster();
     let idem = ctx.idem();
     let ledger = Ledger::new();
     // Several keys per value, so every value is replayed from every master.
@@ -202,16 +215,14 @@ async fn replays_every_value_including_zero_false_unit_none_and_empty() {
                 .map(move |n| format!("replay:replay:{n}-{r}"))
         })
         .collect();
-    assert_eq!(owners(cluster, &stored), BTreeSet::from([0, 1, 2]));
+    assert_eq!(owners(ctx.cluster(), &stored), BTreeSet::from([0, 1, 2]));
     assert_eq!(ledger.total(), 6 * 9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_releases_the_key_on_every_master() {
-    let ctx = TestContext::redis_cluster().await.with_namespace("err");
+    let (ctx, idem, keys) = spread_over_a_cluster("err", "pay", "k", 24).await;
     let cluster = ctx.cluster();
-    let idem = ctx.idem();
-    let keys = spread_keys(cluster, "err", "pay", "k", 24);
     let ledger = Ledger::new();
     for key in &keys {
         let (l, k) = (ledger.clone(), key.clone());
@@ -406,10 +417,7 @@ async fn takeover_after_a_lost_lease_and_the_late_complete_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fingerprint_mismatch_is_refused_pending_or_completed() {
-    let ctx = TestContext::redis_cluster().await.with_namespace("fp");
-    let cluster = ctx.cluster();
-    let idem = ctx.idem();
-    let keys = spread_keys(cluster, "fp", "refund", "r", 12);
+    let (_ctx, idem, keys) = spread_over_a_cluster("fp", "refund", "r", 12).await;
     let ledger = Ledger::new();
     for key in &keys {
         let req = (key.as_str(), 500u64, "EUR");
