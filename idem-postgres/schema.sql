@@ -15,4 +15,4 @@ CREATE TABLE IF NOT EXISTS "idem_keys" (
     value       bytea
 ) WITH (fillfactor = 75);
 
-CREATE INDEX IF NOT EXISTS "idem_keys_expires_idx" ON "idem_keys" (expires_at);
+CREATE INDEX IF NOT EXISTS "idem_keys_expires_idx" ON "idem_keys" USING brin (expires_at);

@@ -28,7 +28,7 @@ macro_rules! ms {
 pub(crate) struct Statements {
     pub claim: Arc<str>,
     pub complete: Arc<str>,
-    pub complete_in_tx: Arc<str>,
+    table: String,
     pub resolve_in_tx: Arc<str>,
     pub release: Arc<str>,
     pub extend: Arc<str>,
@@ -46,11 +46,26 @@ impl Statements {
         // see the CTE) from the lease end it just computed: exact, since
         // interval arithmetic on timestamptz is in whole microseconds.
         let now = concat!("(EXCLUDED.lease_until - ", ms!(3), ")");
+        // `cur` reads the row first: when it shows a record this claim
+        // cannot take (completed, or another holder's live lease), the
+        // INSERT has no source row and never runs, so a replay or an
+        // in-progress answer is a read-only statement (no row lock, no
+        // transaction id, no WAL flush). When the snapshot is stale, the
+        // INSERT's conflict path re-checks everything on the latest row.
+        //
+        // `sync`: a `run_in_tx` claim ($6) commits asynchronously. Losing
+        // it in a server crash is harmless: the crash aborts the body's
+        // transaction too, so the key is rightly free again. Plain claims
+        // stay durable: their bodies' effects live outside the database.
         let claim = format!(
-            "WITH c AS (SELECT clock_timestamp() AS now), \
+            "WITH c AS (SELECT clock_timestamp() AS now, \
+                        CASE WHEN $6 THEN set_config('synchronous_commit', 'off', true) END AS sync), \
+             cur AS (SELECT r.* FROM {t} r, c WHERE r.key = $1), \
              ins AS ( \
                INSERT INTO {t} AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value) \
                SELECT 1, c.now + {lease}, c.now + {ttl}, 'P', $6, $1, $2, $5, NULL FROM c \
+               WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.expires_at > c.now \
+                                 AND NOT (cur.state = 'P' AND (cur.token = $2 OR cur.lease_until <= c.now))) \
                ON CONFLICT (key) DO UPDATE SET \
                  attempt = CASE WHEN r.expires_at <= {now} THEN 1 \
                                 WHEN r.token = EXCLUDED.token THEN r.attempt \
@@ -77,7 +92,7 @@ impl Statements {
              SELECT false, r.attempt, r.state, r.token, r.fingerprint, r.value, \
                     ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint, \
                     ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint \
-             FROM {t} r, c WHERE r.key = $1 AND NOT EXISTS (SELECT 1 FROM ins)",
+             FROM cur r, c WHERE NOT EXISTS (SELECT 1 FROM ins)",
             lease = ms!(3),
             ttl = ms!(4),
         );
@@ -95,14 +110,6 @@ impl Statements {
                      AND r.expires_at > c.now AND NOT r.in_tx RETURNING 1) \
              {WRITE_REPLY} {}",
             refused("(r.state = $3 AND r.value = $4)")
-        );
-        // Inside the body's transaction: a plain compare-and-set whose row
-        // count says whether the lease was still ours.
-        let complete_in_tx = format!(
-            "UPDATE {t} SET state = $3, value = $4, attempt = NULL, lease_until = NULL, \
-                    token = NULL, in_tx = false \
-             WHERE key = $1 AND state = 'P' AND token = $2 AND in_tx \
-               AND expires_at > clock_timestamp()"
         );
         // A `run_in_tx` claim completed outside its transaction: that
         // transaction did not commit (or the record would be completed), so
@@ -146,7 +153,7 @@ impl Statements {
         Statements {
             claim: claim.into(),
             complete: complete.into(),
-            complete_in_tx: complete_in_tx.into(),
+            table: t.to_string(),
             resolve_in_tx: resolve_in_tx.into(),
             release: release.into(),
             extend: extend.into(),
@@ -154,4 +161,42 @@ impl Statements {
             reap: reap.into(),
         }
     }
+
+    /// The `run_in_tx` completion: an owner-token compare-and-set that
+    /// divides by zero when it touches no row, then COMMIT, then BEGIN (so
+    /// the connection is in a transaction again, as sqlx believes). Every
+    /// value is spliced as hex digits or a checked tag letter: no input can
+    /// close a literal.
+    pub(crate) fn cas_and_commit(
+        &self,
+        key: &str,
+        token: &[u8; 16],
+        kind: i8,
+        value: &[u8],
+    ) -> String {
+        let tag = char::from(kind as u8);
+        let tag = if tag.is_ascii_alphabetic() { tag } else { '?' };
+        format!(
+            "WITH u AS (UPDATE {t} SET state = '{tag}', value = decode('{value}', 'hex'), \
+                    attempt = NULL, lease_until = NULL, token = NULL, in_tx = false \
+                    WHERE key = convert_from(decode('{key}', 'hex'), 'UTF8') AND state = 'P' \
+                      AND token = decode('{token}', 'hex') AND in_tx \
+                      AND expires_at > clock_timestamp() RETURNING 1) \
+             SELECT 1 / count(*) FROM u; COMMIT; BEGIN",
+            t = self.table,
+            key = hex(key.as_bytes()),
+            token = hex(token),
+            value = hex(value),
+        )
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    out
 }

@@ -20,6 +20,9 @@ use std::time::Duration;
 /// stores clamp it, so that timestamps never overflow.
 const MAX_STORE_MS: u64 = 10_000_000_000_000;
 
+/// SQLSTATE of the CAS's division by zero: no row was ours to complete.
+const LEASE_LOST: &str = "22012";
+
 /// How many times a claim or write is re-run when the row changed between
 /// the refused write and its read-back (see `sql.rs`). Each re-run means
 /// another caller's write landed in between, so a handful is plenty.
@@ -264,36 +267,25 @@ impl PgStore {
         kind: i8,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        let cas = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.complete_in_tx)))
-            .bind(key)
-            .bind(&token[..])
-            .bind(kind)
-            .bind(value)
+        // The CAS and the COMMIT travel in one message (simple query
+        // protocol), so `run_in_tx` costs one round trip over the body's
+        // own transaction: the claim. A CAS that touches no row divides by
+        // zero, which stops the message before its COMMIT. Values travel
+        // hex-encoded, so nothing in them can end the literal.
+        let script = self.inner.sql.cas_and_commit(key, token, kind, value);
+        let cas = sqlx::raw_sql(AssertSqlSafe(script))
             .execute(&mut *txn)
             .await;
         let failure = match cas {
-            Ok(done) if done.rows_affected() == 1 => match txn.commit().await {
-                Ok(()) => {
-                    slot.committed();
-                    return Ok(WriteReply::Done);
-                }
-                Err(e) if matches!(e, sqlx::Error::Database(_)) => e,
-                Err(e) => {
-                    // The commit may or may not have landed. The record
-                    // tells: idem re-sends `complete`, which finds it
-                    // completed (committed) or still ours (rolled back).
-                    let e = self.fail("commit")(e);
-                    slot.failed(Error::Unavailable {
-                        op: "commit",
-                        reason: format!(
-                            "{e}; the commit's outcome was unknown and it did not land, so the \
-                             key was released: retry with the same key"
-                        ),
-                    });
-                    return Err(e);
-                }
-            },
             Ok(_) => {
+                // Committed; the `BEGIN` after the COMMIT left an empty
+                // transaction open, which dropping `txn` rolls back with the
+                // connection's next use (no round trip now, no WAL).
+                drop(txn);
+                slot.committed();
+                return Ok(WriteReply::Done);
+            }
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(LEASE_LOST) => {
                 // The CAS touched no row: the lease is no longer ours.
                 rollback(txn).await;
                 let reply = match self.classify(key, token, kind, value).await? {
@@ -312,7 +304,10 @@ impl PgStore {
                 e
             }
             Err(e) => {
-                // The connection broke: the transaction is gone with it.
+                // The connection broke mid-message: the COMMIT may or may
+                // not have landed. The record tells: idem re-sends
+                // `complete`, which finds it completed (committed) or still
+                // ours (rolled back, then released).
                 let e = self.fail("complete")(e);
                 slot.failed(Error::Unavailable {
                     op: "complete",
