@@ -38,6 +38,12 @@ impl ReplayCache {
         Some(entry.record)
     }
 
+    /// Drops the copy of `key` (after `forget`): this process stops
+    /// replaying it at once; other processes' copies live out their TTL.
+    pub(crate) fn remove(&self, key: &str) {
+        self.cache.remove(key);
+    }
+
     /// Caches `record`, whose `ttl_left` the store measured no earlier than
     /// `measured_from` (when the request that read it was sent): counting
     /// from then, not from the reply's arrival, the copy expires no later

@@ -211,12 +211,7 @@ impl<'a> Call<'a> {
         let key = self.key?;
         let fingerprint = self.fingerprint?;
         if !span.is_disabled() {
-            let shown = if inner.log_keys {
-                key.clone()
-            } else {
-                key_digest(&key)
-            };
-            span.record("key", shown.as_str());
+            span.record("key", shown_key(inner, &key).as_str());
         }
         // A hit in the local cache needs no owner token and no clock: look
         // first, and draw them only for a call that goes to the store.
@@ -237,6 +232,15 @@ impl<'a> Call<'a> {
             wait: self.wait,
             fingerprint,
         })
+    }
+}
+
+/// The key as logs and hooks show it: in clear only with `log_keys`.
+pub(crate) fn shown_key(inner: &Inner, key: &str) -> String {
+    if inner.log_keys {
+        key.to_owned()
+    } else {
+        key_digest(key)
     }
 }
 

@@ -74,6 +74,26 @@ pub(crate) fn marker_error(kind: ValueKind, bytes: &[u8]) -> Option<Error> {
     }
 }
 
+/// The JSON inside an `Lz4Json` value, refusing a length prefix over
+/// `limit` before lz4 allocates it: a damaged record must not make us
+/// allocate gigabytes.
+pub(crate) fn decompress(value: &[u8], limit: usize) -> Result<Vec<u8>, Error> {
+    let size = value
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_le_bytes);
+    match size {
+        Some(n) if (n as usize) <= limit => {}
+        _ => {
+            return Err(Error::Corrupt(
+                "compressed record with a missing or oversized length prefix".to_owned(),
+            ));
+        }
+    }
+    lz4_flex::decompress_size_prepended(value)
+        .map_err(|e| Error::Corrupt(format!("compressed record does not decompress: {e}")))
+}
+
 /// Reads a stored result back as `T`.
 pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result<T, Error> {
     let parse = |json: &[u8]| -> Result<T, Error> {
@@ -95,27 +115,7 @@ pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result
     };
     match c.kind {
         ValueKind::Json => parse(&c.value),
-        ValueKind::Lz4Json => {
-            // Check the prepended size before lz4 allocates it: a damaged
-            // record must not make us allocate gigabytes.
-            let size = c
-                .value
-                .get(..4)
-                .and_then(|b| <[u8; 4]>::try_from(b).ok())
-                .map(u32::from_le_bytes);
-            match size {
-                Some(n) if (n as usize) <= limit => {}
-                _ => {
-                    return Err(Error::Corrupt(
-                        "compressed record with a missing or oversized length prefix".to_owned(),
-                    ));
-                }
-            }
-            let json = lz4_flex::decompress_size_prepended(&c.value).map_err(|e| {
-                Error::Corrupt(format!("compressed record does not decompress: {e}"))
-            })?;
-            parse(&json)
-        }
+        ValueKind::Lz4Json => parse(&decompress(&c.value, limit)?),
         kind => Err(marker_error(kind, &c.value)
             .unwrap_or_else(|| Error::Corrupt(format!("unknown value kind {kind:?}")))),
     }

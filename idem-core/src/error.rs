@@ -105,6 +105,35 @@ pub enum Error {
         reason: String,
     },
 
+    /// [`forget`](crate::Idempotency::forget) found the key in flight: a
+    /// holder's lease is live, so deleting the record would let another
+    /// call run the body beside it. Nothing was deleted.
+    #[error(
+        "the key is in flight (attempt {attempt}): its holder's lease has {} ms left, and \
+         forgetting it now would let another call run the body beside that holder; nothing \
+         was deleted — wait for the lease to run out, or force it (`.force()`, `idem forget --force`) \
+         if the holder is known to be dead",
+        lease_left.as_millis()
+    )]
+    LeaseHeld {
+        /// How long the holder's lease has left.
+        lease_left: Duration,
+        /// The holder's attempt number (1 for the first holder).
+        attempt: u32,
+    },
+
+    /// The store does not implement an operator command (`inspect`,
+    /// `forget`, `scan`): the `Store` trait's default answer, for stores
+    /// written before these commands existed.
+    #[error(
+        "this store does not support `{op}`; upgrade the store crate, or use one that does \
+         (RedisStore and MemoryStore do)"
+    )]
+    Unsupported {
+        /// The command: `inspect`, `forget` or `scan`.
+        op: &'static str,
+    },
+
     /// `#[idempotent]` without `using` found no installed default.
     #[error(
         "no default Idempotency is installed; call `idem.install()` at startup \

@@ -31,6 +31,7 @@ mod error;
 mod fingerprint;
 mod idempotency;
 mod key;
+mod operate;
 mod outcome;
 mod private;
 mod settings;
@@ -43,11 +44,12 @@ pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use idempotency::{Idempotency, IdempotencyBuilder};
 pub use key::{MAX_KEY_LEN, validate_key_part};
+pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;
 pub use store::{
-    Claim, ClaimReply, Completed, MemoryStore, RedisStore, RedisStoreConfig, Store, ValueKind,
-    WriteReply,
+    Claim, ClaimReply, Completed, KeyState, MemoryStore, RecordInfo, RedisStore, RedisStoreConfig,
+    ScanPage, Store, ValueKind, WriteReply,
 };
 pub use token::Token;
 

@@ -1,6 +1,9 @@
 //! `MemoryStore`: the same state machine as the Lua scripts, in process memory.
 
-use super::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply, record_ttl, store_lease};
+use super::{
+    Claim, ClaimReply, Completed, RecordInfo, ScanPage, Store, ValueKind, WriteReply, record_ttl,
+    store_lease,
+};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -132,6 +135,31 @@ impl Map {
     }
 }
 
+impl Entry {
+    /// The record as an operator sees it, at `now`.
+    fn info(&self, now: Instant, with_value: bool) -> RecordInfo {
+        let ttl_left = Some(self.expires_at.saturating_duration_since(now));
+        match &self.state {
+            State::Pending {
+                deadline, attempt, ..
+            } => RecordInfo::pending(
+                *attempt,
+                ttl_left,
+                deadline.saturating_duration_since(now),
+                self.fingerprint,
+            ),
+            State::Completed { kind, value } => {
+                let mut info =
+                    RecordInfo::completed(*kind, value.clone(), self.fingerprint, ttl_left, false);
+                if with_value {
+                    info.value = Some(value.clone());
+                }
+                info
+            }
+        }
+    }
+}
+
 fn mismatch(given: Option<&Fingerprint>, stored: Option<&Fingerprint>) -> bool {
     matches!((given, stored), (Some(a), Some(b)) if a != b)
 }
@@ -258,5 +286,63 @@ impl Store for MemoryStore {
         // expired lease is still seen (and counted) as a takeover.
         entry.expires_at = entry.expires_at.max(now + 2 * lease);
         Ok(WriteReply::Done)
+    }
+
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        let now = Instant::now();
+        Ok(self.lock().live(key, now).map(|e| e.info(now, with_value)))
+    }
+
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        let now = Instant::now();
+        let mut map = self.lock();
+        let Some(info) = map.live(key, now).map(|e| e.info(now, false)) else {
+            return Ok(None);
+        };
+        if info.is_held() && !force {
+            return Err(Error::LeaseHeld {
+                lease_left: info.lease_left.unwrap_or_default(),
+                attempt: info.attempt.unwrap_or(1),
+            });
+        }
+        map.entries.remove(key);
+        Ok(Some(info))
+    }
+
+    /// Pages in key order; the cursor is the last key returned, so a page
+    /// costs a pass over the map (this store is for one process and tests).
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        let now = Instant::now();
+        let map = self.lock();
+        let mut keys: Vec<&String> = map
+            .entries
+            .iter()
+            .filter(|(k, e)| {
+                e.expires_at > now && k.starts_with(prefix) && cursor.is_none_or(|c| k.as_str() > c)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        keys.sort_unstable();
+        let count = count.max(1);
+        let more = keys.len() > count;
+        keys.truncate(count);
+        let records: Vec<(String, Result<RecordInfo, Error>)> = keys
+            .into_iter()
+            .filter_map(|k| {
+                let e = map.entries.get(k)?;
+                Some((k.clone(), Ok(e.info(now, false))))
+            })
+            .collect();
+        let cursor = if more {
+            records.last().map(|(k, _)| k.clone())
+        } else {
+            None
+        };
+        Ok(ScanPage { records, cursor })
     }
 }

@@ -7,9 +7,11 @@
 //! token that holds the pending record. `lua/README.md` gives the Redis
 //! encoding; [`MemoryStore`] keeps the same machine in process memory.
 
+mod info;
 mod memory;
 mod redis;
 
+pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
 pub use self::redis::{RedisStore, RedisStoreConfig};
 
@@ -216,6 +218,44 @@ pub trait Store: Send + Sync + 'static {
 
     /// Moves the caller's lease deadline to now + `lease`.
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error>;
+
+    /// Reads the record of `key` for an operator, writing nothing; `None`
+    /// when there is none. The value is included only when `with_value`.
+    /// A record that cannot be read is [`Error::Corrupt`].
+    ///
+    /// The default answers [`Error::Unsupported`], so stores written before
+    /// this method keep compiling.
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        let _ = (key, with_value);
+        Err(Error::Unsupported { op: "inspect" })
+    }
+
+    /// Deletes the record of `key` in one atomic step and returns what it
+    /// was (without its value); `None` when there was none. A pending
+    /// record whose lease is live is refused with [`Error::LeaseHeld`]
+    /// unless `force`; an unreadable one is refused with
+    /// [`Error::Corrupt`] (it may be another program's key).
+    ///
+    /// The default answers [`Error::Unsupported`].
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        let _ = (key, force);
+        Err(Error::Unsupported { op: "forget" })
+    }
+
+    /// One page of the records whose stored key starts with `prefix`,
+    /// about `count` keys, from `cursor` (`None` for the first page). Never
+    /// blocks the store for long (Redis: `SCAN`, never `KEYS`).
+    ///
+    /// The default answers [`Error::Unsupported`].
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        let _ = (prefix, cursor, count);
+        Err(Error::Unsupported { op: "scan" })
+    }
 }
 
 /// Longest lease or TTL a store keeps, in ms (about 317 years). The builder

@@ -2,6 +2,7 @@
 //! scripts for the rest, one key each.
 
 mod config;
+mod operate;
 pub(crate) mod record;
 mod reply;
 mod scripts;
@@ -14,7 +15,10 @@ use self::reply::{
     parse_write, protocol, server_error,
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
-use super::{Claim, ClaimReply, Store, ValueKind, WriteReply, millis, record_ttl, store_lease};
+use super::{
+    Claim, ClaimReply, RecordInfo, ScanPage, Store, ValueKind, WriteReply, millis, record_ttl,
+    store_lease,
+};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -393,5 +397,22 @@ impl Store for RedisStore {
         cmd.arg(token.as_bytes().as_slice())
             .arg(millis(store_lease(lease)));
         parse_write("extend", self.eval("extend", lua, key, &cmd).await?)
+    }
+
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inspect_key(key, with_value).await
+    }
+
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        self.forget_key(key, force).await
+    }
+
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        self.scan_prefix(prefix, cursor, count).await
     }
 }

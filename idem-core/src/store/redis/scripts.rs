@@ -42,6 +42,9 @@ pub(super) struct Scripts {
     pub(super) complete: Lua,
     pub(super) release: Lua,
     pub(super) extend: Lua,
+    /// Operators only (`Idempotency::forget`): not loaded at connect, so a
+    /// service user needs nothing new; loaded on first use (`NOSCRIPT`).
+    pub(super) forget: Lua,
 }
 
 // `claim` may write, so Redis refuses it when out of memory; the others
@@ -51,6 +54,7 @@ pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     complete: Lua::new(script!(" flags=allow-oom", "complete.lua")),
     release: Lua::new(script!(" flags=allow-oom", "release.lua")),
     extend: Lua::new(script!(" flags=allow-oom", "extend.lua")),
+    forget: Lua::new(script!(" flags=allow-oom", "forget.lua")),
 });
 
 /// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
