@@ -6,7 +6,7 @@ mod support;
 use idem_core::{Claim, ClaimReply, Error, Store, Token, ValueKind, WriteReply};
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
-use support::TestDb;
+use support::{DbStore, TestDb};
 
 fn claim<'a>(key: &'a str, token: &'a Token) -> Claim<'a> {
     Claim {

@@ -12,7 +12,7 @@ use idem_postgres::{PgStore, RunInTx};
 use sqlx::PgPool;
 use std::process::Stdio;
 use std::time::Duration;
-use support::TestDb;
+use support::{DbStore, TestDb};
 
 const WORKER_URL: &str = "IDEM_PG_WORKER_URL";
 

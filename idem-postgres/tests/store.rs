@@ -9,7 +9,7 @@ use idem_core::{
 };
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
-use support::TestDb;
+use support::{DbStore, TestDb};
 
 fn claim<'a>(
     key: &'a str,

@@ -10,7 +10,7 @@ use sqlx::PgConnection;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-use support::TestDb;
+use support::{DbStore, TestDb};
 use tokio::sync::oneshot;
 
 async fn setup() -> (TestDb, Idempotency) {
