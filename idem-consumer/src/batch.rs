@@ -49,10 +49,13 @@ impl<C> Consumer<C> {
         let mut first_of: HashMap<(String, [u8; 16]), usize> = HashMap::new();
         let mut duplicate_of: Vec<Option<usize>> = vec![None; msgs.len()];
         let mut keys = Vec::with_capacity(msgs.len());
+        let mut fps = Vec::with_capacity(msgs.len());
         for (i, msg) in msgs.iter().enumerate() {
             let key = self.key_of(msg);
+            let fingerprint = self.fingerprint_of(msg);
+            fps.push(fingerprint);
             if let Ok(k) = &key {
-                let fp = *self.fingerprint_of(msg).as_bytes();
+                let fp = *fingerprint.as_bytes();
                 match first_of.get(&(k.clone(), fp)) {
                     Some(&first) => duplicate_of[i] = Some(first),
                     None => {
@@ -72,7 +75,8 @@ impl<C> Consumer<C> {
             .collect();
         let mut work = Vec::with_capacity(todo.len());
         for (i, msg, key) in todo {
-            work.push(async move { (i, self.handle_keyed(msg, key, handler).await) });
+            let fp = fps.get(i).copied();
+            work.push(async move { (i, self.handle_keyed(msg, key, fp, handler).await) });
         }
         let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();
         let mut results = stream::iter(work).buffer_unordered(self.batch_concurrency());

@@ -281,13 +281,14 @@ impl<C> Consumer<C> {
         C: Classify<E>,
     {
         let key = self.keys.key(msg);
-        self.handle_keyed(msg, key, handler).await
+        self.handle_keyed(msg, key, None, handler).await
     }
 
     pub(crate) async fn handle_keyed<T, E, H, Fut>(
         &self,
         msg: &Message,
         key: Result<String, crate::ConsumerError>,
+        fingerprint: Option<idem_core::Fingerprint>,
         handler: &H,
     ) -> Handled<T>
     where
@@ -307,7 +308,7 @@ impl<C> Consumer<C> {
             decision = Empty,
         );
         let handled = self
-            .decide(msg, key, handler)
+            .decide(msg, key, fingerprint, handler)
             .instrument(span.clone())
             .await;
         if let Some(o) = handled.outcome {
@@ -331,6 +332,7 @@ impl<C> Consumer<C> {
         &self,
         msg: &Message,
         key: Result<String, crate::ConsumerError>,
+        fingerprint: Option<idem_core::Fingerprint>,
         handler: &H,
     ) -> Handled<T>
     where
@@ -351,7 +353,9 @@ impl<C> Consumer<C> {
         let over_limit = deliveries > self.max_deliveries;
         let mut call = self.idem.call(&self.scope, &key);
         if self.fingerprint {
-            call = call.fingerprint_raw(self.keys.fingerprint(msg));
+            // A batch has hashed the payload already.
+            let fp = fingerprint.unwrap_or_else(|| self.keys.fingerprint(msg));
+            call = call.fingerprint_raw(fp);
         }
         if let Some(w) = self.wait {
             call = call.wait(w);

@@ -53,7 +53,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const BROKER: &str = "redis-streams";
 
@@ -213,8 +213,10 @@ pub struct RedisStreamsConsumer {
     reader: ConnectionManager,
     cfg: Arc<StreamsConfig>,
     source: Arc<str>,
-    /// Where the next `XAUTOCLAIM` scan of the pending list resumes.
-    cursor: Arc<Mutex<String>>,
+    /// Where the next `XAUTOCLAIM` scan of the pending list resumes, and
+    /// when it may run: an entry only goes stale after `claim_idle`, so
+    /// scanning on every poll would cost a round trip per batch for nothing.
+    cursor: Arc<Mutex<(String, Option<Instant>)>>,
 }
 
 impl fmt::Debug for RedisStreamsConsumer {
@@ -260,7 +262,7 @@ impl RedisStreamsConsumer {
             reader,
             source: Arc::from(cfg.stream.as_str()),
             cfg: Arc::new(cfg),
-            cursor: Arc::new(Mutex::new("0-0".into())),
+            cursor: Arc::new(Mutex::new(("0-0".into(), None))),
         }
     }
 
@@ -443,11 +445,15 @@ impl RedisStreamsConsumer {
 
     async fn claim_stale(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
         let mut conn = self.conn.clone();
-        let start = self
-            .cursor
-            .lock()
-            .map(|c| c.clone())
-            .unwrap_or_else(|_| "0-0".into());
+        let start = {
+            let Ok(c) = self.cursor.lock() else {
+                return Ok(Vec::new());
+            };
+            if c.1.is_some_and(|next| Instant::now() < next) {
+                return Ok(Vec::new());
+            }
+            c.0.clone()
+        };
         let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
             .arg(&self.cfg.stream)
             .arg(&self.cfg.group)
@@ -460,7 +466,14 @@ impl RedisStreamsConsumer {
             .await
             .map_err(broker_err("claim"))?;
         if let Ok(mut c) = self.cursor.lock() {
-            *c = reply.next_stream_id.clone();
+            // A full page, or a scan that has not wrapped yet, may have more
+            // stale entries: look again next poll. Else wait a while.
+            let more = reply.claimed.len() >= self.cfg.batch || reply.next_stream_id != "0-0";
+            let pause = (self.cfg.claim_idle / 4).min(Duration::from_secs(1));
+            *c = (
+                reply.next_stream_id.clone(),
+                (!more).then(|| Instant::now() + pause),
+            );
         }
         if !reply.deleted_ids.is_empty() {
             // Trimmed out of the stream while pending: nothing left to handle.

@@ -1,0 +1,419 @@
+//! Messages per second through idem against each broker's bare consume+ack
+//! loop, in the same run, on the same broker.
+//!
+//! ```sh
+//! cargo bench -p idem-consumer --bench consumer            # all three brokers
+//! cargo bench -p idem-consumer --bench consumer -- redis   # or: nats, rabbitmq
+//! ```
+//!
+//! Every phase pre-publishes `MESSAGES` messages (not timed), then times
+//! consuming and acking all of them with batches of 64. The idem phase runs
+//! each message through `Consumer` (claim, no-op handler, stored result) on
+//! a private redis-server; phases alternate over `ROUNDS` rounds and the
+//! best round of each is reported. NATS and RabbitMQ are taken from
+//! `NATS_URL` / `AMQP_URL` or their default local ports.
+
+use futures_util::StreamExt;
+use idem_consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
+use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};
+use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig, redis};
+use idem_consumer::{Consumer, Message};
+use idem_core::{Idempotency, RedisStore};
+use idem_testkit::RedisServer;
+use std::time::{Duration, Instant};
+
+const MESSAGES: usize = 5_000;
+const ROUNDS: usize = 3;
+const BATCH: usize = 64;
+
+fn payload(run: usize, i: usize) -> String {
+    format!(r#"{{"order":"o-{run}-{i}","amount":{i}}}"#)
+}
+
+async fn consumer(redis_url: &str, run: usize) -> Consumer {
+    let store = RedisStore::connect(redis_url).await.expect("idem store");
+    let idem = Idempotency::builder(store)
+        .namespace(format!("bench{run}"))
+        .build();
+    Consumer::new(idem, "bench").concurrency(BATCH)
+}
+
+async fn noop(_: Message) -> Result<(), String> {
+    Ok(())
+}
+
+// ------------------------------------------------------------ Redis Streams
+
+async fn redis_publish(c: &mut redis::aio::MultiplexedConnection, stream: &str, run: usize) {
+    for chunk in (0..MESSAGES).collect::<Vec<_>>().chunks(500) {
+        let mut pipe = redis::pipe();
+        for &i in chunk {
+            pipe.cmd("XADD")
+                .arg(stream)
+                .arg("*")
+                .arg("id")
+                .arg(format!("m{i}"))
+                .arg("payload")
+                .arg(payload(run, i))
+                .ignore();
+        }
+        let _: () = pipe.query_async(c).await.expect("XADD");
+    }
+    let _: Result<(), _> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg("g")
+        .arg("0")
+        .query_async(c)
+        .await;
+}
+
+async fn redis_bare(url: &str, run: usize) -> f64 {
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let stream = format!("bare{run}");
+    redis_publish(&mut c, &stream, run).await;
+    let start = Instant::now();
+    let mut done = 0;
+    while done < MESSAGES {
+        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("g")
+            .arg("c")
+            .arg("COUNT")
+            .arg(BATCH)
+            .arg("STREAMS")
+            .arg(&stream)
+            .arg(">")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let ids: Vec<String> = reply
+            .keys
+            .into_iter()
+            .flat_map(|k| k.ids)
+            .map(|i| i.id)
+            .collect();
+        done += ids.len();
+        let _: usize = redis::cmd("XACK")
+            .arg(&stream)
+            .arg("g")
+            .arg(&ids)
+            .query_async(&mut c)
+            .await
+            .unwrap();
+    }
+    MESSAGES as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn redis_idem(url: &str, run: usize) -> f64 {
+    let mut c = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let stream = format!("idem{run}");
+    redis_publish(&mut c, &stream, run).await;
+    let consumer = consumer(url, run).await;
+    let s = RedisStreamsConsumer::connect(
+        url,
+        StreamsConfig::new(&stream, "g", "c")
+            .batch(BATCH)
+            .block(Duration::from_millis(10)),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < MESSAGES {
+        done += s.poll(&consumer, &noop).await.unwrap().acked;
+    }
+    MESSAGES as f64 / start.elapsed().as_secs_f64()
+}
+
+// ------------------------------------------------------------------- NATS
+
+async fn nats_setup(
+    js: &async_nats::jetstream::Context,
+    run: usize,
+    tag: &str,
+) -> (String, async_nats::jetstream::consumer::PullConsumer) {
+    let name = format!("IDEM_BENCH_{tag}_{}_{run}", std::process::id());
+    let stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.>")],
+            ..Default::default()
+        })
+        .await
+        .expect("create stream (is JetStream on?)");
+    let mut acks = Vec::with_capacity(MESSAGES);
+    for i in 0..MESSAGES {
+        acks.push(
+            js.publish(format!("{name}.in"), payload(run, i).into())
+                .await
+                .unwrap(),
+        );
+    }
+    for a in acks {
+        a.await.unwrap();
+    }
+    let pull = stream
+        .create_consumer(pull_config("bench", Duration::from_secs(30)))
+        .await
+        .unwrap();
+    (name, pull)
+}
+
+async fn nats_bare(js: &async_nats::jetstream::Context, run: usize) -> f64 {
+    let (name, pull) = nats_setup(js, run, "BARE").await;
+    let start = Instant::now();
+    let mut msgs = pull
+        .stream()
+        .max_messages_per_batch(BATCH)
+        .messages()
+        .await
+        .unwrap();
+    let mut done = 0;
+    while done < MESSAGES {
+        let m = msgs.next().await.unwrap().unwrap();
+        m.ack().await.unwrap();
+        done += 1;
+    }
+    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    js.delete_stream(&name).await.unwrap();
+    rate
+}
+
+async fn nats_idem(js: &async_nats::jetstream::Context, redis_url: &str, run: usize) -> f64 {
+    let (name, pull) = nats_setup(js, run, "IDEM").await;
+    let consumer = consumer(redis_url, run).await;
+    let n = NatsConsumer::new(
+        pull,
+        NatsConfig::new()
+            .batch(BATCH)
+            .block(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < MESSAGES {
+        done += n.poll(&consumer, &noop).await.unwrap().acked;
+    }
+    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    js.delete_stream(&name).await.unwrap();
+    rate
+}
+
+// --------------------------------------------------------------- RabbitMQ
+
+async fn rabbit_setup(conn: &lapin::Connection, run: usize, tag: &str) -> (lapin::Channel, String) {
+    let ch = conn.create_channel().await.unwrap();
+    let q = format!("idem.bench.{tag}.{}.{run}", std::process::id());
+    declare_queue(&ch, &q, &format!("{q}.dlx"), &format!("{q}.dead"))
+        .await
+        .unwrap();
+    for i in 0..MESSAGES {
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            Default::default(),
+            payload(run, i).as_bytes(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    // Wait until the broker holds them all, so consuming is what is timed.
+    loop {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let n = ch
+            .queue_declare(q.as_str().into(), passive, Default::default())
+            .await
+            .unwrap()
+            .message_count();
+        if n as usize >= MESSAGES {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (ch, q)
+}
+
+async fn rabbit_cleanup(ch: &lapin::Channel, q: &str) {
+    for name in [q.to_owned(), format!("{q}.dead")] {
+        let _ = ch
+            .queue_delete(name.as_str().into(), Default::default())
+            .await;
+    }
+    let _ = ch
+        .exchange_delete(format!("{q}.dlx").as_str().into(), Default::default())
+        .await;
+}
+
+async fn rabbit_bare(conn: &lapin::Connection, run: usize) -> f64 {
+    let (ch, q) = rabbit_setup(conn, run, "bare").await;
+    let c = conn.create_channel().await.unwrap();
+    c.basic_qos(BATCH as u16, Default::default()).await.unwrap();
+    let mut deliveries = c
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let start = Instant::now();
+    for _ in 0..MESSAGES {
+        let d = deliveries.next().await.unwrap().unwrap();
+        d.acker.ack(Default::default()).await.unwrap();
+    }
+    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    rabbit_cleanup(&ch, &q).await;
+    rate
+}
+
+async fn rabbit_idem(conn: &lapin::Connection, redis_url: &str, run: usize) -> f64 {
+    let (ch, q) = rabbit_setup(conn, run, "idem").await;
+    let consumer = consumer(redis_url, run)
+        .await
+        .keys(idem_consumer::KeySource::Payload(Default::default()));
+    let r = RabbitConsumer::new(
+        conn.create_channel().await.unwrap(),
+        RabbitConfig::new(&q)
+            .prefetch(BATCH as u16)
+            .block(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let mut done = 0;
+    while done < MESSAGES {
+        done += r.poll(&consumer, &noop).await.unwrap().acked;
+    }
+    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    rabbit_cleanup(&ch, &q).await;
+    rate
+}
+
+// ------------------------------------------------------------- core alone
+
+/// The core with no broker: batches of ready messages through idem, and
+/// the same calls through idem's own `Call` API as the floor.
+async fn core_only(url: &str, run: usize) -> (f64, f64) {
+    let consumer = consumer(url, run).await;
+    let msgs: Vec<Message> = (0..MESSAGES)
+        .map(|i| Message::new(payload(run, i)).with_id(format!("m{i}")))
+        .collect();
+    let start = Instant::now();
+    for chunk in msgs.chunks(BATCH) {
+        let out = consumer.handle_batch(chunk, &noop).await;
+        assert!(out.iter().all(|h| h.decision.is_ack()));
+    }
+    let core = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    let idem = consumer.idem().clone();
+    let start = Instant::now();
+    for chunk in (0..MESSAGES).collect::<Vec<_>>().chunks(BATCH) {
+        let calls = chunk.iter().map(|i| {
+            let idem = &idem;
+            async move {
+                idem.call("raw", format!("r{run}-{i}"))
+                    .run(|| async { Ok::<(), idem_core::Error>(()) })
+                    .await
+            }
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r.unwrap();
+        }
+    }
+    (core, MESSAGES as f64 / start.elapsed().as_secs_f64())
+}
+
+// ------------------------------------------------------------------- main
+
+fn report(broker: &str, bare: &[f64], idem: &[f64]) {
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let (b, i) = (best(bare), best(idem));
+    println!(
+        "{broker:<14} bare {b:>10.0} msg/s   idem {i:>10.0} msg/s   ratio {:.2}",
+        i / b
+    );
+}
+
+fn main() {
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted = |b: &str| only.is_empty() || only.iter().any(|o| b.contains(o.as_str()));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = RedisServer::start();
+    let url = server.url();
+    println!(
+        "{MESSAGES} messages per phase, batches of {BATCH}, best of {ROUNDS} alternating rounds"
+    );
+    rt.block_on(async {
+        let mut run = 0;
+        if wanted("core") {
+            let (mut raw, mut core) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                let (c, r) = core_only(&url, run).await;
+                core.push(c);
+                raw.push(r);
+            }
+            report("core vs Call", &raw, &core);
+        }
+        if wanted("redis-streams") {
+            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                bare.push(redis_bare(&url, run).await);
+                idem.push(redis_idem(&url, run).await);
+            }
+            report("redis-streams", &bare, &idem);
+        }
+        if wanted("nats") {
+            let nats_url =
+                std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+            let js = async_nats::jetstream::new(
+                async_nats::connect(&nats_url)
+                    .await
+                    .unwrap_or_else(|e| panic!("NATS at {nats_url}: {e}")),
+            );
+            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                bare.push(nats_bare(&js, run).await);
+                idem.push(nats_idem(&js, &url, run).await);
+            }
+            report("nats", &bare, &idem);
+        }
+        if wanted("rabbitmq") {
+            let amqp = std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+            let conn = lapin::Connection::connect(&amqp, Default::default())
+                .await
+                .unwrap_or_else(|e| panic!("RabbitMQ at {amqp}: {e}"));
+            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                bare.push(rabbit_bare(&conn, run).await);
+                idem.push(rabbit_idem(&conn, &url, run).await);
+            }
+            report("rabbitmq", &bare, &idem);
+        }
+    });
+}
