@@ -52,6 +52,10 @@ pub use reaper::Reaper;
 pub use store::PgStore;
 pub use tx::RunInTx;
 
+/// The sqlx this crate is built on, so that the `PgPool` and
+/// `PgConnection` you pass are the same types (`idem::postgres::sqlx`).
+pub use sqlx;
+
 /// The schema of the default table (`idem_keys`), as shipped in `schema.sql`.
 ///
 /// ```
