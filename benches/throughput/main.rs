@@ -32,6 +32,8 @@
 //! table), for `valgrind --tool=callgrind` on the bench binary, or on a
 //! redis-server given with `--redis`: two runs with different N give the
 //! instructions per call on either side.
+// The JSON report is one `json!` object with many fields.
+#![recursion_limit = "256"]
 
 mod cpu;
 mod keys;

@@ -92,6 +92,38 @@ impl Ctx {
         }
     }
 
+    /// The limit of any two-command design: claim and complete as two plain
+    /// `SET`s, no script, no ownership check.
+    pub(crate) async fn floor_sets(&self, key: FreshKey) {
+        let mut conn = self.fresh_conn.clone();
+        let full = format!("{FLOOR_PREFIX}{key}");
+        let claimed: redis::RedisResult<redis::Value> = redis::cmd("SET")
+            .arg(&full)
+            .arg(&FLOOR_TOKEN[..])
+            .arg("NX")
+            .arg("PX")
+            .arg(TTL_MS)
+            .arg("GET")
+            .query_async(&mut conn)
+            .await;
+        match claimed {
+            Ok(redis::Value::Nil) => {}
+            Ok(other) => return self.error("floor SET claim", &format!("{other:?}")),
+            Err(e) => return self.error("floor SET claim", &e),
+        }
+        let done: redis::RedisResult<redis::Value> = redis::cmd("SET")
+            .arg(&full)
+            .arg(value_json())
+            .arg("XX")
+            .arg("KEEPTTL")
+            .arg("GET")
+            .query_async(&mut conn)
+            .await;
+        if let Err(e) = done {
+            self.error("floor SET complete", &e);
+        }
+    }
+
     pub(crate) async fn idem_fresh(&self, key: FreshKey) {
         if let Err(e) = noop(key).await {
             self.error("idem fresh (macro)", &e);

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Op {
     FloorFresh,
+    FloorSets,
     IdemFresh,
     HandFresh,
     FloorReplay,
@@ -34,6 +35,12 @@ pub(crate) const PHASES: &[PhaseDef] = &[
         op: Op::FloorFresh,
         concurrency: None,
         what: "minimal Lua claim + complete, fresh key",
+    },
+    PhaseDef {
+        name: "floor_sets",
+        op: Op::FloorSets,
+        concurrency: None,
+        what: "two plain SETs (NX PX GET, then XX KEEPTTL GET), fresh key",
     },
     PhaseDef {
         name: "idem_fresh",
@@ -155,6 +162,7 @@ pub(crate) async fn one_call(c: &Ctx, phase: usize, task: u16, seq: u64) {
     };
     match PHASES[phase].op {
         Op::FloorFresh => c.floor_fresh(fresh).await,
+        Op::FloorSets => c.floor_sets(fresh).await,
         Op::IdemFresh => c.idem_fresh(fresh).await,
         Op::HandFresh => c.hand_fresh(fresh).await,
         Op::FloorReplay => c.floor_replay(c.replay_key(0, task, seq)).await,
