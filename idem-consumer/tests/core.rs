@@ -363,3 +363,46 @@ async fn store_down_nacks_and_runs_nothing_then_the_redelivery_runs_once() {
     assert_eq!(again.outcome, Some(Outcome::Executed));
     assert_eq!(ledger.count("o"), 1);
 }
+
+#[tokio::test]
+async fn each_message_gets_a_span_with_broker_source_delivery_outcome_and_decision() {
+    use tracing::instrument::WithSubscriber;
+    let logs = idem_testkit::LogCapture::new();
+    let c = Consumer::new(idem(), "orders").classify(classify);
+    let ok = |_: Message| async { Ok::<_, AppError>(()) };
+    let bad = |_: Message| async { Err::<(), _>(AppError::Invalid) };
+    let m = Message::new("{}")
+        .with_id("o-9")
+        .with_delivery_count(3)
+        .with_source("nats", "ORDERS/billing");
+    async {
+        c.handle(&m, &ok).await;
+        c.handle(&m.clone().with_id("o-10"), &bad).await;
+    }
+    .with_subscriber(logs.subscriber())
+    .await;
+    let text = logs.contents();
+    let acked = text
+        .lines()
+        .find(|l| l.contains("message acked"))
+        .unwrap_or_default();
+    for needle in [
+        "idem.consume",
+        "broker=\"nats\"",
+        "ORDERS/billing",
+        "id=\"o-9\"",
+        "delivery=3",
+        "outcome=\"executed\"",
+        "decision=\"ack\"",
+    ] {
+        assert!(acked.contains(needle), "{needle:?} not in {acked:?}");
+    }
+    let dead = text
+        .lines()
+        .find(|l| l.contains("dead-lettered"))
+        .unwrap_or_default();
+    assert!(
+        dead.contains("decision=\"dead_letter\"") && dead.contains("amount must be positive"),
+        "{dead}"
+    );
+}

@@ -614,6 +614,21 @@ fn worker() {
                     }
                 }
             }
+            // Killed in the middle of the handler, after its side effect.
+            "crash-mid-handler" => {
+                let nats = NatsConsumer::new(pull, cfg()).await.unwrap();
+                let ledger = &ledger;
+                let charge = |m: Message| async move {
+                    ledger.record(&order_of(&m));
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
+                    }
+                    Ok::<_, String>(())
+                };
+                loop {
+                    nats.poll(&consumer, &charge).await.unwrap();
+                }
+            }
             other => panic!("worker: unknown mode {other}"),
         }
     });
@@ -728,4 +743,109 @@ async fn killed_after_the_side_effect_before_the_ack_the_redelivery_replays_and_
         after.values().all(|&c| c == 1),
         "replayed, not re-run: {after:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_handler_the_redelivery_takes_over_after_the_lease_with_one_extra_run() {
+    let redis = RedisServer::start();
+    let s = TestStream::create(&shared_url(), "idem_mid", Duration::from_secs(60)).await;
+    s.publish(Some("o-0"), order(0, 1)).await;
+    let ack_wait = Duration::from_millis(500);
+    s.pull("billing", ack_wait).await;
+    let dir = tempfile::tempdir().unwrap();
+    spawn_worker("crash-mid-handler", &redis.url(), &s, dir.path())
+        .wait()
+        .unwrap();
+    let ledger = FileLedger::at(dir.path().join("ledger"));
+    assert_eq!(counts(&ledger).get("o-0"), Some(&1));
+
+    // The dead holder's lease (1.5 s) outlives ack_wait: the first
+    // redeliveries get InProgress and are nacked, then one takes over.
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_millis(1500)).await,
+        "orders.charge",
+    )
+    .keys(order_key())
+    .max_deliveries(50);
+    let nats = NatsConsumer::new(s.pull("billing", ack_wait).await, cfg())
+        .await
+        .unwrap();
+    let ledger_ref = &ledger;
+    let charge = |m: Message| async move {
+        ledger_ref.record(&order_of(&m));
+        Ok::<_, String>(())
+    };
+    let mut total = PollReport::default();
+    until(
+        "taken over and acked",
+        Duration::from_secs(20),
+        async || {
+            total.add(nats.poll(&consumer, &charge).await.unwrap());
+            total.acked == 1
+        },
+    )
+    .await;
+    assert!(
+        total.nacked >= 1,
+        "InProgress while the dead holder's lease lived: {total:?}"
+    );
+    assert_eq!(
+        counts(&ledger).get("o-0"),
+        Some(&2),
+        "exactly one extra run, after the lease"
+    );
+    assert!(s.drained("billing").await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_down_nothing_runs_everything_nacked_then_processed_exactly_once() {
+    let mut store_server = RedisServer::start();
+    let s = TestStream::create(&shared_url(), "idem_store_down", Duration::from_secs(60)).await;
+    for i in 0..5 {
+        s.publish(
+            Some(&format!("m{i}")),
+            format!(r#"{{"i":{i}}}"#).into_bytes(),
+        )
+        .await;
+    }
+    let store = RedisStore::connect(&store_server.url()).await.unwrap();
+    let idem = Idempotency::builder(store)
+        .namespace("t")
+        .store_retries(0)
+        .build();
+    let consumer =
+        Consumer::new(idem, "s").backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let nats = NatsConsumer::new(s.pull("c", Duration::from_secs(10)).await, cfg())
+        .await
+        .unwrap();
+    let ledger = Ledger::new();
+    let ledger_ref = &ledger;
+    let h = |m: Message| async move {
+        ledger_ref.record(m.id().unwrap_or("?"));
+        Ok::<_, String>(())
+    };
+    store_server.kill();
+    let mut down = PollReport::default();
+    until("all five nacked", Duration::from_secs(10), async || {
+        down.add(nats.poll(&consumer, &h).await.unwrap());
+        down.nacked >= 5
+    })
+    .await;
+    assert_eq!(
+        (down.acked, ledger.total()),
+        (0, 0),
+        "fail-closed: nothing ran"
+    );
+    store_server.restart();
+    until(
+        "processed after the store is back",
+        Duration::from_secs(20),
+        async || {
+            nats.poll(&consumer, &h).await.unwrap();
+            s.drained("c").await
+        },
+    )
+    .await;
+    assert_eq!(ledger.total(), 5);
+    assert!(ledger.duplicates().is_empty());
 }

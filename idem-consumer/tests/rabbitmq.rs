@@ -667,3 +667,57 @@ async fn killed_after_the_side_effect_before_the_ack_the_redelivery_replays_and_
     );
     assert_eq!(q.ready(&q.queue).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_down_nothing_runs_everything_nacked_then_processed_exactly_once() {
+    let mut store_server = RedisServer::start();
+    let q = TestQueue::create("idem.store.down").await;
+    for i in 0..5 {
+        q.publish(
+            Some(&format!("m{i}")),
+            None,
+            format!(r#"{{"i":{i}}}"#).as_bytes(),
+        )
+        .await;
+    }
+    let store = RedisStore::connect(&store_server.url()).await.unwrap();
+    let idem = Idempotency::builder(store)
+        .namespace("t")
+        .store_retries(0)
+        .build();
+    let consumer = Consumer::new(idem, "s")
+        .max_deliveries(1000)
+        .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let rabbit = q.consumer(|c| c).await;
+    let ledger = Ledger::new();
+    let ledger_ref = &ledger;
+    let h = |m: Message| async move {
+        ledger_ref.record(m.id().unwrap_or("?"));
+        Ok::<_, String>(())
+    };
+    store_server.kill();
+    let mut down = PollReport::default();
+    until("all five nacked", Duration::from_secs(10), async || {
+        down.add(rabbit.poll(&consumer, &h).await.unwrap());
+        down.nacked >= 5
+    })
+    .await;
+    assert_eq!(
+        (down.acked, ledger.total()),
+        (0, 0),
+        "fail-closed: nothing ran"
+    );
+    store_server.restart();
+    let mut up = PollReport::default();
+    until(
+        "processed after the store is back",
+        Duration::from_secs(20),
+        async || {
+            up.add(rabbit.poll(&consumer, &h).await.unwrap());
+            up.acked == 5
+        },
+    )
+    .await;
+    assert_eq!(ledger.total(), 5);
+    assert!(ledger.duplicates().is_empty());
+}
