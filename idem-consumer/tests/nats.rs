@@ -794,7 +794,11 @@ async fn killed_mid_handler_the_redelivery_takes_over_after_the_lease_with_one_e
         Some(&2),
         "exactly one extra run, after the lease"
     );
-    assert!(s.drained("billing").await);
+    // Acks are published without waiting for the server: give it a moment.
+    until("the ack is in", Duration::from_secs(5), async || {
+        s.drained("billing").await
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
