@@ -192,6 +192,17 @@ pub struct PollReport {
     pub dead_lettered: usize,
 }
 
+impl PollReport {
+    /// Adds another report's counts to this one.
+    pub fn add(&mut self, other: PollReport) {
+        self.fetched += other.fetched;
+        self.claimed += other.claimed;
+        self.acked += other.acked;
+        self.nacked += other.nacked;
+        self.dead_lettered += other.dead_lettered;
+    }
+}
+
 /// One fetched entry: its stream id and the message made of it (or why
 /// no message could be made: such entries are dead-lettered).
 #[derive(Debug, Clone)]
