@@ -346,3 +346,84 @@ async fn over_another_store_is_refused_before_the_body() {
     );
     let _ = PgStore::from_pool(db.pool.clone());
 }
+
+#[tokio::test]
+async fn fail_open_with_the_store_down_commits_the_body_alone() {
+    let db = TestDb::new().await;
+    db.exec("CREATE TABLE orders (id bigserial PRIMARY KEY, req text NOT NULL, holder text)")
+        .await;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dead = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/x"))
+        .unwrap();
+    let open = Idempotency::builder(PgStore::from_pool(dead.clone()))
+        .fail_mode(idem_core::FailMode::Open)
+        .build();
+    let (_, o) = open
+        .call("orders.create", "r8")
+        .run_in_tx_outcome(&db.pool, async |tx| insert(tx, "r8", "a").await)
+        .await
+        .unwrap();
+    assert_eq!((o, orders(&db, "r8").await), (Outcome::Unprotected, 1));
+    let closed = Idempotency::builder(PgStore::from_pool(dead)).build();
+    let r = closed
+        .call("orders.create", "r9")
+        .run_in_tx(&db.pool, async |tx| insert(tx, "r9", "a").await)
+        .await;
+    assert!(
+        matches!(r, Err(Error::Unavailable { op: "claim", .. })),
+        "{r:?}"
+    );
+    assert_eq!(orders(&db, "r9").await, 0);
+}
+
+#[tokio::test]
+async fn statement_timeout_is_unavailable() {
+    let (db, _) = setup().await;
+    db.exec(&format!(
+        "ALTER DATABASE \"{}\" SET statement_timeout = '200ms'",
+        db.name
+    ))
+    .await;
+    // new connections pick the setting up
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let idem = Idempotency::builder(PgStore::from_pool(pool.clone())).build();
+    // an expired record, locked by a transaction that does not finish: the
+    // claim's takeover waits on the lock until the timeout
+    db.exec("INSERT INTO idem_keys (key, state, expires_at) VALUES ('idem:s:k', 'C', clock_timestamp() - interval '1 second')")
+        .await;
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idem_keys WHERE key = 'idem:s:k' FOR UPDATE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let r: Result<u32, Error> = idem
+        .call("s", "k")
+        .run(|| async { panic!("must not run") })
+        .await;
+    match &r {
+        Err(
+            e @ Error::Unavailable {
+                op: "claim",
+                reason,
+            },
+        ) => {
+            assert!(reason.contains("statement_timeout"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    locker.rollback().await.unwrap();
+    let v: u32 = idem
+        .call("s", "k")
+        .run(|| async { Ok::<_, Error>(4) })
+        .await
+        .unwrap();
+    assert_eq!(v, 4);
+}
