@@ -10,8 +10,8 @@ use bytes::Bytes;
 use idem_core::{
     Claim, ClaimReply, Completed, Error, Fingerprint, Store, Token, ValueKind, WriteReply,
 };
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -91,17 +91,21 @@ impl PgStore {
     /// ```
     pub async fn connect_with(url: &str, config: PgStoreConfig) -> Result<PgStore, Error> {
         let table = config.table_ident()?;
+        let fail = |e| {
+            let e = map("connect", &table.to_string(), e);
+            tracing::warn!(error = %e, "cannot connect to PostgreSQL");
+            e
+        };
+        let options: PgConnectOptions = url.parse().map_err(fail)?;
+        // One direct attempt first: a server that refuses connections is
+        // reported now, not after the pool's retries for its acquire timeout.
+        let probe = PgConnection::connect_with(&options).await.map_err(fail)?;
+        let _ = probe.close().await;
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            // Fail fast: a caller waiting on a dead server is better told.
+            // A caller waiting on a dead server is better told soon.
             .acquire_timeout(Duration::from_secs(5))
-            .connect(url)
-            .await
-            .map_err(|e| {
-                let e = map("connect", &table.to_string(), e);
-                tracing::warn!(error = %e, "cannot connect to PostgreSQL");
-                e
-            })?;
+            .connect_lazy_with(options);
         Ok(PgStore::build(pool, table))
     }
 
