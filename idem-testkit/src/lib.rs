@@ -83,7 +83,7 @@ pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};
 pub use logs::LogCapture;
 pub use nats::{NatsServer, require_nats};
 pub use poll::eventually;
-pub use postgres::{PgTestDb, pg_admin_url};
+pub use postgres::{PgServer, PgTestDb, pg_admin_url};
 pub use proxy::FaultProxy;
 pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;

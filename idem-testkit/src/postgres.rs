@@ -131,3 +131,180 @@ impl Drop for PgTestDb {
         .join();
     }
 }
+
+/// A private PostgreSQL server (`initdb` + `pg_ctl`) on a free port of
+/// 127.0.0.1, trust auth for user `postgres`, files in a temporary
+/// directory; for tests that stop, kill or restart the server. Run as the
+/// `postgres` OS user when the tests run as root (PostgreSQL refuses root).
+/// Stopped (immediately) and deleted on drop.
+///
+/// ```no_run
+/// let mut pg = idem_testkit::PgServer::start();
+/// let url = pg.url("postgres");
+/// pg.restart();
+/// ```
+#[derive(Debug)]
+pub struct PgServer {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl PgServer {
+    /// Initializes and starts a server.
+    ///
+    /// # Panics
+    ///
+    /// When `initdb` or `pg_ctl` is missing (install `postgresql`; on Debian
+    /// they live in `/usr/lib/postgresql/<version>/bin`) or the server does
+    /// not start; the message carries the server log.
+    pub fn start() -> PgServer {
+        let dir = tempfile::Builder::new()
+            .prefix("idem-pg-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("cannot create a temporary directory: {e}"));
+        let port = crate::free_port();
+        let server = PgServer { dir, port };
+        if is_root() {
+            // The server's files must belong to the user it runs as.
+            run_checked("chown", &["-R", "postgres", &server.path()]);
+        }
+        server.as_owner(&format!(
+            "{} -D '{}/data' -U postgres --auth=trust --no-sync >'{}/initdb.log' 2>&1",
+            pg_bin("initdb"),
+            server.path(),
+            server.path()
+        ));
+        server.start_again();
+        server
+    }
+
+    /// A URL for database `db` on this server.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stops the server at once (`pg_ctl stop -m immediate`: like a crash,
+    /// no checkpoint; every connection is cut).
+    pub fn stop(&self) {
+        self.as_owner(&format!(
+            "{} -D '{}/data' -m immediate -w stop >/dev/null 2>&1",
+            pg_bin("pg_ctl"),
+            self.path()
+        ));
+    }
+
+    /// Starts the stopped server again on the same port, with its data.
+    pub fn start_again(&self) {
+        self.as_owner(&format!(
+            "{} -D '{p}/data' -l '{p}/server.log' -w -t 30 -o \"-h 127.0.0.1 -p {port} -k '{p}' -c fsync=off\" start >/dev/null 2>&1",
+            pg_bin("pg_ctl"),
+            p = self.path(),
+            port = self.port
+        ));
+    }
+
+    /// Stops (immediately) and starts again.
+    pub fn restart(&self) {
+        self.stop();
+        self.start_again();
+    }
+
+    fn path(&self) -> String {
+        self.dir.path().display().to_string()
+    }
+
+    fn as_owner(&self, script: &str) {
+        let status = if is_root() {
+            std::process::Command::new("su")
+                .args(["postgres", "-s", "/bin/sh", "-c", script])
+                .status()
+        } else {
+            std::process::Command::new("sh")
+                .args(["-c", script])
+                .status()
+        };
+        match status {
+            Ok(s) if s.success() => {}
+            other => {
+                let log = std::fs::read_to_string(self.dir.path().join("server.log"))
+                    .or_else(|_| std::fs::read_to_string(self.dir.path().join("initdb.log")))
+                    .unwrap_or_default();
+                let tail: String = log
+                    .lines()
+                    .rev()
+                    .take(15)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                panic!(
+                    "`{script}` failed ({other:?}). PostgreSQL's initdb and pg_ctl must be \
+                     installed (apt-get install postgresql){}. Log:\n{tail}",
+                    if is_root() {
+                        ", and a `postgres` OS user must exist"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let script = format!(
+            "{} -D '{}/data' -m immediate stop >/dev/null 2>&1",
+            pg_bin("pg_ctl"),
+            self.path()
+        );
+        let _ = if is_root() {
+            std::process::Command::new("su")
+                .args(["postgres", "-s", "/bin/sh", "-c", &script])
+                .status()
+        } else {
+            std::process::Command::new("sh")
+                .args(["-c", &script])
+                .status()
+        };
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// `name` on PATH, else the newest `/usr/lib/postgresql/*/bin/name`.
+fn pg_bin(name: &str) -> String {
+    let on_path = std::process::Command::new("sh")
+        .args(["-c", &format!("command -v {name}")])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    if let Some(p) = on_path.filter(|p| !p.is_empty()) {
+        return p;
+    }
+    let mut versions: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    versions.sort();
+    versions
+        .last()
+        .map(|v| v.join("bin").join(name).display().to_string())
+        .unwrap_or_else(|| name.to_owned())
+}
+
+fn run_checked(cmd: &str, args: &[&str]) {
+    match std::process::Command::new(cmd).args(args).status() {
+        Ok(s) if s.success() => {}
+        other => panic!("`{cmd} {}` failed: {other:?}", args.join(" ")),
+    }
+}
