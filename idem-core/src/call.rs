@@ -4,6 +4,7 @@
 use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
+use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner, validate_ttl_lease};
 use crate::store::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
@@ -187,19 +188,36 @@ impl<'a> Call<'a> {
             outcome = Empty,
             attempt = Empty
         );
-        let exec = match self.prepare(&span) {
+        // Clocks are read for the hook and metrics only: with neither,
+        // a call costs what it did before they existed.
+        let (inner, scope) = (self.inner, self.scope);
+        let call_start = inner.observing().then(Instant::now);
+        let exec = match self.prepare(&span, call_start) {
             Ok(exec) => exec,
             Err(e) => {
                 span.record("outcome", "refused");
                 let _enter = span.enter();
                 tracing::warn!(error = %e, "idempotent call refused before reaching the store");
+                if let Some(start) = call_start {
+                    observe(
+                        inner,
+                        scope,
+                        None,
+                        CallOutcome::of_error(&e),
+                        None,
+                        start,
+                        None,
+                    );
+                }
                 return Err(E::from(e));
             }
         };
-        exec.run(body).instrument(span).await
+        let result = exec.run(body).instrument(span).await;
+        exec.finish();
+        result
     }
 
-    fn prepare(self, span: &tracing::Span) -> Result<Exec<'a>, Error> {
+    fn prepare(self, span: &tracing::Span, call_start: Option<Instant>) -> Result<Exec<'a>, Error> {
         let inner = self.inner;
         if let Some(msg) = &inner.config_error {
             return Err(Error::InvalidConfig(msg.clone()));
@@ -222,6 +240,9 @@ impl<'a> Call<'a> {
         };
         Ok(Exec {
             inner,
+            scope: self.scope,
+            call_start,
+            report: Report::new(),
             store: &inner.store,
             key,
             cached,
@@ -254,9 +275,41 @@ fn key_digest(key: &str) -> String {
     )
 }
 
+/// Reports a finished call to the hook and the metrics.
+fn observe(
+    inner: &Inner,
+    scope: &str,
+    key: Option<&str>,
+    outcome: CallOutcome,
+    attempt: Option<u32>,
+    start: Instant,
+    body: Option<Duration>,
+) {
+    #[cfg(feature = "metrics")]
+    crate::metrics::call(&inner.namespace, scope, outcome);
+    if let Some(hook) = &inner.hook {
+        let shown = key.map(|k| shown_key(inner, k));
+        let event = OutcomeEvent {
+            namespace: &inner.namespace,
+            scope,
+            key: shown.as_deref(),
+            outcome,
+            attempt,
+            elapsed: start.elapsed(),
+            body,
+        };
+        fire(hook, &event);
+    }
+}
+
 /// A prepared call: everything checked, a fresh owner token drawn.
 struct Exec<'a> {
     inner: &'a Inner,
+    scope: &'a str,
+    /// When `run` started, read only when something observes calls.
+    call_start: Option<Instant>,
+    /// What the call ended with, once it has (for the hook and metrics).
+    report: Report,
     store: &'a Arc<dyn Store>,
     key: String,
     token: Token,
@@ -271,7 +324,24 @@ struct Exec<'a> {
 }
 
 impl Exec<'_> {
-    async fn run<F, Fut, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    /// Reports the call once, after all its store work: the hook never runs
+    /// inside a round trip, and a slow hook delays only this caller.
+    fn finish(&self) {
+        let (Some(start), Some(outcome)) = (self.call_start, self.report.take_outcome()) else {
+            return;
+        };
+        observe(
+            self.inner,
+            self.scope,
+            Some(&self.key),
+            outcome,
+            self.report.get_attempt(),
+            start,
+            self.report.get_body(),
+        );
+    }
+
+    async fn run<F, Fut, T, E>(&self, body: F) -> Result<(T, Outcome), E>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -322,6 +392,7 @@ impl Exec<'_> {
     }
 
     fn fail<E: From<Error>>(&self, e: Error) -> E {
+        self.report.outcome(CallOutcome::of_error(&e));
         let span = tracing::Span::current();
         span.record(
             "outcome",
@@ -344,6 +415,7 @@ impl Exec<'_> {
             }
         }
         tracing::Span::current().record("outcome", "replayed");
+        self.report.outcome(CallOutcome::Replayed);
         decode(record, self.inner.max_value_size)
             .map(|v| (v, Outcome::Replayed))
             .map_err(|e| self.fail(e))
@@ -385,7 +457,12 @@ impl Exec<'_> {
     {
         tracing::warn!(error = %cause, "store unavailable and FailMode::Open: running the body WITHOUT idempotency protection");
         tracing::Span::current().record("outcome", "unprotected");
-        body().await.map(|v| (v, Outcome::Unprotected))
+        let result = body().await;
+        self.report.outcome(match result {
+            Ok(_) => CallOutcome::Unprotected,
+            Err(_) => CallOutcome::BodyError,
+        });
+        result.map(|v| (v, Outcome::Unprotected))
     }
 
     async fn execute<F, Fut, T, E>(&self, body: F, attempt: u32) -> Result<(T, Outcome), E>
@@ -406,21 +483,36 @@ impl Exec<'_> {
         } else {
             Outcome::Executed
         };
+        self.report.attempt(attempt);
         let mut guard = self.guard();
+        let body_start = self.call_start.map(|_| Instant::now());
+        #[cfg(feature = "metrics")]
+        let in_flight = crate::metrics::InFlight::start();
         let result = self
             .keep_alive(AssertUnwindSafe(body()).catch_unwind())
             .await;
+        #[cfg(feature = "metrics")]
+        drop(in_flight);
+        if let Some(body_start) = body_start {
+            let took = body_start.elapsed();
+            self.report.body(took);
+            #[cfg(feature = "metrics")]
+            crate::metrics::body(self.scope, took);
+        }
         // From here on the body has finished: whatever happens to this
         // future, the key is never released on the way out.
         guard.armed = false;
         match result {
             Err(panic) => {
                 self.release("the body panicked").await;
+                self.report.outcome(CallOutcome::BodyError);
+                self.finish();
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 span.record("outcome", "released");
                 self.release("the body returned an error").await;
+                self.report.outcome(CallOutcome::BodyError);
                 Err(e)
             }
             Ok(Ok(value)) => {
@@ -430,6 +522,7 @@ impl Exec<'_> {
                     Stored::No => Outcome::NotStored,
                 };
                 span.record("outcome", outcome.as_str());
+                self.report.outcome(CallOutcome::from(outcome));
                 Ok((value, outcome))
             }
         }

@@ -3,6 +3,7 @@
 use crate::cache::ReplayCache;
 use crate::call::Call;
 use crate::error::{Error, KeyPart};
+use crate::hook::{Hook, OutcomeEvent};
 use crate::key::{push_escaped, storage_key, validate_key_part};
 use crate::settings::{FailMode, Inner, validate_ttl_lease};
 use crate::store::Store;
@@ -67,6 +68,7 @@ impl Idempotency {
             store_retries: 2,
             log_keys: false,
             cache_entries: None,
+            hook: None,
         }
     }
 
@@ -174,6 +176,7 @@ pub struct IdempotencyBuilder {
     store_retries: usize,
     log_keys: bool,
     cache_entries: Option<u64>,
+    hook: Option<Hook>,
 }
 
 impl IdempotencyBuilder {
@@ -301,6 +304,39 @@ impl IdempotencyBuilder {
         self
     }
 
+    /// Calls `hook` once per call when it ends, with its scope, hashed key,
+    /// [`CallOutcome`](crate::CallOutcome), attempt and durations: for
+    /// successes and for every error (`InProgress`, mismatches, an
+    /// unreachable store, a body's `Err`, …). It runs after the call's
+    /// store work, on the caller's task, so keep it short (count, log,
+    /// send to a channel). A hook that panics is caught and logged; the
+    /// call's result is unaffected. A call whose future is dropped before
+    /// it ends reports nothing.
+    ///
+    /// ```
+    /// use idem_core::{CallOutcome, Error, Idempotency, MemoryStore};
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::sync::Arc;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let replays = Arc::new(AtomicUsize::new(0));
+    /// let count = replays.clone();
+    /// let idem = Idempotency::builder(MemoryStore::new())
+    ///     .on_outcome(move |e| if e.outcome == CallOutcome::Replayed { count.fetch_add(1, Ordering::Relaxed); })
+    ///     .build();
+    /// for _ in 0..3 {
+    ///     let _: u8 = idem.call("charge", "k").run(|| async { Ok::<_, Error>(1) }).await?;
+    /// }
+    /// assert_eq!(replays.load(Ordering::Relaxed), 2);
+    /// # Ok::<(), Error>(()) }).unwrap();
+    /// ```
+    pub fn on_outcome<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&OutcomeEvent<'_>) + Send + Sync + 'static,
+    {
+        self.hook = Some(std::sync::Arc::new(hook));
+        self
+    }
+
     /// Finishes the configuration.
     ///
     /// ```
@@ -322,9 +358,14 @@ impl IdempotencyBuilder {
         let mut prefix = String::with_capacity(self.namespace.len() + 1);
         push_escaped(&mut prefix, &self.namespace);
         prefix.push(':');
+        #[cfg(feature = "metrics")]
+        let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered(self.store));
+        #[cfg(not(feature = "metrics"))]
+        let store = self.store;
         Idempotency {
             inner: Arc::new(Inner {
-                store: self.store,
+                store,
+                namespace: self.namespace,
                 prefix,
                 result_ttl: self.result_ttl,
                 lease: self.lease,
@@ -336,6 +377,7 @@ impl IdempotencyBuilder {
                 log_keys: self.log_keys,
                 cache: self.cache_entries.map(ReplayCache::new),
                 config_error,
+                hook: self.hook,
             }),
         }
     }

@@ -2,6 +2,7 @@
 //! `Idempotency` builds it and `Call` reads it; neither needs the other.
 
 use crate::cache::ReplayCache;
+use crate::hook::Hook;
 use crate::store::Store;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,9 @@ const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
 
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
+    /// As the builder was given it (the prefix escapes it), for the hook
+    /// and the metrics' labels.
+    pub(crate) namespace: String,
     pub(crate) prefix: String,
     pub(crate) result_ttl: Duration,
     pub(crate) lease: Duration,
@@ -40,6 +44,15 @@ pub(crate) struct Inner {
     pub(crate) log_keys: bool,
     pub(crate) cache: Option<ReplayCache>,
     pub(crate) config_error: Option<String>,
+    pub(crate) hook: Option<Hook>,
+}
+
+impl Inner {
+    /// Whether calls are reported (hook or metrics): only then are clocks
+    /// read for them.
+    pub(crate) fn observing(&self) -> bool {
+        self.hook.is_some() || cfg!(feature = "metrics")
+    }
 }
 
 /// Checks a TTL and lease pair; the message names the setting to fix.
