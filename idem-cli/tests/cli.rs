@@ -1,0 +1,179 @@
+//! The `idem` binary against a real redis-server: output and exit codes.
+
+use idem_core::{Claim, Error, Idempotency, RedisStore, Store, Token};
+use idem_testkit::RedisServer;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+fn idem(url: Option<&str>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idem"));
+    cmd.env_remove("REDIS_URL");
+    if let Some(url) = url {
+        cmd.args(["--redis", url]);
+    }
+    cmd.args(args).output().expect("the idem binary runs")
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().expect("exited")
+}
+
+fn out(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn err(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn inspect_forget_scan_and_exit_codes() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = RedisStore::connect(&url).await.unwrap();
+    let service = Idempotency::builder(store.clone()).namespace("svc").build();
+    let _: u32 = service
+        .call("charge", "done")
+        .fingerprint(&"p")
+        .run(|| async { Ok::<_, Error>(42) })
+        .await
+        .unwrap();
+    let token = Token::random();
+    let claim = Claim {
+        key: "svc:charge:held",
+        token: &token,
+        lease: Duration::from_secs(300),
+        ttl: Duration::from_secs(86_400),
+        fingerprint: None,
+        want_ttl_left: false,
+    };
+    store.claim(claim).await.unwrap();
+    server.cli(&["SET", "svc:charge:garbage", "not a record"]);
+    server.cli(&["HSET", "svc:charge:hash", "f", "v"]);
+    let url = Some(url.as_str());
+    let ns = ["--namespace", "svc"];
+    let with = |rest: &[&'static str]| [&ns[..], rest].concat();
+
+    // inspect: human, JSON with the value, missing.
+    let o = idem(url, &with(&["inspect", "charge", "done"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(
+        out(&o).contains("state:       completed (2 bytes; expires in 23h"),
+        "{}",
+        out(&o)
+    );
+    assert!(out(&o).contains("fingerprint: stored"), "{}", out(&o));
+    let o = idem(
+        url,
+        &with(&["--json", "inspect", "charge", "done", "--value"]),
+    );
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(
+        (&v["state"], &v["value"], &v["value_size"]),
+        (&"completed".into(), &42.into(), &2.into())
+    );
+    let o = idem(url, &with(&["inspect", "charge", "nope"]));
+    assert_eq!(code(&o), 1);
+    assert!(err(&o).contains("no record"), "{}", err(&o));
+    let o = idem(url, &with(&["inspect", "charge", "held"]));
+    assert_eq!(code(&o), 0);
+    assert!(
+        out(&o).contains("pending (attempt 1; lease live, 4m"),
+        "{}",
+        out(&o)
+    );
+
+    // scan: by state and by age.
+    let o = idem(url, &with(&["scan", "charge", "--state", "pending"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(out(&o).lines().count(), 1);
+    assert!(out(&o).starts_with("held\tpending"), "{}", out(&o));
+    let o = idem(url, &with(&["--json", "scan", "charge"]));
+    let lines: Vec<serde_json::Value> = out(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "done, held and two unreadable keys");
+    assert_eq!(
+        lines.iter().filter(|l| l["state"] == "unreadable").count(),
+        2
+    );
+    let o = idem(url, &with(&["scan", "charge", "--older-than", "10m"]));
+    assert_eq!(out(&o), "", "everything is fresh");
+    // Claimed with a 24 h TTL: counted against 25 h, they are an hour old.
+    let o = idem(
+        url,
+        &with(&["scan", "charge", "--ttl", "25h", "--older-than", "30m"]),
+    );
+    assert_eq!(out(&o).lines().count(), 2, "{}", out(&o));
+
+    // forget: a live holder is refused without --force, then forced.
+    let o = idem(url, &with(&["forget", "charge", "held"]));
+    assert_eq!(code(&o), 3);
+    assert!(
+        err(&o).contains("lease has") && err(&o).contains("--force"),
+        "{}",
+        err(&o)
+    );
+    assert_ne!(server.cli(&["EXISTS", "svc:charge:held"]), "0");
+    let o = idem(url, &with(&["forget", "charge", "held", "--force"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(
+        out(&o).contains("forgot charge / held: it was pending"),
+        "{}",
+        out(&o)
+    );
+    assert_eq!(server.cli(&["EXISTS", "svc:charge:held"]), "0");
+    let o = idem(url, &with(&["forget", "charge", "done"]));
+    assert_eq!(code(&o), 0);
+    assert!(
+        out(&o).contains("local replay cache may replay it for up to"),
+        "{}",
+        out(&o)
+    );
+    assert_eq!(server.cli(&["EXISTS", "svc:charge:done"]), "0");
+    let o = idem(url, &with(&["forget", "charge", "done"]));
+    assert_eq!(code(&o), 1);
+
+    // Not idem's records: a clear message, exit 4, nothing deleted.
+    for key in ["garbage", "hash"] {
+        for args in [
+            vec!["inspect", "charge", key],
+            vec!["forget", "charge", key, "--force"],
+        ] {
+            let o = idem(url, &[&ns[..], &args[..]].concat());
+            assert_eq!(code(&o), 4, "{args:?}: {}", err(&o));
+            assert!(
+                err(&o).contains("unreadable") && err(&o).contains("delete the key"),
+                "{}",
+                err(&o)
+            );
+        }
+    }
+    assert_eq!(server.cli(&["GET", "svc:charge:garbage"]), "not a record");
+    assert_eq!(server.cli(&["TYPE", "svc:charge:hash"]), "hash");
+
+    // REDIS_URL is the default target.
+    let o = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env("REDIS_URL", server.url())
+        .args(with(&["scan", "charge"]))
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(out(&o).lines().count(), 2);
+}
+
+#[test]
+fn bad_urls_and_arguments() {
+    let o = idem(Some("not a url"), &["inspect", "charge", "k"]);
+    assert_eq!(code(&o), 2);
+    assert!(err(&o).contains("Redis URL cannot be used"), "{}", err(&o));
+    let o = idem(Some("redis://127.0.0.1:1/"), &["inspect", "charge", "k"]);
+    assert_eq!(code(&o), 5);
+    assert!(err(&o).contains("unavailable"), "{}", err(&o));
+    let o = idem(None, &["scan", "charge", "--state", "weird"]);
+    assert_eq!(code(&o), 2);
+    let o = idem(None, &["--namespace", "", "inspect", "charge", "k"]);
+    assert_eq!(code(&o), 2);
+    assert!(err(&o).contains("namespace is empty"), "{}", err(&o));
+}
