@@ -1,7 +1,7 @@
-//! `MemoryStore` and `RedisStore` are one state machine.
+//! `MemoryStore`, `RedisStore` and `PgStore` are one state machine.
 //!
 //! A proptest property drives random sequences of claim / complete / release
-//! / extend / clock advance against both stores side by side, through the
+//! / extend / clock advance against the three stores side by side, through the
 //! public [`Store`] trait, and asserts that they give identical replies.
 //! Only the two clock-derived durations (`InProgress.retry_after` and
 //! `Completed.ttl_left`) are compared coarsely: Redis counts with its own
@@ -14,7 +14,8 @@
 //! TTLs) outlive a whole sequence.
 
 use idem::{Claim, ClaimReply, Fingerprint, MemoryStore, Store, Token, ValueKind, WriteReply};
-use idem_testkit::TestContext;
+use idem_postgres::PgStore;
+use idem_testkit::{PgTestDb, TestContext};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use std::time::{Duration, Instant};
@@ -208,8 +209,9 @@ fn same(mem: &Reply, red: &Reply) -> bool {
     }
 }
 
-async fn run_case(ops: &[Op], redis: &TestContext) -> Result<(), TestCaseError> {
+async fn run_case(ops: &[Op], redis: &TestContext, pg: &Pg) -> Result<(), TestCaseError> {
     redis.server().flushall();
+    pg.0.exec("DELETE FROM idem_keys").await;
     let memory = MemoryStore::new();
     let mut log = Vec::new();
     // Every sequence ends with a probe of each key by an outsider token, so
@@ -228,17 +230,18 @@ async fn run_case(ops: &[Op], redis: &TestContext) -> Result<(), TestCaseError> 
         }
         let mem = step(&memory, op).await;
         let red = step(redis.store(), op).await;
-        let (mem, red) = match (mem, red) {
-            (Ok(m), Ok(r)) => (m, r),
-            (m, r) => {
+        let sql = step(&pg.1, op).await;
+        let (mem, red, sql) = match (mem, red, sql) {
+            (Ok(m), Ok(r), Ok(p)) => (m, r, p),
+            (m, r, p) => {
                 return Err(TestCaseError::fail(format!(
-                    "{op:?}: a store failed: memory {m:?}, redis {r:?}\nafter {log:#?}"
+                    "{op:?}: a store failed: memory {m:?}, redis {r:?}, postgres {p:?}\nafter {log:#?}"
                 )));
             }
         };
-        if !same(&mem, &red) {
+        if !same(&mem, &red) || !same(&mem, &sql) {
             return Err(TestCaseError::fail(format!(
-                "stores diverge at {op:?}:\n  memory: {mem:?}\n  redis:  {red:?}\nafter {log:#?}"
+                "stores diverge at {op:?}:\n  memory:   {mem:?}\n  redis:    {red:?}\n  postgres: {sql:?}\nafter {log:#?}"
             )));
         }
         // A step far slower than expected would blur the lease boundaries
@@ -260,19 +263,28 @@ async fn run_case(ops: &[Op], redis: &TestContext) -> Result<(), TestCaseError> 
     Ok(())
 }
 
-/// A private Redis, and the runtime that drives both stores.
-fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext) {
+/// A database of its own on the local PostgreSQL, and a store on it.
+type Pg = (PgTestDb, PgStore);
+
+/// A private Redis, a PostgreSQL database, and the runtime that drives the stores.
+fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext, Pg) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     let redis = rt.block_on(TestContext::redis());
-    (rt, redis)
+    let pg = rt.block_on(async {
+        let db = PgTestDb::new().await;
+        let store = PgStore::from_pool(db.pool.clone());
+        store.migrate().await.unwrap();
+        (db, store)
+    });
+    (rt, redis, pg)
 }
 
 #[test]
 fn memory_and_redis_stores_are_one_state_machine() {
-    let (rt, redis) = runtime_and_redis();
+    let (rt, redis, pg) = runtime_and_redis();
     // IDEM_MODEL_CASES=500 for a longer hunt; 24 keeps CI under a minute.
     let cases = std::env::var("IDEM_MODEL_CASES")
         .ok()
@@ -286,7 +298,7 @@ fn memory_and_redis_stores_are_one_state_machine() {
     };
     let mut runner = TestRunner::new(config);
     let started = Instant::now();
-    let result = runner.run(&ops(), |ops| rt.block_on(run_case(&ops, &redis)));
+    let result = runner.run(&ops(), |ops| rt.block_on(run_case(&ops, &redis, &pg)));
     if let Err(e) = result {
         panic!("MemoryStore and RedisStore diverge: {e}");
     }
@@ -298,7 +310,7 @@ fn memory_and_redis_stores_are_one_state_machine() {
 #[test]
 fn memory_and_redis_agree_on_every_transition() {
     use Op::*;
-    let (rt, redis) = runtime_and_redis();
+    let (rt, redis, pg) = runtime_and_redis();
     let claim = |key, token, fp, long_ttl| Claim {
         key,
         token,
@@ -434,7 +446,7 @@ fn memory_and_redis_agree_on_every_transition() {
         ],
     ];
     for ops in sequences {
-        rt.block_on(run_case(&ops, &redis))
+        rt.block_on(run_case(&ops, &redis, &pg))
             .unwrap_or_else(|e| panic!("{e}"));
     }
 }
