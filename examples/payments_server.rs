@@ -26,6 +26,9 @@
 //!
 //! Without `REDIS_URL` the in-process `MemoryStore` is used: same semantics,
 //! but only within this one process.
+//!
+//! With `--features http,metrics`, `GET /metrics` serves idem's metrics in
+//! Prometheus' text format (`idem_calls_total`, `idem_store_seconds`, …).
 
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -168,6 +171,13 @@ pub fn app(idem: Idempotency) -> Router {
         .with_state(payments)
 }
 
+/// Adds `GET /metrics`: everything recorded on the `metrics` facade, idem's
+/// counters and histograms included, as Prometheus scrapes it.
+#[cfg(feature = "metrics")]
+pub fn with_metrics(app: Router, handle: metrics_exporter_prometheus::PrometheusHandle) -> Router {
+    app.route("/metrics", get(move || std::future::ready(handle.render())))
+}
+
 /// Redis from `REDIS_URL`, else the in-process `MemoryStore`.
 pub async fn idempotency_from_env() -> Result<Idempotency, idem::Error> {
     let builder = match std::env::var("REDIS_URL") {
@@ -198,6 +208,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "payments server listening");
-    axum::serve(listener, app(idem)).await?;
+    let app = app(idem);
+    #[cfg(feature = "metrics")]
+    let app = with_metrics(
+        app,
+        metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?,
+    );
+    axum::serve(listener, app).await?;
     Ok(())
 }
