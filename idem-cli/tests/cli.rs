@@ -153,6 +153,40 @@ async fn inspect_forget_scan_and_exit_codes() {
     assert_eq!(server.cli(&["GET", "svc:charge:garbage"]), "not a record");
     assert_eq!(server.cli(&["TYPE", "svc:charge:hash"]), "hash");
 
+    // The README's operator user: enough for every command, and no more.
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "idem-ops",
+        "on",
+        ">ops-pw",
+        "resetkeys",
+        "~svc:*",
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+get",
+        "+pttl",
+        "+del",
+        "+scan",
+    ]);
+    let ops = format!("redis://idem-ops:ops-pw@{}/", server.addr());
+    let _: u32 = service
+        .call("charge", "again")
+        .run(|| async { Ok::<_, Error>(7) })
+        .await
+        .unwrap();
+    for args in [
+        vec!["inspect", "charge", "again"],
+        vec!["scan", "charge"],
+        vec!["forget", "charge", "again"],
+    ] {
+        let o = idem(Some(&ops), &[&ns[..], &args[..]].concat());
+        assert_eq!(code(&o), 0, "{args:?} as the operator user: {}", err(&o));
+    }
+    assert_eq!(server.cli(&["EXISTS", "svc:charge:again"]), "0");
+
     // REDIS_URL is the default target.
     let o = Command::new(env!("CARGO_BIN_EXE_idem"))
         .env("REDIS_URL", server.url())
