@@ -230,7 +230,7 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     let n = 200;
     let added = publish_orders(&s, n, window).await;
     let consumer = Consumer::new(
-        idem_on(&redis.url(), Duration::from_secs(10)).await,
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
         "orders.charge",
     )
     .keys(order_key());
@@ -265,7 +265,9 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     for t in tasks {
         total.add(t.await.unwrap());
     }
-    assert_eq!((total.nacked, total.dead_lettered), (0, 0), "{total:?}");
+    // A copy delivered while its twin still runs in another task gets
+    // InProgress and is nacked; it comes back and is acked as a replay.
+    assert_eq!(total.dead_lettered, 0, "{total:?}");
     assert_eq!(total.acked, added, "every message acked once: {total:?}");
     assert_eq!(
         ledger.total(),

@@ -243,7 +243,7 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     let n = 200;
     let added = publish_orders(&q, n).await;
     let consumer = Consumer::new(
-        idem_on(&redis.url(), Duration::from_secs(10)).await,
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
         "orders.charge",
     )
     .keys(order_key());

@@ -179,15 +179,18 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     let url = server.url();
     let n = 200;
     let added = publish_orders(&url, "orders", n).await;
-    let idem = idem_on(&url, Duration::from_secs(10)).await;
+    let idem = idem_on(&url, Duration::from_secs(2)).await;
     let consumer = Consumer::new(idem, "orders.charge").keys(order_key());
     let ledger = Ledger::new();
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for t in 0..4 {
-        let stream = RedisStreamsConsumer::connect(&url, cfg("orders", &format!("c{t}")))
-            .await
-            .unwrap();
+        let stream = RedisStreamsConsumer::connect(
+            &url,
+            cfg("orders", &format!("c{t}")).claim_idle(Duration::from_millis(500)),
+        )
+        .await
+        .unwrap();
         stream.ensure_group().await.unwrap();
         let (consumer, ledger, stop) = (consumer.clone(), ledger.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
@@ -206,7 +209,9 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     let mut acked = 0;
     for t in tasks {
         let r = t.await.unwrap();
-        assert_eq!((r.nacked, r.dead_lettered), (0, 0), "{r:?}");
+        // A copy read while its twin still runs in another task gets
+        // InProgress and is nacked; it comes back and is acked as a replay.
+        assert_eq!(r.dead_lettered, 0, "{r:?}");
         acked += r.acked;
     }
     assert_eq!(acked, added, "every entry acked exactly once");
