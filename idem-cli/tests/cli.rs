@@ -195,6 +195,29 @@ async fn inspect_forget_scan_and_exit_codes() {
         .unwrap();
     assert_eq!(code(&o), 0, "{}", err(&o));
     assert_eq!(out(&o).lines().count(), 2);
+
+    // A key stuck in flight after its holder died: found, then evicted
+    // without --force (the README's walk-through).
+    let token = Token::random();
+    let claim = Claim {
+        key: "svc:charge:stuck",
+        token: &token,
+        lease: Duration::from_millis(50),
+        ttl: Duration::from_secs(86_400),
+        fingerprint: None,
+        want_ttl_left: false,
+    };
+    store.claim(claim).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let o = idem(url, &with(&["scan", "charge", "--state", "pending"]));
+    assert!(
+        out(&o).starts_with("stuck\tpending (attempt 1; lease ran out"),
+        "{}",
+        out(&o)
+    );
+    let o = idem(url, &with(&["forget", "charge", "stuck"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(server.cli(&["EXISTS", "svc:charge:stuck"]), "0");
 }
 
 #[test]
