@@ -3,8 +3,9 @@
 use crate::error::{KeyError, KeyPart};
 use std::fmt::{self, Write};
 
-/// Longest accepted key, scope or namespace, in bytes.
-pub const MAX_KEY_LEN: usize = 255;
+/// Longest accepted key, scope or namespace, in bytes: the HTTP key's
+/// limit (`idem_key::MAX_KEY_LEN`), so a key that crosses HTTP always fits.
+pub const MAX_KEY_LEN: usize = idem_key::MAX_KEY_LEN;
 
 /// Checks one part of a stored key: non-empty, at most 255 bytes, no control
 /// characters.

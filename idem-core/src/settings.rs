@@ -4,6 +4,7 @@
 use crate::cache::ReplayCache;
 use crate::hook::Hook;
 use crate::store::Store;
+use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,10 +24,6 @@ pub enum FailMode {
     Open,
 }
 
-/// Longest accepted result TTL: a year.
-const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
-/// Longest accepted lease: a day (a body holding a key longer is a bug).
-const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
 
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
@@ -57,7 +54,7 @@ impl Inner {
 
 /// Checks a TTL and lease pair; the message names the setting to fix.
 pub(crate) fn validate_ttl_lease(ttl: Duration, lease: Duration) -> Result<(), String> {
-    if ttl < Duration::from_millis(1) {
+    if ttl < MIN_DURATION {
         return Err(format!(
             "result TTL is {ttl:?}; use at least 1 ms (typically hours)"
         ));
@@ -65,7 +62,7 @@ pub(crate) fn validate_ttl_lease(ttl: Duration, lease: Duration) -> Result<(), S
     if ttl > MAX_TTL {
         return Err(format!("result TTL is {ttl:?}, over the one-year limit"));
     }
-    if lease < Duration::from_millis(1) {
+    if lease < MIN_DURATION {
         return Err(format!(
             "lease is {lease:?}; use at least 1 ms (typically the body's worst-case duration)"
         ));

@@ -43,6 +43,10 @@
     )
 )]
 
+mod limits;
+
+pub use limits::{MAX_LEASE, MAX_TTL, MIN_DURATION};
+
 use std::borrow::Cow;
 
 /// Longest key, in bytes (after unquoting). Keys are ASCII, so also in

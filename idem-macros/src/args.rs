@@ -21,14 +21,14 @@ pub(crate) const ARGUMENTS: &[&str] = &[
     "using",
 ];
 
-/// Longest scope the runtime accepts, in bytes (`idem_core::MAX_KEY_LEN`).
-const MAX_SCOPE_LEN: usize = 255;
+/// Longest scope the runtime accepts, in bytes (`idem_core::MAX_KEY_LEN`,
+/// defined in `idem-key`).
+const MAX_SCOPE_LEN: usize = idem_key::MAX_KEY_LEN;
 
-/// The runtime's limits on a literal `ttl` and `lease` (it refuses other
-/// values with `Error::InvalidConfig` on every call; better to say so now).
-const MIN_DURATION: Duration = Duration::from_millis(1);
-const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
-const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+// The runtime's limits on a literal `ttl` and `lease`, from the crate that
+// defines them for both (the runtime refuses other values with
+// `Error::InvalidConfig` on every call; better to say so at compile time).
+use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 
 /// What the duration errors suggest instead.
 const DURATION_FORMS: &str = "write a number with a unit, like \"500ms\", \"90s\", \"15m\", \"24h\" or \"7d\" \
