@@ -1,5 +1,6 @@
-//! The core semantics, run against a real redis-server and against
-//! MemoryStore: both stores must behave as one state machine.
+//! The core semantics, run against a real redis-server, against a real
+//! PostgreSQL (PgStore, a fresh database per test) and against
+//! MemoryStore: every store must behave as one state machine.
 
 use idem::{
     Claim, ClaimReply, Error, FailMode, Idempotency, Outcome, RedisStore, Token, ValueKind,
@@ -24,13 +25,23 @@ fn memory() -> TestContext {
     TestContext::memory().with_namespace("test")
 }
 
-/// Runs each listed test against Redis and against MemoryStore.
+/// The store under test: a `PgStore` on a fresh database of its own,
+/// namespace `test`.
+async fn postgres() -> TestContext {
+    TestContext::postgres().await.with_namespace("test")
+}
+
+/// Runs each listed test against Redis, PostgreSQL and MemoryStore.
 macro_rules! both_stores {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn redis() {
                 super::$name(super::redis().await).await;
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$name(super::postgres().await).await;
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn memory() {

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use idem_core::{
     Idempotency, IdempotencyBuilder, MemoryStore, RedisStore, RedisStoreConfig, Store,
 };
+use idem_postgres::PgStore;
 
 use crate::record::{RecordPeek, RecordState, record_state};
-use crate::{FaultProxy, Ledger, RedisCluster, RedisServer};
+use crate::{FaultProxy, Ledger, PgTestDb, RedisCluster, RedisServer};
 
 /// A store that can hand out builders, whatever its concrete type.
 trait SharedStore: Send + Sync {
@@ -27,7 +28,8 @@ impl<S: Store + Clone> SharedStore for S {
 }
 
 /// What a test runs against: a store (on its own `redis-server`, its own
-/// three-master cluster, or in memory), idem over it and a [`Ledger`].
+/// three-master cluster, its own PostgreSQL database, or in memory), idem
+/// over it and a [`Ledger`].
 ///
 /// Every context owns its servers, so tests run in parallel without sharing
 /// keys; dropping the context kills them. Tests that hold for every
@@ -51,9 +53,13 @@ pub struct TestContext {
     proxy: Option<FaultProxy>,
     store: Arc<dyn SharedStore>,
     redis: Option<RedisStore>,
+    // Declared before `pg_db`: the store's pool is the database's, and the
+    // database is dropped (with FORCE) only after everything else.
+    postgres: Option<PgStore>,
     config: RedisStoreConfig,
     namespace: Option<String>,
     ledger: Ledger,
+    pg_db: Option<PgTestDb>,
 }
 
 impl fmt::Debug for TestContext {
@@ -63,6 +69,7 @@ impl fmt::Debug for TestContext {
             .field("server", &self.server.as_ref().map(RedisServer::url))
             .field("cluster", &self.cluster.as_ref().map(RedisCluster::urls))
             .field("proxy", &self.proxy.as_ref().map(FaultProxy::url))
+            .field("database", &self.pg_db.as_ref().map(|db| db.name.as_str()))
             .field("namespace", &self.namespace)
             .finish_non_exhaustive()
     }
@@ -116,9 +123,11 @@ impl TestContext {
             proxy,
             store: Arc::new(store.clone()),
             redis: Some(store),
+            postgres: None,
             config,
             namespace: None,
             ledger: Ledger::new(),
+            pg_db: None,
         }
     }
 
@@ -149,9 +158,11 @@ impl TestContext {
             proxy: None,
             store: Arc::new(store.clone()),
             redis: Some(store),
+            postgres: None,
             config,
             namespace: None,
             ledger: Ledger::new(),
+            pg_db: None,
         }
     }
 
@@ -163,9 +174,42 @@ impl TestContext {
             proxy: None,
             store: Arc::new(MemoryStore::new()),
             redis: None,
+            postgres: None,
             config: RedisStoreConfig::default(),
             namespace: None,
             ledger: Ledger::new(),
+            pg_db: None,
+        }
+    }
+
+    /// A fresh database of its own on the test PostgreSQL server (see
+    /// [`PgTestDb`]) and a migrated [`PgStore`] over its pool. Dropping the
+    /// context drops the database.
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL is not reachable (the message says how to provide
+    /// one) or the schema cannot be created.
+    pub async fn postgres() -> TestContext {
+        let db = PgTestDb::new().await;
+        let store = PgStore::from_pool(db.pool.clone());
+        store.migrate().await.unwrap_or_else(|e| {
+            panic!(
+                "idem-testkit: cannot create idem's table in {}: {e}",
+                db.name
+            )
+        });
+        TestContext {
+            server: None,
+            cluster: None,
+            proxy: None,
+            store: Arc::new(store.clone()),
+            redis: None,
+            postgres: Some(store),
+            config: RedisStoreConfig::default(),
+            namespace: None,
+            ledger: Ledger::new(),
+            pg_db: Some(db),
         }
     }
 
@@ -176,12 +220,14 @@ impl TestContext {
         self
     }
 
-    /// `"redis"`, `"cluster"` or `"memory"`, for assertion messages.
+    /// `"redis"`, `"cluster"`, `"postgres"` or `"memory"`, for assertion
+    /// messages.
     pub fn name(&self) -> &'static str {
-        match (&self.cluster, &self.redis) {
-            (Some(_), _) => "cluster",
-            (None, Some(_)) => "redis",
-            (None, None) => "memory",
+        match (&self.cluster, &self.redis, &self.postgres) {
+            (Some(_), _, _) => "cluster",
+            (None, Some(_), _) => "redis",
+            (None, None, Some(_)) => "postgres",
+            (None, None, None) => "memory",
         }
     }
 
@@ -226,6 +272,29 @@ impl TestContext {
         self.redis
             .as_ref()
             .unwrap_or_else(|| panic!("idem-testkit: a memory context has no RedisStore"))
+    }
+
+    /// The [`PgStore`].
+    ///
+    /// # Panics
+    ///
+    /// Unless the context was made by [`TestContext::postgres`].
+    pub fn pg_store(&self) -> &PgStore {
+        self.postgres
+            .as_ref()
+            .unwrap_or_else(|| panic!("idem-testkit: a {} context has no PgStore", self.name()))
+    }
+
+    /// The context's own database (to read its rows, or run SQL beside
+    /// the store).
+    ///
+    /// # Panics
+    ///
+    /// Unless the context was made by [`TestContext::postgres`].
+    pub fn pg_db(&self) -> &PgTestDb {
+        self.pg_db
+            .as_ref()
+            .unwrap_or_else(|| panic!("idem-testkit: a {} context has no database", self.name()))
     }
 
     /// The server.
