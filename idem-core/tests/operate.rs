@@ -1,12 +1,13 @@
-//! inspect, forget and scan on every store: MemoryStore, Redis standalone
-//! and Redis Cluster; and what a forget means for local replay caches.
+//! inspect, forget and scan on every store: MemoryStore, Redis standalone,
+//! Redis Cluster and PostgreSQL (idem-postgres's PgStore); and what a
+//! forget means for local replay caches.
 
 use futures_util::StreamExt;
 use idem_core::{
     Claim, ClaimReply, Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore, Store,
     Token, ValueKind,
 };
-use idem_testkit::{RedisCluster, RedisServer};
+use idem_testkit::{RedisCluster, RedisServer, TestContext};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -261,6 +262,44 @@ async fn redis_cluster() {
     }
     // Keys of every master: the scan must visit all three.
     scan_scopes(store).await;
+}
+
+#[tokio::test]
+async fn postgres() {
+    let ctx = TestContext::postgres().await;
+    let (store, db) = (ctx.pg_store().clone(), ctx.pg_db());
+    inspect_and_forget(store.clone()).await;
+    db.exec("DELETE FROM idem_keys").await;
+    scan_scopes(store.clone()).await;
+
+    // Rows idem cannot read are reported, never deleted.
+    db.exec("DELETE FROM idem_keys").await;
+    db.exec(
+        "INSERT INTO idem_keys (key, state, expires_at, value) \
+         VALUES ('ops:charge:garbage', 'X', now() + interval '1 hour', '\\x00')",
+    )
+    .await;
+    db.exec(
+        "INSERT INTO idem_keys (key, state, expires_at, attempt, lease_until, token) \
+         VALUES ('ops:charge:short-token', 'P', now() + interval '1 hour', 1, \
+                 now() + interval '1 minute', '\\x0102')",
+    )
+    .await;
+    let idem = idem(&store);
+    for key in ["garbage", "short-token"] {
+        let e = idem.inspect("charge", key).await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+        let e = idem.forget("charge", key).force().await.unwrap_err();
+        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+    }
+    assert_eq!(db.count("SELECT count(*) FROM idem_keys").await, 2);
+    let scanned: Vec<_> = idem.scan("charge").collect().await;
+    assert_eq!(scanned.len(), 2);
+    assert!(
+        scanned
+            .iter()
+            .all(|e| matches!(e, Ok(k) if matches!(k.record, Err(Error::Corrupt(_)))))
+    );
 }
 
 /// This process stops replaying a forgotten key at once; another process

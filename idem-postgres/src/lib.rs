@@ -41,6 +41,7 @@
 
 mod config;
 mod errors;
+mod operate;
 mod reaper;
 mod schema;
 mod sql;

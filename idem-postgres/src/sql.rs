@@ -14,6 +14,7 @@
 //! happened.
 
 use crate::config::TableName;
+use crate::operate::info_columns;
 use std::sync::Arc;
 
 /// `$n` milliseconds as an interval.
@@ -34,6 +35,11 @@ pub(crate) struct Statements {
     pub extend: Arc<str>,
     pub classify: Arc<str>,
     pub reap: Arc<str>,
+    pub inspect: Arc<str>,
+    pub forget_lock: Arc<str>,
+    pub forget_delete: Arc<str>,
+    pub scan: Arc<str>,
+    pub scan_open: Arc<str>,
 }
 
 /// Columns a refused write reads back: `done, state, token, in_tx, live, same`.
@@ -150,7 +156,34 @@ impl Statements {
                SELECT key FROM {t} WHERE expires_at <= clock_timestamp() \
                LIMIT $1 FOR UPDATE SKIP LOCKED)"
         );
+        // Operators' reads: live rows only, as Redis (whose expired keys are
+        // gone) and MemoryStore answer.
+        let clock = "(SELECT clock_timestamp() AS now) c";
+        let inspect = format!(
+            "SELECT {} FROM {t} r, {clock} WHERE r.key = $1 AND r.expires_at > c.now",
+            info_columns("$2")
+        );
+        let forget_lock = format!(
+            "SELECT {} FROM {t} r, {clock} WHERE r.key = $1 AND r.expires_at > c.now FOR UPDATE OF r",
+            info_columns("false")
+        );
+        let forget_delete = format!("DELETE FROM {t} WHERE key = $1");
+        // Keyset pagination: $1 the prefix (lower bound), $2 the last key of
+        // the previous page, $3 the page size + 1, $4 the first string past
+        // the prefix (upper bound).
+        let scan_open = format!(
+            "SELECT {} FROM {t} r, {clock} \
+             WHERE r.key >= $1 AND r.key > COALESCE($2, '') AND starts_with(r.key, $1) \
+               AND r.expires_at > c.now ORDER BY r.key LIMIT $3",
+            info_columns("false")
+        );
+        let scan = scan_open.replace(" ORDER BY", " AND r.key < $4 ORDER BY");
         Statements {
+            inspect: inspect.into(),
+            forget_lock: forget_lock.into(),
+            forget_delete: forget_delete.into(),
+            scan: scan.into(),
+            scan_open: scan_open.into(),
             claim: claim.into(),
             complete: complete.into(),
             table: t.to_string(),

@@ -8,7 +8,8 @@ use crate::tx::{self, TxSlot};
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    Claim, ClaimReply, Completed, Error, Fingerprint, Store, Token, ValueKind, WriteReply,
+    Claim, ClaimReply, Completed, Error, Fingerprint, RecordInfo, ScanPage, Store, Token,
+    ValueKind, WriteReply,
 };
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
@@ -217,7 +218,7 @@ impl PgStore {
         self.inner.table.to_string()
     }
 
-    fn fail(&self, op: &'static str) -> impl Fn(sqlx::Error) -> Error + '_ {
+    pub(crate) fn fail(&self, op: &'static str) -> impl Fn(sqlx::Error) -> Error + '_ {
         move |e| map(op, &self.table_str(), e)
     }
 
@@ -436,7 +437,7 @@ fn read_write_row(row: Option<&PgRow>, token: &[u8; 16]) -> Result<WriteState, E
     }
 }
 
-fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, Error>
+pub(crate) fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, Error>
 where
     T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
 {
@@ -444,7 +445,7 @@ where
         .map_err(|e| corrupt(&format!("column {column}: {e}")))
 }
 
-fn corrupt(what: &str) -> Error {
+pub(crate) fn corrupt(what: &str) -> Error {
     Error::Corrupt(format!(
         "{what}; the row was not written by idem-postgres (or was edited by hand) and was left \
          as it is — delete it, or use a table of its own for idem"
@@ -690,6 +691,23 @@ impl Store for PgStore {
             WriteState::Reply(r) => Ok(r),
             WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
         }
+    }
+
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inspect_row(key, with_value).await
+    }
+
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        self.forget_row(key, force).await
+    }
+
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        self.scan_page(prefix, cursor, count).await
     }
 }
 

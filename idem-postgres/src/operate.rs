@@ -1,0 +1,210 @@
+//! Operating a `PgStore`: `inspect`, `forget` and `scan`, with the same
+//! answers as idem's Redis and memory stores (see `idem_core::Store`).
+//!
+//! Reads are single statements on the database's clock. `forget` reads the
+//! row under `FOR UPDATE`, decides in Rust (the same decoding as every
+//! other read, so an unreadable row is refused and kept) and deletes it in
+//! the same transaction. `scan` pages by primary key (keyset pagination on
+//! the `COLLATE "C"` key): each page is one bounded index range scan,
+//! never a full-table read.
+
+use crate::store::{PgStore, corrupt, get};
+use bytes::Bytes;
+use idem_core::{Error, Fingerprint, RecordInfo, ScanPage, ValueKind};
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::PgRow;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The columns every operator read selects, with `c.now` the statement's
+/// clock and `$with_value` whether the value itself travels.
+pub(crate) fn info_columns(with_value: &str) -> String {
+    format!(
+        "r.key, r.state, r.attempt, r.token, r.fingerprint, \
+         CASE WHEN {with_value} THEN r.value END AS value, \
+         octet_length(r.value)::bigint AS value_size, \
+         ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
+         ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint AS ttl_ms"
+    )
+}
+
+/// The record of one row of [`info_columns`], or why it cannot be read.
+pub(crate) fn row_info(row: &PgRow, with_value: bool) -> Result<RecordInfo, Error> {
+    let state: i8 = get(row, "state")?;
+    let fingerprint: Option<Vec<u8>> = get(row, "fingerprint")?;
+    let fingerprint = match fingerprint {
+        None => None,
+        Some(f) => Some(
+            Fingerprint::from_bytes(&f)
+                .ok_or_else(|| corrupt("a fingerprint that is not 16 bytes"))?,
+        ),
+    };
+    let ttl_ms: Option<i64> = get(row, "ttl_ms")?;
+    let ttl_left = Some(millis(ttl_ms));
+    match state as u8 {
+        b'P' => {
+            let token: Option<Vec<u8>> = get(row, "token")?;
+            let attempt: Option<i64> = get(row, "attempt")?;
+            let lease_ms: Option<i64> = get(row, "lease_ms")?;
+            let attempt = attempt
+                .and_then(|a| u32::try_from(a).ok())
+                .filter(|a| *a >= 1);
+            match (token.map(|t| t.len()), attempt, lease_ms) {
+                (Some(16), Some(attempt), Some(lease)) => Ok(RecordInfo::pending(
+                    attempt,
+                    ttl_left,
+                    millis(Some(lease)),
+                    fingerprint,
+                )),
+                _ => Err(corrupt(
+                    "a pending record with a bad owner token, attempt or lease",
+                )),
+            }
+        }
+        tag => {
+            let kind = ValueKind::from_tag(tag)
+                .ok_or_else(|| corrupt(&format!("unknown state {:?}", char::from(tag))))?;
+            let size: Option<i64> = get(row, "value_size")?;
+            let size = size
+                .and_then(|s| usize::try_from(s).ok())
+                .ok_or_else(|| corrupt("a completed record without a value"))?;
+            let value: Option<Vec<u8>> = get(row, "value")?;
+            let mut info = RecordInfo::completed(
+                kind,
+                value.map(Bytes::from).unwrap_or_default(),
+                fingerprint,
+                ttl_left,
+                with_value,
+            );
+            // The size is the stored one even when the value stayed home.
+            info.value_size = Some(size);
+            Ok(info)
+        }
+    }
+}
+
+/// Whole milliseconds left, zero once past.
+fn millis(ms: Option<i64>) -> Duration {
+    Duration::from_millis(ms.and_then(|m| u64::try_from(m).ok()).unwrap_or(0))
+}
+
+/// The smallest string above every string that starts with `prefix`, in
+/// byte order (`COLLATE "C"`, where UTF-8 sorts by code point): the prefix
+/// with its last character raised by one (dropping trailing characters that
+/// cannot be raised). `None` only when every character is `char::MAX`.
+pub(crate) fn prefix_end(prefix: &str) -> Option<String> {
+    let mut chars: Vec<char> = prefix.chars().collect();
+    while let Some(last) = chars.pop() {
+        // The next scalar value (skipping the surrogate gap).
+        let next = (u32::from(last) + 1..=u32::from(char::MAX)).find_map(char::from_u32);
+        if let Some(next) = next {
+            chars.push(next);
+            return Some(chars.into_iter().collect());
+        }
+    }
+    None
+}
+
+impl PgStore {
+    pub(crate) async fn inspect_row(
+        &self,
+        key: &str,
+        with_value: bool,
+    ) -> Result<Option<RecordInfo>, Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.inspect)))
+            .bind(key)
+            .bind(with_value)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(self.fail("inspect"))?;
+        row.map(|r| row_info(&r, with_value)).transpose()
+    }
+
+    pub(crate) async fn forget_row(
+        &self,
+        key: &str,
+        force: bool,
+    ) -> Result<Option<RecordInfo>, Error> {
+        let fail = self.fail("forget");
+        let mut txn = self.inner.pool.begin().await.map_err(&fail)?;
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.forget_lock)))
+            .bind(key)
+            .fetch_optional(&mut *txn)
+            .await
+            .map_err(&fail)?;
+        let Some(row) = row else {
+            // Nothing live: an expired leftover is the reaper's, not ours.
+            return Ok(None);
+        };
+        // Unreadable rows are refused (and the transaction rolled back on drop).
+        let info = row_info(&row, false)?;
+        if info.is_held() && !force {
+            return Err(Error::LeaseHeld {
+                lease_left: info.lease_left.unwrap_or_default(),
+                attempt: info.attempt.unwrap_or(1),
+            });
+        }
+        sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.forget_delete)))
+            .bind(key)
+            .execute(&mut *txn)
+            .await
+            .map_err(&fail)?;
+        txn.commit().await.map_err(&fail)?;
+        Ok(Some(info))
+    }
+
+    pub(crate) async fn scan_page(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        let count = count.clamp(1, 10_000);
+        let limit = i64::try_from(count + 1).unwrap_or(i64::MAX);
+        // Both bounds of the key range are index conditions, so a page
+        // reads at most `count + 1` live rows of the range (plus expired
+        // ones the reaper has not deleted yet).
+        let query = match prefix_end(prefix) {
+            Some(end) => sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.scan)))
+                .bind(prefix)
+                .bind(cursor)
+                .bind(limit)
+                .bind(end),
+            None => sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.scan_open)))
+                .bind(prefix)
+                .bind(cursor)
+                .bind(limit),
+        };
+        let rows = query
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(self.fail("scan"))?;
+        let more = rows.len() > count;
+        let mut records = Vec::with_capacity(count.min(rows.len()));
+        for row in rows.iter().take(count) {
+            let key: String = get(row, "key")?;
+            records.push((key, row_info(row, false)));
+        }
+        let cursor = if more {
+            records.last().map(|(k, _)| k.clone())
+        } else {
+            None
+        };
+        Ok(ScanPage { records, cursor })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn prefix_end_is_the_next_string_in_byte_order() {
+        assert_eq!(prefix_end("idem:charge:").as_deref(), Some("idem:charge;"));
+        assert_eq!(prefix_end("aü").as_deref(), Some("aý"));
+        assert_eq!(prefix_end("a\u{d7ff}").as_deref(), Some("a\u{e000}"));
+        assert_eq!(prefix_end("a\u{10ffff}").as_deref(), Some("b"));
+        assert_eq!(prefix_end("\u{10ffff}"), None);
+        assert_eq!(prefix_end(""), None);
+    }
+}
