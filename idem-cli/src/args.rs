@@ -4,12 +4,12 @@ use clap::{Args, Parser, Subcommand};
 use idem_core::KeyState;
 use std::time::Duration;
 
-/// Inspect, forget and scan idem's idempotency records in Redis.
+/// Inspect, forget and scan idem's idempotency records in Redis or PostgreSQL.
 ///
 /// Exit codes: 0 done; 1 no such record; 2 bad arguments or URL; 3 refused,
 /// the key is in flight (use --force only for a dead holder); 4 the record
-/// is unreadable (not idem's, or damaged; nothing deleted); 5 Redis
-/// unreachable or refused the command; 6 anything else.
+/// is unreadable (not idem's, or damaged; nothing deleted); 5 the store
+/// (Redis or PostgreSQL) unreachable or refused the command; 6 anything else.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about, long_about = None)]
 pub(crate) struct Cli {
@@ -27,6 +27,13 @@ pub(crate) struct Target {
     /// A Redis Cluster node URL (repeat for more nodes).
     #[arg(long, global = true, num_args = 1..)]
     pub(crate) cluster: Vec<String>,
+    /// A PostgreSQL URL (idem-postgres's PgStore): used instead of Redis,
+    /// even when $REDIS_URL is set.
+    #[arg(long, global = true, conflicts_with = "cluster")]
+    pub(crate) postgres: Option<String>,
+    /// The PostgreSQL table of the records (`PgStoreConfig::table`), with --postgres.
+    #[arg(long, global = true, default_value = idem_postgres::DEFAULT_TABLE, requires = "postgres")]
+    pub(crate) table: String,
     /// The namespace the service was built with (`Idempotency::builder(..).namespace(..)`).
     #[arg(long, global = true, default_value = "idem")]
     pub(crate) namespace: String,

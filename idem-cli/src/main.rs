@@ -56,6 +56,13 @@ async fn connect(target: &Target) -> Result<Idempotency, Error> {
     let config = RedisStoreConfig::default()
         .connection_timeout(Duration::from_secs(3))
         .response_timeout(Duration::from_secs(5));
+    if let Some(url) = &target.postgres {
+        let config = idem_postgres::PgStoreConfig::table(target.table.as_str());
+        let store = idem_postgres::PgStore::connect_with(url, config).await?;
+        return Ok(Idempotency::builder(store)
+            .namespace(&target.namespace)
+            .build());
+    }
     let store = if target.cluster.is_empty() {
         let url = target.redis.as_deref().unwrap_or("redis://127.0.0.1:6379/");
         RedisStore::connect_with(url, config).await?

@@ -46,9 +46,10 @@ pub enum Error {
     InvalidConfig(String),
 
     /// The store could not be reached, timed out, or refused the command.
-    /// With `FailMode::Closed` (the default) the body did not run.
+    /// With `FailMode::Closed` (the default) the body did not run. The
+    /// reason names the store (Redis, PostgreSQL) and what to check.
     #[error(
-        "idempotency store unavailable during {op}: {reason}; the body did not run — retry later, and check that Redis is up and reachable"
+        "idempotency store unavailable during {op}: {reason}; the body did not run — retry later"
     )]
     Unavailable {
         /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
@@ -163,10 +164,13 @@ impl Error {
         )
     }
 
+    /// Redis's unavailability (the one store in this crate that can be
+    /// unreachable): the reason ends with what to check. Other stores'
+    /// crates build `Unavailable` with their own advice.
     pub(crate) fn unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
         Error::Unavailable {
             op,
-            reason: reason.to_string(),
+            reason: format!("{reason}; check that Redis is up and reachable"),
         }
     }
 }

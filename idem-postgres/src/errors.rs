@@ -29,11 +29,17 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
             )),
             "57014" => unavailable(
                 op,
-                format!("the statement was cancelled or hit statement_timeout ({msg})"),
+                format!(
+                    "the statement was cancelled or hit statement_timeout ({msg}); check for \
+                     long-held locks on table {table}, or raise statement_timeout for idem's role"
+                ),
             ),
             _ => unavailable(
                 op,
-                format!("PostgreSQL refused the statement: {msg} (SQLSTATE {code})"),
+                format!(
+                    "PostgreSQL refused the statement: {msg} (SQLSTATE {code}); check the \
+                     server's log and that table {table} was created by idem-postgres"
+                ),
             ),
         };
     }
@@ -42,7 +48,7 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
             PostgreSQL does not answer; check the server, or raise the pool's max_connections"
             .to_owned(),
         sqlx::Error::PoolClosed => "the connection pool was closed".to_owned(),
-        other => format!("{other}; check that PostgreSQL is up and the URL is right"),
+        other => format!("{other}; check that PostgreSQL is up and reachable and the URL is right"),
     };
     unavailable(op, reason)
 }

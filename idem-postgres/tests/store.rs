@@ -486,7 +486,11 @@ async fn unreachable_server_is_unavailable_and_fail_open_runs_unprotected() {
         matches!(&e, Error::Unavailable { op: "connect", .. }),
         "{e}"
     );
-    assert!(e.to_string().contains("PostgreSQL"), "{e}");
+    // It names PostgreSQL and says what to do, and never mentions Redis.
+    let text = e.to_string();
+    assert!(text.contains("PostgreSQL"), "{e}");
+    assert!(text.contains("check that PostgreSQL is up"), "{e}");
+    assert!(!text.contains("Redis"), "{e}");
 
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_millis(500))
@@ -500,6 +504,11 @@ async fn unreachable_server_is_unavailable_and_fail_open_runs_unprotected() {
     assert!(
         matches!(r, Err(Error::Unavailable { op: "claim", .. })),
         "{r:?}"
+    );
+    let text = r.unwrap_err().to_string();
+    assert!(
+        text.contains("PostgreSQL") && text.contains("check") && !text.contains("Redis"),
+        "{text}"
     );
     let open = Idempotency::builder(PgStore::from_pool(pool))
         .fail_mode(FailMode::Open)
