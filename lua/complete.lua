@@ -29,4 +29,5 @@ if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)
   rec = '1' .. kind .. string.char(on) .. string.sub(old, 4, 3 + on) .. string.sub(rec, 4 + n)
 end
 redis.call('SET', key, rec, 'KEEPTTL')
+notify(key, 'completed')
 return DONE

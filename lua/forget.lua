@@ -33,4 +33,5 @@ if state == PENDING then
   end
 end
 redis.call('DEL', key)
+notify(key, 'forgotten')
 return {DONE, rec, pttl}

@@ -71,3 +71,11 @@ local function owned(key, token)
   return rec, n, lease_end, attempt
 end
 
+
+-- Wakes the processes waiting on key (Call::wait): a sharded publish on the
+-- channel named as the key, so on a cluster it stays on the key's slot.
+-- pcall: an ACL that denies SPUBLISH or the channel, or a server without
+-- sharded pub/sub, must not fail the write (waiters then poll).
+local function notify(key, what)
+  redis.pcall('SPUBLISH', key, what)
+end

@@ -10,4 +10,5 @@ if not rec then
   return why
 end
 redis.call('DEL', key)
+notify(key, 'released')
 return DONE

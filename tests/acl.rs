@@ -18,6 +18,10 @@ const MINIMAL: &[&str] = &[
     "resetkeys",
     "~payments:*",
     "resetchannels",
+    // Waiting without polling: the scripts SPUBLISH on the key's channel
+    // (channels are named as the keys), the subscriber SSUBSCRIBEs to it
+    // and PINGs to see that it is back after a disconnection.
+    "&payments:*",
     "-@all",
     "+evalsha",
     "+script|load",
@@ -26,7 +30,15 @@ const MINIMAL: &[&str] = &[
     "+del",
     "+pttl",
     "+pexpire",
+    "+spublish",
+    "+ssubscribe",
+    "+sunsubscribe",
+    "+ping",
 ];
+
+/// The pub/sub grants of MINIMAL: without them idem still works, and
+/// waiters poll (`waiters_poll_when_pub_sub_is_denied`).
+const PUB_SUB: &[&str] = &["&payments:*", "+spublish", "+ssubscribe", "+sunsubscribe"];
 
 fn set_user(server: &RedisServer, rules: &[&str]) {
     let mut args = vec!["ACL", "SETUSER", USER, "reset"];
@@ -536,5 +548,126 @@ async fn cluster_acl_adds_ping_cluster_slots_and_asking() {
             !denied.is_empty() && denied.iter().all(|d| d == "ping"),
             "{denied:?}\n{log}"
         );
+    }
+}
+
+/// Starts a holder of `key` whose body takes `hold`, then `n` callers that
+/// wait for it; returns their outcomes and how many bodies ran.
+async fn wait_round(
+    idem: &Idempotency,
+    key: &str,
+    n: usize,
+    hold: Duration,
+) -> (Vec<Outcome>, usize) {
+    let runs = std::sync::Arc::new(Runs::default());
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let holder = {
+        let idem = idem.clone();
+        let key = key.to_owned();
+        let runs = runs.clone();
+        tokio::spawn(async move {
+            idem.call("charge", &key)
+                .run_outcome(|| async move {
+                    runs.record();
+                    let _ = started_tx.send(());
+                    tokio::time::sleep(hold).await;
+                    Ok::<_, Error>(1u8)
+                })
+                .await
+        })
+    };
+    started_rx.await.unwrap();
+    let waiters: Vec<_> = (0..n)
+        .map(|_| {
+            let idem = idem.clone();
+            let key = key.to_owned();
+            let runs = runs.clone();
+            tokio::spawn(async move {
+                idem.call("charge", &key)
+                    .wait(Duration::from_secs(30))
+                    .run_outcome(|| runs.body(2u8))
+                    .await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for w in waiters {
+        let (v, o) = w.await.unwrap().unwrap();
+        assert_eq!(v, 1);
+        outcomes.push(o);
+    }
+    assert_eq!(holder.await.unwrap().unwrap(), (1, Outcome::Executed));
+    (outcomes, runs.get())
+}
+
+/// With the documented ACL, waiters are notified (a shard channel is
+/// subscribed while they wait) and nothing is denied; without the pub/sub
+/// grants (the ACL of earlier releases), the scripts' SPUBLISH and the
+/// subscriber's SSUBSCRIBE are refused, and waiters fall back to polling:
+/// the same results, the body run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_poll_when_pub_sub_is_denied() {
+    let server = RedisServer::start();
+    for granted in [true, false] {
+        let rules: Vec<&str> = if granted {
+            MINIMAL.to_vec()
+        } else {
+            MINIMAL
+                .iter()
+                .copied()
+                .filter(|r| !PUB_SUB.contains(r))
+                .collect()
+        };
+        set_user(&server, &rules);
+        server.cli(&["ACL", "LOG", "RESET"]);
+        let store = RedisStore::connect(&user_url(&server)).await.unwrap();
+        let idem = Idempotency::builder(store).namespace("payments").build();
+        let key = format!("waited-{granted}");
+        let watcher = {
+            let server_url = server.url();
+            tokio::spawn(async move {
+                // The most shard channels seen while the call runs.
+                let mut con = redis::Client::open(server_url)
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                let mut most = 0;
+                for _ in 0..40 {
+                    let chans: Vec<String> = redis::cmd("PUBSUB")
+                        .arg("SHARDCHANNELS")
+                        .query_async(&mut con)
+                        .await
+                        .unwrap();
+                    most = most.max(chans.len());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                most
+            })
+        };
+        let (outcomes, ran) = wait_round(&idem, &key, 10, Duration::from_millis(300)).await;
+        assert!(
+            outcomes.iter().all(|o| *o == Outcome::Replayed),
+            "{outcomes:?}"
+        );
+        assert_eq!(ran, 1, "granted={granted}: the body ran once");
+        let subscribed = watcher.await.unwrap();
+        let denied = denied_commands(&server.cli(&["ACL", "LOG"]));
+        if granted {
+            assert_eq!(
+                subscribed, 1,
+                "waiters did not subscribe to the key's channel"
+            );
+            assert!(
+                denied.iter().all(|d| d.starts_with("client|setinfo")),
+                "denied with the documented ACL: {denied:?}"
+            );
+        } else {
+            assert_eq!(subscribed, 0);
+            assert!(
+                denied.iter().any(|d| d == "ssubscribe") && denied.iter().any(|d| d == "spublish"),
+                "expected SSUBSCRIBE and SPUBLISH refusals: {denied:?}"
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! The optional in-process replay cache of completed results.
 
-use crate::store::Completed;
+use crate::store::{Completed, Invalidation, InvalidationSink};
 use quick_cache::sync::Cache;
+use std::sync::Arc;
 use tokio::time::Instant;
 
 /// A cached record and the moment its record expires in the store.
@@ -14,8 +15,10 @@ struct Entry {
 /// Completed records by stored key, bounded by entry count (S3-FIFO
 /// eviction). In-flight records are never cached: only a `Completed` with a
 /// known remaining TTL gets in, and an entry is never served past that TTL
-/// counted from the request that read it. A record deleted or lost in the
-/// store before its TTL is not seen: its copy replays until the TTL.
+/// counted from the request that read it. A key forgotten in any process
+/// is dropped when the store says so ([`ReplayCache::sink`]); a record
+/// lost otherwise (a fail-over, a restart) is not seen: its copy replays
+/// until the TTL.
 #[derive(Clone)]
 pub(crate) struct ReplayCache {
     cache: std::sync::Arc<Cache<String, Entry>>,
@@ -39,9 +42,24 @@ impl ReplayCache {
     }
 
     /// Drops the copy of `key` (after `forget`): this process stops
-    /// replaying it at once; other processes' copies live out their TTL.
+    /// replaying it at once; other processes hear of it from the store
+    /// ([`sink`](ReplayCache::sink)).
     pub(crate) fn remove(&self, key: &str) {
         self.cache.remove(key);
+    }
+
+    /// Drops every copy (invalidations may have been lost).
+    pub(crate) fn clear(&self) {
+        self.cache.clear();
+    }
+
+    /// What a store calls when a key is forgotten anywhere: drop it here.
+    pub(crate) fn sink(&self) -> InvalidationSink {
+        let cache = self.clone();
+        Arc::new(move |what: Invalidation<'_>| match what {
+            Invalidation::Key(key) => cache.remove(key),
+            Invalidation::All => cache.clear(),
+        })
     }
 
     /// Caches `record`, whose `ttl_left` the store measured no earlier than

@@ -7,7 +7,7 @@ use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner, validate_ttl_lease};
-use crate::store::{Claim, ClaimReply, Completed, Store, ValueKind, WriteReply};
+use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
@@ -21,7 +21,7 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
-use tokio::time::{Instant, Sleep, sleep};
+use tokio::time::{Instant, Sleep, sleep, timeout};
 use tracing::Instrument;
 use tracing::field::Empty;
 
@@ -357,6 +357,10 @@ impl Exec<'_> {
             .wait
             .map(|w| Instant::now() + w.min(Duration::from_secs(100 * 365 * 86_400)));
         let mut poll = Duration::from_millis(5);
+        // Subscribed to the key's changes on the first InProgress, if the
+        // store can notify; held (and so subscribed) until the call ends.
+        let mut watch: Option<KeyWatch> = None;
+        let mut asked = false;
         loop {
             let sent = Instant::now();
             let reply = match self.claim().await {
@@ -379,10 +383,33 @@ impl Exec<'_> {
                     let now = Instant::now();
                     match give_up_at {
                         Some(end) if now < end => {
-                            // Poll fast at first (most bodies are short), never past
-                            // the holder's lease (it may have died) or our deadline.
-                            sleep(poll.min(retry_after).min(end - now)).await;
-                            poll = (poll * 2).min(Duration::from_millis(250));
+                            if !asked {
+                                asked = true;
+                                watch = self.store.watch(&self.key).await;
+                                if watch.is_some() {
+                                    // Subscribed: read again, so a change
+                                    // between the claim and the subscription
+                                    // is not missed.
+                                    poll = NOTIFIED_POLL;
+                                    continue;
+                                }
+                            }
+                            // Never past the holder's lease (it may have
+                            // died, and no one will tell) or our deadline.
+                            let nap = poll.min(retry_after).min(end - now);
+                            match watch.as_mut().filter(|w| w.is_live()) {
+                                // Woken by the holder's complete or release;
+                                // the slow poll only covers a lost message.
+                                Some(w) => {
+                                    let _ = timeout(nap, w.changed()).await;
+                                    poll = (poll * 2).min(NOTIFIED_POLL_MAX);
+                                }
+                                // Poll fast at first (most bodies are short).
+                                None => {
+                                    sleep(nap).await;
+                                    poll = (poll * 2).min(Duration::from_millis(250));
+                                }
+                            }
                         }
                         _ => return Err(self.fail(Error::InProgress { retry_after })),
                     }
@@ -425,6 +452,9 @@ impl Exec<'_> {
     /// reached: the script answers a re-sent claim as the same claim, so a
     /// claim that landed but whose reply was lost is not stranded.
     async fn claim(&self) -> Result<ClaimReply, Error> {
+        // Before the first read that may enter the cache: a forget after
+        // the read is then heard (one atomic load once registered).
+        self.inner.hear_forgets().await;
         let claim = Claim {
             key: &self.key,
             token: &self.token,
@@ -772,6 +802,13 @@ impl Drop for ReleaseGuard<'_> {
 fn is_unavailable(e: &Error) -> bool {
     matches!(e, Error::Unavailable { .. })
 }
+
+/// How often a waiter reads the record while the store notifies it: only
+/// to cover a lost message (pub/sub is at most once), so slowly; doubled
+/// up to [`NOTIFIED_POLL_MAX`]. Without notifications: 5 ms doubling to
+/// 250 ms, as most bodies are short.
+const NOTIFIED_POLL: Duration = Duration::from_millis(500);
+const NOTIFIED_POLL_MAX: Duration = Duration::from_secs(2);
 
 fn store_backoff(retries: usize) -> ExponentialBuilder {
     ExponentialBuilder::default()

@@ -279,11 +279,19 @@ impl IdempotencyBuilder {
     /// Keeps up to `max_entries` completed results in this process, so a hot
     /// key replays with no round trip (default off). In-flight records are
     /// never cached, and an entry is never served past its record's TTL
-    /// (counted from when the request that read it was sent). It does not
-    /// see what happens to the record in the store before then: a record
-    /// deleted by an operator, or lost with a Redis fail-over or restart,
-    /// keeps replaying from this cache until its TTL ends, in this process
-    /// only. Leave it off where records are evicted by hand.
+    /// (counted from when the request that read it was sent).
+    ///
+    /// An [`Idempotency::forget`] in any process drops the key from every
+    /// process's cache: `forget` publishes it on the namespace's channel,
+    /// which each process with a cache subscribes to (Redis: one sharded
+    /// channel `<namespace>::forgotten` per namespace; `MemoryStore`: every
+    /// `Idempotency` on clones of the store). When the subscriber
+    /// connection drops, every cache is emptied, and again when it is back;
+    /// a forget is missed only while it cannot be heard at all: a store
+    /// made with `RedisStore::from_manager`, a user the ACL refuses
+    /// `SSUBSCRIBE`, or a forget whose publish was refused. Then, and for a
+    /// record lost with a fail-over or restart, a copy replays until the
+    /// record's TTL ends at the latest.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).local_cache(10_000).build();
@@ -376,6 +384,7 @@ impl IdempotencyBuilder {
                 store_retries: self.store_retries,
                 log_keys: self.log_keys,
                 cache: self.cache_entries.map(ReplayCache::new),
+                invalidation: tokio::sync::OnceCell::new(),
                 config_error,
                 hook: self.hook,
             }),

@@ -52,8 +52,8 @@ pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;
 pub use store::{
-    Claim, ClaimReply, Completed, KeyState, MemoryStore, RecordInfo, RedisStore, RedisStoreConfig,
-    ScanPage, Store, ValueKind, WriteReply,
+    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyState, KeyWatch, MemoryStore,
+    RecordInfo, RedisStore, RedisStoreConfig, ScanPage, Store, ValueKind, WriteReply,
 };
 pub use token::Token;
 

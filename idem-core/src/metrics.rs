@@ -15,7 +15,10 @@
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::CallOutcome;
-use crate::store::{Claim, ClaimReply, RecordInfo, ScanPage, Store, ValueKind, WriteReply};
+use crate::store::{
+    Claim, ClaimReply, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
+    WriteReply,
+};
 use crate::token::Token;
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -102,6 +105,14 @@ impl Store for Metered {
 
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
         self.0.inspect(key, with_value).await
+    }
+
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        self.0.watch(key).await
+    }
+
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        self.0.watch_forgotten(prefix, sink).await
     }
 
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {

@@ -3,7 +3,7 @@
 
 use crate::cache::ReplayCache;
 use crate::hook::Hook;
-use crate::store::Store;
+use crate::store::{InvalidationSink, Store};
 use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +24,6 @@ pub enum FailMode {
     Open,
 }
 
-
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
     /// As the builder was given it (the prefix escapes it), for the hook
@@ -40,11 +39,37 @@ pub(crate) struct Inner {
     pub(crate) store_retries: usize,
     pub(crate) log_keys: bool,
     pub(crate) cache: Option<ReplayCache>,
+    /// The cache's invalidation sink, registered with the store before the
+    /// first claim (`None` inside: the store cannot deliver them). Held
+    /// here: the store keeps it weakly.
+    pub(crate) invalidation: tokio::sync::OnceCell<Option<InvalidationSink>>,
     pub(crate) config_error: Option<String>,
     pub(crate) hook: Option<Hook>,
 }
 
 impl Inner {
+    /// Registers the local cache with the store's forget invalidations,
+    /// once, before anything enters the cache: a forget after this is
+    /// heard, whichever process issues it.
+    pub(crate) async fn hear_forgets(&self) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        self.invalidation
+            .get_or_init(|| async {
+                let sink = cache.sink();
+                let heard = self
+                    .store
+                    .watch_forgotten(&self.prefix, Arc::clone(&sink))
+                    .await;
+                if !heard {
+                    tracing::debug!(prefix = %self.prefix, "the store does not deliver forget invalidations: cached copies of a forgotten key replay until their TTL");
+                }
+                heard.then_some(sink)
+            })
+            .await;
+    }
+
     /// Whether calls are reported (hook or metrics): only then are clocks
     /// read for them.
     pub(crate) fn observing(&self) -> bool {

@@ -1,5 +1,6 @@
 //! `MemoryStore`: the same state machine as the Lua scripts, in process memory.
 
+use super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, namespace_prefix};
 use super::{
     Claim, ClaimReply, Completed, RecordInfo, ScanPage, Store, ValueKind, WriteReply, record_ttl,
     store_lease,
@@ -48,6 +49,11 @@ struct Map {
 /// without Redis) and for tests. Time is `tokio::time::Instant`, so tests
 /// can pause and advance it. Clones share the records.
 ///
+/// Waiters ([`Call::wait`](crate::Call::wait)) are woken by the completing
+/// or releasing call itself (a `tokio::sync::watch` per waited key), and
+/// a `forget` drops the key from the local caches of every `Idempotency`
+/// built on a clone of this store.
+///
 /// ```
 /// use idem_core::{Idempotency, MemoryStore};
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -59,6 +65,7 @@ struct Map {
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     map: Arc<Mutex<Map>>,
+    hub: Arc<Hub>,
 }
 
 impl MemoryStore {
@@ -258,6 +265,8 @@ impl Store for MemoryStore {
         };
         // The expiry stays: the result TTL counts from the claim.
         map.note_write(now);
+        drop(map);
+        self.hub.notify(key);
         Ok(WriteReply::Done)
     }
 
@@ -268,6 +277,8 @@ impl Store for MemoryStore {
             return Ok(reply);
         }
         map.entries.remove(key);
+        drop(map);
+        self.hub.notify(key);
         Ok(WriteReply::Done)
     }
 
@@ -306,7 +317,20 @@ impl Store for MemoryStore {
             });
         }
         map.entries.remove(key);
+        drop(map);
+        self.hub.notify(key);
+        self.hub
+            .invalidate(namespace_prefix(key), Invalidation::Key(key));
         Ok(Some(info))
+    }
+
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        Some(self.hub.join(key).0)
+    }
+
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        self.hub.add_feed(prefix, &sink);
+        true
     }
 
     /// Pages in key order; the cursor is the last key returned, so a page

@@ -10,10 +10,12 @@
 mod info;
 mod memory;
 mod redis;
+mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
 pub use self::redis::{RedisStore, RedisStoreConfig};
+pub use self::watch::{Invalidation, InvalidationSink, KeyWatch};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -240,6 +242,31 @@ pub trait Store: Send + Sync + 'static {
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
         let _ = (key, force);
         Err(Error::Unsupported { op: "forget" })
+    }
+
+    /// Subscribes to changes of `key` (its completion, release or
+    /// forgetting), for a caller about to wait on a pending record. Returns
+    /// once the subscription is active, so a change after this returns is
+    /// seen by [`KeyWatch::changed`]: read the record again after it.
+    /// `None` when the store cannot notify (the caller polls).
+    ///
+    /// The default answers `None`: waiters poll.
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        let _ = key;
+        None
+    }
+
+    /// Registers `sink` to hear of keys under `prefix` (a namespace, with
+    /// its `:`) that are forgotten anywhere, for a local replay cache. True
+    /// when the store delivers them; false when it cannot (copies then
+    /// replay until their TTL, as documented on `local_cache`). The sink
+    /// is told [`Invalidation::All`] when messages may have been lost. The
+    /// store keeps it weakly: it is heard while the caller holds it.
+    ///
+    /// The default answers false.
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        let _ = (prefix, sink);
+        false
     }
 
     /// One page of the records whose stored key starts with `prefix`,

@@ -2,6 +2,7 @@
 //! scripts for the rest, one key each.
 
 mod config;
+mod notify;
 mod operate;
 pub(crate) mod record;
 mod reply;
@@ -9,6 +10,7 @@ mod scripts;
 
 pub use self::config::RedisStoreConfig;
 
+use self::notify::{Notifier, Source};
 use self::record::{CompletedRecord, MS_DIGITS, PendingRecord, Record};
 use self::reply::{
     answer_found, as_int, bad_url, classify, classify_claim, is_noscript, is_oom, parse_claim,
@@ -16,8 +18,8 @@ use self::reply::{
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
 use super::{
-    Claim, ClaimReply, RecordInfo, ScanPage, Store, ValueKind, WriteReply, millis, record_ttl,
-    store_lease,
+    Claim, ClaimReply, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
+    WriteReply, millis, record_ttl, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -28,6 +30,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, RedisError, ServerErrorKind, Value};
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Clone)]
@@ -52,6 +55,9 @@ enum Conn {
 #[derive(Clone)]
 pub struct RedisStore {
     conn: Conn,
+    /// Wakes this process's waiters (and local caches): `None` for a store
+    /// made from a connection (no URL to open a subscriber with).
+    notifier: Option<Arc<Notifier>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -90,6 +96,16 @@ impl RedisStore {
     /// ```
     pub async fn connect_with(url: &str, config: RedisStoreConfig) -> Result<RedisStore, Error> {
         let client = redis::Client::open(url).map_err(bad_url)?;
+        // The subscriber speaks RESP3, whose pushes share the connection
+        // with replies; the store's own connection keeps the URL's choice.
+        let info = client.get_connection_info().clone();
+        let resp3 = info
+            .redis_settings()
+            .clone()
+            .set_protocol(redis::ProtocolVersion::RESP3);
+        let info = info.set_redis_settings(resp3);
+        let subscriber = redis::Client::open(info).map_err(bad_url)?;
+        let notifier = Notifier::new(Source::Single(subscriber), config.clone());
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connection_timeout))
             .set_response_timeout(Some(config.response_timeout))
@@ -100,6 +116,7 @@ impl RedisStore {
             .map_err(|e| classify("connect", e))?;
         let store = RedisStore {
             conn: Conn::Single(manager),
+            notifier: Some(Arc::new(notifier)),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -136,6 +153,8 @@ impl RedisStore {
                 "connect_cluster needs at least one node URL".to_owned(),
             ));
         }
+        let source = Source::Cluster(urls.iter().map(|u| (*u).to_owned()).collect());
+        let notifier = Notifier::new(source, config.clone());
         let client = ClusterClient::builder(urls.iter().copied())
             .connection_timeout(config.connection_timeout)
             .response_timeout(config.response_timeout)
@@ -149,10 +168,14 @@ impl RedisStore {
             .map_err(|e| classify("connect", e))?;
         Ok(RedisStore {
             conn: Conn::Cluster(conn),
+            notifier: Some(Arc::new(notifier)),
         })
     }
 
-    /// Wraps a `ConnectionManager` you configured yourself.
+    /// Wraps a `ConnectionManager` you configured yourself. Such a store
+    /// has no URL to open a subscriber connection with: its waiters poll
+    /// and its `forget`s reach no other process's local cache (use
+    /// [`connect`](RedisStore::connect) for both).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -164,10 +187,12 @@ impl RedisStore {
     pub fn from_manager(manager: ConnectionManager) -> RedisStore {
         RedisStore {
             conn: Conn::Single(manager),
+            notifier: None,
         }
     }
 
-    /// Wraps a cluster connection you configured yourself.
+    /// Wraps a cluster connection you configured yourself (waiters poll;
+    /// see [`from_manager`](RedisStore::from_manager)).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -178,6 +203,7 @@ impl RedisStore {
     pub fn from_cluster(conn: ClusterConnection) -> RedisStore {
         RedisStore {
             conn: Conn::Cluster(conn),
+            notifier: None,
         }
     }
 
@@ -405,6 +431,17 @@ impl Store for RedisStore {
 
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
         self.forget_key(key, force).await
+    }
+
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        self.notifier.as_ref()?.watch(key).await
+    }
+
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        match &self.notifier {
+            Some(n) => n.watch_forgotten(prefix, sink).await,
+            None => false,
+        }
     }
 
     async fn scan(

@@ -2,11 +2,13 @@
 //! `forget` (the `forget` script: check and delete in one step) and `scan`
 //! (`SCAN … MATCH` on every master, then `GET` + `PTTL` per page).
 
+use super::notify::FORGOTTEN;
 use super::record::{self, Code, Record, unreadable, wrong_type};
 use super::reply::{as_int, classify, protocol};
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
 use crate::error::Error;
+use crate::store::watch::namespace_prefix;
 use crate::store::{RecordInfo, ScanPage};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{RedisError, Value};
@@ -136,6 +138,7 @@ impl RedisStore {
         };
         match (code, items.len()) {
             (Some(Code::Done), 3) => {
+                self.publish_forgotten(key).await;
                 let pttl = as_int(items.get(2)).unwrap_or(-1);
                 let raw = take(&mut items, 1).ok_or_else(|| protocol("forget", &Value::Nil))?;
                 Ok(Some(info(record::decode(raw, pttl)?, pttl, false)))
@@ -157,6 +160,21 @@ impl RedisStore {
                 Err(unreadable(&raw))
             }
             _ => Err(protocol("forget", &Value::Array(items))),
+        }
+    }
+
+    /// Tells the local caches of every process that `key` is gone: one
+    /// `SPUBLISH` on its namespace's channel (another slot than the key's,
+    /// so not from the script). Best effort: a cache that misses it (this
+    /// user may not publish, or the subscriber was down) replays its copy
+    /// until the record's TTL at most, as documented on `local_cache`.
+    async fn publish_forgotten(&self, key: &str) {
+        let mut publish = redis::cmd("SPUBLISH");
+        publish
+            .arg(format!("{}{FORGOTTEN}", namespace_prefix(key)))
+            .arg(key);
+        if let Err(e) = self.send(&publish).await {
+            tracing::warn!(error = %e, "forget could not tell other processes' local caches (SPUBLISH refused?): their copies replay until the record's TTL");
         }
     }
 

@@ -1,0 +1,302 @@
+//! Waiting without polling: a store tells this process when a key it waits
+//! on may have changed (completed, released, forgotten), and when a key
+//! cached by a local replay cache was forgotten.
+//!
+//! [`Hub`] keeps, per watched key, a generation counter on a
+//! `tokio::sync::watch` channel: a waiter takes a receiver *before* it
+//! re-reads the record, so a change that lands between its read and its
+//! wait is never missed (the receiver sees the newer generation at once).
+//! The last receiver of a key to go asks the store to unsubscribe.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use tokio::sync::watch;
+
+/// A subscription to changes of one stored key, from [`Store::watch`].
+///
+/// Take it *before* reading the record again: every change after it was
+/// taken is seen by [`changed`](KeyWatch::changed). Dropping the last watch
+/// of a key unsubscribes.
+///
+/// [`Store::watch`]: crate::Store::watch
+///
+/// ```
+/// use idem_core::{Claim, MemoryStore, Store, Token};
+/// use std::time::Duration;
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let store = MemoryStore::new();
+/// let holder = Token::random();
+/// let claim = Claim { key: "k", token: &holder, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+/// store.claim(claim).await?;
+/// let mut watch = store.watch("k").await.expect("memory always notifies");
+/// store.release("k", &holder).await?;
+/// watch.changed().await; // returns at once: the release came after the watch
+/// # Ok::<(), idem_core::Error>(()) }).unwrap();
+/// ```
+pub struct KeyWatch {
+    rx: Option<watch::Receiver<u64>>,
+    hub: Arc<Hub>,
+    key: String,
+}
+
+impl std::fmt::Debug for KeyWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyWatch")
+            .field("key", &self.key)
+            .field("live", &self.is_live())
+            .finish()
+    }
+}
+
+impl KeyWatch {
+    /// Resolves once the key may have changed since the watch was taken
+    /// (or since the last `changed`), or the store's notifications were
+    /// interrupted (then nothing can be promised: read the record again).
+    /// Never resolves when the store drops the subscription for good; wrap
+    /// it in a timeout.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # use idem_core::Store;
+    /// let store = idem_core::MemoryStore::new();
+    /// let mut w = store.watch("k").await.unwrap();
+    /// let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), w.changed()).await;
+    /// assert!(timed_out.is_err()); // nothing happened to "k"
+    /// # });
+    /// ```
+    pub async fn changed(&mut self) {
+        match self.rx.as_mut() {
+            Some(rx) => {
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Whether notifications are flowing now. While they are not (the
+    /// subscriber connection is down), a waiter polls as it would without.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # use idem_core::Store;
+    /// assert!(idem_core::MemoryStore::new().watch("k").await.unwrap().is_live());
+    /// # });
+    /// ```
+    pub fn is_live(&self) -> bool {
+        self.hub.live.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for KeyWatch {
+    fn drop(&mut self) {
+        self.hub.leave(&self.key, self.rx.take());
+    }
+}
+
+/// What a store tells a local replay cache, from
+/// [`Store::watch_forgotten`](crate::Store::watch_forgotten).
+///
+/// ```
+/// let i = idem_core::Invalidation::Key("idem:charge:42");
+/// assert_ne!(i, idem_core::Invalidation::All);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Invalidation<'a> {
+    /// This stored key was forgotten: drop its copy.
+    Key(&'a str),
+    /// Messages may have been lost (the subscriber connection dropped):
+    /// drop every copy.
+    All,
+}
+
+/// What a replay cache gives the store to hear of forgotten keys.
+pub type InvalidationSink = Arc<dyn Fn(Invalidation<'_>) + Send + Sync>;
+
+type WeakSink = std::sync::Weak<dyn Fn(Invalidation<'_>) + Send + Sync>;
+
+/// Called with a channel whose last watcher left (Redis: `SUNSUBSCRIBE`).
+type OnLast = Box<dyn Fn(&str) + Send + Sync>;
+
+/// The watched keys of one store in this process.
+pub(crate) struct Hub {
+    keys: Mutex<HashMap<String, watch::Sender<u64>>>,
+    /// Invalidation sinks by namespace prefix; weak, so a dropped
+    /// `Idempotency` (which holds its sink) stops hearing.
+    feeds: Mutex<HashMap<String, Vec<WeakSink>>>,
+    live: AtomicBool,
+    on_last: Option<OnLast>,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub")
+            .field("keys", &lock(&self.keys).len())
+            .field("live", &self.live.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks; recover anyway.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Default for Hub {
+    /// An in-process hub: always live, nothing to unsubscribe.
+    fn default() -> Hub {
+        Hub::new(true, None)
+    }
+}
+
+impl Hub {
+    pub(crate) fn new(live: bool, on_last: Option<OnLast>) -> Hub {
+        Hub {
+            keys: Mutex::new(HashMap::new()),
+            feeds: Mutex::new(HashMap::new()),
+            live: AtomicBool::new(live),
+            on_last,
+        }
+    }
+
+    /// A watch of `key`, and whether it is the key's first (the store
+    /// must subscribe before the watch is handed out).
+    pub(crate) fn join(self: &Arc<Hub>, key: &str) -> (KeyWatch, bool) {
+        let mut keys = lock(&self.keys);
+        let (rx, first) = match keys.get(key) {
+            Some(tx) => (tx.subscribe(), false),
+            None => {
+                let (tx, rx) = watch::channel(0);
+                keys.insert(key.to_owned(), tx);
+                (rx, true)
+            }
+        };
+        drop(keys);
+        let watch = KeyWatch {
+            rx: Some(rx),
+            hub: Arc::clone(self),
+            key: key.to_owned(),
+        };
+        (watch, first)
+    }
+
+    fn leave(&self, key: &str, rx: Option<watch::Receiver<u64>>) {
+        let mut keys = lock(&self.keys);
+        // Dropped under the lock, so a `join` racing with us either keeps
+        // the entry alive or finds it gone and subscribes again, in order.
+        drop(rx);
+        if keys.get(key).is_some_and(|tx| tx.receiver_count() == 0) {
+            keys.remove(key);
+            drop(keys);
+            if let Some(on_last) = &self.on_last {
+                on_last(key);
+            }
+        }
+    }
+
+    /// Wakes the watchers of `key`, if any.
+    pub(crate) fn notify(&self, key: &str) {
+        if let Some(tx) = lock(&self.keys).get(key) {
+            tx.send_modify(|g| *g = g.wrapping_add(1));
+        }
+    }
+
+    /// Wakes every watcher (notifications may have been lost).
+    pub(crate) fn notify_all(&self) {
+        for tx in lock(&self.keys).values() {
+            tx.send_modify(|g| *g = g.wrapping_add(1));
+        }
+    }
+
+    pub(crate) fn set_live(&self, live: bool) {
+        self.live.store(live, Ordering::Release);
+    }
+
+    pub(crate) fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// Adds an invalidation sink for keys under `prefix`; true when it is
+    /// the prefix's first (the store must subscribe).
+    pub(crate) fn add_feed(&self, prefix: &str, sink: &InvalidationSink) -> bool {
+        let mut feeds = lock(&self.feeds);
+        let list = feeds.entry(prefix.to_owned()).or_default();
+        list.retain(|s| s.strong_count() > 0);
+        list.push(Arc::downgrade(sink));
+        list.len() == 1
+    }
+
+    /// Tells the sinks of `prefix` about `what`.
+    pub(crate) fn invalidate(&self, prefix: &str, what: Invalidation<'_>) {
+        let sinks: Vec<InvalidationSink> = lock(&self.feeds)
+            .get(prefix)
+            .map(|l| l.iter().filter_map(|s| s.upgrade()).collect())
+            .unwrap_or_default();
+        for sink in sinks {
+            sink(what);
+        }
+    }
+
+    /// Tells every sink to drop everything (messages may have been lost).
+    pub(crate) fn invalidate_all(&self) {
+        let sinks: Vec<InvalidationSink> = lock(&self.feeds)
+            .values()
+            .flatten()
+            .filter_map(|s| s.upgrade())
+            .collect();
+        for sink in sinks {
+            sink(Invalidation::All);
+        }
+    }
+}
+
+/// The namespace prefix of a stored key (`namespace:`), where forget
+/// invalidations are published: parts escape `:` (`key.rs`), so the first
+/// one ends the namespace.
+pub(crate) fn namespace_prefix(key: &str) -> &str {
+    match key.find(':') {
+        Some(at) => &key[..=at],
+        None => key,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_change_between_watch_and_wait_is_not_missed() {
+        let hub = Arc::new(Hub::new(true, None));
+        let (mut w, first) = hub.join("k");
+        assert!(first);
+        hub.notify("k");
+        tokio::time::timeout(std::time::Duration::from_secs(5), w.changed())
+            .await
+            .unwrap();
+    }
+
+    #[test]
+    fn the_last_watcher_unsubscribes() {
+        let gone = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&gone);
+        let on_last: OnLast = Box::new(move |k: &str| seen.lock().unwrap().push(k.to_owned()));
+        let hub = Arc::new(Hub::new(true, Some(on_last)));
+        let (a, first_a) = hub.join("k");
+        let (b, first_b) = hub.join("k");
+        assert!(first_a && !first_b);
+        drop(a);
+        assert!(gone.lock().unwrap().is_empty());
+        drop(b);
+        assert_eq!(*gone.lock().unwrap(), vec!["k".to_owned()]);
+        assert!(lock(&hub.keys).is_empty());
+    }
+
+    #[test]
+    fn prefixes_end_at_the_first_colon() {
+        assert_eq!(namespace_prefix("idem:charge:42"), "idem:");
+        assert_eq!(namespace_prefix("nocolon"), "nocolon");
+    }
+}

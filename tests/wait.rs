@@ -1,0 +1,303 @@
+//! Waiting without polling (`Call::wait`): a duplicate waits for the
+//! holder's complete or release to be *told* to it (Redis: sharded pub/sub
+//! on the key's channel; MemoryStore: an in-process watch), not by reading
+//! the record again and again. Proved by counting claims through the
+//! store: a notified waiter claims three times (the first `InProgress`,
+//! the re-read after subscribing, the read after the wake-up), a polling
+//! one about seven times over the same hold.
+
+use async_trait::async_trait;
+use idem::{
+    Claim, ClaimReply, Error, Fingerprint, Idempotency, InvalidationSink, KeyWatch, MemoryStore,
+    Outcome, RecordInfo, Store, Token, ValueKind, WriteReply,
+};
+use idem_testkit::{Ledger, TestContext};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// A store that counts the claims it forwards.
+struct Counting<S> {
+    inner: S,
+    claims: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl<S: Store> Store for Counting<S> {
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(claim).await
+    }
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        self.inner
+            .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.inner.release(key, token).await
+    }
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        self.inner.extend(key, token, lease).await
+    }
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inner.forget(key, force).await
+    }
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        self.inner.watch(key).await
+    }
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        self.inner.watch_forgotten(prefix, sink).await
+    }
+}
+
+/// The stores under test: memory, and Redis standalone and cluster, each
+/// wrapped to count claims. The contexts keep their servers alive.
+async fn stores() -> Vec<(TestContext, Arc<AtomicUsize>, Idempotency)> {
+    let mut out = Vec::new();
+    for ctx in [
+        TestContext::memory(),
+        TestContext::redis().await,
+        TestContext::redis_cluster().await,
+    ] {
+        let claims = Arc::new(AtomicUsize::new(0));
+        let idem = match ctx.name() {
+            "memory" => Idempotency::builder(Counting {
+                inner: MemoryStore::new(),
+                claims: Arc::clone(&claims),
+            }),
+            _ => Idempotency::builder(Counting {
+                inner: ctx.connect().await,
+                claims: Arc::clone(&claims),
+            }),
+        }
+        .namespace("wait")
+        .build();
+        out.push((ctx, claims, idem));
+    }
+    out
+}
+
+const HOLD: Duration = Duration::from_millis(300);
+
+/// Starts a holder that runs its body (`ok` or failing) once every waiter
+/// has made its first claim, holding the key `HOLD` longer.
+async fn waiters_on(
+    idem: &Idempotency,
+    key: &str,
+    waiters: usize,
+    ok: bool,
+    ledger: &Ledger,
+) -> Vec<Result<(u64, Outcome), Error>> {
+    let started = Arc::new(Semaphore::new(0));
+    let gate = Arc::clone(&started);
+    let holder = {
+        let idem = idem.clone();
+        let key = key.to_owned();
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            idem.call("op", &key)
+                .run_outcome(|| async move {
+                    ledger.record(&key);
+                    gate.add_permits(1);
+                    tokio::time::sleep(HOLD).await;
+                    if ok {
+                        Ok(7_u64)
+                    } else {
+                        Err(Error::InvalidConfig("the holder's body failed".into()))
+                    }
+                })
+                .await
+        })
+    };
+    let _ = started.acquire().await.unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..waiters {
+        let idem = idem.clone();
+        let key = key.to_owned();
+        let ledger = ledger.clone();
+        tasks.push(tokio::spawn(async move {
+            idem.call("op", &key)
+                .wait(Duration::from_secs(30))
+                .run_outcome(|| async move {
+                    ledger.record(&key);
+                    Ok::<_, Error>(8_u64)
+                })
+                .await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    let _ = holder.await.unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_wake_on_complete_without_polling() {
+    for (ctx, claims, idem) in stores().await {
+        let ledger = Ledger::new();
+        let n = 50;
+        let results = waiters_on(&idem, "done", n, true, &ledger).await;
+        for r in &results {
+            assert_eq!(
+                r.as_ref().unwrap(),
+                &(7, Outcome::Replayed),
+                "{}",
+                ctx.name()
+            );
+        }
+        assert_eq!(ledger.count("done"), 1, "{}: the body ran once", ctx.name());
+        // The holder's claim, then at most three per waiter; polling over
+        // HOLD (5, 10, 20, 40, 80, 160 ms …) would take about seven each.
+        let claims = claims.load(Ordering::SeqCst);
+        assert!(
+            claims <= 1 + 3 * n,
+            "{}: {claims} claims for {n} waiters: they polled instead of being notified",
+            ctx.name()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_wake_on_release_and_one_of_them_runs() {
+    for (ctx, claims, idem) in stores().await {
+        let ledger = Ledger::new();
+        let n = 20;
+        let results = waiters_on(&idem, "failed", n, false, &ledger).await;
+        let executed = results
+            .iter()
+            .filter(|r| matches!(r, Ok((8, Outcome::Executed))))
+            .count();
+        let replayed = results
+            .iter()
+            .filter(|r| matches!(r, Ok((8, Outcome::Replayed))))
+            .count();
+        assert_eq!(
+            (executed, replayed),
+            (1, n - 1),
+            "{}: {results:?}",
+            ctx.name()
+        );
+        assert_eq!(
+            ledger.count("failed"),
+            2,
+            "{}: holder + one waiter",
+            ctx.name()
+        );
+        let claims = claims.load(Ordering::SeqCst);
+        assert!(claims <= 1 + 4 * n, "{}: {claims} claims", ctx.name());
+    }
+}
+
+/// Many waiters on several runtimes at once (one store, so one subscriber
+/// connection, subscribed while any of them waits): every one gets the
+/// result, the body runs once per round, and no round loses a wake-up
+/// (a lost one would cost at least one more claim, at the 500 ms poll).
+#[test]
+fn no_missed_wake_ups_across_runtimes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (ctx, claims, idem) in rt.block_on(stores()) {
+        for round in 0..5 {
+            let key = format!("round-{round}");
+            let ledger = Ledger::new();
+            let before = claims.load(Ordering::SeqCst);
+            let waiters_per_runtime = 30;
+            let runtimes = 3;
+            let started = Arc::new(std::sync::Barrier::new(runtimes + 1));
+            let handles: Vec<_> = (0..runtimes)
+                .map(|_| {
+                    let idem = idem.clone();
+                    let key = key.clone();
+                    let ledger = ledger.clone();
+                    let started = Arc::clone(&started);
+                    std::thread::spawn(move || {
+                        let rt = tokio::runtime::Builder::new_multi_thread()
+                            .worker_threads(2)
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        started.wait();
+                        rt.block_on(async {
+                            let tasks: Vec<_> = (0..waiters_per_runtime)
+                                .map(|_| {
+                                    let idem = idem.clone();
+                                    let key = key.clone();
+                                    let ledger = ledger.clone();
+                                    tokio::spawn(async move {
+                                        idem.call("op", &key)
+                                            .wait(Duration::from_secs(30))
+                                            .run_outcome(|| async move {
+                                                ledger.record(&key);
+                                                tokio::time::sleep(Duration::from_millis(100))
+                                                    .await;
+                                                Ok::<_, Error>(1_u8)
+                                            })
+                                            .await
+                                    })
+                                })
+                                .collect();
+                            let mut outcomes = Vec::new();
+                            for t in tasks {
+                                outcomes.push(t.await.unwrap().unwrap().1);
+                            }
+                            outcomes
+                        })
+                    })
+                })
+                .collect();
+            started.wait();
+            let outcomes: Vec<Outcome> = handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect();
+            let total = runtimes * waiters_per_runtime;
+            assert_eq!(
+                outcomes.iter().filter(|o| **o == Outcome::Executed).count(),
+                1,
+                "{} round {round}",
+                ctx.name()
+            );
+            assert_eq!(outcomes.len(), total);
+            assert_eq!(ledger.count(&key), 1, "{} round {round}", ctx.name());
+            let used = claims.load(Ordering::SeqCst) - before;
+            assert!(
+                used <= 3 * total,
+                "{} round {round}: {used} claims for {total} callers",
+                ctx.name()
+            );
+        }
+    }
+}
+
+/// The subscription lives while someone waits and goes with the last
+/// waiter: Redis shows no shard channel left once every waiter is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_waiter_unsubscribes() {
+    let ctx = TestContext::redis().await;
+    let idem = Idempotency::builder(ctx.connect().await)
+        .namespace("wait")
+        .build();
+    let ledger = Ledger::new();
+    let results = waiters_on(&idem, "gone", 5, true, &ledger).await;
+    assert!(results.iter().all(|r| r.is_ok()));
+    // SUNSUBSCRIBE is sent by the subscriber task right after the last
+    // waiter leaves; give it its round trip.
+    let mut channels = String::new();
+    for _ in 0..100 {
+        channels = ctx.server().cli(&["PUBSUB", "SHARDCHANNELS"]);
+        if channels.trim().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(channels.trim(), "", "subscriptions left behind");
+}
