@@ -19,10 +19,14 @@
 use idem::consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
 use idem::consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};
 use idem::consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
-use idem::consumer::{Consumer, Decision, ErrorClass, KeyDeriver, KeySource, Message};
+use idem::consumer::{
+    Adapter, Classify, Consumer, ConsumerError, Decision, ErrorClass, KeyDeriver, KeySource,
+    Message,
+};
 use idem::{Idempotency, RedisStore};
 use serde::Deserialize;
 use std::collections::HashSet;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -113,8 +117,38 @@ impl Tally {
     }
 }
 
-fn show(id: Option<&str>, d: &Decision) {
-    println!("  {:<18} -> {d}", id.unwrap_or("(no id)"));
+/// Fetches, handles and settles batches until `expected` messages are acked
+/// or dead-lettered (or 30 s passed), printing each decision: the same code
+/// for every broker.
+async fn drain<A, C, H, Fut>(
+    broker: &A,
+    consumer: &Consumer<C>,
+    handler: &H,
+    expected: usize,
+) -> Result<Tally, ConsumerError>
+where
+    A: Adapter,
+    C: Classify<ChargeError>,
+    H: Fn(Message) -> Fut + Sync,
+    Fut: Future<Output = Result<String, ChargeError>> + Send,
+{
+    let mut t = Tally::default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while t.acked + t.dead < expected && Instant::now() < deadline {
+        let decided = broker
+            .handle(consumer, handler, broker.fetch().await?)
+            .await;
+        for (delivery, d) in &decided {
+            let msg = broker.message_of(delivery).ok();
+            println!(
+                "  {:<18} -> {d}",
+                msg.as_ref().and_then(Message::id).unwrap_or("(no id)")
+            );
+            t.add(d);
+        }
+        broker.settle(decided).await?;
+    }
+    Ok(t)
 }
 
 #[tokio::main]
@@ -155,10 +189,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .as_secs();
     let events = events(run);
     let expected = events.len();
-    let mut t = Tally::default();
-    let deadline = Instant::now() + Duration::from_secs(30);
 
-    if let Ok(url) = std::env::var("NATS_URL") {
+    let t = if let Ok(url) = std::env::var("NATS_URL") {
         println!("broker: NATS JetStream at {url}");
         let js = async_nats::jetstream::new(async_nats::connect(&url).await?);
         let name = format!("ORDERS_EXAMPLE_{run}");
@@ -186,15 +218,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             NatsConfig::new().dead_letter_subject(format!("{name}.dead")),
         )
         .await?;
-        while t.acked + t.dead < expected && Instant::now() < deadline {
-            let decided = nats.handle(&consumer, &handler, nats.fetch().await?).await;
-            for (m, d) in &decided {
-                show(nats.message_of(m).id(), d);
-                t.add(d);
-            }
-            nats.apply(decided).await?;
-        }
+        let t = drain(&nats, &consumer, &handler, expected).await?;
         js.delete_stream(&name).await?;
+        t
     } else if let Ok(url) = std::env::var("AMQP_URL") {
         println!("broker: RabbitMQ at {url}");
         let conn = lapin::Connection::connect(&url, Default::default()).await?;
@@ -222,16 +248,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let rabbit =
             RabbitConsumer::new(conn.create_channel().await?, RabbitConfig::new(&queue)).await?;
-        while t.acked + t.dead < expected && Instant::now() < deadline {
-            let decided = rabbit
-                .handle(&consumer, &handler, rabbit.fetch().await?)
-                .await;
-            for (m, d) in &decided {
-                show(rabbit.message_of(m).id(), d);
-                t.add(d);
-            }
-            rabbit.apply(decided).await?;
-        }
+        let t = drain(&rabbit, &consumer, &handler, expected).await?;
         for q in [queue.clone(), format!("{queue}.dead")] {
             channel
                 .queue_delete(q.as_str().into(), Default::default())
@@ -240,6 +257,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         channel
             .exchange_delete(format!("{queue}.dlx").as_str().into(), Default::default())
             .await?;
+        t
     } else {
         println!("broker: Redis Streams at {redis_url}");
         let name = format!("orders-example-{run}");
@@ -261,21 +279,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .claim_idle(Duration::from_millis(300));
         let stream = RedisStreamsConsumer::connect(&redis_url, config).await?;
         stream.ensure_group().await?;
-        while t.acked + t.dead < expected && Instant::now() < deadline {
-            let (entries, _) = stream.fetch().await?;
-            let decided = stream.handle(&consumer, &handler, entries).await;
-            for (e, d) in &decided {
-                show(e.message.as_ref().ok().and_then(Message::id), d);
-                t.add(d);
-            }
-            stream.apply(&decided).await?;
-        }
+        let t = drain(&stream, &consumer, &handler, expected).await?;
         let _: () = idem::consumer::redis_streams::redis::cmd("DEL")
             .arg(&name)
             .arg(format!("{name}:dead"))
             .query_async(&mut conn)
             .await?;
-    }
+        t
+    };
 
     let charged = shop.charged.lock().map(|c| c.clone()).unwrap_or_default();
     println!(

@@ -17,7 +17,7 @@ use futures_util::StreamExt;
 use idem_consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};
 use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig, redis};
-use idem_consumer::{Consumer, Message};
+use idem_consumer::{Adapter, Consumer, Message};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::RedisServer;
 use std::time::{Duration, Instant};

@@ -60,11 +60,13 @@ pub enum ConsumerError {
 }
 
 impl ConsumerError {
-    pub(crate) fn broker(
-        broker: &'static str,
-        op: &'static str,
-        e: impl std::fmt::Display,
-    ) -> Self {
+    /// A failed broker command, for adapters (your own included).
+    ///
+    /// ```
+    /// let e = idem_consumer::ConsumerError::broker("sqs", "receive", "connection refused");
+    /// assert!(e.to_string().starts_with("sqs receive failed: connection refused"));
+    /// ```
+    pub fn broker(broker: &'static str, op: &'static str, e: impl std::fmt::Display) -> Self {
         ConsumerError::Broker {
             broker,
             op,

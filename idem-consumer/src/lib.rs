@@ -12,7 +12,10 @@
 //! with delay, dead-letter with a reason) for the adapter to apply.
 //!
 //! The core is broker-agnostic ([`Consumer`], [`Message`], [`Decision`]);
-//! adapters are thin over it:
+//! adapters are thin implementations of one trait, [`Adapter`] (fetch a
+//! batch, read a delivery as a [`Message`], apply a [`Decision`]), which
+//! brings the same `poll` and `run` loop to every broker; an SQS or Pulsar
+//! adapter fits in a page (see its documentation):
 //!
 //! * `redis-streams`: [`redis_streams::RedisStreamsConsumer`]: consumer
 //!   groups, `XREADGROUP`, `XACK`, stale entries via `XAUTOCLAIM`, dead-letter
@@ -40,6 +43,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod adapter;
 mod batch;
 mod consumer;
 mod decision;
@@ -54,6 +58,7 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 pub mod redis_streams;
 
+pub use adapter::{Adapter, PollReport, Recovery};
 pub use consumer::{Consumer, Handled};
 pub use decision::{
     AllRetryable, ByTrait, Classify, ClassifyError, DeadLetterReason, Decision, ErrorClass,

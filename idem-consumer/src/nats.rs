@@ -3,9 +3,9 @@
 //!
 //! You create the stream and the durable pull consumer with `async-nats`
 //! (ack policy `explicit`, the default; leave `max_deliver` unlimited, this
-//! adapter applies [`Consumer::max_deliveries`] itself) and hand it over.
+//! adapter applies [`Consumer::max_deliveries`](crate::Consumer::max_deliveries) itself) and hand it over.
 //! While handlers run, every in-flight message gets an `AckKind::Progress`
-//! each [`Consumer::keep_alive_period`] (and at least three times per
+//! each [`Consumer::keep_alive_period`](crate::Consumer::keep_alive_period) (and at least three times per
 //! `ack_wait`), so the server does not redeliver it to someone else.
 //!
 //! JetStream's own de-duplication drops a re-published `Nats-Msg-Id` within
@@ -15,7 +15,7 @@
 //! ```no_run
 //! use async_nats::jetstream::{self, consumer::pull};
 //! use idem_consumer::nats::{NatsConfig, NatsConsumer};
-//! use idem_consumer::{Consumer, Message};
+//! use idem_consumer::{Adapter, Consumer, Message};
 //! use idem_core::{Idempotency, RedisStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -36,10 +36,9 @@
 /// connection and setup code uses the same version.
 pub use async_nats;
 
-use crate::consumer::{Consumer, Handled};
-use crate::decision::{Classify, Decision};
+use crate::adapter::Adapter;
+use crate::decision::Decision;
 use crate::error::ConsumerError;
-use crate::heartbeat::with_heartbeat;
 use crate::message::Message;
 use async_nats::HeaderMap;
 use async_nats::header::HeaderName;
@@ -47,11 +46,7 @@ use async_nats::jetstream::consumer::pull::{self, Stream as PullStream};
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt;
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use std::fmt;
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
@@ -130,33 +125,6 @@ impl NatsConfig {
     }
 }
 
-/// What one [`poll`](NatsConsumer::poll) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PollReport {
-    /// Messages handled.
-    pub fetched: usize,
-    /// Of those, redeliveries (delivery count over 1).
-    pub redelivered: usize,
-    /// Acked.
-    pub acked: usize,
-    /// Nacked with a delay.
-    pub nacked: usize,
-    /// Dead-lettered (published to the dead-letter subject if set) and terminated.
-    pub dead_lettered: usize,
-}
-
-impl PollReport {
-    /// Adds another report's counts to this one.
-    pub fn add(&mut self, other: PollReport) {
-        self.fetched += other.fetched;
-        self.redelivered += other.redelivered;
-        self.acked += other.acked;
-        self.nacked += other.nacked;
-        self.dead_lettered += other.dead_lettered;
-    }
-}
-
 /// A JetStream pull consumer run through idem.
 #[derive(Clone)]
 pub struct NatsConsumer {
@@ -220,9 +188,48 @@ impl NatsConsumer {
         self.ack_wait
     }
 
+    async fn dead_letter(
+        &self,
+        m: &jetstream::Message,
+        reason: &crate::DeadLetterReason,
+        deliveries: i64,
+    ) -> Result<(), ConsumerError> {
+        let Some(subject) = &self.cfg.dead_letter_subject else {
+            return Ok(());
+        };
+        let mut headers = HeaderMap::new();
+        if let Some(id) = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(self.id_header.clone()))
+        {
+            headers.insert("Idem-Original-Id", id.as_str());
+        }
+        // Header values cannot hold line breaks.
+        let text = reason.to_string().replace(['\r', '\n'], " ");
+        headers.insert("Idem-Dead-Reason", text.as_str());
+        headers.insert("Idem-Dead-Kind", reason.kind());
+        headers.insert("Idem-Deliveries", deliveries.to_string().as_str());
+        headers.insert("Idem-Source", &*self.source);
+        let ack = m
+            .context
+            .publish_with_headers(subject.clone(), headers, m.payload.clone())
+            .await
+            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
+        ack.await
+            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
+        Ok(())
+    }
+}
+
+/// Pull, `ack` / `nak` with delay / dead-letter subject and `term`, progress
+/// acks while handlers run.
+impl Adapter for NatsConsumer {
+    type Delivery = jetstream::Message;
+
     /// Waits up to the configured block time for messages and returns those
     /// ready, at most a batch.
-    pub async fn fetch(&self) -> Result<Vec<jetstream::Message>, ConsumerError> {
+    async fn fetch(&self) -> Result<Vec<jetstream::Message>, ConsumerError> {
         let mut guard = self.messages.lock().await;
         if guard.is_none() {
             let stream = self
@@ -268,8 +275,9 @@ impl NatsConsumer {
         Ok(out)
     }
 
-    /// Turns a JetStream message into the core's [`Message`].
-    pub fn message_of(&self, m: &jetstream::Message) -> Message {
+    /// Payload, `Nats-Msg-Id` (or the configured header) as id, delivery
+    /// count from the JetStream metadata.
+    fn message_of(&self, m: &jetstream::Message) -> Result<Message, ConsumerError> {
         let deliveries = match m.info() {
             Ok(info) => u32::try_from(info.delivered).unwrap_or(1),
             Err(e) => {
@@ -287,197 +295,54 @@ impl NatsConsumer {
         {
             msg = msg.with_id(id.as_str());
         }
-        msg
+        Ok(msg)
     }
 
-    /// Handles fetched messages through `consumer`, sending progress acks
-    /// while handlers run; returns each with its decision for
-    /// [`apply`](Self::apply).
-    pub async fn handle<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        fetched: Vec<jetstream::Message>,
-    ) -> Vec<(jetstream::Message, Decision)>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let msgs: Vec<Message> = fetched.iter().map(|m| self.message_of(m)).collect();
-        let batch = consumer.handle_batch(&msgs, handler);
-        let handled: Vec<Handled<T>> = if self.cfg.progress {
-            let period = consumer.keep_alive_period().min(self.ack_wait / 3);
-            with_heartbeat(batch, period, || async {
-                for m in &fetched {
-                    if let Err(e) = m.ack_with(AckKind::Progress).await {
-                        tracing::warn!(error = %e, "progress ack failed");
-                    }
-                }
-            })
-            .await
-        } else {
-            batch.await
-        };
-        fetched
-            .into_iter()
-            .zip(handled)
-            .map(|(m, h)| (m, h.decision))
-            .collect()
-    }
-
-    /// Applies decisions: `ack`, `nak` with the delay, or publish to the
-    /// dead-letter subject and `term`. A dead letter that cannot be
-    /// published is nacked instead (never lost); other failures are
-    /// returned after every decision was tried.
-    pub async fn apply(
-        &self,
-        decided: Vec<(jetstream::Message, Decision)>,
-    ) -> Result<PollReport, ConsumerError> {
-        let mut report = PollReport {
-            fetched: decided.len(),
-            ..PollReport::default()
-        };
-        let mut first_error = None;
-        for (m, decision) in decided {
-            let deliveries = m.info().map(|i| i.delivered).unwrap_or(1);
-            if deliveries > 1 {
-                report.redelivered += 1;
-            }
-            let sent = match &decision {
-                Decision::Ack => {
-                    report.acked += 1;
-                    m.ack().await
-                }
-                Decision::Nack { delay } => {
-                    report.nacked += 1;
-                    m.ack_with(AckKind::Nak(Some(*delay))).await
-                }
-                Decision::DeadLetter { reason } => {
-                    match self.dead_letter(&m, reason, deliveries).await {
-                        Ok(()) => {
-                            report.dead_lettered += 1;
-                            m.ack_with(AckKind::Term).await
-                        }
-                        Err(e) => {
-                            tracing::error!(error = %e, "dead letter not published; nacking instead");
-                            report.nacked += 1;
-                            first_error.get_or_insert(e);
-                            m.ack_with(AckKind::Nak(Some(self.ack_wait))).await
-                        }
-                    }
-                }
-            };
-            if let Err(e) = sent {
-                first_error.get_or_insert(ConsumerError::broker(BROKER, "ack", e));
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
-    }
-
-    async fn dead_letter(
+    /// `ack`, `nak` with the delay, or publish to the dead-letter subject
+    /// and `term`. A dead letter that cannot be published is nacked for an
+    /// `ack_wait` instead (never lost) and its error returned.
+    async fn apply(
         &self,
         m: &jetstream::Message,
-        reason: &crate::DeadLetterReason,
-        deliveries: i64,
+        decision: &Decision,
     ) -> Result<(), ConsumerError> {
-        let Some(subject) = &self.cfg.dead_letter_subject else {
-            return Ok(());
-        };
-        let mut headers = HeaderMap::new();
-        if let Some(id) = m
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(self.id_header.clone()))
-        {
-            headers.insert("Idem-Original-Id", id.as_str());
-        }
-        // Header values cannot hold line breaks.
-        let text = reason.to_string().replace(['\r', '\n'], " ");
-        headers.insert("Idem-Dead-Reason", text.as_str());
-        headers.insert("Idem-Dead-Kind", reason.kind());
-        headers.insert("Idem-Deliveries", deliveries.to_string().as_str());
-        headers.insert("Idem-Source", &*self.source);
-        let ack = m
-            .context
-            .publish_with_headers(subject.clone(), headers, m.payload.clone())
-            .await
-            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
-        ack.await
-            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
-        Ok(())
-    }
-
-    /// Fetches, handles and applies one batch.
-    pub async fn poll<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-    ) -> Result<PollReport, ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let fetched = self.fetch().await?;
-        if fetched.is_empty() {
-            return Ok(PollReport::default());
-        }
-        let decided = self.handle(consumer, handler, fetched).await;
-        self.apply(decided).await
-    }
-
-    /// Polls until `shutdown` completes; broker errors are logged and
-    /// retried with backoff (async-nats reconnects by itself). A shutdown
-    /// drops the batch in flight: its messages are redelivered after
-    /// `ack_wait`, and idem replays whatever completed.
-    pub async fn run<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        shutdown: impl Future,
-    ) -> Result<(), ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let mut shutdown = pin!(shutdown);
-        let mut failures = 0u32;
-        loop {
-            let polled = tokio::select! {
-                biased;
-                _ = &mut shutdown => return Ok(()),
-                r = self.poll(consumer, handler) => r,
-            };
-            match polled {
-                Ok(_) => failures = 0,
-                Err(e) => {
-                    failures = failures.saturating_add(1);
-                    let pause = consumer.backoff_for(failures);
-                    tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "JetStream poll failed");
-                    tokio::select! {
-                        biased;
-                        _ = &mut shutdown => return Ok(()),
-                        _ = tokio::time::sleep(pause) => {}
+        let sent = match decision {
+            Decision::Ack => m.ack().await,
+            Decision::Nack { delay } => m.ack_with(AckKind::Nak(Some(*delay))).await,
+            Decision::DeadLetter { reason } => {
+                let deliveries = m.info().map(|i| i.delivered).unwrap_or(1);
+                match self.dead_letter(m, reason, deliveries).await {
+                    Ok(()) => m.ack_with(AckKind::Term).await,
+                    Err(e) => {
+                        tracing::error!(error = %e, "dead letter not published; nacking instead");
+                        if let Err(nak) = m.ack_with(AckKind::Nak(Some(self.ack_wait))).await {
+                            tracing::warn!(error = %nak, "nack after a failed dead letter failed too");
+                        }
+                        return Err(e);
                     }
                 }
+            }
+        };
+        sent.map_err(|e| ConsumerError::broker(BROKER, "ack", e))
+    }
+
+    /// Progress acks at least three times per `ack_wait`, when enabled.
+    fn keep_alive_period(&self) -> Option<Duration> {
+        self.cfg.progress.then_some(self.ack_wait / 3)
+    }
+
+    /// An `AckKind::Progress` for every message of the batch.
+    async fn keep_alive(&self, in_flight: &[jetstream::Message]) {
+        for m in in_flight {
+            if let Err(e) = m.ack_with(AckKind::Progress).await {
+                tracing::warn!(error = %e, "progress ack failed");
             }
         }
     }
 }
 
 /// A durable pull consumer configuration suited to this adapter: explicit
-/// acks, unlimited server-side deliveries (the [`Consumer`] counts them),
+/// acks, unlimited server-side deliveries (the [`Consumer`](crate::Consumer) counts them),
 /// the given `ack_wait`.
 ///
 /// ```

@@ -15,7 +15,7 @@
 //!
 //! ```no_run
 //! use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
-//! use idem_consumer::{Consumer, Message};
+//! use idem_consumer::{Adapter, Consumer, Message};
 //! use idem_core::{Idempotency, RedisStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,8 +34,8 @@
 /// connection and setup code uses the same version.
 pub use lapin;
 
-use crate::consumer::{Consumer, Handled};
-use crate::decision::{Classify, Decision};
+use crate::adapter::{Adapter, Recovery};
+use crate::decision::Decision;
 use crate::error::ConsumerError;
 use crate::message::Message;
 use futures_util::StreamExt;
@@ -46,11 +46,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, ExchangeKind};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use std::fmt;
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
@@ -169,33 +165,6 @@ impl RabbitConfig {
     }
 }
 
-/// What one [`poll`](RabbitConsumer::poll) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PollReport {
-    /// Deliveries handled.
-    pub fetched: usize,
-    /// Of those, redeliveries.
-    pub redelivered: usize,
-    /// Acked.
-    pub acked: usize,
-    /// Nacked with requeue (after their delay).
-    pub nacked: usize,
-    /// Rejected to the dead-letter exchange.
-    pub dead_lettered: usize,
-}
-
-impl PollReport {
-    /// Adds another report's counts to this one.
-    pub fn add(&mut self, other: PollReport) {
-        self.fetched += other.fetched;
-        self.redelivered += other.redelivered;
-        self.acked += other.acked;
-        self.nacked += other.nacked;
-        self.dead_lettered += other.dead_lettered;
-    }
-}
-
 /// A RabbitMQ queue consumer run through idem.
 #[derive(Clone)]
 pub struct RabbitConsumer {
@@ -234,10 +203,18 @@ impl RabbitConsumer {
             cfg: Arc::new(cfg),
         })
     }
+}
+
+/// `basic_ack`; `basic_nack` with requeue once the delay has passed (in a
+/// task of its own, so the next batch need not wait); `basic_reject`
+/// without requeue for dead letters. Nothing while handlers run: RabbitMQ
+/// redelivers only when the channel closes.
+impl Adapter for RabbitConsumer {
+    type Delivery = Delivery;
 
     /// Waits up to the block time for deliveries; returns those ready, at
     /// most a prefetch's worth.
-    pub async fn fetch(&self) -> Result<Vec<Delivery>, ConsumerError> {
+    async fn fetch(&self) -> Result<Vec<Delivery>, ConsumerError> {
         let mut stream = self.deliveries.lock().await;
         let mut out = Vec::new();
         let mut next = match tokio::time::timeout(self.cfg.block, stream.next()).await {
@@ -261,8 +238,9 @@ impl RabbitConsumer {
         Ok(out)
     }
 
-    /// Turns a delivery into the core's [`Message`].
-    pub fn message_of(&self, d: &Delivery) -> Message {
+    /// Payload, `message_id` (or the configured header) as id, delivery
+    /// count from `x-delivery-count` (quorum queues) or the redelivered flag.
+    fn message_of(&self, d: &Delivery) -> Result<Message, ConsumerError> {
         let headers = d.properties.headers().as_ref().map(FieldTable::inner);
         // Quorum queues count deliveries before this one.
         let before = headers
@@ -295,130 +273,40 @@ impl RabbitConsumer {
                 }
             },
         }
-        msg
+        Ok(msg)
     }
 
-    /// Handles deliveries through `consumer`; returns each with its
-    /// decision for [`apply`](Self::apply).
-    pub async fn handle<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        fetched: Vec<Delivery>,
-    ) -> Vec<(Delivery, Decision)>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let msgs: Vec<Message> = fetched.iter().map(|d| self.message_of(d)).collect();
-        let handled: Vec<Handled<T>> = consumer.handle_batch(&msgs, handler).await;
-        fetched
-            .into_iter()
-            .zip(handled)
-            .map(|(d, h)| (d, h.decision))
-            .collect()
-    }
-
-    /// Applies decisions: `basic_ack`; `basic_nack` with requeue once the
-    /// delay has passed (in a task of its own, so the next batch need not
-    /// wait); `basic_reject` without requeue for dead letters.
-    pub async fn apply(
-        &self,
-        decided: Vec<(Delivery, Decision)>,
-    ) -> Result<PollReport, ConsumerError> {
-        let mut report = PollReport {
-            fetched: decided.len(),
-            ..PollReport::default()
+    async fn apply(&self, d: &Delivery, decision: &Decision) -> Result<(), ConsumerError> {
+        let done = match decision {
+            Decision::Ack => d.acker.ack(BasicAckOptions::default()).await,
+            Decision::Nack { delay } => {
+                let (acker, delay) = (d.acker.clone(), *delay);
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let requeue = BasicNackOptions {
+                        requeue: true,
+                        ..BasicNackOptions::default()
+                    };
+                    if let Err(e) = acker.nack(requeue).await {
+                        // The channel is gone: the broker requeues it anyway.
+                        tracing::warn!(error = %e, "delayed nack failed");
+                    }
+                });
+                Ok(true)
+            }
+            Decision::DeadLetter { reason } => {
+                tracing::warn!(queue = %self.source, reason = %reason, kind = reason.kind(), "rejecting to the dead-letter exchange");
+                d.acker.reject(BasicRejectOptions { requeue: false }).await
+            }
         };
-        let mut first_error = None;
-        for (d, decision) in decided {
-            if d.redelivered {
-                report.redelivered += 1;
-            }
-            let done = match decision {
-                Decision::Ack => {
-                    report.acked += 1;
-                    d.acker.ack(BasicAckOptions::default()).await
-                }
-                Decision::Nack { delay } => {
-                    report.nacked += 1;
-                    tokio::spawn(async move {
-                        tokio::time::sleep(delay).await;
-                        let requeue = BasicNackOptions {
-                            requeue: true,
-                            ..BasicNackOptions::default()
-                        };
-                        if let Err(e) = d.acker.nack(requeue).await {
-                            // The channel is gone: the broker requeues it anyway.
-                            tracing::warn!(error = %e, "delayed nack failed");
-                        }
-                    });
-                    Ok(true)
-                }
-                Decision::DeadLetter { reason } => {
-                    report.dead_lettered += 1;
-                    tracing::warn!(queue = %self.source, reason = %reason, kind = reason.kind(), "rejecting to the dead-letter exchange");
-                    d.acker.reject(BasicRejectOptions { requeue: false }).await
-                }
-            };
-            if let Err(e) = done {
-                first_error.get_or_insert(ConsumerError::broker(BROKER, "ack", e));
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(report),
-        }
+        done.map(|_| ()).map_err(amqp_err("ack"))
     }
 
-    /// Fetches, handles and applies one batch.
-    pub async fn poll<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-    ) -> Result<PollReport, ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let fetched = self.fetch().await?;
-        if fetched.is_empty() {
-            return Ok(PollReport::default());
-        }
-        let decided = self.handle(consumer, handler, fetched).await;
-        self.apply(decided).await
-    }
-
-    /// Polls until `shutdown` completes, or the channel is gone (then the
-    /// error is returned: open a new channel and consumer; the broker has
-    /// requeued every unacked delivery).
-    pub async fn run<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        shutdown: impl Future,
-    ) -> Result<(), ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let mut shutdown = pin!(shutdown);
-        loop {
-            tokio::select! {
-                biased;
-                _ = &mut shutdown => return Ok(()),
-                r = self.poll(consumer, handler) => { r?; }
-            }
-        }
+    /// Every error stops [`run`](Adapter::run): they all mean the channel
+    /// or connection is gone (the broker has requeued every unacked
+    /// delivery); open a new channel and `RabbitConsumer`.
+    async fn recover(&self, _: &ConsumerError) -> Recovery {
+        Recovery::Stop
     }
 }
 

@@ -8,7 +8,7 @@
 //! re-claims the entry for ourselves with its idle time set so that it
 //! becomes claimable after that delay (`XCLAIM … IDLE n JUSTID`, which does
 //! not count as a delivery). While a handler runs, the owner re-claims its
-//! in-flight entries every [`Consumer::keep_alive_period`] so nobody else's
+//! in-flight entries every [`Consumer::keep_alive_period`](crate::Consumer::keep_alive_period) so nobody else's
 //! `XAUTOCLAIM` takes them mid-run.
 //!
 //! Entries are hashes of fields: the payload is in one field (default
@@ -17,7 +17,7 @@
 //!
 //! ```no_run
 //! use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
-//! use idem_consumer::{Consumer, Message};
+//! use idem_consumer::{Adapter, Consumer, Message};
 //! use idem_core::{Idempotency, RedisStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -38,20 +38,15 @@
 /// connection and setup code uses the same version.
 pub use redis;
 
-use crate::consumer::{Consumer, Handled};
-use crate::decision::{Classify, Decision};
+use crate::adapter::{Adapter, Recovery};
+use crate::decision::Decision;
 use crate::error::ConsumerError;
-use crate::heartbeat::with_heartbeat;
 use crate::message::Message;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
 use redis::{RedisError, Value};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::pin::pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -176,33 +171,6 @@ impl StreamsConfig {
     }
 }
 
-/// What one [`poll`](RedisStreamsConsumer::poll) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PollReport {
-    /// Entries handled (new and taken over).
-    pub fetched: usize,
-    /// Of those, stale entries taken over from the pending list.
-    pub claimed: usize,
-    /// Acked (done, duplicates and replays included).
-    pub acked: usize,
-    /// Left pending for a later delivery.
-    pub nacked: usize,
-    /// Moved to the dead-letter stream.
-    pub dead_lettered: usize,
-}
-
-impl PollReport {
-    /// Adds another report's counts to this one.
-    pub fn add(&mut self, other: PollReport) {
-        self.fetched += other.fetched;
-        self.claimed += other.claimed;
-        self.acked += other.acked;
-        self.nacked += other.nacked;
-        self.dead_lettered += other.dead_lettered;
-    }
-}
-
 /// One fetched entry: its stream id and the message made of it (or why
 /// no message could be made: such entries are dead-lettered).
 #[derive(Debug, Clone)]
@@ -299,161 +267,6 @@ impl RedisStreamsConsumer {
         }
     }
 
-    /// Fetches one batch (stale entries first, then new ones), handles it
-    /// through `consumer` and applies every decision.
-    pub async fn poll<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-    ) -> Result<PollReport, ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let (entries, claimed) = self.fetch().await?;
-        let handled = self.handle(consumer, handler, entries).await;
-        let mut report = self.apply(&handled).await?;
-        report.claimed = claimed;
-        Ok(report)
-    }
-
-    /// Handles fetched entries through `consumer`, re-claiming them while
-    /// handlers run; returns each entry with its decision, for
-    /// [`apply`](Self::apply). Entries that are not messages get a
-    /// dead-letter decision without running anything.
-    pub async fn handle<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        entries: Vec<StreamEntry>,
-    ) -> Vec<(StreamEntry, Decision)>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let mut out = Vec::with_capacity(entries.len());
-        let mut ids = Vec::new();
-        let mut msgs = Vec::new();
-        for e in entries {
-            match &e.message {
-                Ok(m) => {
-                    ids.push(e.id.clone());
-                    msgs.push(m.clone());
-                }
-                Err(err) => {
-                    tracing::warn!(stream = %self.source, entry = %e.id, error = %err, "unreadable stream entry");
-                    let reason = crate::DeadLetterReason::BadMessage(err.to_string());
-                    out.push((e, Decision::DeadLetter { reason }));
-                }
-            }
-        }
-        let period = consumer.keep_alive_period().min(self.cfg.claim_idle / 3);
-        let batch = consumer.handle_batch(&msgs, handler);
-        let handled: Vec<Handled<T>> = if self.cfg.keep_claimed {
-            with_heartbeat(batch, period, || self.touch(&ids)).await
-        } else {
-            batch.await
-        };
-        for ((id, msg), h) in ids.into_iter().zip(msgs).zip(handled) {
-            out.push((
-                StreamEntry {
-                    id,
-                    message: Ok(msg),
-                },
-                h.decision,
-            ));
-        }
-        out
-    }
-
-    /// Polls until `shutdown` completes. Broker errors are logged and
-    /// retried with backoff (the connections reconnect by themselves); a
-    /// shutdown drops the batch in flight, whose entries stay pending and are
-    /// taken over later (idem makes that safe).
-    pub async fn run<C, T, E, H, Fut>(
-        &self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        shutdown: impl Future,
-    ) -> Result<(), ConsumerError>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let mut shutdown = pin!(shutdown);
-        let mut failures = 0u32;
-        loop {
-            let polled = tokio::select! {
-                biased;
-                _ = &mut shutdown => return Ok(()),
-                r = self.poll(consumer, handler) => r,
-            };
-            match polled {
-                Ok(_) => failures = 0,
-                Err(e) => {
-                    failures = failures.saturating_add(1);
-                    // A restarted Redis without persistence, or a deleted
-                    // stream, lost the group: recreate it, and go on.
-                    if matches!(&e, ConsumerError::Broker { reason, .. } if reason.contains("NOGROUP"))
-                    {
-                        if let Err(e) = self.ensure_group().await {
-                            tracing::warn!(error = %e, "could not recreate the consumer group");
-                        }
-                        continue;
-                    }
-                    let pause = consumer.backoff_for(failures);
-                    tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "stream poll failed");
-                    tokio::select! {
-                        biased;
-                        _ = &mut shutdown => return Ok(()),
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                }
-            }
-        }
-    }
-
-    /// Fetches one batch: stale entries (idle over `claim_idle`, anyone's) first; new entries
-    /// fill the rest of the batch. Returns the entries and how many were
-    /// taken over.
-    pub async fn fetch(&self) -> Result<(Vec<StreamEntry>, usize), ConsumerError> {
-        let mut entries = self.claim_stale().await?;
-        let claimed = entries.len();
-        if entries.len() < self.cfg.batch {
-            let mut reader = self.reader.clone();
-            let mut read = redis::cmd("XREADGROUP");
-            read.arg("GROUP")
-                .arg(&self.cfg.group)
-                .arg(&self.cfg.consumer)
-                .arg("COUNT")
-                .arg(self.cfg.batch - entries.len());
-            // Never block with taken-over work in hand.
-            if entries.is_empty() {
-                read.arg("BLOCK").arg(self.cfg.block.as_millis() as u64);
-            }
-            read.arg("STREAMS").arg(&self.cfg.stream).arg(">");
-            let reply: Option<StreamReadReply> = read
-                .query_async(&mut reader)
-                .await
-                .map_err(broker_err("fetch"))?;
-            for key in reply.map(|r| r.keys).unwrap_or_default() {
-                for sid in key.ids {
-                    entries.push(self.entry(sid, 1));
-                }
-            }
-        }
-        Ok((entries, claimed))
-    }
-
     async fn claim_stale(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
         let mut conn = self.conn.clone();
         let start = {
@@ -540,14 +353,14 @@ impl RedisStreamsConsumer {
     }
 
     fn entry(&self, sid: StreamId, deliveries: u32) -> StreamEntry {
-        let message = self.message_of(&sid.map, deliveries);
+        let message = self.parse_fields(&sid.map, deliveries);
         StreamEntry {
             id: sid.id,
             message,
         }
     }
 
-    fn message_of(
+    fn parse_fields(
         &self,
         fields: &HashMap<String, Value>,
         deliveries: u32,
@@ -596,7 +409,7 @@ impl RedisStreamsConsumer {
     /// no other consumer's `XAUTOCLAIM` takes them while the handler runs.
     /// `JUSTID` keeps their delivery counts. Failures are only logged: the
     /// worst case is a takeover, which idem answers with `InProgress`.
-    async fn touch(&self, ids: &[String]) {
+    async fn touch(&self, ids: &[&str]) {
         if ids.is_empty() {
             return;
         }
@@ -614,18 +427,60 @@ impl RedisStreamsConsumer {
             tracing::warn!(error = %e, "could not re-claim in-flight stream entries");
         }
     }
+}
 
-    /// Applies decisions: one `XACK` for all acks, and for each nack a
-    /// re-claim with its idle time preset, for each dead letter an `XADD`
-    /// to the dead-letter stream then an `XACK`, atomically.
-    pub async fn apply(
+/// `XAUTOCLAIM` then `XREADGROUP`, `XACK`, nack by re-claiming with a preset
+/// idle time, dead letters to a stream; in-flight entries re-claimed while
+/// handlers run.
+impl Adapter for RedisStreamsConsumer {
+    type Delivery = StreamEntry;
+
+    /// Fetches one batch: stale entries (idle over `claim_idle`, anyone's)
+    /// first; new entries fill the rest of the batch.
+    async fn fetch(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
+        let mut entries = self.claim_stale().await?;
+        if entries.len() < self.cfg.batch {
+            let mut reader = self.reader.clone();
+            let mut read = redis::cmd("XREADGROUP");
+            read.arg("GROUP")
+                .arg(&self.cfg.group)
+                .arg(&self.cfg.consumer)
+                .arg("COUNT")
+                .arg(self.cfg.batch - entries.len());
+            // Never block with taken-over work in hand.
+            if entries.is_empty() {
+                read.arg("BLOCK").arg(self.cfg.block.as_millis() as u64);
+            }
+            read.arg("STREAMS").arg(&self.cfg.stream).arg(">");
+            let reply: Option<StreamReadReply> = read
+                .query_async(&mut reader)
+                .await
+                .map_err(broker_err("fetch"))?;
+            for key in reply.map(|r| r.keys).unwrap_or_default() {
+                for sid in key.ids {
+                    entries.push(self.entry(sid, 1));
+                }
+            }
+        }
+        Ok(entries)
+    }
+
+    fn message_of(&self, entry: &StreamEntry) -> Result<Message, ConsumerError> {
+        entry.message.clone()
+    }
+
+    async fn apply(&self, entry: &StreamEntry, decision: &Decision) -> Result<(), ConsumerError> {
+        self.apply_batch(std::slice::from_ref(&(entry.clone(), decision.clone())))
+            .await
+    }
+
+    /// One `XACK` for all acks, for each nack a re-claim with its idle time
+    /// preset, for each dead letter an `XADD` to the dead-letter stream then
+    /// an `XACK`, in one atomic round trip.
+    async fn apply_batch(
         &self,
         decisions: &[(StreamEntry, Decision)],
-    ) -> Result<PollReport, ConsumerError> {
-        let mut report = PollReport {
-            fetched: decisions.len(),
-            ..PollReport::default()
-        };
+    ) -> Result<(), ConsumerError> {
         let mut conn = self.conn.clone();
         let mut pipe = redis::pipe();
         pipe.atomic();
@@ -641,14 +496,12 @@ impl RedisStreamsConsumer {
                 .arg(&acks)
                 .ignore();
         }
-        report.acked += acks.len();
         for (entry, decision) in decisions {
             let id = &entry.id;
             let msg = entry.message.as_ref().ok();
             match decision {
                 Decision::Ack => {}
                 Decision::Nack { delay } => {
-                    report.nacked += 1;
                     let idle = self.cfg.claim_idle.saturating_sub(*delay);
                     pipe.cmd("XCLAIM")
                         .arg(&self.cfg.stream)
@@ -662,7 +515,6 @@ impl RedisStreamsConsumer {
                         .ignore();
                 }
                 Decision::DeadLetter { reason } => {
-                    report.dead_lettered += 1;
                     let payload = msg.map(|m| m.payload().to_vec()).unwrap_or_default();
                     let deliveries = msg.map_or(0, Message::delivery_count);
                     pipe.cmd("XADD")
@@ -693,6 +545,32 @@ impl RedisStreamsConsumer {
             .query_async(&mut conn)
             .await
             .map_err(broker_err("apply"))?;
-        Ok(report)
+        Ok(())
+    }
+
+    /// A third of `claim_idle`, when [`StreamsConfig::keep_claimed`] is on.
+    fn keep_alive_period(&self) -> Option<Duration> {
+        self.cfg.keep_claimed.then_some(self.cfg.claim_idle / 3)
+    }
+
+    /// Re-claims the batch's entries (resetting their idle time) so that
+    /// no other consumer's `XAUTOCLAIM` takes them while handlers run.
+    /// `JUSTID` keeps their delivery counts.
+    async fn keep_alive(&self, in_flight: &[StreamEntry]) {
+        let ids: Vec<&str> = in_flight.iter().map(|e| e.id.as_str()).collect();
+        self.touch(&ids).await;
+    }
+
+    /// A restarted Redis without persistence, or a deleted stream, lost the
+    /// group: recreate it and poll again. Anything else: back off (the
+    /// connections reconnect by themselves).
+    async fn recover(&self, error: &ConsumerError) -> Recovery {
+        if matches!(error, ConsumerError::Broker { reason, .. } if reason.contains("NOGROUP")) {
+            match self.ensure_group().await {
+                Ok(()) => return Recovery::Retry,
+                Err(e) => tracing::warn!(error = %e, "could not recreate the consumer group"),
+            }
+        }
+        Recovery::Backoff
     }
 }

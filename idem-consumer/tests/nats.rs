@@ -5,7 +5,8 @@
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer, stream};
-use idem_consumer::nats::{NatsConfig, NatsConsumer, PollReport, pull_config};
+use idem_consumer::nats::{NatsConfig, NatsConsumer, pull_config};
+use idem_consumer::{Adapter, PollReport};
 use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, Ledger, NatsServer, RedisServer};

@@ -2,7 +2,8 @@
 //! `AMQP_URL`), with unique queue and exchange names per test, deleted
 //! after. Ground truth is an external ledger of side effects.
 
-use idem_consumer::rabbitmq::{PollReport, RabbitConfig, RabbitConsumer, declare_queue};
+use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
+use idem_consumer::{Adapter, PollReport};
 use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, Ledger, RedisServer};

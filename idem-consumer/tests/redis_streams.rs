@@ -3,7 +3,8 @@
 //! crashes, slow handlers, poison messages, a store outage and bad input.
 //! Ground truth is an external ledger of side effects.
 
-use idem_consumer::redis_streams::{PollReport, RedisStreamsConsumer, StreamsConfig};
+use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
+use idem_consumer::{Adapter, PollReport};
 use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, Ledger, RedisServer, eventually};
@@ -136,17 +137,17 @@ async fn poll_until<C, T, E, H, Fut>(
     stop: &AtomicBool,
 ) -> PollReport
 where
-    H: Fn(Message) -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-    T: serde::Serialize + serde::de::DeserializeOwned,
-    E: std::fmt::Display,
+    H: Fn(Message) -> Fut + Sync,
+    Fut: std::future::Future<Output = Result<T, E>> + Send,
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + Sync,
+    E: std::fmt::Display + Send,
     C: idem_consumer::Classify<E>,
 {
     let mut total = PollReport::default();
     while !stop.load(Ordering::SeqCst) {
         let r = stream.poll(consumer, handler).await.unwrap();
         total.fetched += r.fetched;
-        total.claimed += r.claimed;
+        total.redelivered += r.redelivered;
         total.acked += r.acked;
         total.nacked += r.nacked;
         total.dead_lettered += r.dead_lettered;
@@ -421,7 +422,7 @@ async fn slow_handlers_keep_their_entries_or_the_duplicate_waits_for_a_replay() 
                 let end = std::time::Instant::now() + Duration::from_secs(4);
                 while std::time::Instant::now() < end && !stop.load(Ordering::SeqCst) {
                     let r = b.poll(&consumer, &counting).await.unwrap();
-                    total.claimed += r.claimed;
+                    total.redelivered += r.redelivered;
                     total.acked += r.acked;
                     total.nacked += r.nacked;
                     if drained(&url, "slow", "g").await {
@@ -439,10 +440,13 @@ async fn slow_handlers_keep_their_entries_or_the_duplicate_waits_for_a_replay() 
         let b_acks = if keep { 0..=0 } else { 0..=1 };
         assert!(b_acks.contains(&rb.acked), "keep={keep}: a {ra:?} b {rb:?}");
         if keep {
-            assert_eq!(rb.claimed, 0, "the owner's re-claims kept b off its entry");
+            assert_eq!(
+                rb.redelivered, 0,
+                "the owner's re-claims kept b off its entry"
+            );
         } else {
             assert!(
-                rb.claimed >= 1 && rb.nacked >= 1,
+                rb.redelivered >= 1 && rb.nacked >= 1,
                 "b took over, got InProgress, nacked: {rb:?}"
             );
         }
@@ -625,7 +629,7 @@ fn worker() {
                     Ok(())
                 };
                 loop {
-                    let (entries, _) = stream.fetch().await.unwrap();
+                    let entries = stream.fetch().await.unwrap();
                     if entries.is_empty() {
                         continue;
                     }
@@ -746,7 +750,7 @@ async fn killed_after_the_side_effect_before_the_ack_the_redelivery_replays_and_
     };
     let mut claimed = 0;
     until("everything acked", Duration::from_secs(20), async || {
-        claimed += stream.poll(&consumer, &charge).await.unwrap().claimed;
+        claimed += stream.poll(&consumer, &charge).await.unwrap().redelivered;
         drained(&url, "orders", "g").await
     })
     .await;

@@ -1,0 +1,408 @@
+//! The one trait a broker implements, and the fetch → handle → settle loop
+//! written once for every broker.
+//!
+//! An adapter says how to fetch a batch of raw deliveries, how to read one
+//! as a [`Message`], and how to tell the broker a [`Decision`]. Everything
+//! else (running handlers through idem with bounded concurrency, keeping
+//! in-flight messages from being redelivered, counting, the polling loop
+//! with its shutdown signal and backoff) is provided.
+
+use crate::consumer::Consumer;
+use crate::decision::{Classify, DeadLetterReason, Decision};
+use crate::error::ConsumerError;
+use crate::heartbeat::with_heartbeat;
+use crate::message::Message;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::fmt;
+use std::future::Future;
+use std::pin::pin;
+use std::time::Duration;
+
+/// What one poll did, for every broker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PollReport {
+    /// Deliveries handled.
+    pub fetched: usize,
+    /// Of those, redeliveries (delivery count over 1): after a crash, a
+    /// nack, an expired ack wait, or a stale entry taken over.
+    pub redelivered: usize,
+    /// Acked (done, duplicates and replays included).
+    pub acked: usize,
+    /// Nacked: to be delivered again after a delay.
+    pub nacked: usize,
+    /// Dead-lettered (or terminated).
+    pub dead_lettered: usize,
+}
+
+impl PollReport {
+    /// Adds another report's counts to this one.
+    ///
+    /// ```
+    /// let mut total = idem_consumer::PollReport::default();
+    /// total.add(idem_consumer::PollReport::default());
+    /// assert_eq!(total.fetched, 0);
+    /// ```
+    pub fn add(&mut self, other: PollReport) {
+        self.fetched += other.fetched;
+        self.redelivered += other.redelivered;
+        self.acked += other.acked;
+        self.nacked += other.nacked;
+        self.dead_lettered += other.dead_lettered;
+    }
+
+    fn count(&mut self, decision: &Decision) {
+        match decision {
+            Decision::Ack => self.acked += 1,
+            Decision::Nack { .. } => self.nacked += 1,
+            Decision::DeadLetter { .. } => self.dead_lettered += 1,
+        }
+    }
+}
+
+/// What [`Adapter::run`] does after a failed poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Recovery {
+    /// Wait ([`Consumer::backoff_for`] the number of failures in a row)
+    /// and poll again: the client reconnects by itself.
+    Backoff,
+    /// Poll again at once: the adapter repaired what was wrong.
+    Retry,
+    /// Stop and return the error: this adapter cannot go on (its channel
+    /// is gone); the caller makes a new one.
+    Stop,
+}
+
+/// A message broker, as the consumer core needs it.
+///
+/// Implement the four required items for your broker's client, and
+/// [`poll`](Adapter::poll) / [`run`](Adapter::run) work: every fetched
+/// delivery becomes a [`Message`], handlers run through idem at most once
+/// per key (a batch with bounded concurrency, copies inside a batch run
+/// once), and each delivery's [`Decision`] goes back to the broker.
+///
+/// | item | for |
+/// | --- | --- |
+/// | [`Delivery`](Adapter::Delivery) | what the client hands over (with what it needs to ack) |
+/// | [`fetch`](Adapter::fetch) | up to a batch; empty when nothing came within a short wait |
+/// | [`message_of`](Adapter::message_of) | payload, producer id, delivery count; `Err` dead-letters it unrun |
+/// | [`apply`](Adapter::apply) | ack, nack after the delay (or leave it to come back), dead-letter |
+/// | [`apply_batch`](Adapter::apply_batch) | optional: one round trip for a whole batch (default: every `apply` at once) |
+/// | [`keep_alive`](Adapter::keep_alive) + [`keep_alive_period`](Adapter::keep_alive_period) | optional: "still working" while handlers run (progress acks, visibility timeouts) |
+/// | [`after_batch`](Adapter::after_batch) | optional: once per batch after every decision was applied (commit offsets) |
+/// | [`recover`](Adapter::recover) | optional: what to do after a failed poll |
+///
+/// A broker without per-message acks (Kafka, Kinesis) records decisions in
+/// `apply` and commits in `after_batch`: up to, not past, the lowest offset
+/// of each partition that was not acked or dead-lettered.
+///
+/// The provided methods ([`handle`](Adapter::handle),
+/// [`settle`](Adapter::settle), `poll`, `run`) are the same for every
+/// broker; don't override them.
+///
+/// # An adapter in a page
+///
+/// An in-memory queue whose unacked messages come back, as SQS's do after
+/// their visibility timeout (for SQS: `fetch` is `ReceiveMessage`,
+/// `apply` is `DeleteMessage` or `ChangeMessageVisibility` with the nack
+/// delay, `keep_alive` extends visibility, the delivery count is
+/// `ApproximateReceiveCount`):
+///
+/// ```
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Decision, Message, PollReport};
+/// use idem_core::{Idempotency, MemoryStore};
+/// use std::collections::VecDeque;
+/// use std::sync::Mutex;
+///
+/// /// A delivery: the message id, its body and how often it was received.
+/// struct Received { id: String, body: String, receives: u32 }
+///
+/// #[derive(Default)]
+/// struct MemQueue { ready: Mutex<VecDeque<Received>>, acked: Mutex<Vec<String>>, dead: Mutex<Vec<String>> }
+///
+/// impl Adapter for MemQueue {
+///     type Delivery = Received;
+///
+///     async fn fetch(&self) -> Result<Vec<Received>, ConsumerError> {
+///         let mut q = self.ready.lock().unwrap();
+///         let n = q.len().min(10);
+///         Ok(q.drain(..n).collect())
+///     }
+///
+///     fn message_of(&self, r: &Received) -> Result<Message, ConsumerError> {
+///         Ok(Message::new(r.body.clone())
+///             .with_id(r.id.clone())
+///             .with_delivery_count(r.receives)
+///             .with_source("memory", "orders"))
+///     }
+///
+///     async fn apply(&self, r: &Received, decision: &Decision) -> Result<(), ConsumerError> {
+///         match decision {
+///             Decision::Ack => self.acked.lock().unwrap().push(r.id.clone()),
+///             // A real queue would wait out `delay`; this one is polled by hand.
+///             Decision::Nack { .. } => {
+///                 let again = Received { id: r.id.clone(), body: r.body.clone(), receives: r.receives + 1 };
+///                 self.ready.lock().unwrap().push_back(again);
+///             }
+///             Decision::DeadLetter { reason } => self.dead.lock().unwrap().push(format!("{}: {reason}", r.id)),
+///             _ => {}
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let queue = MemQueue::default();
+/// for (id, body) in [("o-1", "charge 5"), ("o-2", "charge 7"), ("o-1", "charge 5"), ("o-3", "fail")] {
+///     queue.ready.lock().unwrap().push_back(Received { id: id.into(), body: body.into(), receives: 1 });
+/// }
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let consumer = Consumer::new(idem, "orders.charge").max_deliveries(2);
+/// let charge = |m: Message| async move {
+///     match &m.payload()[..] {
+///         b"fail" => Err("card declined".to_owned()),
+///         _ => Ok(m.payload().len()), // the side effect, once per message id
+///     }
+/// };
+/// let first: PollReport = queue.poll(&consumer, &charge).await?;
+/// assert_eq!((first.fetched, first.acked, first.nacked), (4, 3, 1));
+/// let second = queue.poll(&consumer, &charge).await?; // o-3 again: over its limit
+/// assert_eq!((second.redelivered, second.dead_lettered), (1, 1));
+/// assert_eq!(*queue.acked.lock().unwrap(), ["o-1", "o-2", "o-1"]);
+/// assert!(queue.dead.lock().unwrap()[0].starts_with("o-3: gave up after 2 deliveries"));
+/// # Ok::<(), ConsumerError>(()) }).unwrap();
+/// ```
+pub trait Adapter: Send + Sync {
+    /// One raw delivery as the broker's client hands it over.
+    type Delivery: Send + Sync;
+
+    /// Waits a short while (the adapter's block time) for deliveries and
+    /// returns those ready, at most a batch; empty when none came.
+    fn fetch(&self) -> impl Future<Output = Result<Vec<Self::Delivery>, ConsumerError>> + Send;
+
+    /// The core's view of a delivery: payload, producer id (or
+    /// [`Message::with_unreadable_id`]), delivery count, broker and source.
+    /// An `Err` (the delivery is not a message at all) is dead-lettered
+    /// with [`DeadLetterReason::BadMessage`] without running anything.
+    fn message_of(&self, delivery: &Self::Delivery) -> Result<Message, ConsumerError>;
+
+    /// Tells the broker one decision: ack; nack so that it comes back after
+    /// `delay` (or as soon as the broker can); dead-letter with the reason,
+    /// falling back to a nack if the dead letter cannot be written, so
+    /// that nothing is lost.
+    fn apply(
+        &self,
+        delivery: &Self::Delivery,
+        decision: &Decision,
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send;
+
+    /// Applies a batch's decisions. The default sends every
+    /// [`apply`](Adapter::apply) at once and returns the first error after
+    /// all were tried; override it to use one round trip for the batch.
+    fn apply_batch(
+        &self,
+        decided: &[(Self::Delivery, Decision)],
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send {
+        async move {
+            let sent =
+                futures_util::future::join_all(decided.iter().map(|(d, x)| self.apply(d, x)));
+            sent.await.into_iter().collect::<Result<Vec<()>, _>>()?;
+            Ok(())
+        }
+    }
+
+    /// How often to call [`keep_alive`](Adapter::keep_alive) while
+    /// handlers run (default `None`: never). The core uses the shorter of
+    /// this and [`Consumer::keep_alive_period`] (a third of idem's lease).
+    fn keep_alive_period(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Tells the broker that `in_flight` (the whole batch being handled)
+    /// is still being worked on, so it does not hand it to another
+    /// consumer: JetStream progress acks, a Redis Streams re-claim, an SQS
+    /// visibility extension. Failures should only be logged: the worst
+    /// case is a redelivery, which idem answers with `InProgress`.
+    fn keep_alive(&self, in_flight: &[Self::Delivery]) -> impl Future<Output = ()> + Send {
+        let _ = in_flight;
+        async {}
+    }
+
+    /// Runs once a batch's decisions were applied (default: nothing).
+    /// Offset-based brokers commit here.
+    fn after_batch(
+        &self,
+        decided: &[(Self::Delivery, Decision)],
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send {
+        let _ = decided;
+        async { Ok(()) }
+    }
+
+    /// What [`run`](Adapter::run) does after a failed poll (default
+    /// [`Recovery::Backoff`]). May repair things first (recreate a
+    /// consumer group deleted under it).
+    fn recover(&self, error: &ConsumerError) -> impl Future<Output = Recovery> + Send {
+        let _ = error;
+        async { Recovery::Backoff }
+    }
+
+    /// Handles fetched deliveries through `consumer` (a batch: bounded
+    /// concurrency, copies run once), calling
+    /// [`keep_alive`](Adapter::keep_alive) while handlers run; returns each
+    /// delivery with its decision, for [`settle`](Adapter::settle).
+    fn handle<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        fetched: Vec<Self::Delivery>,
+    ) -> impl Future<Output = Vec<(Self::Delivery, Decision)>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+    {
+        async move {
+            let mut decided: Vec<Option<Decision>> = Vec::with_capacity(fetched.len());
+            let mut msgs = Vec::with_capacity(fetched.len());
+            for delivery in &fetched {
+                match self.message_of(delivery) {
+                    Ok(m) => {
+                        msgs.push(m);
+                        decided.push(None);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "delivery is not a readable message; dead-lettering it");
+                        let reason = DeadLetterReason::BadMessage(e.to_string());
+                        decided.push(Some(Decision::DeadLetter { reason }));
+                    }
+                }
+            }
+            let batch = consumer.handle_batch(&msgs, handler);
+            let handled = match self.keep_alive_period() {
+                Some(p) if !msgs.is_empty() => {
+                    let period = p.min(consumer.keep_alive_period());
+                    with_heartbeat(batch, period, || self.keep_alive(&fetched)).await
+                }
+                _ => batch.await,
+            };
+            let mut handled = handled.into_iter();
+            fetched
+                .into_iter()
+                .zip(decided)
+                .map(|(delivery, d)| {
+                    let d = d.or_else(|| handled.next().map(|h| h.decision));
+                    // One Handled per readable message: never short.
+                    (
+                        delivery,
+                        d.unwrap_or(Decision::Nack {
+                            delay: Duration::ZERO,
+                        }),
+                    )
+                })
+                .collect()
+        }
+    }
+
+    /// Applies decisions ([`apply_batch`](Adapter::apply_batch), then
+    /// [`after_batch`](Adapter::after_batch)) and counts them.
+    fn settle(
+        &self,
+        decided: Vec<(Self::Delivery, Decision)>,
+    ) -> impl Future<Output = Result<PollReport, ConsumerError>> + Send {
+        async move {
+            let mut report = PollReport {
+                fetched: decided.len(),
+                ..PollReport::default()
+            };
+            for (delivery, decision) in &decided {
+                report.count(decision);
+                let again = self
+                    .message_of(delivery)
+                    .is_ok_and(|m| m.delivery_count() > 1);
+                report.redelivered += usize::from(again);
+            }
+            self.apply_batch(&decided).await?;
+            self.after_batch(&decided).await?;
+            Ok(report)
+        }
+    }
+
+    /// Fetches one batch, handles it and applies every decision.
+    fn poll<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> impl Future<Output = Result<PollReport, ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+    {
+        async move {
+            let fetched = self.fetch().await?;
+            if fetched.is_empty() {
+                return Ok(PollReport::default());
+            }
+            let decided = self.handle(consumer, handler, fetched).await;
+            self.settle(decided).await
+        }
+    }
+
+    /// Polls until `shutdown` completes. A failed poll is logged and
+    /// [`recover`](Adapter::recover) says what next: back off and retry
+    /// (the default), retry at once, or stop with the error. A shutdown
+    /// drops the batch in flight: the broker redelivers it, and idem
+    /// replays whatever completed.
+    fn run<C, T, E, H, Fut, S>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        shutdown: S,
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+        S: Future + Send,
+    {
+        async move {
+            let mut shutdown = pin!(shutdown);
+            let mut failures = 0u32;
+            loop {
+                let polled = tokio::select! {
+                    biased;
+                    _ = &mut shutdown => return Ok(()),
+                    r = self.poll(consumer, handler) => r,
+                };
+                let Err(e) = polled else {
+                    failures = 0;
+                    continue;
+                };
+                failures = failures.saturating_add(1);
+                match self.recover(&e).await {
+                    Recovery::Stop => return Err(e),
+                    Recovery::Retry => {
+                        tracing::info!(error = %e, "poll failed; the adapter recovered, polling again");
+                    }
+                    Recovery::Backoff => {
+                        let pause = consumer.backoff_for(failures);
+                        tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "poll failed");
+                        tokio::select! {
+                            biased;
+                            _ = &mut shutdown => return Ok(()),
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
