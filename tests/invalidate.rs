@@ -1,0 +1,113 @@
+//! `forget` and the local replay caches of *other* processes (issue 13):
+//! a forget publishes the key on its namespace's channel, and every
+//! `Idempotency` with `local_cache` on drops its copy, so it stops
+//! replaying the evicted value. Each `Idempotency` here has a store of its
+//! own (its own connections and subscriber), as two processes would.
+
+use idem::{Error, Idempotency, MemoryStore, Outcome};
+use idem_testkit::TestContext;
+use std::time::Duration;
+
+/// Calls `key` on `idem` until the body runs (the copy was dropped) or
+/// 10 s pass; returns the last outcome. Without the invalidation the copy
+/// would replay for the whole TTL (an hour).
+async fn until_executed(idem: &Idempotency, key: &str, value: u32) -> Outcome {
+    let mut last = Outcome::Replayed;
+    for _ in 0..500 {
+        let (_, o) = idem
+            .call("charge", key)
+            .run_outcome(|| async move { Ok::<_, Error>(value) })
+            .await
+            .unwrap();
+        last = o;
+        if o == Outcome::Executed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    last
+}
+
+fn cached(idem_store: impl idem::Store) -> Idempotency {
+    Idempotency::builder(idem_store)
+        .namespace("payments")
+        .result_ttl(Duration::from_secs(3600))
+        .local_cache(1_000)
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forget_elsewhere_drops_the_cached_copy() {
+    let memory = MemoryStore::new();
+    let redis = TestContext::redis().await;
+    let cluster = TestContext::redis_cluster().await;
+    let pairs = vec![
+        ("memory", cached(memory.clone()), cached(memory)),
+        (
+            "redis",
+            cached(redis.connect().await),
+            cached(redis.connect().await),
+        ),
+        (
+            "cluster",
+            cached(cluster.connect().await),
+            cached(cluster.connect().await),
+        ),
+    ];
+    for (name, a, b) in pairs {
+        for i in 0..3 {
+            let key = format!("order-{i}");
+            let (v, o) = a
+                .call("charge", &key)
+                .run_outcome(|| async { Ok::<_, Error>(1_u32) })
+                .await
+                .unwrap();
+            assert_eq!((v, o), (1, Outcome::Executed), "{name}");
+            // B reads it from the store once, then from its cache.
+            for _ in 0..2 {
+                let (v, o) = b
+                    .call("charge", &key)
+                    .run_outcome(|| async { Ok::<_, Error>(2_u32) })
+                    .await
+                    .unwrap();
+                assert_eq!((v, o), (1, Outcome::Replayed), "{name}");
+            }
+            assert!(a.forget("charge", &key).await.unwrap().is_some(), "{name}");
+            assert_eq!(
+                until_executed(&b, &key, 3).await,
+                Outcome::Executed,
+                "{name}: B kept replaying the forgotten value from its local cache"
+            );
+        }
+    }
+}
+
+/// When B's subscriber connection drops, B empties its cache (a forget
+/// published meanwhile would be lost), so it reads the store again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_subscriber_empties_the_cache() {
+    let ctx = TestContext::redis().await;
+    let a = cached(ctx.connect().await);
+    let b = cached(ctx.connect().await);
+    let key = "order-x";
+    let _: u32 = a
+        .call("charge", key)
+        .run(|| async { Ok::<_, Error>(1) })
+        .await
+        .unwrap();
+    let _: u32 = b
+        .call("charge", key)
+        .run(|| async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    // Deleted behind idem's back (no publish), then the subscribers cut.
+    assert_eq!(ctx.server().cli(&["DEL", "payments:charge:order-x"]), "1");
+    let killed: u32 = ctx
+        .server()
+        .cli(&["CLIENT", "KILL", "TYPE", "pubsub"])
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(killed >= 1, "no subscriber connection to cut");
+    assert_eq!(until_executed(&b, key, 3).await, Outcome::Executed);
+}
