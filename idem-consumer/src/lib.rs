@@ -23,7 +23,10 @@
 //! * `nats`: [`nats::NatsConsumer`]: JetStream pull consumers with progress
 //!   acks, nak with delay, term and a dead-letter subject;
 //! * `rabbitmq`: [`rabbitmq::RabbitConsumer`]: `basic_ack`, delayed
-//!   `basic_nack` with requeue, reject to a dead-letter exchange.
+//!   `basic_nack` with requeue, reject to a dead-letter exchange;
+//! * `kafka`: [`kafka::KafkaConsumer`]: a consumer group whose offsets are
+//!   committed only up to the lowest record not yet decided, in-process
+//!   retries, retry and dead-letter topics, rebalances with a deadline.
 //!
 //! ```
 //! use idem_consumer::{Consumer, Decision, Message};
@@ -51,6 +54,8 @@ mod error;
 mod heartbeat;
 mod message;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]

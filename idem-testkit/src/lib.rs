@@ -20,6 +20,8 @@
 //!   assertions, deterministic shuffles, a body error type.
 //! * [`run_worker`], [`exit_with_parent`]: the child side of tests that
 //!   re-execute their binary as worker processes.
+//! * [`KafkaBroker`]: a Kafka-protocol broker (`tansu`) on a free port, in
+//!   memory.
 //! * [`RedisServer`]: one `redis-server` on a free port of `127.0.0.1`, no
 //!   persistence, files in a temporary directory, killed on drop.
 //! * [`RedisCluster`]: three such servers formed into a real cluster of three
@@ -63,6 +65,7 @@
 mod cluster;
 mod context;
 mod errors;
+mod kafka;
 mod ledger;
 mod logs;
 mod nats;
@@ -79,6 +82,7 @@ mod worker;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;
 pub use errors::{BodyError, is_typed_store_error, is_unavailable};
+pub use kafka::{KafkaBroker, TANSU_INSTALL, require_tansu};
 pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};
 pub use logs::LogCapture;
 pub use nats::{NatsServer, require_nats};

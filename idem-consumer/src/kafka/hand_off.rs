@@ -1,0 +1,120 @@
+//! Moving a record aside: to the retry topic (still failing after the
+//! in-process attempts) or the dead-letter topic, with headers saying why
+//! and where it came from.
+
+use super::poller::{Taken, header};
+use crate::decision::DeadLetterReason;
+use crate::error::ConsumerError;
+use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use std::time::Duration;
+
+/// Names of the headers this adapter reads and writes.
+pub mod header_names {
+    /// The producer's idempotency key (the default key header).
+    pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+    /// Why the record was moved (the reason's text).
+    pub const REASON: &str = "idem-reason";
+    /// The reason's stable name: `permanent`, `max_deliveries`,
+    /// `fingerprint_mismatch`, `bad_message`, `store`, or `retry` on the
+    /// retry topic.
+    pub const REASON_KIND: &str = "idem-reason-kind";
+    /// The topic the record was first published to.
+    pub const ORIGINAL_TOPIC: &str = "idem-original-topic";
+    /// Its partition there.
+    pub const ORIGINAL_PARTITION: &str = "idem-original-partition";
+    /// Its offset there.
+    pub const ORIGINAL_OFFSET: &str = "idem-original-offset";
+    /// Handler runs so far, over every hop; read back as the delivery count
+    /// when the record is consumed again from the retry topic.
+    pub const ATTEMPTS: &str = "idem-attempts";
+}
+
+use header_names::*;
+
+/// Where a record goes when it leaves its partition undone.
+#[derive(Debug, Clone)]
+pub(super) enum Destination {
+    /// The retry topic: consumed again (by this group too), attempts carried on.
+    Retry(String),
+    /// The dead-letter topic, with the reason.
+    DeadLetter(String, DeadLetterReason),
+}
+
+/// The headers of the moved record: the original ones (minus ours), the
+/// origin (kept from the first hop), the attempts and the reason.
+fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
+    let ours = [
+        REASON,
+        REASON_KIND,
+        ORIGINAL_TOPIC,
+        ORIGINAL_PARTITION,
+        ORIGINAL_OFFSET,
+        ATTEMPTS,
+    ];
+    let mut out = OwnedHeaders::new();
+    if let Some(h) = &t.headers {
+        for h in h.iter().filter(|h| !ours.contains(&h.key)) {
+            out = out.insert(Header {
+                key: h.key,
+                value: h.value,
+            });
+        }
+    }
+    let origin = |name: &str, here: String| -> String {
+        header(t.headers.as_ref(), name)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .map(str::to_owned)
+            .unwrap_or(here)
+    };
+    let topic = origin(ORIGINAL_TOPIC, t.topic.to_string());
+    let partition = origin(ORIGINAL_PARTITION, t.partition.to_string());
+    let offset = origin(ORIGINAL_OFFSET, t.offset.to_string());
+    let attempts = attempts.to_string();
+    let (kind, reason) = match dest {
+        Destination::Retry(_) => (
+            "retry",
+            "still failing after the in-process attempts".to_owned(),
+        ),
+        Destination::DeadLetter(_, r) => (r.kind(), r.to_string()),
+    };
+    for (k, v) in [
+        (REASON, reason.as_str()),
+        (REASON_KIND, kind),
+        (ORIGINAL_TOPIC, topic.as_str()),
+        (ORIGINAL_PARTITION, partition.as_str()),
+        (ORIGINAL_OFFSET, offset.as_str()),
+        (ATTEMPTS, attempts.as_str()),
+    ] {
+        out = out.insert(Header {
+            key: k,
+            value: Some(v),
+        });
+    }
+    out
+}
+
+/// Publishes `t` to `dest` and waits for the broker's acknowledgement.
+pub(super) async fn publish(
+    producer: &FutureProducer,
+    t: &Taken,
+    dest: &Destination,
+    attempts: u32,
+    timeout: Duration,
+) -> Result<(), ConsumerError> {
+    let topic = match dest {
+        Destination::Retry(topic) | Destination::DeadLetter(topic, _) => topic,
+    };
+    let headers = headers_for(t, dest, attempts);
+    let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+        .payload(t.msg.payload().as_ref())
+        .headers(headers);
+    if let Some(k) = &t.record_key {
+        record = record.key(k.as_slice());
+    }
+    producer
+        .send(record, timeout)
+        .await
+        .map(|_| ())
+        .map_err(|(e, _)| ConsumerError::broker(super::BROKER, "publish", e))
+}

@@ -1,0 +1,367 @@
+//! The thread that polls librdkafka, and the state it shares with the
+//! handler loop: offsets taken and decided, partitions owned, handlers in
+//! flight.
+//!
+//! Polling runs on a thread of its own because librdkafka calls the
+//! rebalance callback from inside `poll`, and on a revocation that callback
+//! must *wait* for in-flight handlers (up to a deadline) and commit before
+//! returning: the partitions are gone once it returns. Blocking there is
+//! fine on a dedicated thread, and the handlers keep running meanwhile on
+//! the caller's task, whatever the Tokio runtime's flavour.
+
+use super::KafkaConfig;
+use super::offsets::OffsetTracker;
+use crate::message::Message;
+use bytes::Bytes;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance};
+use rdkafka::message::{Headers, Message as _, OwnedHeaders};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, mpsc};
+
+/// One record taken from a partition, on its way through the handler loop.
+#[derive(Debug)]
+pub(super) struct Taken {
+    pub(super) topic: Arc<str>,
+    pub(super) partition: i32,
+    pub(super) offset: i64,
+    /// The partition's assignment when the record was taken: a completion
+    /// from an older assignment must not decide an offset of a newer one.
+    pub(super) epoch: u64,
+    pub(super) record_key: Option<Vec<u8>>,
+    pub(super) headers: Option<OwnedHeaders>,
+    /// What the core sees (payload, id, delivery count, source).
+    pub(super) msg: Message,
+}
+
+/// A partition this consumer owns.
+#[derive(Debug)]
+struct Part {
+    epoch: u64,
+    /// Revocation under way: start nothing more from it.
+    revoking: bool,
+    in_flight: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    tracker: OffsetTracker,
+    parts: HashMap<(Arc<str>, i32), Part>,
+    next_epoch: u64,
+}
+
+/// Shared between the poll thread, the rebalance callback and the handler loop.
+#[derive(Debug)]
+pub(super) struct Shared {
+    state: Mutex<State>,
+    /// Signalled whenever a handler finishes (a revocation waits on it).
+    finished: Condvar,
+    /// Woken when a revocation starts, so retry pauses notice at once.
+    pub(super) revoked: Notify,
+    revoke_deadline: Duration,
+    commits: AtomicU64,
+    commit_failures: AtomicU64,
+}
+
+impl Shared {
+    pub(super) fn new(revoke_deadline: Duration) -> Shared {
+        Shared {
+            state: Mutex::new(State::default()),
+            finished: Condvar::new(),
+            revoked: Notify::new(),
+            revoke_deadline,
+            commits: AtomicU64::new(0),
+            commit_failures: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state stays consistent across a panicking holder: every
+        // update is a single map or set operation.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a record taken from the broker; returns its partition's epoch.
+    fn take(&self, topic: &Arc<str>, partition: i32, offset: i64) -> u64 {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let key = (topic.clone(), partition);
+        let epoch = match st.parts.get(&key) {
+            Some(p) => p.epoch,
+            None => {
+                st.next_epoch += 1;
+                let epoch = st.next_epoch;
+                st.parts.insert(
+                    key,
+                    Part {
+                        epoch,
+                        revoking: false,
+                        in_flight: 0,
+                    },
+                );
+                epoch
+            }
+        };
+        st.tracker.take(topic, partition, offset);
+        epoch
+    }
+
+    fn part_is<'a>(st: &'a mut State, t: &Taken) -> Option<&'a mut Part> {
+        st.parts
+            .get_mut(&(t.topic.clone(), t.partition))
+            .filter(|p| p.epoch == t.epoch)
+    }
+
+    /// Whether `t`'s partition is still ours (same assignment, not being revoked).
+    pub(super) fn is_live(&self, t: &Taken) -> bool {
+        let mut st = self.lock();
+        Self::part_is(&mut st, t).is_some_and(|p| !p.revoking)
+    }
+
+    /// Counts `t` in flight when its partition is still ours.
+    pub(super) fn begin(&self, t: &Taken) -> bool {
+        let mut st = self.lock();
+        match Self::part_is(&mut st, t) {
+            Some(p) if !p.revoking => {
+                p.in_flight += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `t` is decided (acked, or handed to a retry or dead-letter topic):
+    /// its offset no longer holds the commit back. Returns false when the
+    /// partition was given up meanwhile (nothing recorded).
+    pub(super) fn decide(&self, t: &Taken) -> bool {
+        self.finish(t, true)
+    }
+
+    /// `t` stops without a decision (its partition is being revoked): it
+    /// stays undecided, so the commit stays before it.
+    pub(super) fn abandon(&self, t: &Taken) {
+        self.finish(t, false);
+    }
+
+    fn finish(&self, t: &Taken, decided: bool) -> bool {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(p) = Self::part_is(st, t) else {
+            return false;
+        };
+        p.in_flight = p.in_flight.saturating_sub(1);
+        if decided {
+            st.tracker.decide(&t.topic, t.partition, t.offset);
+        }
+        self.finished.notify_all();
+        true
+    }
+
+    /// Offsets to commit for partitions not being revoked (the revocation
+    /// commits its own).
+    pub(super) fn to_commit(&self) -> Vec<(String, i32, i64)> {
+        let st = self.lock();
+        st.tracker
+            .to_commit()
+            .into_iter()
+            .filter(|(t, p, _)| {
+                st.parts
+                    .get(&(Arc::from(t.as_str()), *p))
+                    .is_some_and(|part| !part.revoking)
+            })
+            .collect()
+    }
+
+    /// Records a commit the broker accepted.
+    pub(super) fn committed(&self, offsets: &[(String, i32, i64)]) {
+        let mut st = self.lock();
+        for (topic, partition, offset) in offsets {
+            st.tracker.committed(topic, *partition, *offset);
+        }
+        self.commits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a commit the broker refused or did not answer.
+    pub(super) fn commit_failed(&self) {
+        self.commit_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Commits accepted by the broker so far.
+    pub(super) fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
+    }
+
+    /// The last offset committed for a partition this consumer owns.
+    pub(super) fn last_committed(&self, topic: &str, partition: i32) -> Option<i64> {
+        self.lock()
+            .tracker
+            .partition(topic, partition)
+            .and_then(|p| p.last_committed())
+    }
+
+    /// Undecided records over every owned partition.
+    pub(super) fn undecided(&self) -> usize {
+        self.lock().tracker.undecided()
+    }
+
+    /// The rebalance protocol's revocation: stop taking from `revoked`, give
+    /// its handlers until the deadline, commit what is decided, forget it.
+    fn revoke(&self, consumer: &BaseConsumer<Ctx>, revoked: &TopicPartitionList) {
+        let parts: Vec<(Arc<str>, i32)> = revoked
+            .elements()
+            .iter()
+            .map(|e| (Arc::from(e.topic()), e.partition()))
+            .collect();
+        let mut st = self.lock();
+        for key in &parts {
+            if let Some(p) = st.parts.get_mut(key) {
+                p.revoking = true;
+            }
+        }
+        self.revoked.notify_waiters();
+        let end = Instant::now() + self.revoke_deadline;
+        loop {
+            let busy: usize = parts
+                .iter()
+                .filter_map(|k| st.parts.get(k))
+                .map(|p| p.in_flight)
+                .sum();
+            let now = Instant::now();
+            if busy == 0 {
+                break;
+            }
+            if now >= end {
+                // Their idem leases stay theirs while they run: the next
+                // owner's claim waits (InProgress) and then replays, or takes
+                // over if this process dies; a completion after the lease
+                // was taken over is refused by owner token.
+                tracing::warn!(
+                    in_flight = busy,
+                    deadline_ms = self.revoke_deadline.as_millis() as u64,
+                    "partitions revoked with handlers still running; giving them up undecided"
+                );
+                break;
+            }
+            st = self
+                .finished
+                .wait_timeout(st, end - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition) in &parts {
+            let to = st
+                .tracker
+                .partition(topic, *partition)
+                .and_then(|p| p.to_commit());
+            if let Some(o) = to {
+                if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(o)) {
+                    tracing::warn!(error = %e, "cannot list an offset to commit");
+                }
+            }
+        }
+        drop(st);
+        if tpl.count() > 0 {
+            match consumer.commit(&tpl, CommitMode::Sync) {
+                Ok(()) => {
+                    self.commits.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(offsets = ?tpl, "decided offsets committed on revocation");
+                }
+                Err(e) => {
+                    self.commit_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "commit on revocation failed; the next owner re-reads from the last commit and idem replays what was done");
+                }
+            }
+        }
+        let mut st = self.lock();
+        for (topic, partition) in &parts {
+            st.parts.remove(&(topic.clone(), *partition));
+            st.tracker.forget(topic, *partition);
+        }
+        tracing::info!(partitions = parts.len(), "partitions given up");
+    }
+}
+
+/// librdkafka's callbacks, routed to the shared state and to `tracing`.
+pub(super) struct Ctx {
+    pub(super) shared: Arc<Shared>,
+}
+
+impl ClientContext for Ctx {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        // librdkafka reconnects by itself: these are reports, not failures.
+        tracing::warn!(error = %error, reason, "kafka client error");
+    }
+}
+
+impl ConsumerContext for Ctx {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => self.shared.revoke(consumer, tpl),
+            Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions assigned")
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+}
+
+/// Polls until `stop` is set or the handler loop is gone, sending every
+/// record taken into `tx`. A full channel blocks the thread (back-pressure):
+/// librdkafka keeps heartbeating on its own threads meanwhile.
+pub(super) fn poll_loop(
+    consumer: Arc<BaseConsumer<Ctx>>,
+    shared: Arc<Shared>,
+    cfg: Arc<KafkaConfig>,
+    tx: mpsc::Sender<Taken>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut topics: HashMap<String, Arc<str>> = HashMap::new();
+    while !stop.load(Ordering::Relaxed) {
+        let Some(polled) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = match polled {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "kafka poll error");
+                continue;
+            }
+        };
+        let topic = topics
+            .entry(m.topic().to_owned())
+            .or_insert_with(|| Arc::from(m.topic()))
+            .clone();
+        let epoch = shared.take(&topic, m.partition(), m.offset());
+        let headers = m.headers().map(|h| h.detach());
+        let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
+        let msg = cfg.message_of(payload, m.key(), headers.as_ref(), &topic);
+        let taken = Taken {
+            topic,
+            partition: m.partition(),
+            offset: m.offset(),
+            epoch,
+            record_key: m.key().map(<[u8]>::to_vec),
+            headers,
+            msg,
+        };
+        drop(m);
+        if tx.blocking_send(taken).is_err() {
+            break;
+        }
+    }
+    tracing::debug!("kafka poll thread stopped");
+}
+
+/// The value of header `name`, if present (the last one wins, as Kafka
+/// clients read repeated headers).
+pub(super) fn header<'a>(headers: Option<&'a OwnedHeaders>, name: &str) -> Option<&'a [u8]> {
+    let h = headers?;
+    h.iter()
+        .filter(|h| h.key == name)
+        .last()
+        .map(|h| h.value.unwrap_or_default())
+}

@@ -1,0 +1,193 @@
+//! One Kafka-protocol broker (`tansu`, from crates.io) on a free port, with
+//! in-memory storage, for the Kafka adapter's tests.
+//!
+//! No Kafka broker ships in Debian; tansu is a real Kafka-protocol broker
+//! (topics, produce, fetch, consumer groups, offset commits) that a stock
+//! client such as librdkafka talks to unchanged, and it starts in
+//! milliseconds.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+use crate::{find_binary, free_port, spawn};
+
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+const LOG_FILE: &str = "tansu.log";
+/// Lines of log quoted in a startup-failure panic.
+const LOG_TAIL_LINES: usize = 40;
+
+/// The command that installs the broker, quoted wherever it is missing.
+pub const TANSU_INSTALL: &str = "cargo install tansu --locked --features dynostore";
+
+/// Finds the `tansu` binary: `$IDEM_TANSU`, then `PATH` (and `/usr/bin`,
+/// `/usr/local/bin`), then `$CARGO_HOME/bin` and `~/.cargo/bin`, where
+/// `cargo install` puts it.
+///
+/// # Panics
+///
+/// When it is nowhere, with the command that installs it.
+pub fn require_tansu() -> PathBuf {
+    if let Some(p) = std::env::var_os("IDEM_TANSU") {
+        let p = PathBuf::from(p);
+        if crate::is_executable(&p) {
+            return p;
+        }
+        panic!("IDEM_TANSU={} is not an executable file", p.display());
+    }
+    let cargo_bins = [
+        std::env::var_os("CARGO_HOME").map(|h| PathBuf::from(h).join("bin")),
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo").join("bin")),
+    ];
+    find_binary("tansu")
+        .or_else(|| {
+            cargo_bins
+                .into_iter()
+                .flatten()
+                .map(|d| d.join("tansu"))
+                .find(|p| crate::is_executable(p))
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "tansu (the Kafka-protocol broker the Kafka tests run against) not found on PATH \
+                 or in ~/.cargo/bin: install it with `{TANSU_INSTALL}` (about 10 minutes on 2 \
+                 cores), or run .ci/run which does"
+            )
+        })
+}
+
+/// A private `tansu broker` on `127.0.0.1` and a free port, storing
+/// everything in memory.
+///
+/// In-memory storage means a [`restart`](KafkaBroker::restart) comes back
+/// **empty** (no topics, no messages, no committed offsets), like a broker
+/// whose disks were lost; [`kill`](KafkaBroker::kill) alone is an outage.
+/// Dropping it kills the process.
+///
+/// ```no_run
+/// let mut kafka = idem_testkit::KafkaBroker::start();
+/// let bootstrap = kafka.bootstrap(); // "127.0.0.1:PORT"
+/// kafka.kill();
+/// kafka.restart(); // same port, empty
+/// # let _ = bootstrap;
+/// ```
+#[derive(Debug)]
+pub struct KafkaBroker {
+    port: u16,
+    dir: TempDir,
+    child: Mutex<Option<Child>>,
+}
+
+impl KafkaBroker {
+    /// Starts a broker and waits until it accepts connections.
+    ///
+    /// # Panics
+    ///
+    /// When `tansu` is missing (see [`require_tansu`]) or does not come up
+    /// (the message quotes its log).
+    pub fn start() -> KafkaBroker {
+        let dir = tempfile::Builder::new()
+            .prefix("idem-tansu-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("idem-testkit: cannot create a temp dir: {e}"));
+        let broker = KafkaBroker {
+            port: free_port(),
+            dir,
+            child: Mutex::new(None),
+        };
+        broker.launch();
+        broker
+    }
+
+    /// The bootstrap address clients are given, `127.0.0.1:PORT`.
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The directory holding the broker's log.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Kills the broker with `SIGKILL` and waits for it.
+    pub fn kill(&mut self) {
+        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut c) = child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the broker again on the same port (empty: storage is in memory).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// Whether the process is alive.
+    pub fn is_running(&self) -> bool {
+        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    fn launch(&self) {
+        let bin = require_tansu();
+        let log_path = self.dir.path().join(LOG_FILE);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .unwrap_or_else(|e| panic!("idem-testkit: cannot open {log_path:?}: {e}"));
+        let err_log = log
+            .try_clone()
+            .unwrap_or_else(|e| panic!("idem-testkit: cannot open {log_path:?}: {e}"));
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let mut cmd = Command::new(bin);
+        cmd.arg("broker")
+            .args(["--listener-url", &url])
+            .args(["--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err_log);
+        let child =
+            spawn::spawn(cmd).unwrap_or_else(|e| panic!("idem-testkit: cannot run tansu: {e}"));
+        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+        let end = Instant::now() + READY_TIMEOUT;
+        loop {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            if !self.is_running() || Instant::now() > end {
+                let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(LOG_TAIL_LINES).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "idem-testkit: tansu broker on port {} did not come up within {:?}; its log:\n{}",
+                    self.port,
+                    READY_TIMEOUT,
+                    tail.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for KafkaBroker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
