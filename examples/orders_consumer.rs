@@ -10,11 +10,14 @@
 //! cargo run --example orders_consumer --features redis-streams,nats,rabbitmq
 //! NATS_URL=nats://127.0.0.1:4222 cargo run --example orders_consumer --features redis-streams,nats,rabbitmq
 //! AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo run --example orders_consumer --features redis-streams,nats,rabbitmq
+//! KAFKA_BROKERS=127.0.0.1:9092 cargo run --example orders_consumer --features redis-streams,nats,rabbitmq,kafka
 //! ```
 //!
 //! idem keeps its records in the Redis at `REDIS_URL` (default
 //! `redis://127.0.0.1:6379/`); the broker is Redis Streams on that same
-//! Redis unless `NATS_URL` or `AMQP_URL` is set.
+//! Redis unless `NATS_URL`, `AMQP_URL` or `KAFKA_BROKERS` is set (for
+//! Kafka: `tansu broker --storage-engine memory://tansu/` is a Kafka-protocol
+//! broker from crates.io, `cargo install tansu --features dynostore`).
 
 use idem::consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
 use idem::consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};
@@ -190,7 +193,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let events = events(run);
     let expected = events.len();
 
-    let t = if let Ok(url) = std::env::var("NATS_URL") {
+    let t = if let Ok(brokers) = std::env::var("KAFKA_BROKERS") {
+        println!("broker: Kafka at {brokers}");
+        kafka::drain(&brokers, run, &events, &consumer, &handler).await?
+    } else if let Ok(url) = std::env::var("NATS_URL") {
         println!("broker: NATS JetStream at {url}");
         let js = async_nats::jetstream::new(async_nats::connect(&url).await?);
         let name = format!("ORDERS_EXAMPLE_{run}");
@@ -298,4 +304,93 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         charged.len()
     );
     Ok(())
+}
+
+#[cfg(not(feature = "kafka"))]
+mod kafka {
+    pub async fn drain<C, H>(
+        _: &str,
+        _: u64,
+        _: &[(String, String)],
+        _: &C,
+        _: &H,
+    ) -> Result<super::Tally, Box<dyn std::error::Error>> {
+        Err("KAFKA_BROKERS needs the `kafka` feature: add it to --features".into())
+    }
+}
+
+/// Kafka has no per-message ack: the adapter runs its own loop and commits
+/// each partition up to the lowest record not yet decided.
+#[cfg(feature = "kafka")]
+mod kafka {
+    use super::{ChargeError, Tally};
+    use idem::consumer::kafka::rdkafka::admin::{
+        AdminClient, AdminOptions, NewTopic, TopicReplication,
+    };
+    use idem::consumer::kafka::rdkafka::client::DefaultClientContext;
+    use idem::consumer::kafka::rdkafka::config::ClientConfig;
+    use idem::consumer::kafka::rdkafka::message::{Header, OwnedHeaders};
+    use idem::consumer::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+    use idem::consumer::kafka::{KafkaConfig, KafkaConsumer, header_names};
+    use idem::consumer::{Classify, Consumer, Message};
+    use std::future::Future;
+    use std::time::{Duration, Instant};
+
+    pub async fn drain<C, H, Fut>(
+        brokers: &str,
+        run: u64,
+        events: &[(String, String)],
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> Result<Tally, Box<dyn std::error::Error>>
+    where
+        C: Classify<ChargeError>,
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<String, ChargeError>>,
+    {
+        let topic = format!("orders-example-{run}");
+        let dead = format!("{topic}.DLT");
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        let topics = [
+            NewTopic::new(&topic, 1, TopicReplication::Fixed(1)),
+            NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
+        ];
+        for created in admin.create_topics(&topics, &AdminOptions::new()).await? {
+            created.map_err(|(t, e)| format!("cannot create topic {t}: {e}"))?;
+        }
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        for (id, payload) in events {
+            let headers = OwnedHeaders::new().insert(Header {
+                key: header_names::IDEMPOTENCY_KEY,
+                value: Some(id.as_str()),
+            });
+            let record = FutureRecord::<str, str>::to(&topic)
+                .payload(payload)
+                .headers(headers);
+            producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .map_err(|(e, _)| e)?;
+        }
+        let kafka = KafkaConsumer::connect(KafkaConfig::new(brokers, "billing", [&topic]))?;
+        // Done once the group's offset is past every event (or 30 s passed).
+        let end = events.len() as i64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let done = async {
+            while kafka.last_committed(&topic, 0) != Some(end) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        let report = kafka.run(consumer, handler, done).await?;
+        println!("  {report:?}");
+        Ok(Tally {
+            acked: report.acked,
+            nacked: report.retried + report.nacked,
+            dead: report.dead_lettered,
+        })
+    }
 }

@@ -48,8 +48,8 @@ pub use idem_client as client;
 pub use idem_http as http;
 
 /// Exactly-once message consumers: the broker-agnostic core and the Redis
-/// Streams, NATS JetStream and RabbitMQ adapters (feature `consumer`, plus
-/// `redis-streams`, `nats`, `rabbitmq`); see [`idem_consumer`].
+/// Streams, NATS JetStream, RabbitMQ and Kafka adapters (feature `consumer`,
+/// plus `redis-streams`, `nats`, `rabbitmq`, `kafka`); see [`idem_consumer`].
 #[cfg(feature = "consumer")]
 pub use idem_consumer as consumer;
 
