@@ -82,10 +82,11 @@ async fn a_forget_elsewhere_drops_the_cached_copy() {
     }
 }
 
-/// When B's subscriber connection drops, B empties its cache (a forget
-/// published meanwhile would be lost), so it reads the store again.
+/// When B's subscriber connection is back after a drop, B empties its
+/// cache (a forget published in the gap would be lost), so it reads the
+/// store again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_subscriber_empties_the_cache() {
+async fn a_reconnected_subscriber_empties_the_cache() {
     let ctx = TestContext::redis().await;
     let a = cached(ctx.connect().await);
     let b = cached(ctx.connect().await);

@@ -38,10 +38,13 @@
 mod cpu;
 mod keys;
 mod memory;
+#[cfg(feature = "metrics")]
+mod metrics_cost;
 mod ops;
 mod opts;
 mod phases;
 mod report;
+mod wait;
 
 use crate::cpu::{client_cpu, redis_cpu};
 use crate::memory::{measure_memory, prefill};
@@ -155,6 +158,24 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
         return profile(&ctx, &opts, i).await;
     }
     prefill(&ctx, true, true).await;
+    // The wait phase stands apart: its own stores and keys, not interleaved.
+    let waits = opts
+        .only
+        .as_ref()
+        .is_none_or(|o| o.iter().any(|n| n == "wait"));
+    if waits {
+        wait::print_waits(&wait::measure_waits(&url).await);
+    }
+    // Only when asked: it installs the process's global recorder.
+    #[cfg(feature = "metrics")]
+    if opts
+        .only
+        .as_ref()
+        .is_some_and(|o| o.iter().any(|n| n == "metrics"))
+    {
+        metrics_cost::measure(&ctx, opts.concurrency).await;
+        return;
+    }
 
     let selected: Vec<usize> = (0..PHASES.len())
         .filter(|&i| {
@@ -164,6 +185,9 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
         })
         .collect();
     if selected.is_empty() {
+        if waits {
+            return;
+        }
         usage()
     }
     let tasks_of = |i: usize| PHASES[i].concurrency.unwrap_or(opts.concurrency);

@@ -285,9 +285,11 @@ impl IdempotencyBuilder {
     /// process's cache: `forget` publishes it on the namespace's channel,
     /// which each process with a cache subscribes to (Redis: one sharded
     /// channel `<namespace>::forgotten` per namespace; `MemoryStore`: every
-    /// `Idempotency` on clones of the store). When the subscriber
-    /// connection drops, every cache is emptied, and again when it is back;
-    /// a forget is missed only while it cannot be heard at all: a store
+    /// `Idempotency` on clones of the store). While the subscriber
+    /// connection is down, copies keep replaying (through a Redis outage
+    /// too); when it is back, every cache is emptied, so a forget in the
+    /// gap replays at most until then. A forget is missed for good only
+    /// where it cannot be heard at all: a store
     /// made with `RedisStore::from_manager`, a user the ACL refuses
     /// `SSUBSCRIBE`, or a forget whose publish was refused. Then, and for a
     /// record lost with a fail-over or restart, a copy replays until the

@@ -12,9 +12,9 @@
 //! namespace.
 //!
 //! Pub/sub is at most once. Every lost message is covered: waiters keep
-//! polling (slowly while notifications flow, as before while they do not),
-//! and when the connection drops every waiter is woken to read again and
-//! every local cache is emptied.
+//! polling (slowly while notifications flow, as before while they do not);
+//! when the connection drops every waiter is woken to read again, and when
+//! it is back every local cache is emptied.
 
 use super::super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -32,6 +32,9 @@ pub(super) const FORGOTTEN: &str = ":forgotten";
 /// How long a store that was refused subscriptions (ACL, a server without
 /// sharded pub/sub) polls before it asks again.
 const RETRY_REFUSED: Duration = Duration::from_secs(60);
+/// How long after a failed attempt to open the subscriber connection (an
+/// unreachable server) a waiter tries again.
+const RETRY_FAILED: Duration = Duration::from_secs(5);
 
 /// How to open the subscriber connection.
 #[derive(Clone)]
@@ -71,10 +74,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Notifier {
     pub(super) fn new(source: Source, config: super::RedisStoreConfig) -> Notifier {
         let cmds: Arc<Mutex<Option<Sender>>> = Arc::default();
-        let inbox = Arc::clone(&cmds);
+        // Weak: the task holds the hub, so a strong inbox here would keep
+        // the task (and its connection) alive after the last store clone.
+        let inbox = Arc::downgrade(&cmds);
         // Called under the hub's lock, so an unsubscribe is queued before
         // any later subscribe of the same key.
         let on_last = Box::new(move |key: &str| {
+            let Some(inbox) = inbox.upgrade() else {
+                return;
+            };
             if let Some(tx) = lock(&inbox).as_ref() {
                 let _ = tx.send(Command::Unsubscribe(key.to_owned()));
             }
@@ -132,12 +140,15 @@ impl Notifier {
             redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
         ) || e.code() == Some("ERR")
             || e.code() == Some("NOPERM");
-        if refused {
+        let retry = if refused {
             tracing::warn!(error = %e, "Redis refused SSUBSCRIBE: waiters poll instead of being notified (grant SSUBSCRIBE and the key channels, see the README's ACL section)");
-            *lock(&self.refused_until) = Some(Instant::now() + RETRY_REFUSED);
+            RETRY_REFUSED
         } else {
-            tracing::debug!(error = %e, "subscription failed; waiters poll");
-        }
+            tracing::debug!(error = %e, "no subscriber connection; waiters poll");
+            RETRY_FAILED
+        };
+        // Not asked again by every waiter meanwhile.
+        *lock(&self.refused_until) = Some(Instant::now() + retry);
     }
 
     /// The task's inbox, starting the task (and its connection) if there
@@ -302,7 +313,10 @@ impl Task {
                 tracing::debug!("subscriber connection lost: waiters poll until it is back");
                 self.hub.set_live(false);
                 self.hub.notify_all();
-                self.hub.invalidate_all();
+                // Caches keep their copies meanwhile (they replay through a
+                // Redis outage, when no forget can happen anyway); they are
+                // emptied when the connection is back, as a forget may
+                // have been published in the gap.
             }
             // A resubscription confirmed: on a cluster, redis-rs
             // subscribes again by itself after a reconnection; messages of
