@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo bench -p idem-consumer --bench consumer            # all three brokers
-//! cargo bench -p idem-consumer --bench consumer -- redis   # or: nats, rabbitmq
+//! cargo bench -p idem-consumer --bench consumer -- redis   # or: nats, rabbitmq, kafka
 //! ```
 //!
 //! Every phase pre-publishes `MESSAGES` messages (not timed), then times
@@ -21,6 +21,9 @@ use idem_consumer::{Adapter, Consumer, Message};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::RedisServer;
 use std::time::{Duration, Instant};
+
+#[path = "consumer/kafka.rs"]
+mod kafka;
 
 const MESSAGES: usize = 5_000;
 const ROUNDS: usize = 3;
@@ -414,6 +417,17 @@ fn main() {
                 idem.push(rabbit_idem(&conn, &url, run).await);
             }
             report("rabbitmq", &bare, &idem);
+        }
+        if wanted("kafka") {
+            let broker = idem_testkit::KafkaBroker::start();
+            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                let (b, i) = kafka::round(&broker, &url, run).await;
+                bare.push(b);
+                idem.push(i);
+            }
+            report("kafka", &bare, &idem);
         }
     });
 }

@@ -535,29 +535,41 @@ impl KafkaConsumer {
             // Start what may start, in arrival order: a record whose gate
             // (its idem key, or its record key in order-per-key mode) is
             // held waits, and so do later records sharing a gate with it.
-            let mut blocked: HashSet<String> = HashSet::new();
-            let mut keep = VecDeque::with_capacity(waiting.len());
-            while let Some(w) = waiting.pop_front() {
-                if !self.shared.is_live(&w.taken) {
-                    continue; // revoked: the next owner takes it from the last commit
+            // A record of a partition revoked meanwhile is dropped (the
+            // next owner reads it from the last commit).
+            if running.len() < limit && !waiting.is_empty() {
+                let mut blocked: HashSet<String> = HashSet::new();
+                let mut keep = VecDeque::with_capacity(waiting.len());
+                let mut start = Vec::new();
+                while let Some(w) = waiting.pop_front() {
+                    if running.len() + start.len() >= limit {
+                        keep.push_back(w);
+                        keep.extend(waiting.drain(..));
+                        break;
+                    }
+                    let free = w
+                        .gates
+                        .iter()
+                        .all(|g| !busy.contains(g) && !blocked.contains(g));
+                    if !free {
+                        blocked.extend(w.gates.iter().cloned());
+                        keep.push_back(w);
+                        continue;
+                    }
+                    if self.shared.begin(&w.taken) {
+                        busy.extend(w.gates.iter().cloned());
+                        start.push(w);
+                    }
                 }
-                let free = w
-                    .gates
-                    .iter()
-                    .all(|g| !busy.contains(g) && !blocked.contains(g));
-                if free && running.len() < limit && self.shared.begin(&w.taken) {
-                    busy.extend(w.gates.iter().cloned());
+                waiting = keep;
+                for w in start {
                     report.fetched += 1;
                     if w.taken.msg.delivery_count() > 1 {
                         report.redelivered += 1;
                     }
                     running.push(self.process(consumer, handler, w));
-                } else {
-                    blocked.extend(w.gates.iter().cloned());
-                    keep.push_back(w);
                 }
             }
-            waiting = keep;
             let room = !closed && waiting.len() < self.cfg.buffer;
             tokio::select! {
                 biased;

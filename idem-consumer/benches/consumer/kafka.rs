@@ -1,0 +1,156 @@
+//! The Kafka phase: the adapter against rdkafka's own consume+commit loop
+//! (a `BaseConsumer` polling, committing every batch), on a private `tansu`
+//! broker. Each round consumes a fresh topic of `MESSAGES` records in three
+//! partitions with a fresh group; the clock starts at the first record (the
+//! group join is not timed) and stops once the group's offsets cover every
+//! record.
+
+use super::{BATCH, MESSAGES, consumer, noop, payload};
+use idem_consumer::Message;
+use idem_consumer::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idem_consumer::kafka::rdkafka::client::DefaultClientContext;
+use idem_consumer::kafka::rdkafka::config::ClientConfig;
+use idem_consumer::kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
+use idem_consumer::kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_consumer::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idem_consumer::kafka::{KafkaConfig, KafkaConsumer, header_names};
+use idem_testkit::KafkaBroker;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const PARTITIONS: i32 = 3;
+
+async fn setup(bootstrap: &str, run: usize) -> String {
+    let topic = format!("bench-{run}");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client");
+    let t = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
+    for r in admin
+        .create_topics([&t], &AdminOptions::new())
+        .await
+        .expect("create topic")
+    {
+        r.expect("create topic");
+    }
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let sends = (0..MESSAGES).map(|i| {
+        let id = format!("o-{run}-{i}");
+        let body = payload(run, i);
+        let producer = &producer;
+        let topic = &topic;
+        async move {
+            let headers = OwnedHeaders::new().insert(Header {
+                key: header_names::IDEMPOTENCY_KEY,
+                value: Some(id.as_str()),
+            });
+            let record = FutureRecord::<str, str>::to(topic)
+                .partition((i as i32) % PARTITIONS)
+                .payload(&body)
+                .headers(headers);
+            producer
+                .send(record, Duration::from_secs(30))
+                .await
+                .map_err(|(e, _)| e)
+                .expect("publish");
+        }
+    });
+    futures_util::future::join_all(sends).await;
+    topic
+}
+
+fn client(bootstrap: &str, group: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", "10");
+    c
+}
+
+/// rdkafka alone: poll, commit every batch (async), a final sync commit.
+fn bare(bootstrap: &str, topic: &str, run: usize) -> f64 {
+    let c: BaseConsumer = client(bootstrap, &format!("bare-{run}"))
+        .create()
+        .expect("consumer");
+    c.subscribe(&[topic]).expect("subscribe");
+    let mut start = None;
+    let mut seen = 0usize;
+    while seen < MESSAGES {
+        let Some(m) = c.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = m.expect("poll");
+        start.get_or_insert_with(Instant::now);
+        seen += 1;
+        if seen % BATCH == 0 {
+            c.commit_message(&m, CommitMode::Async).expect("commit");
+        }
+        drop(m);
+    }
+    c.commit_consumer_state(CommitMode::Sync)
+        .expect("final commit");
+    MESSAGES as f64 / start.map_or(f64::MAX, |s| s.elapsed().as_secs_f64())
+}
+
+/// Through the adapter: a no-op handler run once per record through idem,
+/// offsets committed by the commit rule.
+async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 {
+    let consumer = consumer(redis_url, run).await;
+    let kc = KafkaConsumer::connect(
+        KafkaConfig::new(bootstrap, format!("idem-{run}"), [topic])
+            .commit_interval(Duration::from_millis(20))
+            .set("fetch.wait.max.ms", "10"),
+    )
+    .expect("kafka consumer");
+    let start: OnceLock<Instant> = OnceLock::new();
+    let handler = |m: Message| {
+        start.get_or_init(Instant::now);
+        noop(m)
+    };
+    let done = async {
+        loop {
+            let committed: i64 = (0..PARTITIONS)
+                .map(|p| kc.last_committed(topic, p).unwrap_or(0))
+                .sum();
+            if committed >= MESSAGES as i64 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    let mut end = None;
+    let report = kc
+        .run(&consumer, &handler, async {
+            done.await;
+            end = Some(Instant::now());
+        })
+        .await
+        .expect("run");
+    assert_eq!(report.acked, MESSAGES, "{report:?}");
+    let (Some(s), Some(e)) = (start.get(), end) else {
+        return 0.0;
+    };
+    MESSAGES as f64 / e.duration_since(*s).as_secs_f64()
+}
+
+/// One round: a fresh topic each for the bare loop and the adapter.
+pub async fn round(kafka: &KafkaBroker, redis_url: &str, run: usize) -> (f64, f64) {
+    let bootstrap = kafka.bootstrap();
+    let t = setup(&bootstrap, run).await;
+    let b = {
+        let (bs, t) = (bootstrap.clone(), t.clone());
+        tokio::task::spawn_blocking(move || bare(&bs, &t, run))
+            .await
+            .expect("bare loop")
+    };
+    let t = setup(&bootstrap, run + 100_000).await;
+    let i = idem(&bootstrap, redis_url, &t, run).await;
+    (b, i)
+}
