@@ -112,3 +112,88 @@ async fn a_reconnected_subscriber_empties_the_cache() {
     assert!(killed >= 1, "no subscriber connection to cut");
     assert_eq!(until_executed(&b, key, 3).await, Outcome::Executed);
 }
+
+/// The other process of `a_forget_in_another_process_drops_the_copy`: runs
+/// only when re-executed with `IDEM_CACHE_WORKER` set. It caches the key,
+/// says so (`ready`), then calls it every 20 ms until its body runs (the
+/// copy was dropped) and says so (`executed`).
+#[test]
+fn cache_worker() {
+    let Some(dir) = std::env::var_os("IDEM_CACHE_WORKER") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let url = std::env::var("IDEM_URL").expect("worker: IDEM_URL");
+    idem_testkit::run_worker(async move {
+        let idem = cached(
+            idem::RedisStore::connect(&url)
+                .await
+                .expect("worker: connect"),
+        );
+        let call = || async {
+            idem.call("charge", "shared")
+                .run_outcome(|| async { Ok::<_, Error>(2_u32) })
+                .await
+                .expect("worker: call")
+        };
+        assert_eq!(call().await, (1, Outcome::Replayed));
+        std::fs::write(dir.join("ready"), b"").unwrap();
+        for _ in 0..1_000 {
+            if call().await.1 == Outcome::Executed {
+                std::fs::write(dir.join("executed"), b"").unwrap();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    std::process::exit(0);
+}
+
+/// Two OS processes: this one completes and forgets a key, the other has it
+/// in its local cache and stops replaying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forget_in_another_process_drops_the_copy() {
+    let ctx = TestContext::redis().await;
+    let here = cached(ctx.connect().await);
+    let (v, _) = here
+        .call("charge", "shared")
+        .run_outcome(|| async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    assert_eq!(v, 1);
+    let dir = std::env::temp_dir().join(format!("idem-invalidate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["cache_worker", "--exact", "--nocapture", "--test-threads=1"])
+        .env("IDEM_CACHE_WORKER", &dir)
+        .env("IDEM_URL", ctx.server().url())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("re-execute the test binary as the other process");
+    let wait_for = |name: &str| {
+        let path = dir.join(name);
+        async move {
+            for _ in 0..1_000 {
+                if path.exists() {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            false
+        }
+    };
+    assert!(
+        wait_for("ready").await,
+        "the other process never cached the key"
+    );
+    assert!(here.forget("charge", "shared").await.unwrap().is_some());
+    let dropped = wait_for("executed").await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        dropped,
+        "the other process kept replaying the forgotten key from its local cache"
+    );
+}
