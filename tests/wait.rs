@@ -304,3 +304,51 @@ async fn the_last_waiter_unsubscribes() {
     }
     assert_eq!(channels.trim(), "", "subscriptions left behind");
 }
+
+/// The subscriber connection cut while callers wait: they are woken to
+/// read again, poll while it is down, and every one still gets the
+/// holder's result; the body runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_survive_a_cut_subscriber() {
+    let ctx = TestContext::redis().await;
+    let idem = Idempotency::builder(ctx.connect().await)
+        .namespace("wait")
+        .build();
+    let ledger = Ledger::new();
+    let cut = {
+        let server_url = ctx.server().url();
+        tokio::spawn(async move {
+            let mut con = redis::Client::open(server_url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            // Cut it once the waiters are subscribed (mid-hold).
+            for _ in 0..100 {
+                let chans: Vec<String> = redis::cmd("PUBSUB")
+                    .arg("SHARDCHANNELS")
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                if !chans.is_empty() {
+                    let killed: i64 = redis::cmd("CLIENT")
+                        .arg("KILL")
+                        .arg("TYPE")
+                        .arg("pubsub")
+                        .query_async(&mut con)
+                        .await
+                        .unwrap();
+                    return killed;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            0
+        })
+    };
+    let results = waiters_on(&idem, "cut", 20, true, &ledger).await;
+    assert!(cut.await.unwrap() >= 1, "no subscriber was cut");
+    for r in &results {
+        assert_eq!(r.as_ref().unwrap(), &(7, Outcome::Replayed));
+    }
+    assert_eq!(ledger.count("cut"), 1);
+}
