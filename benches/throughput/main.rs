@@ -14,7 +14,9 @@
 //! `--rounds R` (25), `--threads T` (Tokio workers, default 1: on a 2-core
 //! machine that leaves Redis a core of its own, as it would have on its own
 //! host; 0 = a current-thread runtime),
-//! `--replay-keys K` (1000), `--only a,b,..`, `--json`.
+//! `--replay-keys K` (1000), `--only a,b,..`, `--json`; with the feature
+//! `postgres`, PostgreSQL phases first (`postgres.rs`: `--pg-url URL`,
+//! `--pg-concurrency N` (16), `--pg-only` to skip the Redis phases).
 //!
 //! All phases run in one process, interleaved: each of R rounds runs a short
 //! slice of every phase (rotating which goes first, odd rounds backwards), so
@@ -43,6 +45,8 @@ mod metrics_cost;
 mod ops;
 mod opts;
 mod phases;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod report;
 mod wait;
 
@@ -68,6 +72,13 @@ fn main() {
         b
     };
     let rt = rt.enable_all().build().expect("tokio runtime");
+    #[cfg(feature = "postgres")]
+    {
+        rt.block_on(postgres::run(&opts));
+        if opts.pg_only {
+            return;
+        }
+    }
     // Our own server unless told otherwise; dropped (killed) at the end.
     let server = if opts.redis.is_none() {
         Some(idem_testkit::RedisServer::start())

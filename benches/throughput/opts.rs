@@ -13,13 +13,21 @@ pub(crate) struct Opts {
     pub(crate) json: bool,
     pub(crate) profile: Option<String>,
     pub(crate) ops: u64,
+    /// PostgreSQL phases (feature `postgres`): server, tasks, and whether
+    /// to skip the Redis phases.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) pg_url: Option<String>,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) pg_concurrency: usize,
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) pg_only: bool,
 }
 
 pub(crate) fn usage() -> ! {
     eprintln!(
         "usage: cargo bench --bench throughput -- [--redis URL] [--concurrency N] [--seconds S] \
          [--rounds R] [--threads T] [--replay-keys K] [--only PHASE,..] [--json] \
-         [--profile PHASE --ops N]\nphases: {}",
+         [--profile PHASE --ops N] [--pg-url URL] [--pg-concurrency N] [--pg-only]\nphases: {}",
         PHASES.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
     );
     std::process::exit(2)
@@ -37,6 +45,9 @@ pub(crate) fn parse_opts() -> Opts {
         json: false,
         profile: None,
         ops: 20_000,
+        pg_url: None,
+        pg_concurrency: 16,
+        pg_only: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -65,6 +76,11 @@ pub(crate) fn parse_opts() -> Opts {
             "--profile" => o.profile = Some(value("--profile")),
             "--ops" => o.ops = num("--ops", value("--ops")),
             "--json" => o.json = true,
+            "--pg-url" => o.pg_url = Some(value("--pg-url")),
+            "--pg-concurrency" => {
+                o.pg_concurrency = num("--pg-concurrency", value("--pg-concurrency"))
+            }
+            "--pg-only" => o.pg_only = true,
             // What `cargo bench` passes to a harness = false target.
             "--bench" => {}
             "-h" | "--help" => usage(),
