@@ -415,7 +415,10 @@ impl Drop for KafkaConsumer {
 
 impl KafkaConsumer {
     /// Creates the consumer and its producer (for retry and dead-letter
-    /// topics), subscribes and starts polling.
+    /// topics), subscribes and starts polling: the member joins the group
+    /// now, and records assigned to it wait (at most
+    /// [`KafkaConfig::buffer`]) until [`run`](Self::run) handles them, so
+    /// connect when you are about to run.
     ///
     /// Fails with [`ConsumerError::Config`] on an invalid librdkafka
     /// property or no topic; the broker is reached lazily (librdkafka
@@ -485,6 +488,12 @@ impl KafkaConsumer {
     /// next one to read, in Kafka's terms).
     pub fn last_committed(&self, topic: &str, partition: i32) -> Option<i64> {
         self.shared.last_committed(topic, partition)
+    }
+
+    /// Partitions this consumer gave up on revocation so far (a rebalance
+    /// took them, or the consumer is closing).
+    pub fn partitions_given_up(&self) -> u64 {
+        self.shared.given_up()
     }
 
     /// Records taken and not yet decided, over the partitions owned.

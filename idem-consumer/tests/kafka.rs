@@ -677,6 +677,88 @@ async fn a_broker_that_restarts_empty_redelivers_everything_and_nothing_runs_twi
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_partition_gives_its_handler_the_deadline_then_the_next_owner_waits_and_replays()
+{
+    let kafka = KafkaBroker::start();
+    let redis = RedisServer::start();
+    let (topic, group) = (unique("revoke"), unique("billing"));
+    create_topic(&kafka.bootstrap(), &topic, 1).await;
+    let p = producer(&kafka.bootstrap());
+    for i in 0..5 {
+        publish(&p, &topic, 0, Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    )
+    .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let ledger = Ledger::new();
+    let (release, released) = tokio::sync::watch::channel(false);
+    let charge = |m: Message| {
+        let (ledger, mut released) = (&ledger, released.clone());
+        async move {
+            if order_of(&m) == "o-2" {
+                let _ = released.wait_for(|r| *r).await;
+            }
+            ledger.record(&order_of(&m)); // the side effect, at completion
+            Ok::<_, String>(())
+        }
+    };
+    let short = |c: KafkaConfig| c.revoke_deadline(Duration::from_millis(300));
+    let a = KafkaConsumer::connect(short(cfg(&kafka.bootstrap(), &group, &topic))).unwrap();
+    let (stop_a, stopped_a) = tokio::sync::oneshot::channel::<()>();
+    let (stop_b, stopped_b) = tokio::sync::oneshot::channel::<()>();
+    let (go_b, b_may_start) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        until(
+            "all but o-2 done, 2 committed",
+            Duration::from_secs(30),
+            async || ledger.total() == 4 && a.last_committed(&topic, 0) == Some(2),
+        )
+        .await;
+        // A second member joins: the group takes the partition from A while
+        // o-2's handler runs; A waits 300 ms for it, then gives it up.
+        go_b.send(()).unwrap();
+        until(
+            "the partition given up",
+            Duration::from_secs(30),
+            async || a.partitions_given_up() >= 1,
+        )
+        .await;
+        let (bs, g, t) = (kafka.bootstrap(), group.clone(), topic.clone());
+        let at = tokio::task::spawn_blocking(move || committed(&bs, &g, &t, 1))
+            .await
+            .unwrap();
+        assert_eq!(
+            at,
+            vec![Some(2)],
+            "the revocation committed what was decided, not past o-2"
+        );
+        // The handler outlived the deadline; it still holds o-2's lease, so
+        // the next owner's claim waits. Let it finish now.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        release.send(true).unwrap();
+        until_committed_to_the_end(&kafka.bootstrap(), &group, &topic, 1).await;
+        stop_a.send(()).unwrap();
+        stop_b.send(()).unwrap();
+    };
+    let run_b = async {
+        let _ = b_may_start.await;
+        // Connecting joins the group.
+        let b = KafkaConsumer::connect(short(cfg(&kafka.bootstrap(), &group, &topic))).unwrap();
+        b.run(&consumer, &charge, stopped_b).await
+    };
+    let (ra, rb, ()) = tokio::join!(a.run(&consumer, &charge, stopped_a), run_b, check);
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ledger.count("o-2"), 1, "one side effect for o-2");
+    assert_eq!(ledger.total(), 5, "{:?}", ledger.duplicates());
+    assert!(
+        ra.replayed + rb.replayed >= 1,
+        "the next owner replayed o-2: {ra:?} {rb:?}"
+    );
+}
+
 // ------------------------------------------------------ processes (re-exec)
 
 /// Child process entry: runs only when re-executed by a test below.

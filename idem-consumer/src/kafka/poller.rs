@@ -64,6 +64,7 @@ pub(super) struct Shared {
     revoke_deadline: Duration,
     commits: AtomicU64,
     commit_failures: AtomicU64,
+    given_up: AtomicU64,
 }
 
 impl Shared {
@@ -75,6 +76,7 @@ impl Shared {
             revoke_deadline,
             commits: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
+            given_up: AtomicU64::new(0),
         }
     }
 
@@ -202,6 +204,11 @@ impl Shared {
             .and_then(|p| p.last_committed())
     }
 
+    /// Partitions given up on revocation so far.
+    pub(super) fn given_up(&self) -> u64 {
+        self.given_up.load(Ordering::Relaxed)
+    }
+
     /// Undecided records over every owned partition.
     pub(super) fn undecided(&self) -> usize {
         self.lock().tracker.undecided()
@@ -281,6 +288,9 @@ impl Shared {
             st.parts.remove(&(topic.clone(), *partition));
             st.tracker.forget(topic, *partition);
         }
+        drop(st);
+        self.given_up
+            .fetch_add(parts.len() as u64, Ordering::Relaxed);
         tracing::info!(partitions = parts.len(), "partitions given up");
     }
 }
