@@ -101,7 +101,8 @@ impl PartitionOffsets {
 /// t.take("orders", 0, 10);
 /// t.take("orders", 1, 4);
 /// t.decide("orders", 1, 4);
-/// assert_eq!(t.to_commit(), vec![("orders".to_string(), 1, 5)]);
+/// // Partition 0: 10 is where reading started and is not done yet.
+/// assert_eq!(t.to_commit(), vec![("orders".into(), 0, 10), ("orders".into(), 1, 5)]);
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct OffsetTracker {
