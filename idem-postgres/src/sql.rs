@@ -134,8 +134,14 @@ impl Statements {
              {WRITE_REPLY} {}",
             refused("false")
         );
+        // An extend commits asynchronously: losing one in a server crash
+        // leaves the previous deadline, the same as an extend delayed by
+        // that crash's downtime (during which no extend lands anyway), and
+        // the holder's next renewal moves it on. It keeps renewals off the
+        // WAL flush queue, where a busy server can hold them past a lease.
         let extend = format!(
-            "WITH c AS (SELECT clock_timestamp() AS now), \
+            "WITH c AS (SELECT clock_timestamp() AS now, \
+                        set_config('synchronous_commit', 'off', true) AS sync), \
              w AS (UPDATE {t} r SET lease_until = c.now + {lease}, \
                           expires_at = GREATEST(r.expires_at, c.now + 2 * {lease}) \
                    FROM c WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 \
