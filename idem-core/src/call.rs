@@ -286,7 +286,7 @@ fn observe(
     body: Option<Duration>,
 ) {
     #[cfg(feature = "metrics")]
-    crate::metrics::call(&inner.namespace, scope, outcome);
+    crate::metrics::call(&inner.namespace, scope, outcome, inner.store.name());
     if let Some(hook) = &inner.hook {
         let shown = key.map(|k| shown_key(inner, k));
         let event = OutcomeEvent {

@@ -1,9 +1,10 @@
 //! Metrics on the `metrics` facade (feature `metrics`): the application
 //! installs an exporter (Prometheus, StatsD, …); idem only records.
 //!
-//! - `idem_calls_total{namespace, scope, outcome}`: one per call, `outcome`
-//!   a [`CallOutcome`](crate::CallOutcome) label;
-//! - `idem_store_seconds{op}`: each store round trip, `op` one of `claim`,
+//! - `idem_calls_total{namespace, scope, outcome, store}`: one per call,
+//!   `outcome` a [`CallOutcome`](crate::CallOutcome) label, `store` the
+//!   backend's [`Store::name`] (`redis`, `memory`, `postgres`);
+//! - `idem_store_seconds{op, store}`: each store round trip, `op` one of `claim`,
 //!   `replay` (a claim that found a completed record), `complete`,
 //!   `release`, `extend`;
 //! - `idem_body_seconds{scope}`: how long bodies run;
@@ -25,12 +26,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-pub(crate) fn call(namespace: &str, scope: &str, outcome: CallOutcome) {
+pub(crate) fn call(namespace: &str, scope: &str, outcome: CallOutcome, store: &'static str) {
     metrics::counter!(
         "idem_calls_total",
         "namespace" => namespace.to_owned(),
         "scope" => scope.to_owned(),
-        "outcome" => outcome.as_str()
+        "outcome" => outcome.as_str(),
+        "store" => store
     )
     .increment(1);
 }
@@ -58,12 +60,19 @@ impl Drop for InFlight {
 /// The runtime's store, timed: each round trip lands in `idem_store_seconds`.
 pub(crate) struct Metered(pub(crate) Arc<dyn Store>);
 
-fn store(op: &'static str, since: Instant) {
-    metrics::histogram!("idem_store_seconds", "op" => op).record(since.elapsed());
+impl Metered {
+    fn record(&self, op: &'static str, since: Instant) {
+        metrics::histogram!("idem_store_seconds", "op" => op, "store" => self.0.name())
+            .record(since.elapsed());
+    }
 }
 
 #[async_trait]
 impl Store for Metered {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let since = Instant::now();
         let reply = self.0.claim(claim).await;
@@ -71,7 +80,7 @@ impl Store for Metered {
             Ok(ClaimReply::Completed(_)) => "replay",
             _ => "claim",
         };
-        store(op, since);
+        self.record(op, since);
         reply
     }
 
@@ -85,21 +94,21 @@ impl Store for Metered {
     ) -> Result<WriteReply, Error> {
         let since = Instant::now();
         let reply = self.0.complete(key, token, fingerprint, kind, value).await;
-        store("complete", since);
+        self.record("complete", since);
         reply
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         let since = Instant::now();
         let reply = self.0.release(key, token).await;
-        store("release", since);
+        self.record("release", since);
         reply
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         let since = Instant::now();
         let reply = self.0.extend(key, token, lease).await;
-        store("extend", since);
+        self.record("extend", since);
         reply
     }
 

@@ -254,8 +254,9 @@ fn metrics_count_each_outcome() {
     });
     let text = handle.render();
     let count = |outcome: &str| {
-        let line =
-            format!("idem_calls_total{{namespace=\"m\",scope=\"charge\",outcome=\"{outcome}\"}} ");
+        let line = format!(
+            "idem_calls_total{{namespace=\"m\",scope=\"charge\",outcome=\"{outcome}\",store=\"memory\"}} "
+        );
         text.lines()
             .find_map(|l| l.strip_prefix(line.as_str()))
             .map(|n| n.trim().parse::<u64>().unwrap())
@@ -271,15 +272,15 @@ fn metrics_count_each_outcome() {
         "{text}"
     );
     assert!(
-        text.contains("idem_store_seconds_count{op=\"claim\"} 4"),
+        text.contains("idem_store_seconds_count{op=\"claim\",store=\"memory\"} 4"),
         "{text}"
     );
     assert!(
-        text.contains("idem_store_seconds_count{op=\"replay\"} 2"),
+        text.contains("idem_store_seconds_count{op=\"replay\",store=\"memory\"} 2"),
         "{text}"
     );
     assert!(
-        text.contains("idem_store_seconds_count{op=\"complete\"} 3"),
+        text.contains("idem_store_seconds_count{op=\"complete\",store=\"memory\"} 3"),
         "{text}"
     );
     assert!(
@@ -287,4 +288,41 @@ fn metrics_count_each_outcome() {
         "{text}"
     );
     assert!(text.contains("idem_bodies_in_flight 0"), "{text}");
+}
+
+/// PgStore's calls land under the same names, labelled `store="postgres"`.
+#[cfg(feature = "metrics")]
+#[test]
+fn metrics_label_the_postgres_store() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let ctx = idem_testkit::TestContext::postgres()
+                .await
+                .with_namespace("m");
+            let idem = ctx.idem();
+            for _ in 0..2 {
+                let _: u8 = idem
+                    .call("charge", "a")
+                    .run(|| async { Ok::<_, Error>(1u8) })
+                    .await
+                    .unwrap(); // executed, replayed
+            }
+        });
+    });
+    let text = handle.render();
+    for line in [
+        "idem_calls_total{namespace=\"m\",scope=\"charge\",outcome=\"executed\",store=\"postgres\"} 1",
+        "idem_calls_total{namespace=\"m\",scope=\"charge\",outcome=\"replayed\",store=\"postgres\"} 1",
+        "idem_store_seconds_count{op=\"claim\",store=\"postgres\"} 1",
+        "idem_store_seconds_count{op=\"replay\",store=\"postgres\"} 1",
+        "idem_store_seconds_count{op=\"complete\",store=\"postgres\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
 }

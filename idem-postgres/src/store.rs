@@ -586,6 +586,10 @@ fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<Cl
 
 #[async_trait]
 impl Store for PgStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         let token = token_bytes(c.token);
         let slot = tx::current();

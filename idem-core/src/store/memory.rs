@@ -173,6 +173,10 @@ fn mismatch(given: Option<&Fingerprint>, stored: Option<&Fingerprint>) -> bool {
 
 #[async_trait]
 impl Store for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         let now = Instant::now();
         let lease = store_lease(c.lease);

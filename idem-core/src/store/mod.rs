@@ -221,6 +221,18 @@ pub trait Store: Send + Sync + 'static {
     /// Moves the caller's lease deadline to now + `lease`.
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error>;
 
+    /// The backend's short name, the `store` label of idem's metrics
+    /// (`redis`, `memory`, `postgres`). A bounded set: never a key or URL.
+    /// The default is `custom`.
+    ///
+    /// ```
+    /// use idem_core::{MemoryStore, Store};
+    /// assert_eq!(MemoryStore::new().name(), "memory");
+    /// ```
+    fn name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Reads the record of `key` for an operator, writing nothing; `None`
     /// when there is none. The value is included only when `with_value`.
     /// A record that cannot be read is [`Error::Corrupt`].

@@ -358,6 +358,10 @@ impl RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let ttl = millis(record_ttl(claim.ttl, claim.lease));
         let record = PendingRecord {
