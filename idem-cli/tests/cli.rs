@@ -163,6 +163,7 @@ async fn inspect_forget_scan_and_exit_codes() {
         "resetkeys",
         "~svc:*",
         "resetchannels",
+        "&svc:*",
         "-@all",
         "+evalsha",
         "+script|load",
@@ -170,6 +171,7 @@ async fn inspect_forget_scan_and_exit_codes() {
         "+pttl",
         "+del",
         "+scan",
+        "+spublish",
     ]);
     let ops = format!("redis://idem-ops:ops-pw@{}/", server.addr());
     let _: u32 = service
