@@ -8,18 +8,16 @@
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use tempfile::TempDir;
 
-use crate::{find_binary, free_port, spawn};
+use crate::spawn::{self, Slot};
+use crate::{find_binary, free_port};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
 const LOG_FILE: &str = "tansu.log";
-/// Lines of log quoted in a startup-failure panic.
-const LOG_TAIL_LINES: usize = 40;
 
 /// The command that installs the broker, quoted wherever it is missing.
 pub const TANSU_INSTALL: &str = "cargo install tansu --locked --features dynostore";
@@ -79,7 +77,7 @@ pub fn require_tansu() -> PathBuf {
 pub struct KafkaBroker {
     port: u16,
     dir: TempDir,
-    child: Mutex<Option<Child>>,
+    child: Slot,
 }
 
 impl KafkaBroker {
@@ -97,7 +95,7 @@ impl KafkaBroker {
         let broker = KafkaBroker {
             port: free_port(),
             dir,
-            child: Mutex::new(None),
+            child: Slot::default(),
         };
         broker.launch();
         broker
@@ -120,11 +118,7 @@ impl KafkaBroker {
 
     /// Kills the broker with `SIGKILL` and waits for it.
     pub fn kill(&mut self) {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(mut c) = child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Starts the broker again on the same port (empty: storage is in memory).
@@ -135,10 +129,7 @@ impl KafkaBroker {
 
     /// Whether the process is alive.
     pub fn is_running(&self) -> bool {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        child
-            .as_mut()
-            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.child.is_running()
     }
 
     fn launch(&self) {
@@ -164,25 +155,11 @@ impl KafkaBroker {
             .stderr(err_log);
         let child =
             spawn::spawn(cmd).unwrap_or_else(|e| panic!("idem-testkit: cannot run tansu: {e}"));
-        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
-        let end = Instant::now() + READY_TIMEOUT;
-        loop {
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
-            }
-            if !self.is_running() || Instant::now() > end {
-                let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(LOG_TAIL_LINES).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                panic!(
-                    "idem-testkit: tansu broker on port {} did not come up within {:?}; its log:\n{}",
-                    self.port,
-                    READY_TIMEOUT,
-                    tail.join("\n")
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child.set(child);
+        let what = format!("tansu broker on port {}", self.port);
+        self.child.wait_ready(&what, READY_TIMEOUT, &log_path, || {
+            TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+        });
     }
 }
 

@@ -5,13 +5,13 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use tempfile::TempDir;
 
-use crate::{find_binary, free_port, spawn};
+use crate::spawn::{self, Slot};
+use crate::{find_binary, free_port};
 
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 const LOG_FILE: &str = "nats.log";
@@ -44,7 +44,7 @@ pub fn require_nats() -> PathBuf {
 pub struct NatsServer {
     port: u16,
     dir: TempDir,
-    child: Mutex<Option<Child>>,
+    child: Slot,
 }
 
 impl NatsServer {
@@ -62,7 +62,7 @@ impl NatsServer {
         let server = NatsServer {
             port: free_port(),
             dir,
-            child: Mutex::new(None),
+            child: Slot::default(),
         };
         server.launch();
         server
@@ -85,11 +85,7 @@ impl NatsServer {
 
     /// Kills the server with `SIGKILL` and waits for it; the store stays.
     pub fn kill(&mut self) {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(mut c) = child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.child.kill();
     }
 
     /// Starts the server again on the same port and store directory.
@@ -100,10 +96,7 @@ impl NatsServer {
 
     /// Whether the process is alive.
     pub fn is_running(&self) -> bool {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        child
-            .as_mut()
-            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        self.child.is_running()
     }
 
     fn launch(&self) {
@@ -124,21 +117,11 @@ impl NatsServer {
             .stderr(Stdio::null());
         let child = spawn::spawn(cmd)
             .unwrap_or_else(|e| panic!("idem-testkit: cannot run nats-server: {e}"));
-        *self.child.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
-        let end = Instant::now() + READY_TIMEOUT;
-        loop {
-            if self.answers() && self.jetstream_ready(&log) {
-                return;
-            }
-            if !self.is_running() || Instant::now() > end {
-                panic!(
-                    "idem-testkit: nats-server on port {} did not come up\n{}",
-                    self.port,
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child.set(child);
+        let what = format!("nats-server on port {}", self.port);
+        self.child.wait_ready(&what, READY_TIMEOUT, &log, || {
+            self.answers() && self.jetstream_ready(&log)
+        });
     }
 
     fn answers(&self) -> bool {

@@ -9,9 +9,11 @@
 //! destructor runs, and never linger holding ports (or CI's pipes).
 
 use std::io;
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 type Request = (Command, Sender<io::Result<Child>>);
 
@@ -65,3 +67,60 @@ fn tie_to_parent(command: &mut Command) {
 
 #[cfg(not(target_os = "linux"))]
 fn tie_to_parent(_command: &mut Command) {}
+
+/// The one process of a spawned server, or none between a kill and a
+/// restart (the servers keep their port and directory across both).
+#[derive(Debug, Default)]
+pub(crate) struct Slot(Mutex<Option<Child>>);
+
+impl Slot {
+    pub(crate) fn set(&self, child: Child) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(child);
+    }
+
+    /// `SIGKILL`s the process and reaps it.
+    pub(crate) fn kill(&self) {
+        let mut child = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut c) = child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub(crate) fn is_running(&self) -> bool {
+        let mut child = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// Polls `ready` until it holds; panics, quoting the end of the server's
+    /// log, when the process dies first or `timeout` passes.
+    pub(crate) fn wait_ready(
+        &self,
+        what: &str,
+        timeout: Duration,
+        log: &Path,
+        mut ready: impl FnMut() -> bool,
+    ) {
+        let end = Instant::now() + timeout;
+        loop {
+            if ready() {
+                return;
+            }
+            if !self.is_running() || Instant::now() > end {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+                panic!(
+                    "idem-testkit: {what} did not come up within {timeout:?}; its log:\n{}",
+                    tail.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Lines of a server's log quoted when it fails to start.
+const LOG_TAIL_LINES: usize = 40;
