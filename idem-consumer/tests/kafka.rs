@@ -641,34 +641,42 @@ async fn a_broker_that_restarts_empty_redelivers_everything_and_nothing_runs_twi
             Ok::<_, String>(())
         }
     };
-    let kc = KafkaConsumer::connect(cfg(&kafka.bootstrap(), &group, &topic)).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        until_committed_to_the_end(&kafka.bootstrap(), &group, &topic, 2).await;
-        // tansu keeps everything in memory: it comes back without topics,
-        // records or offsets, and the producer sends its records again.
-        kafka.restart();
-        create_topic(&kafka.bootstrap(), &topic, 2).await;
-        let p = producer(&kafka.bootstrap());
-        for i in 0..30 {
-            publish(
-                &p,
-                &topic,
-                (i % 2) as i32,
-                Some(&format!("o-{i}")),
-                &order(i, 1),
-            )
+    let bootstrap = kafka.bootstrap(); // the same port after the restart
+    let run = async |expect: usize| {
+        let kc = KafkaConsumer::connect(cfg(&bootstrap, &group, &topic)).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let check = async {
+            until("the orders charged", Duration::from_secs(60), async || {
+                ledger.total() >= expect
+            })
             .await;
-        }
-        until("30 orders charged", Duration::from_secs(60), async || {
-            ledger.total() >= 30
-        })
-        .await;
-        until_committed_to_the_end(&kafka.bootstrap(), &group, &topic, 2).await;
-        stop.send(()).unwrap();
+            until_committed_to_the_end(&bootstrap, &group, &topic, 2).await;
+            stop.send(()).unwrap();
+        };
+        let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+        report.unwrap()
     };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
-    let report = report.unwrap();
+    run(20).await;
+    // tansu keeps everything in memory: it comes back without topics,
+    // records or offsets, and the producer sends its records again. The
+    // member is closed across the restart: librdkafka 2.12 crashes on
+    // tansu's answer to a fetch of a topic it no longer knows (a zero topic
+    // id with a leader tag, librdkafka issue #5280's code path), which no
+    // Kafka broker sends.
+    kafka.restart();
+    create_topic(&kafka.bootstrap(), &topic, 2).await;
+    let p = producer(&kafka.bootstrap());
+    for i in 0..30 {
+        publish(
+            &p,
+            &topic,
+            (i % 2) as i32,
+            Some(&format!("o-{i}")),
+            &order(i, 1),
+        )
+        .await;
+    }
+    let report = run(30).await;
     assert_eq!(ledger.total(), 30, "{:?}", ledger.duplicates());
     assert!(ledger.duplicates().is_empty());
     assert!(
