@@ -909,6 +909,32 @@ impl Setup {
         cmd.spawn().unwrap()
     }
 
+    /// A new member of the group charging into the shared ledger, until
+    /// every partition is committed to its end.
+    async fn drain_as_the_next_member(&self, partitions: i32) -> KafkaReport {
+        let consumer = Consumer::new(
+            idem_on(&self.redis.url(), Duration::from_millis(1500)).await,
+            "orders.charge",
+        );
+        let ledger = self.ledger();
+        let charge = |m: Message| {
+            let ledger = &ledger;
+            async move {
+                ledger.record(&order_of(&m));
+                Ok::<_, String>(())
+            }
+        };
+        let bootstrap = self.kafka.bootstrap();
+        let kc = KafkaConsumer::connect(cfg(&bootstrap, &self.group, &self.topic)).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let check = async {
+            until_committed_to_the_end(&bootstrap, &self.group, &self.topic, partitions).await;
+            stop.send(()).unwrap();
+        };
+        let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+        report.unwrap()
+    }
+
     fn ledger(&self) -> FileLedger {
         FileLedger::at(self.dir.path().join("ledger"))
     }
@@ -1000,26 +1026,7 @@ async fn killed_after_the_side_effect_before_the_commit_the_next_member_replays_
     assert_eq!(at, vec![None, None, None], "killed before any commit");
 
     // The dead member's session runs out, the group rebalances to the new one.
-    let consumer = Consumer::new(
-        idem_on(&s.redis.url(), Duration::from_millis(1500)).await,
-        "orders.charge",
-    );
-    let ledger = s.ledger();
-    let charge = |m: Message| {
-        let ledger = &ledger;
-        async move {
-            ledger.record(&order_of(&m));
-            Ok::<_, String>(())
-        }
-    };
-    let kc = KafkaConsumer::connect(cfg(&s.kafka.bootstrap(), &s.group, &s.topic)).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        until_committed_to_the_end(&s.kafka.bootstrap(), &s.group, &s.topic, 3).await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
-    let report: KafkaReport = report.unwrap();
+    let report = s.drain_as_the_next_member(3).await;
     assert_eq!(
         report.replayed, n,
         "every record came back and replayed: {report:?}"
@@ -1042,26 +1049,7 @@ async fn killed_mid_handler_the_next_member_takes_over_after_the_lease_with_one_
     assert_killed(s.spawn("crash-mid-handler", &[]).wait().unwrap());
     assert_eq!(ledger_counts(&s.ledger()).get("o-0"), Some(&1));
 
-    let consumer = Consumer::new(
-        idem_on(&s.redis.url(), Duration::from_millis(1500)).await,
-        "orders.charge",
-    );
-    let ledger = s.ledger();
-    let charge = |m: Message| {
-        let ledger = &ledger;
-        async move {
-            ledger.record(&order_of(&m));
-            Ok::<_, String>(())
-        }
-    };
-    let kc = KafkaConsumer::connect(cfg(&s.kafka.bootstrap(), &s.group, &s.topic)).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        until_committed_to_the_end(&s.kafka.bootstrap(), &s.group, &s.topic, 1).await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
-    let report = report.unwrap();
+    let report = s.drain_as_the_next_member(1).await;
     assert_eq!(
         report.recovered, 1,
         "taken over after the dead holder's lease: {report:?}"
