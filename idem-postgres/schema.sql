@@ -16,3 +16,52 @@ CREATE TABLE IF NOT EXISTS "idem_keys" (
 ) WITH (fillfactor = 75);
 
 CREATE INDEX IF NOT EXISTS "idem_keys_expires_idx" ON "idem_keys" USING brin (expires_at);
+
+CREATE OR REPLACE FUNCTION "idem_keys_claim"(
+    k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz
+) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$
+#variable_conflict use_column
+DECLARE
+    won bigint;
+BEGIN
+    IF tx THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    INSERT INTO "idem_keys" AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)
+    VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',
+            'P', tx, k, tok, fp, NULL)
+    ON CONFLICT (key) DO UPDATE SET
+        attempt = CASE WHEN r.expires_at <= n THEN 1
+                       WHEN r.token = EXCLUDED.token THEN r.attempt
+                       ELSE LEAST(r.attempt + 1, 4294967295) END,
+        fingerprint = CASE WHEN r.expires_at <= n THEN EXCLUDED.fingerprint
+                           WHEN r.token = EXCLUDED.token THEN r.fingerprint
+                           ELSE COALESCE(EXCLUDED.fingerprint, r.fingerprint) END,
+        lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,
+        state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx
+    WHERE r.expires_at <= n
+       OR (r.state = 'P' AND octet_length(r.token) = 16
+           AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL
+           AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16)
+           AND (EXCLUDED.fingerprint IS NULL OR r.fingerprint IS NULL
+                OR r.fingerprint = EXCLUDED.fingerprint)
+           AND (r.token = EXCLUDED.token OR r.lease_until <= n))
+    RETURNING r.attempt INTO won;
+    RETURN won;
+END
+$idem$;
+
+CREATE OR REPLACE FUNCTION "idem_keys_complete_in_tx"(k text, tok bytea, tag "char", v bytea)
+RETURNS void LANGUAGE plpgsql VOLATILE AS $idem$
+#variable_conflict use_column
+BEGIN
+    UPDATE "idem_keys" SET state = tag, value = v, attempt = NULL, lease_until = NULL,
+                       token = NULL, in_tx = false
+    WHERE key = k AND state = 'P' AND token = tok AND in_tx
+      AND expires_at > clock_timestamp();
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idem: this call no longer holds the key''s lease; nothing of it commits'
+            USING ERRCODE = 'IDL01';
+    END IF;
+END
+$idem$;

@@ -130,6 +130,30 @@ impl TableName {
     }
 }
 
+impl TableName {
+    /// `"schema"."table_suffix"` for a function of this table: unlike an
+    /// index, a function is created in the search path's first schema
+    /// unless qualified, so it is qualified like the table.
+    /// Names too long for the identifier limit keep the suffix and gain a
+    /// hash of the whole table name, so two long table names never share
+    /// (and overwrite) each other's functions.
+    pub(crate) fn routine(&self, suffix: &str) -> String {
+        let mut name = format!("{}_{suffix}", self.table);
+        if name.len() > MAX_IDENT {
+            let hash = self.table.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            let keep = MAX_IDENT - suffix.len() - 10;
+            name = format!("{}_{:08x}_{suffix}", &self.table[..keep], hash as u32);
+        }
+        let name = quote(&name);
+        match &self.schema {
+            Some(schema) => format!("{}.{name}", quote(schema)),
+            None => name,
+        }
+    }
+}
+
 impl fmt::Display for TableName {
     /// The quoted, SQL-ready form: `"schema"."table"`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -220,6 +244,22 @@ mod tests {
             assert!(matches!(e, Error::InvalidConfig(_)), "{bad:?}: {e}");
         }
         assert!(TableName::parse(&"x".repeat(63)).is_ok());
+    }
+
+    #[test]
+    fn routine_names_are_qualified_and_distinct_when_long() {
+        assert_eq!(
+            TableName::parse("app.keys").unwrap().routine("claim"),
+            "\"app\".\"keys_claim\""
+        );
+        let a = TableName::parse(&format!("{}a", "t".repeat(62))).unwrap();
+        let b = TableName::parse(&format!("{}b", "t".repeat(62))).unwrap();
+        let (ra, rb) = (a.routine("claim"), b.routine("claim"));
+        assert_ne!(ra, rb);
+        for r in [&ra, &rb] {
+            assert_eq!(r.len(), MAX_IDENT + 2, "{r}");
+            assert!(r.ends_with("_claim\""), "{r}");
+        }
     }
 
     #[test]

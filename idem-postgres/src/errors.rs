@@ -17,10 +17,16 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
                 "table {table} does not exist ({msg}); run `PgStore::migrate()` once, or apply \
                  idem-postgres/schema.sql with your migrations"
             )),
+            // undefined_function: a table migrated by an older idem-postgres
+            "42883" => Error::InvalidConfig(format!(
+                "a function of table {table} is missing ({msg}): idem-postgres writes through \
+                 functions installed beside its table; run `PgStore::migrate()` again, or apply \
+                 this version's idem-postgres/schema.sql with your migrations"
+            )),
             // insufficient_privilege
             "42501" => Error::InvalidConfig(format!(
                 "the database user may not use table {table} ({msg}); grant SELECT, INSERT, \
-                 UPDATE and DELETE on it"
+                 UPDATE and DELETE on it, and EXECUTE on its functions"
             )),
             // undefined_column, datatype_mismatch: a table of another shape
             "42703" | "42804" => Error::InvalidConfig(format!(

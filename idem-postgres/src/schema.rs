@@ -20,8 +20,17 @@
 
 use crate::config::TableName;
 
-/// The statements that create the table and its index, each idempotent
-/// (`IF NOT EXISTS`), in order. The expiry index is BRIN: rows are written
+/// The function that writes a claim (see [`claim_function`]).
+pub(crate) const CLAIM_FN: &str = "claim";
+/// The function that completes a `run_in_tx` claim inside the body's
+/// transaction (see [`complete_in_tx_function`]).
+pub(crate) const COMPLETE_IN_TX_FN: &str = "complete_in_tx";
+/// The SQLSTATE the `run_in_tx` completion raises when the caller no longer
+/// holds the lease: the transaction aborts before its `COMMIT`.
+pub(crate) const LEASE_LOST: &str = "IDL01";
+
+/// The statements that create the table, its index and its two functions,
+/// each idempotent (`IF NOT EXISTS`, `CREATE OR REPLACE`), in order. The expiry index is BRIN: rows are written
 /// roughly in expiry order, so a few bytes per block range find the expired
 /// ones for `reap`, while a B-tree on a timestamp would make every claim
 /// insert into the same rightmost page.
@@ -44,7 +53,86 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             "CREATE INDEX IF NOT EXISTS {index} ON {table} USING brin (expires_at)",
             index = table.index("expires_idx")
         ),
+        claim_function(table),
+        complete_in_tx_function(table),
     ]
+}
+
+/// The write half of a claim, called by the claim statement (`sql.rs`) only
+/// when the row it read shows a record this claim may take, so a replay or
+/// an in-progress answer never starts an `INSERT`: a data-modifying CTE
+/// would initialise one on every call, which cost a replay 3.5 times the
+/// server instructions of a plain read. Returns the attempt when the claim
+/// is the caller's, NULL when the latest row refused it.
+///
+/// `n` is the claim statement's own time. A `run_in_tx` claim (`tx`)
+/// commits asynchronously: losing it in a server crash is harmless, since
+/// the crash aborts the body's transaction too, so the key is rightly free
+/// again. Plain claims stay durable: their bodies' effects live outside the
+/// database. The `ON CONFLICT` branch re-checks everything on the latest
+/// row version, whatever the caller's read saw.
+fn claim_function(table: &TableName) -> String {
+    let name = table.routine(CLAIM_FN);
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}(\n\
+         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz\n\
+         ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$\n\
+         #variable_conflict use_column\n\
+         DECLARE\n\
+         \x20   won bigint;\n\
+         BEGIN\n\
+         \x20   IF tx THEN\n\
+         \x20       PERFORM set_config('synchronous_commit', 'off', true);\n\
+         \x20   END IF;\n\
+         \x20   INSERT INTO {table} AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
+         \x20   VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',\n\
+         \x20           'P', tx, k, tok, fp, NULL)\n\
+         \x20   ON CONFLICT (key) DO UPDATE SET\n\
+         \x20       attempt = CASE WHEN r.expires_at <= n THEN 1\n\
+         \x20                      WHEN r.token = EXCLUDED.token THEN r.attempt\n\
+         \x20                      ELSE LEAST(r.attempt + 1, 4294967295) END,\n\
+         \x20       fingerprint = CASE WHEN r.expires_at <= n THEN EXCLUDED.fingerprint\n\
+         \x20                          WHEN r.token = EXCLUDED.token THEN r.fingerprint\n\
+         \x20                          ELSE COALESCE(EXCLUDED.fingerprint, r.fingerprint) END,\n\
+         \x20       lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,\n\
+         \x20       state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx\n\
+         \x20   WHERE r.expires_at <= n\n\
+         \x20      OR (r.state = 'P' AND octet_length(r.token) = 16\n\
+         \x20          AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL\n\
+         \x20          AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16)\n\
+         \x20          AND (EXCLUDED.fingerprint IS NULL OR r.fingerprint IS NULL\n\
+         \x20               OR r.fingerprint = EXCLUDED.fingerprint)\n\
+         \x20          AND (r.token = EXCLUDED.token OR r.lease_until <= n))\n\
+         \x20   RETURNING r.attempt INTO won;\n\
+         \x20   RETURN won;\n\
+         END\n\
+         $idem$"
+    )
+}
+
+/// The `run_in_tx` completion: an owner-token compare-and-set inside the
+/// body's transaction, raising [`LEASE_LOST`] when it touches no row so that
+/// the `COMMIT` sent in the same message never runs. A function, so the
+/// message carrying it (simple protocol, spliced literals) plans a function
+/// call instead of an `UPDATE` on every call.
+fn complete_in_tx_function(table: &TableName) -> String {
+    let name = table.routine(COMPLETE_IN_TX_FN);
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}(k text, tok bytea, tag \"char\", v bytea)\n\
+         RETURNS void LANGUAGE plpgsql VOLATILE AS $idem$\n\
+         #variable_conflict use_column\n\
+         BEGIN\n\
+         \x20   UPDATE {table} SET state = tag, value = v, attempt = NULL, lease_until = NULL,\n\
+         \x20                      token = NULL, in_tx = false\n\
+         \x20   WHERE key = k AND state = 'P' AND token = tok AND in_tx\n\
+         \x20     AND expires_at > clock_timestamp();\n\
+         \x20   IF NOT FOUND THEN\n\
+         \x20       RAISE EXCEPTION 'idem: this call no longer holds the key''s lease; nothing of it commits'\n\
+         \x20           USING ERRCODE = '{LEASE_LOST}';\n\
+         \x20   END IF;\n\
+         END\n\
+         $idem$"
+    )
 }
 
 /// The whole schema as one script, as `schema.sql` ships it.

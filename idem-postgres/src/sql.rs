@@ -4,17 +4,19 @@
 //! `c`: the database's clock, never the client's, and not `now()`, which a
 //! transaction freezes at its start. Durations travel as milliseconds.
 //!
-//! Every write is one statement that does the write when the row is the
-//! caller's and otherwise reads the row back in the same round trip (the
-//! `UNION ALL … WHERE NOT EXISTS` branch). That read uses the statement's
-//! snapshot, which under READ COMMITTED may predate the row version the
-//! write was refused on; so the caller trusts it only for answers that
-//! need no write (in progress, completed, another owner, missing) and runs
-//! the whole statement again when the snapshot says the write should have
-//! happened.
+//! The claim is one statement: it reads the row and, only when the read
+//! shows a record it may take, calls the table's claim function to write
+//! (`schema.rs`). The other writes are plain statements whose
+//! affected-row count is the answer on the common path; a refused one is
+//! followed by `classify`. Either read runs on a snapshot that under READ
+//! COMMITTED may predate the row version the write was refused on; so the
+//! caller trusts it only for answers that need no write (in progress,
+//! completed, another owner, missing) and runs the write again when the
+//! read says it should have happened.
 
 use crate::config::TableName;
 use crate::operate::info_columns;
+use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN};
 use std::sync::Arc;
 
 /// `$n` milliseconds as an interval.
@@ -29,7 +31,8 @@ macro_rules! ms {
 pub(crate) struct Statements {
     pub claim: Arc<str>,
     pub complete: Arc<str>,
-    table: String,
+    /// The quoted name of the `run_in_tx` completion function.
+    complete_in_tx: String,
     pub resolve_in_tx: Arc<str>,
     pub release: Arc<str>,
     pub extend: Arc<str>,
@@ -42,80 +45,46 @@ pub(crate) struct Statements {
     pub scan_open: Arc<str>,
 }
 
-/// Columns a refused write reads back: `done, state, token, in_tx, live, same`.
+/// Columns a refused `resolve_in_tx` reads back, as `classify` answers:
+/// `done, state, token, in_tx, live, same`.
 const WRITE_REPLY: &str = "SELECT true AS done, NULL::\"char\" AS state, NULL::bytea AS token, \
      NULL::boolean AS in_tx, NULL::boolean AS live, NULL::boolean AS same FROM w";
 
 impl Statements {
     pub(crate) fn new(t: &TableName) -> Statements {
-        // The claim's own time, recovered inside ON CONFLICT (which cannot
-        // see the CTE) from the lease end it just computed: exact, since
-        // interval arithmetic on timestamptz is in whole microseconds.
-        let now = concat!("(EXCLUDED.lease_until - ", ms!(3), ")");
-        // `cur` reads the row first: when it shows a record this claim
-        // cannot take (completed, or another holder's live lease), the
-        // INSERT has no source row and never runs, so a replay or an
+        // The claim reads the row and calls the claim function (schema.rs)
+        // only when that row shows no record this claim must leave alone
+        // (none, expired, its own, or a lapsed lease): a replay or an
         // in-progress answer is a read-only statement (no row lock, no
-        // transaction id, no WAL flush). When the snapshot is stale, the
-        // INSERT's conflict path re-checks everything on the latest row.
-        //
-        // `sync`: a `run_in_tx` claim ($6) commits asynchronously. Losing
-        // it in a server crash is harmless: the crash aborts the body's
-        // transaction too, so the key is rightly free again. Plain claims
-        // stay durable: their bodies' effects live outside the database.
+        // transaction id, no WAL flush), and plans nothing that writes.
+        // When the read is stale, the function's conflict branch re-checks
+        // everything on the latest row. `OFFSET 0` keeps the planner from
+        // copying the CASE (and so the call) into each output column.
         let claim = format!(
-            "WITH c AS (SELECT clock_timestamp() AS now, \
-                        CASE WHEN $6 THEN set_config('synchronous_commit', 'off', true) END AS sync), \
-             cur AS (SELECT r.* FROM {t} r, c WHERE r.key = $1), \
-             ins AS ( \
-               INSERT INTO {t} AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value) \
-               SELECT 1, c.now + {lease}, c.now + {ttl}, 'P', $6, $1, $2, $5, NULL FROM c \
-               WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.expires_at > c.now \
-                                 AND NOT (cur.state = 'P' AND (cur.token = $2 OR cur.lease_until <= c.now))) \
-               ON CONFLICT (key) DO UPDATE SET \
-                 attempt = CASE WHEN r.expires_at <= {now} THEN 1 \
-                                WHEN r.token = EXCLUDED.token THEN r.attempt \
-                                ELSE LEAST(r.attempt + 1, 4294967295) END, \
-                 fingerprint = CASE WHEN r.expires_at <= {now} THEN EXCLUDED.fingerprint \
-                                    WHEN r.token = EXCLUDED.token THEN r.fingerprint \
-                                    ELSE COALESCE(EXCLUDED.fingerprint, r.fingerprint) END, \
-                 lease_until = EXCLUDED.lease_until, \
-                 expires_at = EXCLUDED.expires_at, \
-                 state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx \
-               WHERE r.expires_at <= {now} \
-                  OR (r.state = 'P' AND octet_length(r.token) = 16 \
-                      AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL \
-                      AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16) \
-                      AND (EXCLUDED.fingerprint IS NULL OR r.fingerprint IS NULL \
-                           OR r.fingerprint = EXCLUDED.fingerprint) \
-                      AND (r.token = EXCLUDED.token OR r.lease_until <= {now})) \
-               RETURNING r.attempt \
-             ) \
-             SELECT true AS won, ins.attempt, NULL::\"char\" AS state, NULL::bytea AS token, \
-                    NULL::bytea AS fingerprint, NULL::bytea AS value, \
-                    NULL::bigint AS lease_ms, NULL::bigint AS ttl_ms FROM ins \
-             UNION ALL \
-             SELECT false, r.attempt, r.state, r.token, r.fingerprint, r.value, \
-                    ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint, \
-                    ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint \
-             FROM cur r, c WHERE NOT EXISTS (SELECT 1 FROM ins)",
-            lease = ms!(3),
-            ttl = ms!(4),
+            "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now) \
+             SELECT s.a IS NOT NULL AS won, COALESCE(s.a, s.attempt) AS attempt, s.state, s.token, \
+                    s.fingerprint, s.value, \
+                    ceil(extract(epoch FROM s.lease_until - s.now) * 1000)::bigint AS lease_ms, \
+                    ceil(extract(epoch FROM s.expires_at - s.now) * 1000)::bigint AS ttl_ms \
+             FROM (SELECT r.attempt, r.state, r.token, r.fingerprint, r.value, r.lease_until, \
+                          r.expires_at, c.now, \
+                          CASE WHEN r.key IS NULL OR r.expires_at <= c.now \
+                                    OR (r.state = 'P' AND (r.token = $2 OR r.lease_until <= c.now)) \
+                               THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now) END AS a \
+                   FROM c LEFT JOIN {t} r ON r.key = $1 OFFSET 0) s",
+            claim_fn = t.routine(CLAIM_FN),
         );
-        let refused = |kind: &str| {
-            format!(
-                "UNION ALL SELECT false, r.state, r.token, r.in_tx, r.expires_at > c.now, {kind} \
-                 FROM {t} r, c WHERE r.key = $1 AND NOT EXISTS (SELECT 1 FROM w)"
-            )
-        };
+        // The writes are plain statements: on the common path one row
+        // changes and that is the whole answer. A refused write (zero rows:
+        // another owner, completed, expired) reads the row back with
+        // `classify` in a second statement, so only that rare path pays a
+        // second round trip, and the common one does not initialise a
+        // read-back plan it never runs.
         let complete = format!(
-            "WITH c AS (SELECT clock_timestamp() AS now), \
-             w AS (UPDATE {t} r SET state = $3, value = $4, attempt = NULL, lease_until = NULL, \
-                          token = NULL, in_tx = false \
-                   FROM c WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 \
-                     AND r.expires_at > c.now AND NOT r.in_tx RETURNING 1) \
-             {WRITE_REPLY} {}",
-            refused("(r.state = $3 AND r.value = $4)")
+            "UPDATE {t} SET state = $3, value = $4, attempt = NULL, lease_until = NULL, \
+                    token = NULL, in_tx = false \
+             WHERE key = $1 AND state = 'P' AND token = $2 \
+               AND expires_at > clock_timestamp() AND NOT in_tx"
         );
         // A `run_in_tx` claim completed outside its transaction: that
         // transaction did not commit (or the record would be completed), so
@@ -124,15 +93,14 @@ impl Statements {
             "WITH c AS (SELECT clock_timestamp() AS now), \
              w AS (DELETE FROM {t} r WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 \
                    AND r.in_tx RETURNING 1) \
-             {WRITE_REPLY} {}",
-            refused("(r.state = $3 AND r.value = $4)")
+             {WRITE_REPLY} \
+             UNION ALL SELECT false, r.state, r.token, r.in_tx, r.expires_at > c.now, \
+                              (r.state = $3 AND r.value = $4) \
+             FROM {t} r, c WHERE r.key = $1 AND NOT EXISTS (SELECT 1 FROM w)"
         );
         let release = format!(
-            "WITH c AS (SELECT clock_timestamp() AS now), \
-             w AS (DELETE FROM {t} r USING c WHERE r.key = $1 AND r.state = 'P' \
-                   AND r.token = $2 AND r.expires_at > c.now RETURNING 1) \
-             {WRITE_REPLY} {}",
-            refused("false")
+            "DELETE FROM {t} WHERE key = $1 AND state = 'P' AND token = $2 \
+               AND expires_at > clock_timestamp()"
         );
         // An extend commits asynchronously: losing one in a server crash
         // leaves the previous deadline, the same as an extend delayed by
@@ -141,13 +109,10 @@ impl Statements {
         // WAL flush queue, where a busy server can hold them past a lease.
         let extend = format!(
             "WITH c AS (SELECT clock_timestamp() AS now, \
-                        set_config('synchronous_commit', 'off', true) AS sync), \
-             w AS (UPDATE {t} r SET lease_until = c.now + {lease}, \
-                          expires_at = GREATEST(r.expires_at, c.now + 2 * {lease}) \
-                   FROM c WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 \
-                     AND r.expires_at > c.now RETURNING 1) \
-             {WRITE_REPLY} {}",
-            refused("false"),
+                        set_config('synchronous_commit', 'off', true) AS sync) \
+             UPDATE {t} r SET lease_until = c.now + {lease}, \
+                    expires_at = GREATEST(r.expires_at, c.now + 2 * {lease}) \
+             FROM c WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 AND r.expires_at > c.now",
             lease = ms!(3),
         );
         let classify = format!(
@@ -192,7 +157,7 @@ impl Statements {
             scan_open: scan_open.into(),
             claim: claim.into(),
             complete: complete.into(),
-            table: t.to_string(),
+            complete_in_tx: t.routine(COMPLETE_IN_TX_FN),
             resolve_in_tx: resolve_in_tx.into(),
             release: release.into(),
             extend: extend.into(),
@@ -201,11 +166,11 @@ impl Statements {
         }
     }
 
-    /// The `run_in_tx` completion: an owner-token compare-and-set that
-    /// divides by zero when it touches no row, then COMMIT, then BEGIN (so
-    /// the connection is in a transaction again, as sqlx believes). Every
-    /// value is spliced as hex digits or a checked tag letter: no input can
-    /// close a literal.
+    /// The `run_in_tx` completion: the completion function (an owner-token
+    /// compare-and-set that raises `LEASE_LOST` when it touches no row),
+    /// then COMMIT, then BEGIN (so the connection is in a transaction again,
+    /// as sqlx believes). Every value is spliced as hex digits or a checked
+    /// tag letter: no input can close a literal.
     pub(crate) fn cas_and_commit(
         &self,
         key: &str,
@@ -216,13 +181,9 @@ impl Statements {
         let tag = char::from(kind as u8);
         let tag = if tag.is_ascii_alphabetic() { tag } else { '?' };
         format!(
-            "WITH u AS (UPDATE {t} SET state = '{tag}', value = decode('{value}', 'hex'), \
-                    attempt = NULL, lease_until = NULL, token = NULL, in_tx = false \
-                    WHERE key = convert_from(decode('{key}', 'hex'), 'UTF8') AND state = 'P' \
-                      AND token = decode('{token}', 'hex') AND in_tx \
-                      AND expires_at > clock_timestamp() RETURNING 1) \
-             SELECT 1 / count(*) FROM u; COMMIT; BEGIN",
-            t = self.table,
+            "SELECT {f}(convert_from(decode('{key}', 'hex'), 'UTF8'), decode('{token}', 'hex'), \
+                        '{tag}', decode('{value}', 'hex')); COMMIT; BEGIN",
+            f = self.complete_in_tx,
             key = hex(key.as_bytes()),
             token = hex(token),
             value = hex(value),

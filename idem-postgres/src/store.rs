@@ -3,6 +3,7 @@
 use crate::config::{PgStoreConfig, TableName};
 use crate::errors::{self, map};
 use crate::schema;
+use crate::schema::LEASE_LOST;
 use crate::sql::Statements;
 use crate::tx::{self, TxSlot};
 use async_trait::async_trait;
@@ -20,9 +21,6 @@ use std::time::Duration;
 /// Longest lease or TTL kept, in ms (about 317 years), as idem-core's
 /// stores clamp it, so that timestamps never overflow.
 const MAX_STORE_MS: u64 = 10_000_000_000_000;
-
-/// SQLSTATE of the CAS's division by zero: no row was ours to complete.
-const LEASE_LOST: &str = "22012";
 
 /// How many times a claim or write is re-run when the row changed between
 /// the refused write and its read-back (see `sql.rs`). Each re-run means
@@ -222,9 +220,10 @@ impl PgStore {
         move |e| map(op, &self.table_str(), e)
     }
 
-    /// Runs a write statement (`complete`, `release`, `extend`,
-    /// `resolve`) and reads its reply, re-running it while the read-back
-    /// contradicts the refusal (the row changed in between).
+    /// Runs a write statement (`complete`, `release`, `extend`): one row
+    /// changed is the answer; none, and `classify` says why, re-running the
+    /// write while that read contradicts the refusal (the row changed in
+    /// between).
     async fn write(
         &self,
         op: &'static str,
@@ -246,11 +245,21 @@ impl PgStore {
             if let Some(v) = fourth {
                 q = q.bind(v);
             }
-            let row = q
-                .fetch_optional(&self.inner.pool)
+            let done = q
+                .execute(&self.inner.pool)
                 .await
-                .map_err(self.fail(op))?;
-            match read_write_row(row.as_ref(), token)? {
+                .map_err(self.fail(op))?
+                .rows_affected();
+            if done > 0 {
+                return Ok(WriteState::Reply(WriteReply::Done));
+            }
+            // `same` compares the stored record with this write's, which
+            // only a `complete` has.
+            let (kind, value) = match third {
+                Third::Kind(k) => (k, fourth.unwrap_or_default()),
+                _ => (0, &[][..]),
+            };
+            match self.classify(op, key, token, kind, value).await? {
                 WriteState::Ours => continue,
                 state => return Ok(state),
             }
@@ -274,8 +283,8 @@ impl PgStore {
     ) -> Result<WriteReply, Error> {
         // The CAS and the COMMIT travel in one message (simple query
         // protocol), so `run_in_tx` costs one round trip over the body's
-        // own transaction: the claim. A CAS that touches no row divides by
-        // zero, which stops the message before its COMMIT. Values travel
+        // own transaction: the claim. A CAS that touches no row raises
+        // `LEASE_LOST`, which stops the message before its COMMIT. Values travel
         // hex-encoded, so nothing in them can end the literal.
         let script = self.inner.sql.cas_and_commit(key, token, kind, value);
         let cas = sqlx::raw_sql(AssertSqlSafe(script))
@@ -293,7 +302,7 @@ impl PgStore {
             Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some(LEASE_LOST) => {
                 // The CAS touched no row: the lease is no longer ours.
                 rollback(txn).await;
-                let reply = match self.classify(key, token, kind, value).await? {
+                let reply = match self.classify("complete", key, token, kind, value).await? {
                     WriteState::Reply(r) => r,
                     WriteState::Ours | WriteState::TxBound => WriteReply::Missing,
                 };
@@ -356,6 +365,7 @@ impl PgStore {
     /// Reads the row as it is now (a fresh statement, so a fresh snapshot).
     async fn classify(
         &self,
+        op: &'static str,
         key: &str,
         token: &[u8; 16],
         kind: i8,
@@ -367,7 +377,7 @@ impl PgStore {
             .bind(value)
             .fetch_optional(&self.inner.pool)
             .await
-            .map_err(self.fail("complete"))?;
+            .map_err(self.fail(op))?;
         read_write_row(row.as_ref(), token)
     }
 }
