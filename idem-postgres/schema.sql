@@ -18,7 +18,8 @@ CREATE TABLE IF NOT EXISTS "idem_keys" (
 CREATE INDEX IF NOT EXISTS "idem_keys_expires_idx" ON "idem_keys" USING brin (expires_at);
 
 CREATE OR REPLACE FUNCTION "idem_keys_claim"(
-    k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz
+    k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz,
+    absent boolean
 ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$
 #variable_conflict use_column
 DECLARE
@@ -26,6 +27,16 @@ DECLARE
 BEGIN
     IF tx THEN
         PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    IF absent THEN
+        INSERT INTO "idem_keys" (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)
+        VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',
+                'P', tx, k, tok, fp, NULL)
+        ON CONFLICT (key) DO NOTHING
+        RETURNING 1 INTO won;
+        IF FOUND THEN
+            RETURN won;
+        END IF;
     END IF;
     INSERT INTO "idem_keys" AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)
     VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',

@@ -65,7 +65,9 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
 /// server instructions of a plain read. Returns the attempt when the claim
 /// is the caller's, NULL when the latest row refused it.
 ///
-/// `n` is the claim statement's own time. A `run_in_tx` claim (`tx`)
+/// `n` is the claim statement's own time; `absent` says its read found no
+/// row, so the common fresh claim first tries a bare insert, whose plan
+/// carries no conflict clause to initialise. A `run_in_tx` claim (`tx`)
 /// commits asynchronously: losing it in a server crash is harmless, since
 /// the crash aborts the body's transaction too, so the key is rightly free
 /// again. Plain claims stay durable: their bodies' effects live outside the
@@ -75,7 +77,8 @@ fn claim_function(table: &TableName) -> String {
     let name = table.routine(CLAIM_FN);
     format!(
         "CREATE OR REPLACE FUNCTION {name}(\n\
-         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz\n\
+         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz,\n\
+         \x20   absent boolean\n\
          ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$\n\
          #variable_conflict use_column\n\
          DECLARE\n\
@@ -83,6 +86,16 @@ fn claim_function(table: &TableName) -> String {
          BEGIN\n\
          \x20   IF tx THEN\n\
          \x20       PERFORM set_config('synchronous_commit', 'off', true);\n\
+         \x20   END IF;\n\
+         \x20   IF absent THEN\n\
+         \x20       INSERT INTO {table} (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
+         \x20       VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',\n\
+         \x20               'P', tx, k, tok, fp, NULL)\n\
+         \x20       ON CONFLICT (key) DO NOTHING\n\
+         \x20       RETURNING 1 INTO won;\n\
+         \x20       IF FOUND THEN\n\
+         \x20           RETURN won;\n\
+         \x20       END IF;\n\
          \x20   END IF;\n\
          \x20   INSERT INTO {table} AS r (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
          \x20   VALUES (1, n + lease_ms * interval '1 millisecond', n + ttl_ms * interval '1 millisecond',\n\

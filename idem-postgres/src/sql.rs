@@ -56,22 +56,19 @@ impl Statements {
         // only when that row shows no record this claim must leave alone
         // (none, expired, its own, or a lapsed lease): a replay or an
         // in-progress answer is a read-only statement (no row lock, no
-        // transaction id, no WAL flush), and plans nothing that writes.
-        // When the read is stale, the function's conflict branch re-checks
-        // everything on the latest row. `OFFSET 0` keeps the planner from
-        // copying the CASE (and so the call) into each output column.
+        // transaction id, no WAL flush) that initialises nothing that
+        // writes. `won` is the function's answer: the attempt, or NULL
+        // when the latest row refused the claim (then the columns are the
+        // statement's read, possibly stale). `OFFSET 0` keeps `c` one row
+        // read once, so every column sees the same time.
         let claim = format!(
-            "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now) \
-             SELECT s.a IS NOT NULL AS won, COALESCE(s.a, s.attempt) AS attempt, s.state, s.token, \
-                    s.fingerprint, s.value, \
-                    ceil(extract(epoch FROM s.lease_until - s.now) * 1000)::bigint AS lease_ms, \
-                    ceil(extract(epoch FROM s.expires_at - s.now) * 1000)::bigint AS ttl_ms \
-             FROM (SELECT r.attempt, r.state, r.token, r.fingerprint, r.value, r.lease_until, \
-                          r.expires_at, c.now, \
-                          CASE WHEN r.key IS NULL OR r.expires_at <= c.now \
-                                    OR (r.state = 'P' AND (r.token = $2 OR r.lease_until <= c.now)) \
-                               THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now) END AS a \
-                   FROM c LEFT JOIN {t} r ON r.key = $1 OFFSET 0) s",
+            "SELECT CASE WHEN r.key IS NULL OR r.expires_at <= c.now \
+                          OR (r.state = 'P' AND (r.token = $2 OR r.lease_until <= c.now)) \
+                     THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now, r.key IS NULL) END AS won, \
+                    r.attempt, r.state, r.token, r.fingerprint, r.value, \
+                    ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
+                    ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint AS ttl_ms \
+             FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1",
             claim_fn = t.routine(CLAIM_FN),
         );
         // The writes are plain statements: on the common path one row

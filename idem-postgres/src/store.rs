@@ -529,17 +529,15 @@ enum ClaimRead {
 
 fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<ClaimRead, Error> {
     let Some(row) = row else {
-        // Gone between the conflict and the read (released or reaped).
+        // The statement answers one row; none can only mean a changed table.
         return Ok(ClaimRead::Race);
     };
-    let won: bool = get(row, "won")?;
-    let attempt: Option<i64> = get(row, "attempt")?;
-    if won {
-        let attempt = attempt
-            .and_then(|a| u32::try_from(a).ok())
-            .ok_or_else(|| corrupt("attempt out of range"))?;
+    let won: Option<i64> = get(row, "won")?;
+    if let Some(attempt) = won {
+        let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
         return Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }));
     }
+    let attempt: Option<i64> = get(row, "attempt")?;
     let ttl_ms: Option<i64> = get(row, "ttl_ms")?;
     if ttl_ms.is_none_or(|t| t <= 0) {
         return Ok(ClaimRead::Race);
