@@ -15,7 +15,7 @@
 //! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await
 //!     .map_err(|e| Error::Unavailable { op: "connect", reason: e.to_string() })?;
 //! let store = PgStore::from_pool(pool.clone());
-//! store.migrate().await?; // creates `idem_keys` if missing (or apply schema.sql yourself)
+//! store.migrate().await?; // creates `idem_keys` and its functions if missing (or apply schema.sql yourself)
 //! let idem = Idempotency::builder(store).namespace("orders").build();
 //!
 //! // Plain calls work as on Redis:

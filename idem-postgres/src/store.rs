@@ -153,9 +153,11 @@ impl PgStore {
         &self.inner.pool
     }
 
-    /// Creates the table and its index if they are missing. Safe to call at
-    /// every start, from several processes at once (an advisory lock
-    /// serializes them). The schema itself is not created: a
+    /// Creates the table and its index if they are missing, and creates or
+    /// replaces its two functions (`<table>_claim`,
+    /// `<table>_complete_in_tx`), so calling it after an upgrade brings an
+    /// existing table up to date. Safe to call at every start, from several
+    /// processes at once (an advisory lock serializes them). The schema itself is not created: a
     /// schema-qualified table needs its schema to exist.
     ///
     /// ```no_run
