@@ -1,7 +1,7 @@
 //! The statements, rendered once per table.
 //!
-//! Time is always `clock_timestamp()`, read once per statement in the CTE
-//! `c`: the database's clock, never the client's, and not `now()`, which a
+//! Time is always `clock_timestamp()`, read once per statement (in `c`
+//! where several columns need it): the database's clock, never the client's, and not `now()`, which a
 //! transaction freezes at its start. Durations travel as milliseconds.
 //!
 //! The claim is one statement: it reads the row and, only when the read
