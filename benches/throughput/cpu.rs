@@ -21,6 +21,22 @@ pub(crate) fn client_cpu() -> f64 {
     ns as f64 / 1e9
 }
 
+/// CPU time of processes `pids` (same machine), in seconds: the
+/// PostgreSQL backends serving the bench's pool. 0 for a pid not found
+/// (a server on another machine).
+pub(crate) fn pids_cpu(pids: &[i32]) -> f64 {
+    let ns: u64 = pids
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/schedstat")).ok())
+        .filter_map(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .sum();
+    ns as f64 / 1e9
+}
+
 /// CPU time of the Redis server so far (`INFO cpu`), in seconds.
 pub(crate) async fn redis_cpu(conn: &mut ConnectionManager) -> f64 {
     let info: String = redis::cmd("INFO")

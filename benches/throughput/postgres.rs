@@ -15,6 +15,7 @@
 //! then 127.0.0.1:5432); the bench creates a database of its own there and
 //! drops it at the end.
 
+use crate::cpu::{client_cpu, pids_cpu};
 use crate::opts::Opts;
 use idem::postgres::sqlx::postgres::{PgPool, PgPoolOptions};
 use idem::postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection};
@@ -159,6 +160,18 @@ async fn slice(
     (done.load(Ordering::Relaxed), start.elapsed().as_secs_f64())
 }
 
+/// The pids of the backends serving this bench's database (the pool's
+/// connections), to read their CPU time.
+async fn backends(pool: &PgPool) -> Vec<i32> {
+    sqlx::query_as::<_, (i32,)>(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()",
+    )
+    .fetch_all(pool)
+    .await
+    .map(|rows| rows.into_iter().map(|(p,)| p).collect())
+    .unwrap_or_default()
+}
+
 async fn exec<'c, E: sqlx::Executor<'c, Database = sqlx::Postgres>>(e: E, sql: &str) {
     sqlx::query(AssertSqlSafe(sql.to_owned()))
         .execute(e)
@@ -233,6 +246,8 @@ pub(crate) async fn run(opts: &Opts) {
     let rounds = opts.rounds.max(2);
     let per = Duration::from_secs_f64(opts.seconds / rounds as f64);
     let mut totals = [(0u64, 0f64); 6];
+    // (client, server) CPU seconds per phase.
+    let mut cpu = [(0f64, 0f64); 6];
     let mut per_round: Vec<[f64; 6]> = Vec::new();
     for round in 0..rounds {
         let mut rates = [0f64; 6];
@@ -243,7 +258,13 @@ pub(crate) async fn run(opts: &Opts) {
                 k
             };
             let i = (round / 2 + k) % PHASES.len();
+            let before = (client_cpu(), pids_cpu(&backends(&pool).await));
             let (n, s) = slice(&ctx, PHASES[i].0, tasks, per, &seq).await;
+            let pids = backends(&pool).await;
+            cpu[i].0 += client_cpu() - before.0;
+            // Backends opened during the slice started at 0; closed ones
+            // are lost (the pool keeps its connections, so rarely).
+            cpu[i].1 += pids_cpu(&pids) - before.1;
             totals[i].0 += n;
             totals[i].1 += s;
             rates[i] = n as f64 / s;
@@ -267,11 +288,20 @@ pub(crate) async fn run(opts: &Opts) {
         tasks + 4,
         opts.seconds
     );
-    println!("| phase | calls/s | µs/call at {tasks} in flight |");
-    println!("| --- | ---: | ---: |");
+    println!(
+        "| phase | calls/s | µs/call at {tasks} in flight | client CPU µs/call | server CPU µs/call |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: |");
     for (p, name) in PHASES {
         let r = rate(p);
-        println!("| {name} | {r:.0} | {:.0} |", tasks as f64 * 1e6 / r);
+        let calls = totals[idx(p)].0.max(1) as f64;
+        let (client, server) = cpu[idx(p)];
+        println!(
+            "| {name} | {r:.0} | {:.0} | {:.1} | {:.1} |",
+            tasks as f64 * 1e6 / r,
+            client * 1e6 / calls,
+            server * 1e6 / calls
+        );
     }
     println!();
     for (what, a, b) in [

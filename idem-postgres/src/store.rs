@@ -609,18 +609,33 @@ impl Store for PgStore {
         let lease = ms_i64(lease_ms(c.lease));
         let ttl = ms_i64(record_ttl_ms(c.ttl, c.lease));
         let fingerprint = c.fingerprint.map(|f| &f.as_bytes()[..]);
+        // A `run_in_tx` claim runs on a connection of the caller's pool,
+        // which the body's transaction then opens on (see `tx.rs`).
+        let mut conn = match &slot {
+            Some(slot) => match slot.claim_conn(&self.inner.pool).await {
+                Some(conn) => Some(conn.map_err(self.fail("claim"))?),
+                None => None,
+            },
+            None => None,
+        };
         for _ in 0..MAX_RACES {
-            let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.claim)))
+            let q = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.claim)))
                 .bind(c.key)
                 .bind(&token[..])
                 .bind(lease)
                 .bind(ttl)
                 .bind(fingerprint)
-                .bind(slot.is_some())
-                .fetch_optional(&self.inner.pool)
-                .await
-                .map_err(self.fail("claim"))?;
+                .bind(slot.is_some());
+            let row = match conn.as_mut() {
+                Some(conn) => q.fetch_optional(&mut **conn).await,
+                None => q.fetch_optional(&self.inner.pool).await,
+            }
+            .map_err(self.fail("claim"))?;
             if let ClaimRead::Reply(reply) = read_claim(row.as_ref(), &c, &token)? {
+                if let (ClaimReply::Acquired { .. }, Some(slot), Some(conn)) = (&reply, &slot, conn)
+                {
+                    slot.keep_conn(conn);
+                }
                 return Ok(reply);
             }
         }

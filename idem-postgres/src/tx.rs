@@ -6,7 +6,12 @@
 //! task-local [`TxSlot`] that tells the `PgStore` serving that call:
 //!
 //! 1. the claim (its own short autocommit statement) marks the row `in_tx`;
-//! 2. the body gets a transaction opened on the caller's pool;
+//!    it runs on a connection taken from the caller's pool (when that pool
+//!    reaches the store's database as the store's pool does), which the
+//!    slot keeps when the claim is won;
+//! 2. the body gets a transaction opened on that same connection, so the
+//!    claim's pool round trips (sqlx pings a connection when it is taken
+//!    and when it is given back) are not paid twice;
 //! 3. on `Ok`, idem-core's `complete` reaches `PgStore::complete`, which
 //!    takes the open transaction from the slot, runs the owner-token
 //!    compare-and-set in it and commits: record and rows together;
@@ -25,6 +30,7 @@ use crate::errors;
 use idem_core::{Call, Error, Outcome};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Postgres, Transaction};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -41,8 +47,10 @@ pub(crate) fn current() -> Option<Arc<TxSlot>> {
 }
 
 /// What one `run_in_tx` call shares with the `PgStore` serving it.
-#[derive(Default)]
 pub(crate) struct TxSlot {
+    /// The caller's pool: the claim and the body's transaction use one of
+    /// its connections (the CAS runs there anyway, so it reaches the table).
+    pool: PgPool,
     state: Mutex<SlotState>,
 }
 
@@ -52,6 +60,10 @@ struct SlotState {
     /// some other store, where the result could not join the transaction).
     claimed_by_pg: bool,
     token: Option<[u8; 16]>,
+    /// The connection a won claim ran on, until the body opens its
+    /// transaction on it. Not kept for any other answer: a waiting caller
+    /// must not hold a connection while it sleeps.
+    conn: Option<PoolConnection<Postgres>>,
     /// The body's transaction, between the body's `Ok` and the CAS.
     txn: Option<Transaction<'static, Postgres>>,
     committed: bool,
@@ -60,6 +72,36 @@ struct SlotState {
 }
 
 impl TxSlot {
+    fn new(pool: PgPool) -> TxSlot {
+        TxSlot {
+            pool,
+            state: Mutex::default(),
+        }
+    }
+
+    /// A connection for the claim: the one an earlier claim of this call
+    /// kept, or a new one from the caller's pool. `None` when the caller's
+    /// pool does not reach the store's database as the store's own pool
+    /// does: then the claim stays on the store's pool, where every other
+    /// call on this key looks.
+    pub(crate) async fn claim_conn(
+        &self,
+        store_pool: &PgPool,
+    ) -> Option<Result<PoolConnection<Postgres>, sqlx::Error>> {
+        if let Some(conn) = self.lock().conn.take() {
+            return Some(Ok(conn));
+        }
+        if !same_database(&self.pool, store_pool) {
+            return None;
+        }
+        Some(self.pool.acquire().await)
+    }
+
+    /// Keeps the connection a won claim ran on, for the body.
+    pub(crate) fn keep_conn(&self, conn: PoolConnection<Postgres>) {
+        self.lock().conn = Some(conn);
+    }
+
     fn lock(&self) -> MutexGuard<'_, SlotState> {
         // Nothing panics while holding it; recover anyway.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -94,6 +136,19 @@ impl TxSlot {
     }
 }
 
+/// Whether two pools open sessions on the same database as the same user
+/// with the same options: one pool, or two built from the same address.
+fn same_database(a: &PgPool, b: &PgPool) -> bool {
+    let (a, b) = (a.connect_options(), b.connect_options());
+    Arc::ptr_eq(&a, &b)
+        || (a.get_host() == b.get_host()
+            && a.get_port() == b.get_port()
+            && a.get_socket() == b.get_socket()
+            && a.get_username() == b.get_username()
+            && a.get_database() == b.get_database()
+            && a.get_options() == b.get_options())
+}
+
 /// `run_in_tx` and `run_in_tx_outcome` on idem's [`Call`]: the body's
 /// writes and its stored result commit in one PostgreSQL transaction.
 ///
@@ -102,7 +157,11 @@ impl TxSlot {
 /// `PgStore::from_pool(pool.clone())`).
 ///
 /// - The claim commits first, in its own short statement, so duplicates see
-///   the key in flight (`Error::InProgress { retry_after }`) at once.
+///   the key in flight (`Error::InProgress { retry_after }`) at once. When
+///   `pool` is the store's pool (or connects to the same database, user and
+///   options), it runs on the connection the body's transaction then opens
+///   on: `run_in_tx` costs one round trip more than the body's own
+///   transaction.
 /// - The body gets `&mut PgConnection` inside a transaction idem opened on
 ///   `pool` (READ COMMITTED; it may `SET TRANSACTION ISOLATION LEVEL …` as
 ///   its first statement). It must not commit or roll back itself.
@@ -174,7 +233,7 @@ impl RunInTx for Call<'_> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        let slot = Arc::new(TxSlot::default());
+        let slot = Arc::new(TxSlot::new(pool.clone()));
         let in_body = Arc::clone(&slot);
         let run = self.run_outcome(move || async move {
             if !in_body.lock().claimed_by_pg {
@@ -184,10 +243,14 @@ impl RunInTx for Call<'_> {
                         .to_owned(),
                 )));
             }
-            let mut txn = pool
-                .begin()
-                .await
-                .map_err(|e| E::from(errors::map("begin", "", e)))?;
+            // On the claim's connection when it kept one (no pool round
+            // trips), else (FailMode::Open without a claim) a new one.
+            let kept = in_body.lock().conn.take();
+            let begun = match kept {
+                Some(conn) => Transaction::begin(MaybePoolConnection::from(conn), None).await,
+                None => pool.begin().await,
+            };
+            let mut txn = begun.map_err(|e| E::from(errors::map("begin", "", e)))?;
             // Hidden from the body: idem calls it makes are plain calls.
             match SLOT.scope(None, body(&mut txn)).await {
                 Ok(value) => {

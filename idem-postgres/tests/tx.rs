@@ -427,3 +427,92 @@ async fn statement_timeout_is_unavailable() {
         .unwrap();
     assert_eq!(v, 4);
 }
+
+/// A pool on `db` that counts the connections given back to it.
+async fn counting_pool(db: &TestDb, released: &Arc<AtomicUsize>) -> sqlx::PgPool {
+    let released = Arc::clone(released);
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_release(move |_, _| {
+            released.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(true) })
+        })
+        .connect(&db.url)
+        .await
+        .unwrap()
+}
+
+/// How many connections `pool` has been given back, once every one is back
+/// (sqlx gives a connection back in a task of its own).
+async fn released_when_idle(pool: &sqlx::PgPool, released: &AtomicUsize) -> usize {
+    for _ in 0..1000 {
+        if pool.num_idle() == pool.size() as usize {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    released.load(Ordering::SeqCst)
+}
+
+#[tokio::test]
+async fn the_claim_runs_on_the_connection_the_body_then_uses() {
+    let (db, _) = setup().await;
+    let released = Arc::new(AtomicUsize::new(0));
+    let pool = counting_pool(&db, &released).await;
+    let idem = Idempotency::builder(PgStore::from_pool(pool.clone())).build();
+    let backend = async |tx: &mut PgConnection| {
+        let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| Error::Codec(e.to_string()))?;
+        Ok::<_, Error>(pid)
+    };
+    let before = released_when_idle(&pool, &released).await;
+    let (_, o) = idem
+        .call("s", "one-checkout")
+        .run_in_tx_outcome(&pool, backend)
+        .await
+        .unwrap();
+    // claim, body and completion: one connection taken from the pool and
+    // given back once (sqlx pings it each way), not one per step
+    assert_eq!(
+        (o, released_when_idle(&pool, &released).await - before),
+        (Outcome::Executed, 1)
+    );
+    // a replay holds no connection past its claim
+    let before = released_when_idle(&pool, &released).await;
+    let (_, o) = idem
+        .call("s", "one-checkout")
+        .run_in_tx_outcome(&pool, backend)
+        .await
+        .unwrap();
+    assert_eq!(
+        (o, released_when_idle(&pool, &released).await - before),
+        (Outcome::Replayed, 1)
+    );
+
+    // A store over another pool on another database: the claim stays on the
+    // store's pool, so the caller's database never holds a record of its own.
+    let other = TestDb::new().await;
+    let other_store = PgStore::from_pool(other.pool.clone());
+    other_store.migrate().await.unwrap();
+    let split = Idempotency::builder(other_store).build();
+    let before = released_when_idle(&pool, &released).await;
+    let r = split
+        .call("s", "split")
+        .run_in_tx(&pool, async |tx| insert(tx, "split", "a").await)
+        .await;
+    // the completion runs in the caller's transaction, where the claim is
+    // not: nothing commits, and the call says why
+    assert!(matches!(r, Err(Error::LeaseLost)), "{r:?}");
+    assert_eq!(
+        (
+            orders(&db, "split").await,
+            records(&db).await
+                - db.count("SELECT count(*) FROM idem_keys WHERE key LIKE '%one-checkout'")
+                    .await,
+            released_when_idle(&pool, &released).await - before
+        ),
+        (0, 0, 1)
+    );
+}
