@@ -26,6 +26,23 @@ macro_rules! ms {
     };
 }
 
+/// The claim statement's columns: position (read by position, which costs
+/// the client no name lookups on the hottest path) and name (for errors).
+/// The order is the `SELECT` list's in [`Statements::new`].
+pub(crate) mod claim_col {
+    pub(crate) type Col = (usize, &'static str);
+    pub(crate) const WON: Col = (0, "won");
+    pub(crate) const ATTEMPT: Col = (1, "attempt");
+    pub(crate) const STATE: Col = (2, "state");
+    pub(crate) const TOKEN: Col = (3, "token");
+    pub(crate) const FINGERPRINT: Col = (4, "fingerprint");
+    pub(crate) const VALUE: Col = (5, "value");
+    /// The lease and the record's time left, as intervals (the difference
+    /// of two database timestamps: no numeric arithmetic on the server).
+    pub(crate) const LEASE_LEFT: Col = (6, "lease_left");
+    pub(crate) const TTL_LEFT: Col = (7, "ttl_left");
+}
+
 /// The rendered statements of one table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -60,14 +77,14 @@ impl Statements {
         // writes. `won` is the function's answer: the attempt, or NULL
         // when the latest row refused the claim (then the columns are the
         // statement's read, possibly stale). `OFFSET 0` keeps `c` one row
-        // read once, so every column sees the same time.
+        // read once, so every column sees the same time. Columns in
+        // `claim_col`'s order.
         let claim = format!(
             "SELECT CASE WHEN r.key IS NULL OR r.expires_at <= c.now \
                           OR (r.state = 'P' AND (r.token = $2 OR r.lease_until <= c.now)) \
                      THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now, r.key IS NULL) END AS won, \
                     r.attempt, r.state, r.token, r.fingerprint, r.value, \
-                    ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
-                    ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint AS ttl_ms \
+                    r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left \
              FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1",
             claim_fn = t.routine(CLAIM_FN),
         );

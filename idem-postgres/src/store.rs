@@ -4,7 +4,7 @@ use crate::config::{PgStoreConfig, TableName};
 use crate::errors::{self, map};
 use crate::schema;
 use crate::schema::LEASE_LOST;
-use crate::sql::Statements;
+use crate::sql::{Statements, claim_col};
 use crate::tx::{self, TxSlot};
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -12,6 +12,7 @@ use idem_core::{
     Claim, ClaimReply, Completed, Error, Fingerprint, RecordInfo, ScanPage, Store, Token,
     ValueKind, WriteReply,
 };
+use sqlx::postgres::types::PgInterval;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use std::fmt;
@@ -457,6 +458,15 @@ where
         .map_err(|e| corrupt(&format!("column {column}: {e}")))
 }
 
+/// A claim column (see `sql::claim_col`), read by position.
+fn col<'r, T>(row: &'r PgRow, (index, name): claim_col::Col) -> Result<T, Error>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(index)
+        .map_err(|e| corrupt(&format!("column {name}: {e}")))
+}
+
 pub(crate) fn corrupt(what: &str) -> Error {
     Error::Corrupt(format!(
         "{what}; the row was not written by idem-postgres (or was edited by hand) and was left \
@@ -514,6 +524,19 @@ fn ms_i64(ms: u64) -> i64 {
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
+/// Time left, as an interval between two database timestamps, in whole ms
+/// rounded up (as the other stores count it). Such an interval has days
+/// and microseconds only; months are counted as 30 days all the same.
+fn interval_ms(left: Option<PgInterval>) -> Option<i64> {
+    left.map(|i| {
+        let days = i64::from(i.months) * 30 + i64::from(i.days);
+        let us = days
+            .saturating_mul(86_400_000_000)
+            .saturating_add(i.microseconds);
+        us.div_euclid(1000) + i64::from(us.rem_euclid(1000) > 0)
+    })
+}
+
 fn duration_ms(ms: Option<i64>) -> Duration {
     Duration::from_millis(ms.and_then(|m| u64::try_from(m).ok()).unwrap_or(0))
 }
@@ -534,26 +557,26 @@ fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<Cl
         // The statement answers one row; none can only mean a changed table.
         return Ok(ClaimRead::Race);
     };
-    let won: Option<i64> = get(row, "won")?;
+    let won: Option<i64> = col(row, claim_col::WON)?;
     if let Some(attempt) = won {
         let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
         return Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }));
     }
-    let attempt: Option<i64> = get(row, "attempt")?;
-    let ttl_ms: Option<i64> = get(row, "ttl_ms")?;
+    let attempt: Option<i64> = col(row, claim_col::ATTEMPT)?;
+    let ttl_ms = interval_ms(col(row, claim_col::TTL_LEFT)?);
     if ttl_ms.is_none_or(|t| t <= 0) {
         return Ok(ClaimRead::Race);
     }
-    let state: Option<i8> = get(row, "state")?;
-    let fingerprint: Option<Vec<u8>> = get(row, "fingerprint")?;
+    let state: Option<i8> = col(row, claim_col::STATE)?;
+    let fingerprint: Option<Vec<u8>> = col(row, claim_col::FINGERPRINT)?;
     if fingerprint.as_ref().is_some_and(|f| f.len() != 16) {
         return Err(corrupt("a fingerprint that is not 16 bytes"));
     }
     let fp = fingerprint.as_deref();
     match state.map(|s| s as u8) {
         Some(b'P') => {
-            let stored: Option<Vec<u8>> = get(row, "token")?;
-            let lease_ms: Option<i64> = get(row, "lease_ms")?;
+            let stored: Option<Vec<u8>> = col(row, claim_col::TOKEN)?;
+            let lease_ms = interval_ms(col(row, claim_col::LEASE_LEFT)?);
             let valid = stored.as_ref().is_some_and(|t| t.len() == 16)
                 && attempt.is_some_and(|a| (1..=i64::from(u32::MAX)).contains(&a))
                 && lease_ms.is_some();
@@ -581,7 +604,7 @@ fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<Cl
             if mismatch(c.fingerprint, fp) {
                 return Ok(ClaimRead::Reply(ClaimReply::Mismatch));
             }
-            let value: Option<Vec<u8>> = get(row, "value")?;
+            let value: Option<Vec<u8>> = col(row, claim_col::VALUE)?;
             let value = value.ok_or_else(|| corrupt("a completed record without a value"))?;
             Ok(ClaimRead::Reply(ClaimReply::Completed(Completed {
                 kind,
@@ -774,4 +797,30 @@ impl PgStore {
 
 fn row_done(row: Option<&PgRow>) -> bool {
     row.is_some_and(|r| r.try_get::<bool, _>("done").unwrap_or(false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iv(days: i32, microseconds: i64) -> Option<PgInterval> {
+        Some(PgInterval {
+            months: 0,
+            days,
+            microseconds,
+        })
+    }
+
+    #[test]
+    fn intervals_count_whole_ms_rounded_up() {
+        assert_eq!(interval_ms(None), None);
+        assert_eq!(interval_ms(iv(0, 1)), Some(1));
+        assert_eq!(interval_ms(iv(0, 1000)), Some(1));
+        assert_eq!(interval_ms(iv(0, 1001)), Some(2));
+        assert_eq!(interval_ms(iv(0, -1500)), Some(-1));
+        assert_eq!(interval_ms(iv(0, -1000)), Some(-1));
+        assert_eq!(interval_ms(iv(1, 0)), Some(86_400_000));
+        // the longest record idem keeps (about 317 years) does not overflow
+        assert_eq!(interval_ms(iv(115_741, 0)), Some(115_741 * 86_400_000));
+    }
 }

@@ -94,7 +94,10 @@ impl TxSlot {
         if !same_database(&self.pool, store_pool) {
             return None;
         }
-        Some(self.pool.acquire().await)
+        // Boxed: sqlx's acquire future holds a whole connection set-up
+        // (several kB), which the claim's future would otherwise carry and
+        // copy on every call, replays included.
+        Some(Box::pin(self.pool.acquire()).await)
     }
 
     /// Keeps the connection a won claim ran on, for the body.
