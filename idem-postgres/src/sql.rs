@@ -2,7 +2,8 @@
 //!
 //! Time is always `clock_timestamp()`, read once per statement (in `c`
 //! where several columns need it): the database's clock, never the client's, and not `now()`, which a
-//! transaction freezes at its start. Durations travel as milliseconds.
+//! transaction freezes at its start. Durations travel to the server as
+//! milliseconds; the claim's time left comes back as intervals.
 //!
 //! The claim is one statement: it reads the row and, only when the read
 //! shows a record it may take, calls the table's claim function to write

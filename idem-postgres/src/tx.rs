@@ -247,7 +247,10 @@ impl RunInTx for Call<'_> {
                 )));
             }
             // On the claim's connection when it kept one (no pool round
-            // trips), else (FailMode::Open without a claim) a new one.
+            // trips), else (FailMode::Open without a claim, or a store on
+            // another pool) a new one. `Transaction::begin` on a pooled
+            // connection is what sqlx's own `Pool::begin` calls (public,
+            // hidden from its docs).
             let kept = in_body.lock().conn.take();
             let begun = match kept {
                 Some(conn) => Transaction::begin(MaybePoolConnection::from(conn), None).await,
