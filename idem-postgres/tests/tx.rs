@@ -467,29 +467,21 @@ async fn the_claim_runs_on_the_connection_the_body_then_uses() {
             .map_err(|e| Error::Codec(e.to_string()))?;
         Ok::<_, Error>(pid)
     };
-    let before = released_when_idle(&pool, &released).await;
-    let (_, o) = idem
-        .call("s", "one-checkout")
-        .run_in_tx_outcome(&pool, backend)
-        .await
-        .unwrap();
     // claim, body and completion: one connection taken from the pool and
-    // given back once (sqlx pings it each way), not one per step
-    assert_eq!(
-        (o, released_when_idle(&pool, &released).await - before),
-        (Outcome::Executed, 1)
-    );
-    // a replay holds no connection past its claim
-    let before = released_when_idle(&pool, &released).await;
-    let (_, o) = idem
-        .call("s", "one-checkout")
-        .run_in_tx_outcome(&pool, backend)
-        .await
-        .unwrap();
-    assert_eq!(
-        (o, released_when_idle(&pool, &released).await - before),
-        (Outcome::Replayed, 1)
-    );
+    // given back once (sqlx pings it each way), not one per step; and a
+    // replay holds no connection past its claim
+    for expected in [Outcome::Executed, Outcome::Replayed] {
+        let before = released_when_idle(&pool, &released).await;
+        let (_, o) = idem
+            .call("s", "one-checkout")
+            .run_in_tx_outcome(&pool, backend)
+            .await
+            .unwrap();
+        assert_eq!(
+            (o, released_when_idle(&pool, &released).await - before),
+            (expected, 1)
+        );
+    }
 
     // A store over another pool on another database: the claim stays on the
     // store's pool, so the caller's database never holds a record of its own.
