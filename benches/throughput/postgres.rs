@@ -12,7 +12,8 @@
 //! Floors: a fresh call against one `INSERT … ON CONFLICT DO NOTHING` plus
 //! one `UPDATE` by primary key; a replay against one `SELECT` by primary
 //! key; `run_in_tx` against the body's own transaction (`BEGIN`, the body's
-//! `INSERT`, `COMMIT`). The server is `--pg-url` (default `IDEM_PG_URL`,
+//! `INSERT`, `COMMIT`); a mixed load (one replay in ten calls) against the
+//! same mix of floor statements. The server is `--pg-url` (default `IDEM_PG_URL`,
 //! then 127.0.0.1:5432); the bench creates a database of its own there and
 //! drops it at the end.
 
@@ -35,16 +36,24 @@ enum Phase {
     IdemReplay,
     FloorTx,
     IdemTx,
+    FloorMixed,
+    IdemMixed,
 }
 
-const PHASES: [(Phase, &str); 6] = [
+const PHASES: [(Phase, &str); 8] = [
     (Phase::FloorFresh, "pg_floor_fresh"),
     (Phase::IdemFresh, "pg_idem_fresh"),
     (Phase::FloorReplay, "pg_floor_replay"),
     (Phase::IdemReplay, "pg_idem_replay"),
     (Phase::FloorTx, "pg_floor_tx"),
     (Phase::IdemTx, "pg_idem_run_in_tx"),
+    (Phase::FloorMixed, "pg_floor_mixed"),
+    (Phase::IdemMixed, "pg_idem_mixed"),
 ];
+
+/// In the mixed phases, one call in this many is a replay, the rest fresh:
+/// a load where idem's claim forecast (`PgStore`) is wrong one time in ten.
+const MIXED_REPLAY_EVERY: u64 = 10;
 
 const REPLAY_KEYS: u64 = 1000;
 const VALUE: &[u8] = br#"{"id":"rcpt-000000000042","amount":500,"currency":"EUR"}"#;
@@ -75,6 +84,13 @@ fn value() -> Receipt {
 }
 
 async fn one(ctx: &Ctx, phase: Phase, n: u64) -> Result<(), String> {
+    let phase = match phase {
+        Phase::FloorMixed if n % MIXED_REPLAY_EVERY == 0 => Phase::FloorReplay,
+        Phase::FloorMixed => Phase::FloorFresh,
+        Phase::IdemMixed if n % MIXED_REPLAY_EVERY == 0 => Phase::IdemReplay,
+        Phase::IdemMixed => Phase::IdemFresh,
+        other => other,
+    };
     let fresh = format!("f{}-{n}", ctx.run);
     let replay = format!("r{}", n % REPLAY_KEYS);
     let e = |e: sqlx::Error| e.to_string();
@@ -127,6 +143,7 @@ async fn one(ctx: &Ctx, phase: Phase, n: u64) -> Result<(), String> {
                 .map_err(e)?;
             tx.commit().await.map_err(e)?;
         }
+        Phase::FloorMixed | Phase::IdemMixed => unreachable!("resolved above"),
         Phase::IdemTx => {
             let _: u8 = ctx
                 .idem
@@ -286,12 +303,12 @@ pub(crate) async fn run(opts: &Opts) {
     }
     let rounds = opts.rounds.max(2);
     let per = Duration::from_secs_f64(opts.seconds / rounds as f64);
-    let mut totals = [(0u64, 0f64); 6];
+    let mut totals = [(0u64, 0f64); PHASES.len()];
     // (client, server) CPU seconds per phase.
-    let mut cpu = [(0f64, 0f64); 6];
-    let mut per_round: Vec<[f64; 6]> = Vec::new();
+    let mut cpu = [(0f64, 0f64); PHASES.len()];
+    let mut per_round: Vec<[f64; PHASES.len()]> = Vec::new();
     for round in 0..rounds {
-        let mut rates = [0f64; 6];
+        let mut rates = [0f64; PHASES.len()];
         for k in 0..PHASES.len() {
             let k = if round % 2 == 1 {
                 PHASES.len() - 1 - k
@@ -355,6 +372,11 @@ pub(crate) async fn run(opts: &Opts) {
             "replay    idem / floor (SELECT by primary key)      ",
             Phase::IdemReplay,
             Phase::FloorReplay,
+        ),
+        (
+            "mixed     idem / floor (1 replay in 10 calls)        ",
+            Phase::IdemMixed,
+            Phase::FloorMixed,
         ),
         (
             "run_in_tx idem / the body's own transaction         ",

@@ -39,6 +39,7 @@
 //! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`].
 #![warn(missing_docs)]
 
+mod claim_path;
 mod config;
 mod errors;
 mod operate;

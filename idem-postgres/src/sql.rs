@@ -1,13 +1,14 @@
 //! The statements, rendered once per table.
 //!
-//! Time is always `clock_timestamp()`, read once per statement (in `c`
-//! where several columns need it): the database's clock, never the client's, and not `now()`, which a
-//! transaction freezes at its start. Durations travel to the server as
+//! Time is always `clock_timestamp()`, read once per statement (in `c`)
+//! where several columns must agree on it: the database's clock, never the
+//! client's, and not `now()`, which a transaction freezes at its start. Durations travel to the server as
 //! milliseconds; the claim's time left comes back as intervals.
 //!
 //! The claim is one statement: it reads the row and, only when the read
 //! shows a record it may take, calls the table's claim function to write
-//! (`schema.rs`). The other writes are plain statements whose
+//! (`schema.rs`). When the store's recent claims were one-sided, a bare
+//! insert or a bare read goes first (`claim_path.rs`). The other writes are plain statements whose
 //! affected-row count is the answer on the common path; a refused one is
 //! followed by `classify`. Either read runs on a snapshot that under READ
 //! COMMITTED may predate the row version the write was refused on; so the
@@ -42,12 +43,16 @@ pub(crate) mod claim_col {
     /// of two database timestamps: no numeric arithmetic on the server).
     pub(crate) const LEASE_LEFT: Col = (6, "lease_left");
     pub(crate) const TTL_LEFT: Col = (7, "ttl_left");
+    /// The bare insert's one column: the attempt it won.
+    pub(crate) const INSERTED: Col = (0, "attempt");
 }
 
 /// The rendered statements of one table.
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub claim: Arc<str>,
+    pub claim_insert: Arc<str>,
+    pub claim_read: Arc<str>,
     pub complete: Arc<str>,
     /// The quoted name of the `run_in_tx` completion function.
     complete_in_tx: String,
@@ -88,6 +93,25 @@ impl Statements {
                     r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left \
              FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1",
             claim_fn = t.routine(CLAIM_FN),
+        );
+        // The forecast's two one-sided claims (`claim_path.rs`). The insert
+        // wins an absent key and answers nothing for a present one (no row
+        // lock, no write: `DO NOTHING` stops at the index probe). The read
+        // has the claim's columns (`won` always NULL) and no function call
+        // to initialise. Each reads the clock per column: the time left
+        // reported on a lease and on a record are separate answers.
+        let claim_insert = format!(
+            "INSERT INTO {t} (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value) \
+             VALUES (1, clock_timestamp() + {lease}, clock_timestamp() + {ttl}, 'P', false, $1, $2, $5, NULL) \
+             ON CONFLICT (key) DO NOTHING RETURNING attempt",
+            lease = ms!(3),
+            ttl = ms!(4),
+        );
+        let claim_read = format!(
+            "SELECT NULL::bigint AS won, r.attempt, r.state, r.token, r.fingerprint, r.value, \
+                    r.lease_until - clock_timestamp() AS lease_left, \
+                    r.expires_at - clock_timestamp() AS ttl_left \
+             FROM {t} r WHERE r.key = $1"
         );
         // The writes are plain statements: on the common path one row
         // changes and that is the whole answer. A refused write (zero rows:
@@ -171,6 +195,8 @@ impl Statements {
             scan: scan.into(),
             scan_open: scan_open.into(),
             claim: claim.into(),
+            claim_insert: claim_insert.into(),
+            claim_read: claim_read.into(),
             complete: complete.into(),
             complete_in_tx: t.routine(COMPLETE_IN_TX_FN),
             resolve_in_tx: resolve_in_tx.into(),

@@ -1,5 +1,6 @@
 //! `PgStore`: the state machine of `idem_core::Store` in one PostgreSQL table.
 
+use crate::claim_path::{ClaimPath, Forecast};
 use crate::config::{PgStoreConfig, TableName};
 use crate::errors::{self, map};
 use crate::schema;
@@ -36,7 +37,10 @@ const MAX_RACES: usize = 16;
 /// Each method is one statement in its own implicit transaction (READ
 /// COMMITTED, autocommit), so it is never caught in a caller's snapshot.
 /// A claim costs one round trip, and so does a replay: the claim statement
-/// returns the completed row it found.
+/// returns the completed row it found. Which statement goes first follows
+/// the store's recent claims (mostly new keys: a bare insert; mostly kept
+/// records: a bare read; a mix: one that does both); a call that goes
+/// against the trend pays a second statement.
 ///
 /// ```no_run
 /// use idem_core::Idempotency;
@@ -57,6 +61,7 @@ pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) table: TableName,
     pub(crate) sql: Statements,
+    pub(crate) forecast: Forecast,
 }
 
 impl fmt::Debug for PgStore {
@@ -139,7 +144,12 @@ impl PgStore {
     fn build(pool: PgPool, table: TableName) -> PgStore {
         let sql = Statements::new(&table);
         PgStore {
-            inner: Arc::new(Inner { pool, table, sql }),
+            inner: Arc::new(Inner {
+                pool,
+                table,
+                sql,
+                forecast: Forecast::default(),
+            }),
         }
     }
 
@@ -548,8 +558,20 @@ fn mismatch(given: Option<&Fingerprint>, stored: Option<&[u8]>) -> bool {
 /// What one claim statement answered.
 enum ClaimRead {
     Reply(ClaimReply),
-    /// The snapshot says the claim should have won: re-run it.
+    /// The statement cannot answer: it was one-sided (`claim_path.rs`), or
+    /// its snapshot says the claim should have won. Run the combined one.
     Race,
+}
+
+/// The bare insert's answer: the key is won, or it was present (the
+/// combined statement then decides).
+fn read_insert(row: Option<&PgRow>) -> Result<ClaimRead, Error> {
+    let Some(row) = row else {
+        return Ok(ClaimRead::Race);
+    };
+    let attempt: i64 = col(row, claim_col::INSERTED)?;
+    let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
+    Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }))
 }
 
 fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<ClaimRead, Error> {
@@ -641,22 +663,48 @@ impl Store for PgStore {
             },
             None => None,
         };
+        // A `run_in_tx` claim always sends the combined statement: its
+        // insert must also turn off the durable commit (see schema.rs).
+        let mut path = match slot {
+            Some(_) => ClaimPath::Combined,
+            None => self.inner.forecast.path(),
+        };
         for _ in 0..MAX_RACES {
-            let q = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.claim)))
-                .bind(c.key)
-                .bind(&token[..])
-                .bind(lease)
-                .bind(ttl)
-                .bind(fingerprint)
-                .bind(slot.is_some());
+            let sql = &self.inner.sql;
+            let q = match path {
+                ClaimPath::Insert => sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim_insert)))
+                    .bind(c.key)
+                    .bind(&token[..])
+                    .bind(lease)
+                    .bind(ttl)
+                    .bind(fingerprint),
+                ClaimPath::Read => {
+                    sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim_read))).bind(c.key)
+                }
+                ClaimPath::Combined => sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim)))
+                    .bind(c.key)
+                    .bind(&token[..])
+                    .bind(lease)
+                    .bind(ttl)
+                    .bind(fingerprint)
+                    .bind(slot.is_some()),
+            };
             let row = match conn.as_mut() {
                 Some(conn) => q.fetch_optional(&mut **conn).await,
                 None => q.fetch_optional(&self.inner.pool).await,
             }
             .map_err(self.fail("claim"))?;
-            if let ClaimRead::Reply(reply) = read_claim(row.as_ref(), &c, &token)? {
-                if let (ClaimReply::Acquired { .. }, Some(slot), Some(conn)) = (&reply, &slot, conn)
-                {
+            let read = match path {
+                ClaimPath::Insert => read_insert(row.as_ref())?,
+                _ => read_claim(row.as_ref(), &c, &token)?,
+            };
+            // Whatever the first statement could not answer, the combined
+            // one can.
+            path = ClaimPath::Combined;
+            if let ClaimRead::Reply(reply) = read {
+                let won = matches!(reply, ClaimReply::Acquired { .. });
+                self.inner.forecast.observe(!won);
+                if let (true, Some(slot), Some(conn)) = (won, &slot, conn) {
                     slot.keep_conn(conn);
                 }
                 return Ok(reply);
