@@ -460,21 +460,48 @@ fn read_write_row(row: Option<&PgRow>, token: &[u8; 16]) -> Result<WriteState, E
     }
 }
 
-pub(crate) fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, Error>
-where
-    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
-{
-    row.try_get(column)
-        .map_err(|e| corrupt(&format!("column {column}: {e}")))
+/// A column to read: by name, or by position with its name for errors (the
+/// claim's columns, `sql::claim_col`: no name lookups on the hottest path).
+pub(crate) trait Column {
+    fn read<'r, T>(&self, row: &'r PgRow) -> Result<T, sqlx::Error>
+    where
+        T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>;
+    fn name(&self) -> &str;
 }
 
-/// A claim column (see `sql::claim_col`), read by position.
-fn col<'r, T>(row: &'r PgRow, (index, name): claim_col::Col) -> Result<T, Error>
+impl Column for &str {
+    fn read<'r, T>(&self, row: &'r PgRow) -> Result<T, sqlx::Error>
+    where
+        T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+    {
+        row.try_get(*self)
+    }
+    fn name(&self) -> &str {
+        self
+    }
+}
+
+impl Column for claim_col::Col {
+    fn read<'r, T>(&self, row: &'r PgRow) -> Result<T, sqlx::Error>
+    where
+        T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+    {
+        row.try_get(self.0)
+    }
+    fn name(&self) -> &str {
+        self.1
+    }
+}
+
+/// One column of a row idem wrote; one it cannot decode makes the row
+/// `Error::Corrupt`.
+pub(crate) fn get<'r, T>(row: &'r PgRow, column: impl Column) -> Result<T, Error>
 where
     T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
 {
-    row.try_get(index)
-        .map_err(|e| corrupt(&format!("column {name}: {e}")))
+    column
+        .read(row)
+        .map_err(|e| corrupt(&format!("column {}: {e}", column.name())))
 }
 
 pub(crate) fn corrupt(what: &str) -> Error {
@@ -569,7 +596,7 @@ fn read_insert(row: Option<&PgRow>) -> Result<ClaimRead, Error> {
     let Some(row) = row else {
         return Ok(ClaimRead::Race);
     };
-    let attempt: i64 = col(row, claim_col::INSERTED)?;
+    let attempt: i64 = get(row, claim_col::INSERTED)?;
     let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
     Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }))
 }
@@ -579,26 +606,26 @@ fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<Cl
         // The statement answers one row; none can only mean a changed table.
         return Ok(ClaimRead::Race);
     };
-    let won: Option<i64> = col(row, claim_col::WON)?;
+    let won: Option<i64> = get(row, claim_col::WON)?;
     if let Some(attempt) = won {
         let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
         return Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }));
     }
-    let attempt: Option<i64> = col(row, claim_col::ATTEMPT)?;
-    let ttl_ms = interval_ms(col(row, claim_col::TTL_LEFT)?);
+    let attempt: Option<i64> = get(row, claim_col::ATTEMPT)?;
+    let ttl_ms = interval_ms(get(row, claim_col::TTL_LEFT)?);
     if ttl_ms.is_none_or(|t| t <= 0) {
         return Ok(ClaimRead::Race);
     }
-    let state: Option<i8> = col(row, claim_col::STATE)?;
-    let fingerprint: Option<Vec<u8>> = col(row, claim_col::FINGERPRINT)?;
+    let state: Option<i8> = get(row, claim_col::STATE)?;
+    let fingerprint: Option<Vec<u8>> = get(row, claim_col::FINGERPRINT)?;
     if fingerprint.as_ref().is_some_and(|f| f.len() != 16) {
         return Err(corrupt("a fingerprint that is not 16 bytes"));
     }
     let fp = fingerprint.as_deref();
     match state.map(|s| s as u8) {
         Some(b'P') => {
-            let stored: Option<Vec<u8>> = col(row, claim_col::TOKEN)?;
-            let lease_ms = interval_ms(col(row, claim_col::LEASE_LEFT)?);
+            let stored: Option<Vec<u8>> = get(row, claim_col::TOKEN)?;
+            let lease_ms = interval_ms(get(row, claim_col::LEASE_LEFT)?);
             let valid = stored.as_ref().is_some_and(|t| t.len() == 16)
                 && attempt.is_some_and(|a| (1..=i64::from(u32::MAX)).contains(&a))
                 && lease_ms.is_some();
@@ -626,7 +653,7 @@ fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<Cl
             if mismatch(c.fingerprint, fp) {
                 return Ok(ClaimRead::Reply(ClaimReply::Mismatch));
             }
-            let value: Option<Vec<u8>> = col(row, claim_col::VALUE)?;
+            let value: Option<Vec<u8>> = get(row, claim_col::VALUE)?;
             let value = value.ok_or_else(|| corrupt("a completed record without a value"))?;
             Ok(ClaimRead::Reply(ClaimReply::Completed(Completed {
                 kind,
