@@ -88,9 +88,12 @@ impl Forecast {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::PgStore;
-    use idem_core::{Claim, ClaimReply, Error, Fingerprint, Store, Token, ValueKind};
+    use crate::{PgStore, RunInTx};
+    use idem_core::{
+        Claim, ClaimReply, Error, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
+    };
     use idem_testkit::PgTestDb;
+    use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
     fn claim<'a>(
@@ -232,6 +235,36 @@ mod tests {
                 }
             }
             assert_eq!(won, 1, "{path:?}");
+
+            // run_in_tx: its own insert (in_tx, asynchronous commit); the
+            // row and the result commit together, a retry replays both
+            db.exec("CREATE TABLE orders (req text NOT NULL)").await;
+            let idem = Idempotency::builder(s.clone()).build();
+            let runs = AtomicUsize::new(0);
+            for _ in 0..2 {
+                let (n, outcome) = idem
+                    .call("orders", "tx-1")
+                    .run_in_tx_outcome(&db.pool, async |tx| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        let marked =
+                            "SELECT count(*) FROM idem_keys WHERE key LIKE '%tx-1' AND in_tx";
+                        assert_eq!(db.count(marked).await, 1, "{path:?}: the claim marks in_tx");
+                        sqlx::query("INSERT INTO orders VALUES ('tx-1')")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| Error::Codec(e.to_string()))?;
+                        Ok::<_, Error>(5u8)
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(n, 5, "{path:?}");
+                assert!(
+                    matches!(outcome, Outcome::Executed | Outcome::Replayed),
+                    "{outcome:?}"
+                );
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "{path:?}");
+            assert_eq!(db.count("SELECT count(*) FROM orders").await, 1, "{path:?}");
         }
     }
 

@@ -52,6 +52,7 @@ pub(crate) mod claim_col {
 pub(crate) struct Statements {
     pub claim: Arc<str>,
     pub claim_insert: Arc<str>,
+    pub claim_insert_tx: Arc<str>,
     pub claim_read: Arc<str>,
     pub complete: Arc<str>,
     /// The quoted name of the `run_in_tx` completion function.
@@ -99,13 +100,22 @@ impl Statements {
         // lock, no write: `DO NOTHING` stops at the index probe). The read
         // has the claim's columns (`won` always NULL) and no function call
         // to initialise. Each reads the clock per column: the time left
-        // reported on a lease and on a record are separate answers.
-        let claim_insert = format!(
-            "INSERT INTO {t} (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value) \
-             VALUES (1, clock_timestamp() + {lease}, clock_timestamp() + {ttl}, 'P', false, $1, $2, $5, NULL) \
-             ON CONFLICT (key) DO NOTHING RETURNING attempt",
-            lease = ms!(3),
-            ttl = ms!(4),
+        // reported on a lease and on a record are separate answers. The
+        // `run_in_tx` insert also marks the row `in_tx` and commits
+        // asynchronously, as the claim function does for it (schema.rs).
+        let insert = |in_tx: &str, from: &str| {
+            format!(
+                "INSERT INTO {t} (attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value) \
+                 SELECT 1, clock_timestamp() + {lease}, clock_timestamp() + {ttl}, 'P', {in_tx}, $1, $2, $5, NULL{from} \
+                 ON CONFLICT (key) DO NOTHING RETURNING attempt",
+                lease = ms!(3),
+                ttl = ms!(4),
+            )
+        };
+        let claim_insert = insert("false", "");
+        let claim_insert_tx = insert(
+            "true",
+            " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit",
         );
         let claim_read = format!(
             "SELECT NULL::bigint AS won, r.attempt, r.state, r.token, r.fingerprint, r.value, \
@@ -196,6 +206,7 @@ impl Statements {
             scan_open: scan_open.into(),
             claim: claim.into(),
             claim_insert: claim_insert.into(),
+            claim_insert_tx: claim_insert_tx.into(),
             claim_read: claim_read.into(),
             complete: complete.into(),
             complete_in_tx: t.routine(COMPLETE_IN_TX_FN),

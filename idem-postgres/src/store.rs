@@ -690,21 +690,19 @@ impl Store for PgStore {
             },
             None => None,
         };
-        // A `run_in_tx` claim always sends the combined statement: its
-        // insert must also turn off the durable commit (see schema.rs).
-        let mut path = match slot {
-            Some(_) => ClaimPath::Combined,
-            None => self.inner.forecast.path(),
-        };
+        let mut path = self.inner.forecast.path();
         for _ in 0..MAX_RACES {
             let sql = &self.inner.sql;
             let q = match path {
-                ClaimPath::Insert => sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim_insert)))
-                    .bind(c.key)
-                    .bind(&token[..])
-                    .bind(lease)
-                    .bind(ttl)
-                    .bind(fingerprint),
+                ClaimPath::Insert => sqlx::query(AssertSqlSafe(Arc::clone(match slot {
+                    Some(_) => &sql.claim_insert_tx,
+                    None => &sql.claim_insert,
+                })))
+                .bind(c.key)
+                .bind(&token[..])
+                .bind(lease)
+                .bind(ttl)
+                .bind(fingerprint),
                 ClaimPath::Read => {
                     sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim_read))).bind(c.key)
                 }
