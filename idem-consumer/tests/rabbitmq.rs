@@ -1,6 +1,6 @@
 //! RabbitMQ adapter against the broker on 127.0.0.1:5672 (guest/guest, or
 //! `AMQP_URL`), with unique queue and exchange names per test, deleted
-//! after. The shared scenarios are in `support`. Ground truth is an
+//! after; the restart test spawns a private node. The shared scenarios are in `support`. Ground truth is an
 //! external ledger of side effects.
 
 mod support;
@@ -8,7 +8,7 @@ mod support;
 use idem_consumer::Consumer;
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
 use idem_consumer::{KeyDeriver, KeySource, Message};
-use idem_testkit::RedisServer;
+use idem_testkit::{RabbitServer, RedisServer};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions,
     QueueDeleteOptions,
@@ -43,12 +43,41 @@ fn unique(prefix: &str) -> String {
     )
 }
 
+/// The test's own connection and channel.
+struct Link {
+    conn: Connection,
+    channel: Channel,
+}
+
+impl Link {
+    async fn open(url: &str) -> Link {
+        let conn = connect(url).await;
+        let channel = conn.create_channel().await.unwrap();
+        Link { conn, channel }
+    }
+
+    /// Opens it again after the broker went away: it may still be booting.
+    async fn reopen(url: &str) -> Link {
+        for _ in 0..300 {
+            let attempt = tokio::time::timeout(Duration::from_secs(5), async {
+                let conn = Connection::connect(url, Default::default()).await?;
+                let channel = conn.create_channel().await?;
+                Ok::<_, lapin::Error>(Link { conn, channel })
+            });
+            if let Ok(Ok(link)) = attempt.await {
+                return link;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("RabbitMQ at {url} did not come back within a minute")
+    }
+}
+
 /// A quorum queue with its dead-letter exchange and queue; deleted on drop
 /// by the process that created it.
 struct TestQueue {
     url: String,
-    conn: Connection,
-    channel: Channel,
+    link: tokio::sync::Mutex<Link>,
     queue: String,
     id_header: Option<String>,
     owned: bool,
@@ -60,11 +89,10 @@ impl TestQueue {
     }
 
     async fn create_at(url: &str, prefix: &str) -> TestQueue {
-        let conn = connect(url).await;
-        let channel = conn.create_channel().await.unwrap();
+        let link = Link::open(url).await;
         let queue = unique(prefix);
         declare_queue(
-            &channel,
+            &link.channel,
             &queue,
             &format!("{queue}.dlx"),
             &format!("{queue}.dead"),
@@ -73,8 +101,7 @@ impl TestQueue {
         .unwrap();
         TestQueue {
             url: url.to_owned(),
-            conn,
-            channel,
+            link: tokio::sync::Mutex::new(link),
             queue,
             id_header: None,
             owned: true,
@@ -87,6 +114,20 @@ impl TestQueue {
         self
     }
 
+    /// The connection, opened again if the broker closed it (a restart:
+    /// the test's bounce, which ends when the node accepts clients again).
+    async fn link(&self) -> tokio::sync::MutexGuard<'_, Link> {
+        let mut link = self.link.lock().await;
+        if !link.conn.status().connected() || !link.channel.status().connected() {
+            *link = Link::reopen(&self.url).await;
+        }
+        link
+    }
+
+    async fn channel(&self) -> Channel {
+        self.link().await.channel.clone()
+    }
+
     async fn publish_with(&self, id: Option<&str>, headers: Option<FieldTable>, payload: &[u8]) {
         let mut props = BasicProperties::default();
         if let Some(id) = id {
@@ -95,7 +136,8 @@ impl TestQueue {
         if let Some(h) = headers {
             props = props.with_headers(h);
         }
-        self.channel
+        self.channel()
+            .await
             .basic_publish(
                 "".into(),
                 self.queue.as_str().into(),
@@ -127,7 +169,7 @@ impl Place for TestQueue {
         if let Some(h) = &self.id_header {
             cfg = cfg.id_header(h);
         }
-        let channel = self.conn.create_channel().await.unwrap();
+        let channel = self.link().await.conn.create_channel().await.unwrap();
         RabbitConsumer::new(channel, cfg).await.unwrap()
     }
 
@@ -139,7 +181,8 @@ impl Place for TestQueue {
             ..Default::default()
         };
         let declared = self
-            .channel
+            .channel()
+            .await
             .queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
             .await;
         declared.is_ok_and(|q| q.message_count() == 0)
@@ -150,8 +193,8 @@ impl Place for TestQueue {
     async fn dead_letters(&self) -> Vec<DeadLetter> {
         let mut out = Vec::new();
         let dead = format!("{}.dead", self.queue);
-        while let Some(m) = self
-            .channel
+        let channel = self.channel().await;
+        while let Some(m) = channel
             .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
             .await
             .unwrap()
@@ -178,10 +221,8 @@ impl Place for TestQueue {
     async fn from_env() -> TestQueue {
         let env = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("worker: {k} not set"));
         let url = env("IDEM_RABBIT_URL");
-        let conn = connect(&url).await;
         TestQueue {
-            channel: conn.create_channel().await.unwrap(),
-            conn,
+            link: tokio::sync::Mutex::new(Link::open(&url).await),
             url,
             queue: env("IDEM_RABBIT_QUEUE"),
             id_header: None,
@@ -266,6 +307,25 @@ async fn killed_after_the_side_effect_before_the_ack_the_redelivery_replays_and_
 async fn killed_mid_handler_the_redelivery_takes_over_after_the_lease_with_one_extra_run() {
     let place = TestQueue::create("idem.mid").await;
     support::killed_mid_handler_one_extra_run_after_the_lease(place, Duration::ZERO).await;
+}
+
+/// A private node with its data on disk: the quorum queue and its messages
+/// survive the restart; the channel does not, so `run` stops with the
+/// error and a new consumer on a new connection goes on (the scenario's
+/// loop), replaying what had run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_consumer_after_a_broker_restart_processes_everything_once() {
+    let mut server = RabbitServer::start();
+    let place = TestQueue::create_at(&server.url(), "idem.restart").await;
+    support::run_survives_a_broker_restart(&place, || {
+        // RabbitMQ 3.10 SIGKILLed within about 100 ms of declaring a quorum
+        // queue restarts with that queue leaderless for good (every call
+        // on it waits); a queue in production is older than that.
+        std::thread::sleep(Duration::from_secs(1));
+        server.restart();
+    })
+    .await;
+    assert_eq!(server.boots(), 2, "the node restarted once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -22,6 +22,9 @@
 //!   re-execute their binary as worker processes.
 //! * [`KafkaBroker`]: a Kafka-protocol broker (`tansu`) on a free port, in
 //!   memory.
+//! * [`NatsServer`], [`RabbitServer`]: a private NATS (JetStream) or
+//!   RabbitMQ node on free ports, its data in a temporary directory that
+//!   survives a restart, for tests that kill or restart the broker.
 //! * [`RedisServer`]: one `redis-server` on a free port of `127.0.0.1`, no
 //!   persistence, files in a temporary directory, killed on drop.
 //! * [`RedisCluster`]: three such servers formed into a real cluster of three
@@ -72,6 +75,7 @@ mod nats;
 mod poll;
 mod postgres;
 mod proxy;
+mod rabbitmq;
 mod record;
 mod rng;
 mod runs;
@@ -89,6 +93,7 @@ pub use nats::{NatsServer, require_nats};
 pub use poll::eventually;
 pub use postgres::{PgServer, PgTestDb, pg_admin_url};
 pub use proxy::FaultProxy;
+pub use rabbitmq::{RabbitServer, require_rabbitmq};
 pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;
 pub use runs::Runs;
