@@ -129,6 +129,7 @@ pub struct RabbitConfig {
     block: Duration,
     id_header: Option<String>,
     consumer_tag: String,
+    setup_timeout: Duration,
 }
 
 impl RabbitConfig {
@@ -141,6 +142,7 @@ impl RabbitConfig {
             block: Duration::from_secs(1),
             id_header: None,
             consumer_tag: String::new(),
+            setup_timeout: Duration::from_secs(30),
         }
     }
 
@@ -163,6 +165,22 @@ impl RabbitConfig {
         self.id_header = Some(name.into());
         self
     }
+
+    /// How long [`RabbitConsumer::new`] waits for the broker to accept the
+    /// consumer (default 30 s). A broker can leave it waiting for good: a
+    /// quorum queue without a leader answers nothing.
+    ///
+    /// ```
+    /// use idem_consumer::rabbitmq::RabbitConfig;
+    /// use std::time::Duration;
+    ///
+    /// let cfg = RabbitConfig::new("orders").setup_timeout(Duration::from_secs(5));
+    /// # let _ = cfg;
+    /// ```
+    pub fn setup_timeout(mut self, d: Duration) -> Self {
+        self.setup_timeout = d;
+        self
+    }
 }
 
 /// A RabbitMQ queue consumer run through idem.
@@ -183,20 +201,44 @@ impl fmt::Debug for RabbitConsumer {
 
 impl RabbitConsumer {
     /// Sets the channel's prefetch and starts consuming the queue.
+    ///
+    /// A broker that does not answer within the config's
+    /// [`setup_timeout`](RabbitConfig::setup_timeout) is an error, not a
+    /// wait without end.
     pub async fn new(channel: Channel, cfg: RabbitConfig) -> Result<Self, ConsumerError> {
-        channel
-            .basic_qos(cfg.prefetch, BasicQosOptions::default())
+        let (queue, tag) = (
+            short("queue", &cfg.queue)?,
+            short("consumer tag", &cfg.consumer_tag)?,
+        );
+        let setup = async {
+            channel
+                .basic_qos(cfg.prefetch, BasicQosOptions::default())
+                .await
+                .map_err(amqp_err("qos"))?;
+            channel
+                .basic_consume(
+                    queue,
+                    tag,
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(amqp_err("consume"))
+        };
+        let deliveries = tokio::time::timeout(cfg.setup_timeout, setup)
             .await
-            .map_err(amqp_err("qos"))?;
-        let deliveries = channel
-            .basic_consume(
-                short("queue", &cfg.queue)?,
-                short("consumer tag", &cfg.consumer_tag)?,
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp_err("consume"))?;
+            .map_err(|_| {
+                ConsumerError::broker(
+                    BROKER,
+                    "consume",
+                    format!(
+                        "RabbitMQ did not accept a consumer on queue {:?} within {:?}; check that \
+                         the queue is available (a quorum queue needs a leader) and that no \
+                         resource alarm blocks the connection",
+                        cfg.queue, cfg.setup_timeout
+                    ),
+                )
+            })??;
         Ok(RabbitConsumer {
             deliveries: Arc::new(Mutex::new(deliveries)),
             source: Arc::from(cfg.queue.as_str()),

@@ -8,7 +8,7 @@ mod support;
 use idem_consumer::Consumer;
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
 use idem_consumer::{KeyDeriver, KeySource, Message};
-use idem_testkit::{RabbitServer, RedisServer};
+use idem_testkit::{FaultProxy, RabbitServer, RedisServer};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions,
     QueueDeleteOptions,
@@ -326,6 +326,32 @@ async fn a_new_consumer_after_a_broker_restart_processes_everything_once() {
     })
     .await;
     assert_eq!(server.boots(), 2, "the node restarted once");
+}
+
+/// A broker that never answers the consumer's set-up (here a stalled
+/// network): a typed error after the set-up timeout, not a wait for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_the_broker_never_accepts_is_an_error_after_the_setup_timeout() {
+    let place = TestQueue::create("idem.setup").await;
+    let uri: lapin::uri::AMQPUri = amqp_url().parse().unwrap();
+    let upstream = format!("{}:{}", uri.authority.host, uri.authority.port);
+    let upstream = tokio::net::lookup_host(&upstream)
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let proxy = FaultProxy::start(upstream);
+    let through = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port());
+    let conn = connect(&through).await;
+    let channel = conn.create_channel().await.unwrap();
+    proxy.stall(true);
+    let cfg = RabbitConfig::new(&place.queue).setup_timeout(Duration::from_millis(500));
+    let err = RabbitConsumer::new(channel, cfg).await.unwrap_err();
+    assert!(
+        err.to_string().contains("did not accept a consumer"),
+        "{err}"
+    );
+    proxy.stall(false);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -139,7 +139,8 @@ impl RabbitServer {
         // "systemd" the script execs the node instead of waiting on it in
         // the background, so the process killed (and tied to this one's
         // life) is the node itself.
-        cmd.env("HOME", dir)
+        cmd.current_dir(dir) // where a failed boot writes erl_crash.dump
+            .env("HOME", dir)
             .env("RUNNING_UNDER_SYSTEMD", "1")
             .env("RABBITMQ_NODENAME", &self.node)
             .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
