@@ -302,6 +302,7 @@ impl<C> Consumer<C> {
             "idem.consume",
             broker = msg.broker(),
             source = msg.source(),
+            position = msg.position(),
             id = msg.id(),
             delivery = msg.delivery_count(),
             outcome = Empty,

@@ -26,6 +26,7 @@ pub struct Message {
     delivery_count: u32,
     broker: &'static str,
     source: Arc<str>,
+    position: Option<String>,
 }
 
 impl Message {
@@ -38,6 +39,7 @@ impl Message {
             delivery_count: 1,
             broker: "custom",
             source: Arc::from(""),
+            position: None,
         }
     }
 
@@ -71,6 +73,19 @@ impl Message {
         self
     }
 
+    /// Where the delivery sits in its source, for operators reading a
+    /// message's span: Kafka's `partition@offset`, a Redis stream entry's
+    /// id, a JetStream stream sequence.
+    ///
+    /// ```
+    /// let m = idem_consumer::Message::new("{}").with_position("3@1042");
+    /// assert_eq!(m.position(), Some("3@1042"));
+    /// ```
+    pub fn with_position(mut self, position: impl Into<String>) -> Message {
+        self.position = Some(position.into());
+        self
+    }
+
     /// The payload bytes.
     pub fn payload(&self) -> &Bytes {
         &self.payload
@@ -94,6 +109,11 @@ impl Message {
     /// The stream, subject or queue.
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// Where the delivery sits in its source, if the adapter says.
+    pub fn position(&self) -> Option<&str> {
+        self.position.as_deref()
     }
 
     /// The payload parsed as JSON into `T`.

@@ -278,16 +278,22 @@ impl Adapter for NatsConsumer {
     /// Payload, `Nats-Msg-Id` (or the configured header) as id, delivery
     /// count from the JetStream metadata.
     fn message_of(&self, m: &jetstream::Message) -> Result<Message, ConsumerError> {
-        let deliveries = match m.info() {
-            Ok(info) => u32::try_from(info.delivered).unwrap_or(1),
+        let (deliveries, sequence) = match m.info() {
+            Ok(info) => (
+                u32::try_from(info.delivered).unwrap_or(1),
+                Some(info.stream_sequence),
+            ),
             Err(e) => {
                 tracing::warn!(error = %e, "JetStream message without readable delivery info");
-                1
+                (1, None)
             }
         };
         let mut msg = Message::new(m.payload.clone())
             .with_delivery_count(deliveries)
             .with_source(BROKER, self.source.clone());
+        if let Some(sequence) = sequence {
+            msg = msg.with_position(sequence.to_string());
+        }
         if let Some(id) = m
             .headers
             .as_ref()

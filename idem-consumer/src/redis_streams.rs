@@ -353,7 +353,9 @@ impl RedisStreamsConsumer {
     }
 
     fn entry(&self, sid: StreamId, deliveries: u32) -> StreamEntry {
-        let message = self.parse_fields(&sid.map, deliveries);
+        let message = self
+            .parse_fields(&sid.map, deliveries)
+            .map(|m| m.with_position(sid.id.clone()));
         StreamEntry {
             id: sid.id,
             message,

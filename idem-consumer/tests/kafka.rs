@@ -291,6 +291,14 @@ async fn two_members_payload_keys_duplicates_and_republishes_run_each_order_once
     let charge = |m: Message| {
         let ledger = &ledger;
         async move {
+            // partition@offset, for the message's span
+            let position = m.position().unwrap_or_default();
+            assert!(
+                position
+                    .split_once('@')
+                    .is_some_and(|(p, o)| p.parse::<i32>().is_ok() && o.parse::<i64>().is_ok()),
+                "{position:?}"
+            );
             ledger.record(&order_of(&m));
             Ok::<_, String>(())
         }

@@ -155,6 +155,8 @@ impl TestQueue {
 impl Place for TestQueue {
     type Adapter = RabbitConsumer;
     const WORKER_ENV: &'static str = "IDEM_RABBIT";
+    /// A queue has no position: delivery tags count per channel.
+    const POSITIONED: bool = false;
 
     async fn publish(&self, id: Option<&str>, payload: &[u8]) {
         self.publish_with(id, None, payload).await;

@@ -29,7 +29,7 @@ fn idem() -> Idempotency {
 }
 
 #[tokio::test]
-async fn each_message_gets_a_span_with_broker_source_delivery_outcome_and_decision() {
+async fn each_message_gets_a_span_with_broker_source_position_delivery_outcome_and_decision() {
     use tracing::instrument::WithSubscriber;
     let logs = idem_testkit::LogCapture::new();
     let c = Consumer::new(idem(), "orders").classify(classify);
@@ -38,7 +38,8 @@ async fn each_message_gets_a_span_with_broker_source_delivery_outcome_and_decisi
     let m = Message::new("{}")
         .with_id("o-9")
         .with_delivery_count(3)
-        .with_source("nats", "ORDERS/billing");
+        .with_source("nats", "ORDERS/billing")
+        .with_position("1042");
     async {
         c.handle(&m, &ok).await;
         c.handle(&m.clone().with_id("o-10"), &bad).await;
@@ -54,6 +55,7 @@ async fn each_message_gets_a_span_with_broker_source_delivery_outcome_and_decisi
         "idem.consume",
         "broker=\"nats\"",
         "ORDERS/billing",
+        "position=\"1042\"",
         "id=\"o-9\"",
         "delivery=3",
         "outcome=\"executed\"",

@@ -348,7 +348,9 @@ pub(super) fn poll_loop(
         let epoch = shared.take(&topic, m.partition(), m.offset());
         let headers = m.headers().map(|h| h.detach());
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
-        let msg = cfg.message_of(payload, m.key(), headers.as_ref(), &topic);
+        let msg = cfg
+            .message_of(payload, m.key(), headers.as_ref(), &topic)
+            .with_position(format!("{}@{}", m.partition(), m.offset()));
         let taken = Taken {
             topic,
             partition: m.partition(),

@@ -51,6 +51,9 @@ pub trait Place: Send + Sync + Sized + 'static {
     fn drained(&self) -> impl Future<Output = bool> + Send;
     /// Dead letters so far (some brokers deliver them asynchronously).
     fn dead_letters(&self) -> impl Future<Output = Vec<DeadLetter>> + Send;
+    /// Whether the adapter says where each delivery sits in its source
+    /// (`Message::position`): a stream entry id, a stream sequence.
+    const POSITIONED: bool = true;
     /// How long to wait before re-publishing an id, for brokers that drop
     /// re-published ids within a window (JetStream).
     fn duplicate_gap(&self) -> Duration {
@@ -197,6 +200,9 @@ pub async fn four_tasks_run_each_order_once<P: Place>(place: P) {
             (consumer.clone(), ledger.clone(), done.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let charge = async |m: Message| -> Result<String, String> {
+                if P::POSITIONED {
+                    assert!(m.position().is_some_and(|p| !p.is_empty()), "no position");
+                }
                 ledger.record(&order_of(&m));
                 Ok(format!("charged {}", order_of(&m)))
             };
