@@ -24,6 +24,7 @@ pub(crate) fn client_cpu() -> f64 {
 /// CPU time of processes `pids` (same machine), in seconds: the
 /// PostgreSQL backends serving the bench's pool. 0 for a pid not found
 /// (a server on another machine).
+#[cfg(feature = "postgres")]
 pub(crate) fn pids_cpu(pids: &[i32]) -> f64 {
     let ns: u64 = pids
         .iter()

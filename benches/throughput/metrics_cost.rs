@@ -9,16 +9,81 @@
 
 use crate::ops::Ctx;
 use crate::phases::{PHASES, slice};
-use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use metrics::{
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    SharedString, Unit,
+};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// A recorder that records (Prometheus) only while switched on.
+/// A recorder that records (Prometheus) only while switched on. idem keeps
+/// the handles it registers, so the switch is in each handle: switched off,
+/// a handle skips recording after one atomic load (a no-op handle, as the
+/// facade hands out with no recorder installed, skips after a branch).
 struct Switch {
-    on: AtomicBool,
+    on: Arc<AtomicBool>,
     inner: PrometheusRecorder,
+}
+
+struct Switched<T> {
+    on: Arc<AtomicBool>,
+    inner: T,
+}
+
+impl<T> Switched<T> {
+    fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+}
+
+impl CounterFn for Switched<Counter> {
+    fn increment(&self, value: u64) {
+        if self.on() {
+            self.inner.increment(value)
+        }
+    }
+    fn absolute(&self, value: u64) {
+        if self.on() {
+            self.inner.absolute(value)
+        }
+    }
+}
+
+impl GaugeFn for Switched<Gauge> {
+    fn increment(&self, value: f64) {
+        if self.on() {
+            self.inner.increment(value)
+        }
+    }
+    fn decrement(&self, value: f64) {
+        if self.on() {
+            self.inner.decrement(value)
+        }
+    }
+    fn set(&self, value: f64) {
+        if self.on() {
+            self.inner.set(value)
+        }
+    }
+}
+
+impl HistogramFn for Switched<Histogram> {
+    fn record(&self, value: f64) {
+        if self.on() {
+            self.inner.record(value)
+        }
+    }
+}
+
+impl Switch {
+    fn wrap<T>(&self, inner: T) -> Arc<Switched<T>> {
+        Arc::new(Switched {
+            on: Arc::clone(&self.on),
+            inner,
+        })
+    }
 }
 
 impl Recorder for Switch {
@@ -32,25 +97,13 @@ impl Recorder for Switch {
         self.inner.describe_histogram(key, unit, d)
     }
     fn register_counter(&self, key: &Key, m: &Metadata<'_>) -> Counter {
-        if self.on.load(Ordering::Relaxed) {
-            self.inner.register_counter(key, m)
-        } else {
-            Counter::noop()
-        }
+        Counter::from_arc(self.wrap(self.inner.register_counter(key, m)))
     }
     fn register_gauge(&self, key: &Key, m: &Metadata<'_>) -> Gauge {
-        if self.on.load(Ordering::Relaxed) {
-            self.inner.register_gauge(key, m)
-        } else {
-            Gauge::noop()
-        }
+        Gauge::from_arc(self.wrap(self.inner.register_gauge(key, m)))
     }
     fn register_histogram(&self, key: &Key, m: &Metadata<'_>) -> Histogram {
-        if self.on.load(Ordering::Relaxed) {
-            self.inner.register_histogram(key, m)
-        } else {
-            Histogram::noop()
-        }
+        Histogram::from_arc(self.wrap(self.inner.register_histogram(key, m)))
     }
 }
 
@@ -60,7 +113,7 @@ const SLICE: Duration = Duration::from_millis(250);
 /// Runs the comparison and prints its table.
 pub(crate) async fn measure(ctx: &Arc<Ctx>, concurrency: usize) {
     let switch: &'static Switch = Box::leak(Box::new(Switch {
-        on: AtomicBool::new(false),
+        on: Arc::new(AtomicBool::new(false)),
         inner: PrometheusBuilder::new().build_recorder(),
     }));
     if metrics::set_global_recorder(switch).is_err() {

@@ -286,7 +286,9 @@ fn observe(
     body: Option<Duration>,
 ) {
     #[cfg(feature = "metrics")]
-    crate::metrics::call(&inner.namespace, scope, outcome, inner.store.name());
+    inner
+        .metrics
+        .call(&inner.namespace, scope, outcome, inner.store.name());
     if let Some(hook) = &inner.hook {
         let shown = key.map(|k| shown_key(inner, k));
         let event = OutcomeEvent {
@@ -517,7 +519,7 @@ impl Exec<'_> {
         let mut guard = self.guard();
         let body_start = self.call_start.map(|_| Instant::now());
         #[cfg(feature = "metrics")]
-        let in_flight = crate::metrics::InFlight::start();
+        let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
         let result = self
             .keep_alive(AssertUnwindSafe(body()).catch_unwind())
             .await;
@@ -527,7 +529,7 @@ impl Exec<'_> {
             let took = body_start.elapsed();
             self.report.body(took);
             #[cfg(feature = "metrics")]
-            crate::metrics::body(self.scope, took);
+            self.inner.metrics.body(self.scope, took);
         }
         // From here on the body has finished: whatever happens to this
         // future, the key is never released on the way out.

@@ -369,7 +369,7 @@ impl IdempotencyBuilder {
         push_escaped(&mut prefix, &self.namespace);
         prefix.push(':');
         #[cfg(feature = "metrics")]
-        let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered(self.store));
+        let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered::new(self.store));
         #[cfg(not(feature = "metrics"))]
         let store = self.store;
         Idempotency {
@@ -389,6 +389,8 @@ impl IdempotencyBuilder {
                 invalidation: tokio::sync::OnceCell::new(),
                 config_error,
                 hook: self.hook,
+                #[cfg(feature = "metrics")]
+                metrics: crate::metrics::Handles::default(),
             }),
         }
     }

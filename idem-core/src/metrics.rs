@@ -22,60 +22,186 @@ use crate::store::{
 };
 use crate::token::Token;
 use async_trait::async_trait;
-use std::sync::Arc;
+use metrics::{Counter, Gauge, Histogram, Recorder};
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::time::Instant;
 
-pub(crate) fn call(namespace: &str, scope: &str, outcome: CallOutcome, store: &'static str) {
-    metrics::counter!(
-        "idem_calls_total",
-        "namespace" => namespace.to_owned(),
-        "scope" => scope.to_owned(),
-        "outcome" => outcome.as_str(),
-        "store" => store
-    )
-    .increment(1);
+/// Handles registered with the recorder in effect, kept: building a label
+/// set and looking it up in the recorder's registry on every call cost a
+/// replay about a quarter of its throughput. Registered again when another
+/// recorder takes effect (installed later, or a thread's local one), told
+/// apart by address: like the `metrics` crate's own handles, which stay
+/// with the recorder they were registered with, a local recorder dropped
+/// and replaced by another at the same address keeps the first's.
+#[derive(Default)]
+pub(crate) struct Handles {
+    cache: RwLock<Cache>,
 }
 
-pub(crate) fn body(scope: &str, took: Duration) {
-    metrics::histogram!("idem_body_seconds", "scope" => scope.to_owned()).record(took);
+#[derive(Default)]
+struct Cache {
+    /// The recorder the handles came from (its address).
+    recorder: usize,
+    calls: HashMap<Box<str>, Vec<(CallOutcome, Counter)>>,
+    bodies: HashMap<Box<str>, Histogram>,
+    in_flight: Option<Gauge>,
+    store_ops: Vec<(&'static str, Histogram)>,
 }
 
-/// Counts a body in flight until dropped (also when the call is cancelled).
-pub(crate) struct InFlight;
+/// The recorder in effect, by address (the no-op one when none is
+/// installed).
+fn recorder() -> usize {
+    metrics::with_recorder(|r: &dyn Recorder| std::ptr::from_ref(r).cast::<()>() as usize)
+}
 
-impl InFlight {
-    pub(crate) fn start() -> InFlight {
-        metrics::gauge!("idem_bodies_in_flight").increment(1.0);
-        InFlight
+impl Handles {
+    /// Runs `act` on the handle `find` locates, registering it with `make`
+    /// when the cache does not hold it for the recorder in effect.
+    fn with<H: Clone>(
+        &self,
+        find: impl Fn(&Cache) -> Option<&H>,
+        make: impl FnOnce(&mut Cache) -> H,
+        act: impl FnOnce(&H),
+    ) {
+        let id = recorder();
+        {
+            let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+            if cache.recorder == id
+                && let Some(h) = find(&cache)
+            {
+                act(h);
+                return;
+            }
+        }
+        let mut cache = self.cache.write().unwrap_or_else(|e| e.into_inner());
+        if cache.recorder != id {
+            *cache = Cache {
+                recorder: id,
+                ..Cache::default()
+            };
+        }
+        let h = match find(&cache) {
+            Some(h) => h.clone(),
+            None => make(&mut cache),
+        };
+        drop(cache);
+        act(&h);
+    }
+
+    pub(crate) fn call(
+        &self,
+        namespace: &str,
+        scope: &str,
+        outcome: CallOutcome,
+        store: &'static str,
+    ) {
+        self.with(
+            |c| {
+                let counters = c.calls.get(scope)?;
+                counters.iter().find(|(o, _)| *o == outcome).map(|(_, h)| h)
+            },
+            |c| {
+                let h = metrics::counter!(
+                    "idem_calls_total",
+                    "namespace" => namespace.to_owned(),
+                    "scope" => scope.to_owned(),
+                    "outcome" => outcome.as_str(),
+                    "store" => store
+                );
+                c.calls
+                    .entry(scope.into())
+                    .or_default()
+                    .push((outcome, h.clone()));
+                h
+            },
+            |h| h.increment(1),
+        );
+    }
+
+    pub(crate) fn body(&self, scope: &str, took: Duration) {
+        self.with(
+            |c| c.bodies.get(scope),
+            |c| {
+                let h = metrics::histogram!("idem_body_seconds", "scope" => scope.to_owned());
+                c.bodies.insert(scope.into(), h.clone());
+                h
+            },
+            |h| h.record(took),
+        );
+    }
+
+    fn in_flight(&self, delta: f64) {
+        self.with(
+            |c| c.in_flight.as_ref(),
+            |c| {
+                let h = metrics::gauge!("idem_bodies_in_flight");
+                c.in_flight = Some(h.clone());
+                h
+            },
+            |h| h.increment(delta),
+        );
+    }
+
+    fn store_op(&self, op: &'static str, store: &'static str, took: Duration) {
+        self.with(
+            |c| c.store_ops.iter().find(|(o, _)| *o == op).map(|(_, h)| h),
+            |c| {
+                let h = metrics::histogram!("idem_store_seconds", "op" => op, "store" => store);
+                c.store_ops.push((op, h.clone()));
+                h
+            },
+            |h| h.record(took),
+        );
     }
 }
 
-impl Drop for InFlight {
+/// Counts a body in flight until dropped (also when the call is cancelled).
+pub(crate) struct InFlight<'a>(&'a Handles);
+
+impl InFlight<'_> {
+    pub(crate) fn start(handles: &Handles) -> InFlight<'_> {
+        handles.in_flight(1.0);
+        InFlight(handles)
+    }
+}
+
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        metrics::gauge!("idem_bodies_in_flight").decrement(1.0);
+        self.0.in_flight(-1.0);
     }
 }
 
 /// The runtime's store, timed: each round trip lands in `idem_store_seconds`.
-pub(crate) struct Metered(pub(crate) Arc<dyn Store>);
+pub(crate) struct Metered {
+    store: Arc<dyn Store>,
+    handles: Handles,
+}
 
 impl Metered {
+    pub(crate) fn new(store: Arc<dyn Store>) -> Metered {
+        Metered {
+            store,
+            handles: Handles::default(),
+        }
+    }
+
     fn record(&self, op: &'static str, since: Instant) {
-        metrics::histogram!("idem_store_seconds", "op" => op, "store" => self.0.name())
-            .record(since.elapsed());
+        self.handles
+            .store_op(op, self.store.name(), since.elapsed());
     }
 }
 
 #[async_trait]
 impl Store for Metered {
     fn name(&self) -> &'static str {
-        self.0.name()
+        self.store.name()
     }
 
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let since = Instant::now();
-        let reply = self.0.claim(claim).await;
+        let reply = self.store.claim(claim).await;
         let op = match reply {
             Ok(ClaimReply::Completed(_)) => "replay",
             _ => "claim",
@@ -93,39 +219,42 @@ impl Store for Metered {
         value: &[u8],
     ) -> Result<WriteReply, Error> {
         let since = Instant::now();
-        let reply = self.0.complete(key, token, fingerprint, kind, value).await;
+        let reply = self
+            .store
+            .complete(key, token, fingerprint, kind, value)
+            .await;
         self.record("complete", since);
         reply
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         let since = Instant::now();
-        let reply = self.0.release(key, token).await;
+        let reply = self.store.release(key, token).await;
         self.record("release", since);
         reply
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         let since = Instant::now();
-        let reply = self.0.extend(key, token, lease).await;
+        let reply = self.store.extend(key, token, lease).await;
         self.record("extend", since);
         reply
     }
 
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
-        self.0.inspect(key, with_value).await
+        self.store.inspect(key, with_value).await
     }
 
     async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.0.watch(key).await
+        self.store.watch(key).await
     }
 
     async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.0.watch_forgotten(prefix, sink).await
+        self.store.watch_forgotten(prefix, sink).await
     }
 
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.0.forget(key, force).await
+        self.store.forget(key, force).await
     }
 
     async fn scan(
@@ -134,6 +263,6 @@ impl Store for Metered {
         cursor: Option<&str>,
         count: usize,
     ) -> Result<ScanPage, Error> {
-        self.0.scan(prefix, cursor, count).await
+        self.store.scan(prefix, cursor, count).await
     }
 }

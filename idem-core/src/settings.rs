@@ -45,6 +45,8 @@ pub(crate) struct Inner {
     pub(crate) invalidation: tokio::sync::OnceCell<Option<InvalidationSink>>,
     pub(crate) config_error: Option<String>,
     pub(crate) hook: Option<Hook>,
+    #[cfg(feature = "metrics")]
+    pub(crate) metrics: crate::metrics::Handles,
 }
 
 impl Inner {

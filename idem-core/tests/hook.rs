@@ -290,6 +290,58 @@ fn metrics_count_each_outcome() {
     assert!(text.contains("idem_bodies_in_flight 0"), "{text}");
 }
 
+/// idem keeps the handles it registers, per recorder: calls made while
+/// another recorder is in effect land in that one.
+#[cfg(feature = "metrics")]
+#[test]
+fn metrics_follow_the_recorder_in_effect() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let idem = Idempotency::builder(MemoryStore::new())
+        .namespace("m")
+        .build();
+    // Both alive at once: recorders are told apart by address.
+    let recorders = [
+        metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+        metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+    ];
+    let calls = |recorder: &metrics_exporter_prometheus::PrometheusRecorder,
+                 keys: &'static [&'static str]| {
+        let handle = recorder.handle();
+        metrics::with_local_recorder(recorder, || {
+            rt.block_on(async {
+                for key in keys {
+                    idem.call("charge", *key)
+                        .run(|| async { Ok::<_, Error>(1u8) })
+                        .await
+                        .unwrap();
+                }
+            })
+        });
+        handle.render()
+    };
+    let first = calls(&recorders[0], &["a", "b"]);
+    let second = calls(&recorders[1], &["c", "a", "a"]);
+    let executed =
+        "idem_calls_total{namespace=\"m\",scope=\"charge\",outcome=\"executed\",store=\"memory\"}";
+    assert!(first.contains(&format!("{executed} 2")), "{first}");
+    assert!(second.contains(&format!("{executed} 1")), "{second}");
+    assert!(
+        second.contains("outcome=\"replayed\",store=\"memory\"} 2"),
+        "{second}"
+    );
+    assert!(
+        second.contains("idem_store_seconds_count{op=\"replay\",store=\"memory\"} 2"),
+        "{second}"
+    );
+    assert!(
+        second.contains("idem_body_seconds_count{scope=\"charge\"} 1"),
+        "{second}"
+    );
+}
+
 /// PgStore's calls land under the same names, labelled `store="postgres"`.
 #[cfg(feature = "metrics")]
 #[test]
