@@ -2,19 +2,20 @@
 //!
 //! Time is always `clock_timestamp()`, read once per statement (in `c`)
 //! where several columns must agree on it: the database's clock, never the
-//! client's, and not `now()`, which a transaction freezes at its start. Durations travel to the server as
-//! milliseconds; the claim's time left comes back as intervals.
+//! client's, and not `now()`, which a transaction freezes at its start.
+//! Durations travel to the server as milliseconds; the claim's time left
+//! comes back as intervals.
 //!
 //! The claim is one statement: it reads the row and, only when the read
 //! shows a record it may take, calls the table's claim function to write
 //! (`schema.rs`). When the store's recent claims were one-sided, a bare
-//! insert or a bare read goes first (`claim_path.rs`). The other writes are plain statements whose
-//! affected-row count is the answer on the common path; a refused one is
-//! followed by `classify`. Either read runs on a snapshot that under READ
-//! COMMITTED may predate the row version the write was refused on; so the
-//! caller trusts it only for answers that need no write (in progress,
-//! completed, another owner, missing) and runs the write again when the
-//! read says it should have happened.
+//! insert or a bare read goes first (`claim_path.rs`). The other writes are
+//! plain statements whose affected-row count is the answer on the common
+//! path; a refused one is followed by `classify`. Either read runs on a
+//! snapshot that under READ COMMITTED may predate the row version the write
+//! was refused on; so the caller trusts it only for answers that need no
+//! write (in progress, completed, another owner, missing) and runs the write
+//! again when the read says it should have happened.
 
 use crate::config::TableName;
 use crate::operate::info_columns;

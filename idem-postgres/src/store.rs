@@ -596,20 +596,24 @@ fn read_insert(row: Option<&PgRow>) -> Result<ClaimRead, Error> {
     let Some(row) = row else {
         return Ok(ClaimRead::Race);
     };
-    let attempt: i64 = get(row, claim_col::INSERTED)?;
+    acquired(get(row, claim_col::INSERTED)?)
+}
+
+fn acquired(attempt: i64) -> Result<ClaimRead, Error> {
     let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
     Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }))
 }
 
 fn read_claim(row: Option<&PgRow>, c: &Claim<'_>, token: &[u8; 16]) -> Result<ClaimRead, Error> {
     let Some(row) = row else {
-        // The statement answers one row; none can only mean a changed table.
+        // The bare read answers none for an absent key; the combined
+        // statement always answers one row, so none there means a changed
+        // table.
         return Ok(ClaimRead::Race);
     };
     let won: Option<i64> = get(row, claim_col::WON)?;
     if let Some(attempt) = won {
-        let attempt = u32::try_from(attempt).map_err(|_| corrupt("attempt out of range"))?;
-        return Ok(ClaimRead::Reply(ClaimReply::Acquired { attempt }));
+        return acquired(attempt);
     }
     let attempt: Option<i64> = get(row, claim_col::ATTEMPT)?;
     let ttl_ms = interval_ms(get(row, claim_col::TTL_LEFT)?);
