@@ -90,28 +90,11 @@ mod tests {
     use super::*;
     use crate::{PgStore, RunInTx};
     use idem_core::{
-        Claim, ClaimReply, Error, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
+        ClaimReply, Error, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
     };
-    use idem_testkit::PgTestDb;
+    use idem_testkit::{PgTestDb, claim};
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
-
-    fn claim<'a>(
-        key: &'a str,
-        token: &'a Token,
-        lease_ms: u64,
-        ttl_ms: u64,
-        fingerprint: Option<&'a Fingerprint>,
-    ) -> Claim<'a> {
-        Claim {
-            key,
-            token,
-            lease: Duration::from_millis(lease_ms),
-            ttl: Duration::from_millis(ttl_ms),
-            fingerprint,
-            want_ttl_left: true,
-        }
-    }
 
     /// Every claim transition, with each statement sent first: whatever a
     /// one-sided statement cannot answer, the combined one must.
@@ -126,21 +109,11 @@ mod tests {
             let (x, y) = (Fingerprint::of_bytes(b"x"), Fingerprint::of_bytes(b"y"));
             let at = |attempt| ClaimReply::Acquired { attempt };
 
-            // fresh, re-sent by its owner, in progress, another request
-            assert_eq!(
-                s.claim(claim("k", &a, 5_000, 60_000, Some(&x)))
-                    .await
-                    .unwrap(),
-                at(1),
-                "{path:?}"
-            );
-            assert_eq!(
-                s.claim(claim("k", &a, 5_000, 60_000, Some(&x)))
-                    .await
-                    .unwrap(),
-                at(1),
-                "{path:?}"
-            );
+            // fresh, then re-sent by its owner; in progress; another request
+            for _ in 0..2 {
+                let mine = s.claim(claim("k", &a, 5_000, 60_000, Some(&x))).await;
+                assert_eq!(mine.unwrap(), at(1), "{path:?}");
+            }
             match s.claim(claim("k", &b, 5_000, 60_000, Some(&x))).await {
                 Ok(ClaimReply::InProgress { retry_after }) => {
                     assert!(

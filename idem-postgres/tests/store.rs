@@ -4,29 +4,13 @@
 mod support;
 
 use idem_core::{
-    Claim, ClaimReply, Error, FailMode, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
+    ClaimReply, Error, FailMode, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
     WriteReply,
 };
 use idem_postgres::{PgStore, PgStoreConfig};
+use idem_testkit::claim;
 use std::time::Duration;
 use support::{DbStore, TestDb};
-
-fn claim<'a>(
-    key: &'a str,
-    token: &'a Token,
-    lease_ms: u64,
-    ttl_ms: u64,
-    fp: Option<&'a Fingerprint>,
-) -> Claim<'a> {
-    Claim {
-        key,
-        token,
-        lease: Duration::from_millis(lease_ms),
-        ttl: Duration::from_millis(ttl_ms),
-        fingerprint: fp,
-        want_ttl_left: true,
-    }
-}
 
 #[tokio::test]
 async fn every_transition_of_the_state_machine() {

@@ -65,6 +65,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod claims;
 mod cluster;
 mod context;
 mod errors;
@@ -83,6 +84,7 @@ mod server;
 mod spawn;
 mod worker;
 
+pub use claims::claim;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;
 pub use errors::{BodyError, is_typed_store_error, is_unavailable};
