@@ -76,3 +76,11 @@ BEGIN
     END IF;
 END
 $idem$;
+
+CREATE TABLE IF NOT EXISTS "idem_keys_failures" (
+    key         text        COLLATE "C" PRIMARY KEY,
+    failures    bigint      NOT NULL,
+    expires_at  timestamptz NOT NULL
+);
+
+CREATE INDEX IF NOT EXISTS "idem_keys_failures_expires_idx" ON "idem_keys_failures" USING brin (expires_at);

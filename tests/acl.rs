@@ -173,9 +173,19 @@ async fn minimal_acl_user_runs_the_core_semantics() {
         .await;
     assert_eq!(recovered.unwrap(), (4, Outcome::Recovered));
 
+    // failure counts (idem-consumer's max_failures): a key of their own
+    // under the namespace, written by a script with GET and SET only.
+    let day = Duration::from_secs(86_400);
+    for expected in 1..=3 {
+        let n = idem.count_failure("charge", "order-2", day).await.unwrap();
+        assert_eq!(n, expected);
+    }
+
     // SCRIPT FLUSH (or a restart, or a fail-over): the client reloads the
     // scripts with SCRIPT LOAD and carries on.
     assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    let n = idem.count_failure("charge", "order-2", day).await.unwrap();
+    assert_eq!(n, 4, "the failure script is reloaded after a flush");
     let after_flush = idem
         .call("charge", "order-5")
         .run_outcome(|| runs.body(5u64))
@@ -496,9 +506,19 @@ async fn cluster_acl_adds_ping_cluster_slots_and_asking() {
         let again = idem.call("charge", &key).run_outcome(|| runs.body(0)).await;
         assert_eq!(again.unwrap(), (i, Outcome::Replayed), "{key}");
     }
+    // Failure counters live on their own keys' slots, on every master.
+    let day = Duration::from_secs(86_400);
+    for i in 0..30u32 {
+        let n = idem.count_failure("charge", i, day).await.unwrap();
+        assert_eq!(n, 1, "failure count of {i}");
+    }
     // NOSCRIPT on every node is recovered with SCRIPT LOAD.
     for node in cluster.nodes() {
         assert_eq!(node.cli(&["SCRIPT", "FLUSH"]), "OK");
+    }
+    for i in 0..30u32 {
+        let n = idem.count_failure("charge", i, day).await.unwrap();
+        assert_eq!(n, 2, "failure count of {i} after SCRIPT FLUSH");
     }
     let v: u32 = idem
         .call("charge", "after-flush")

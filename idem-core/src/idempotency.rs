@@ -99,6 +99,46 @@ impl Idempotency {
         )
     }
 
+    /// Counts one more failed run of `(scope, key)` and returns the count so
+    /// far: for a caller that gives up on a key after so many failures
+    /// (`idem-consumer` dead-letters a message at `max_failures`). The
+    /// counter is kept in the store beside the key's record, under a key
+    /// of its own ([`failure_key`](crate::failure_key)): it survives the
+    /// record's release, expires `ttl` after its last failure, is reset by
+    /// [`forget`](Idempotency::forget) and never appears in
+    /// [`scan`](Idempotency::scan). Concurrent counts are exact: N calls
+    /// from anywhere return 1..=N, each once.
+    ///
+    /// `scope` and `key` are checked and namespaced as in
+    /// [`call`](Idempotency::call); a store that cannot count answers
+    /// [`Error::Unsupported`].
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let day = Duration::from_secs(86_400);
+    /// assert_eq!(idem.count_failure("charge", "order-1", day).await?, 1);
+    /// assert_eq!(idem.count_failure("charge", "order-1", day).await?, 2);
+    /// idem.forget("charge", "order-1").await?;
+    /// assert_eq!(idem.count_failure("charge", "order-1", day).await?, 1);
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    pub async fn count_failure<K: fmt::Display>(
+        &self,
+        scope: &str,
+        key: K,
+        ttl: Duration,
+    ) -> Result<u32, Error> {
+        let inner = &*self.inner;
+        if let Some(e) = &inner.config_error {
+            return Err(Error::InvalidConfig(e.clone()));
+        }
+        let key = storage_key(&inner.prefix, scope, key)?;
+        inner.store.count_failure(&key, ttl).await
+    }
+
     /// Makes this the process-wide default used by `#[idempotent]` without
     /// `using`. Once per process: a second install fails with
     /// [`Error::AlreadyInstalled`].
@@ -386,7 +426,7 @@ impl IdempotencyBuilder {
                 store_retries: self.store_retries,
                 log_keys: self.log_keys,
                 cache: self.cache_entries.map(ReplayCache::new),
-                invalidation: tokio::sync::OnceCell::new(),
+                invalidation: Default::default(),
                 config_error,
                 hook: self.hook,
                 #[cfg(feature = "metrics")]

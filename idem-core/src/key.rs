@@ -80,9 +80,46 @@ pub(crate) fn storage_key(
     Ok(out)
 }
 
+/// What follows a namespace's `:` in the stored key of a failure counter.
+/// A record's stored key has a non-empty scope there (`namespace:scope:key`),
+/// so `namespace::failures:scope:key` is never a record's key, never matches
+/// a scope's scan prefix (`namespace:scope:`), and stays under the
+/// namespace's ACL key pattern (`~namespace:*`).
+const FAILURES: &str = ":failures:";
+
+/// The stored key of the failure counter kept beside the record at
+/// `record_key` (`namespace:scope:key` → `namespace::failures:scope:key`).
+/// A key without a namespace (a store used directly) keeps the whole key
+/// as the namespace part. The one definition every store uses.
+///
+/// ```
+/// assert_eq!(idem_core::failure_key("payments:charge:42"), "payments::failures:charge:42");
+/// ```
+pub fn failure_key(record_key: &str) -> String {
+    let (namespace, rest) = record_key.split_once(':').unwrap_or((record_key, ""));
+    let mut out = String::with_capacity(record_key.len() + FAILURES.len() + 1);
+    out.push_str(namespace);
+    out.push(':');
+    out.push_str(FAILURES);
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failure_keys_never_meet_records() {
+        let record = storage_key("ns:", "charge", "42").unwrap();
+        assert_eq!(failure_key(&record), "ns::failures:charge:42");
+        // A scope named like the marker is escaped in records, so even
+        // `failures` as a scope cannot produce a counter's key.
+        let tricky = storage_key("ns:", ":failures", "charge:42").unwrap();
+        assert_ne!(tricky, failure_key(&record));
+        assert!(!failure_key(&record).starts_with("ns:charge:"));
+        assert_eq!(failure_key("bare"), "bare::failures:");
+    }
 
     #[test]
     fn scope_and_key_never_collide() {

@@ -257,6 +257,10 @@ impl Store for Metered {
         self.store.forget(key, force).await
     }
 
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        self.store.count_failure(key, ttl).await
+    }
+
     async fn scan(
         &self,
         prefix: &str,

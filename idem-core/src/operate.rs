@@ -77,6 +77,10 @@ impl Idempotency {
     /// (another program's key) is refused with [`Error::Corrupt`], and
     /// nothing is deleted.
     ///
+    /// The key's failure count ([`Idempotency::count_failure`]) is reset
+    /// with it (Redis: one more `DEL`, best effort; PostgreSQL: in the same
+    /// transaction), also when there was no record.
+    ///
     /// This process's local replay cache forgets the key at once. **Other
     /// processes** with `local_cache(..)` may keep replaying their copy
     /// for as long as the record had left when it was forgotten (the

@@ -138,6 +138,13 @@ impl TableName {
     /// hash of the whole table name, so two long table names never share
     /// (and overwrite) each other's functions.
     pub(crate) fn routine(&self, suffix: &str) -> String {
+        self.beside(suffix)
+    }
+
+    /// `"schema"."table_suffix"` for a table kept beside this one (the
+    /// failure counts), named as [`routine`](TableName::routine) names a
+    /// function: in the same schema, never clashing for long names.
+    pub(crate) fn beside(&self, suffix: &str) -> String {
         let mut name = format!("{}_{suffix}", self.table);
         if name.len() > MAX_IDENT {
             let hash = self.table.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {

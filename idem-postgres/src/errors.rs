@@ -59,6 +59,23 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
     unavailable(op, reason)
 }
 
+/// Maps a sqlx error met on the failure counts' table `failures`: a
+/// missing one is a table migrated by an older idem-postgres.
+pub(crate) fn map_failures(op: &'static str, failures: &str, e: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &e
+        && db.code().as_deref() == Some("42P01")
+    {
+        return Error::InvalidConfig(format!(
+            "table {failures}, which keeps each key's count of failed runs, does not exist \
+             ({}): the table was migrated by an older idem-postgres; run \
+             `PgStore::migrate()` again, or apply this version's idem-postgres/schema.sql \
+             with your migrations",
+            db.message()
+        ));
+    }
+    map(op, failures, e)
+}
+
 pub(crate) fn unavailable(op: &'static str, reason: impl Into<String>) -> Error {
     Error::Unavailable {
         op,

@@ -8,6 +8,7 @@
 //! the `COLLATE "C"` key): each page is one bounded index range scan,
 //! never a full-table read.
 
+use crate::errors::map_failures;
 use crate::store::{PgStore, corrupt, get};
 use bytes::Bytes;
 use idem_core::{Error, Fingerprint, RecordInfo, ScanPage, ValueKind};
@@ -134,6 +135,8 @@ impl PgStore {
             .map_err(&fail)?;
         let Some(row) = row else {
             // Nothing live: an expired leftover is the reaper's, not ours.
+            self.forget_failures(&mut txn, key).await?;
+            txn.commit().await.map_err(&fail)?;
             return Ok(None);
         };
         // Unreadable rows are refused (and the transaction rolled back on drop).
@@ -149,8 +152,25 @@ impl PgStore {
             .execute(&mut *txn)
             .await
             .map_err(&fail)?;
+        self.forget_failures(&mut txn, key).await?;
         txn.commit().await.map_err(&fail)?;
         Ok(Some(info))
+    }
+
+    /// Deletes the failure count of `key` in the forget's transaction: an
+    /// operator resetting a key resets its failures with it.
+    async fn forget_failures(
+        &self,
+        txn: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        key: &str,
+    ) -> Result<(), Error> {
+        let sql = &self.inner.sql;
+        sqlx::query(AssertSqlSafe(Arc::clone(&sql.forget_failures)))
+            .bind(key)
+            .execute(&mut **txn)
+            .await
+            .map_err(|e| map_failures("forget", &sql.failures_table, e))?;
+        Ok(())
     }
 
     pub(crate) async fn scan_page(

@@ -4,7 +4,7 @@
 //! `expires_at` as absent), so reaping only reclaims space; it can run
 //! late, from a cron, or from every instance at once.
 
-use crate::errors::map;
+use crate::errors::{map, map_failures};
 use crate::store::PgStore;
 use idem_core::Error;
 use sqlx::AssertSqlSafe;
@@ -12,8 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 impl PgStore {
-    /// Deletes up to `limit` expired records and returns how many it
-    /// deleted. Rows locked by a concurrent claim or reaper are skipped
+    /// Deletes up to `limit` expired records, then up to `limit` expired
+    /// failure counts (`<table>_failures`), and returns how many rows it
+    /// deleted in all. Rows locked by a concurrent claim or reaper are skipped
     /// (`FOR UPDATE SKIP LOCKED`), so reapers never wait on each other.
     ///
     /// ```no_run
@@ -27,7 +28,13 @@ impl PgStore {
             .execute(&self.inner.pool)
             .await
             .map_err(|e| map("reap", &self.table_str(), e))?;
-        Ok(done.rows_affected())
+        let sql = &self.inner.sql;
+        let counts = sqlx::query(AssertSqlSafe(Arc::clone(&sql.reap_failures)))
+            .bind(i64::from(limit))
+            .execute(&self.inner.pool)
+            .await
+            .map_err(|e| map_failures("reap", &sql.failures_table, e))?;
+        Ok(done.rows_affected() + counts.rows_affected())
     }
 
     /// Starts a Tokio task that reaps every `every`, in batches of `batch`

@@ -14,6 +14,9 @@
 //! | `value` | NULL | the stored bytes |
 //! | `in_tx` | claimed by `run_in_tx`: completes only inside the body's transaction | false |
 //!
+//! Beside it, `<table>_failures` keeps each key's count of failed runs
+//! (`key`, `failures`, `expires_at`), created by the same migration.
+//!
 //! No `CHECK` constraints: a row written by something else is read, found
 //! unreadable and reported as `Error::Corrupt` without being overwritten,
 //! and the common paths pay for no extra checks.
@@ -25,6 +28,10 @@ pub(crate) const CLAIM_FN: &str = "claim";
 /// The function that completes a `run_in_tx` claim inside the body's
 /// transaction (see [`complete_in_tx_function`]).
 pub(crate) const COMPLETE_IN_TX_FN: &str = "complete_in_tx";
+/// The table beside the records that counts each key's failed runs
+/// (`Store::count_failure`): `<table>_failures`, one row per key with a
+/// count and its own expiry, so it outlives the record's release.
+pub(crate) const FAILURES_TABLE: &str = "failures";
 /// The SQLSTATE the `run_in_tx` completion raises when the caller no longer
 /// holds the lease: the transaction aborts before its `COMMIT`.
 pub(crate) const LEASE_LOST: &str = "IDL01";
@@ -55,6 +62,19 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
         ),
         claim_function(table),
         complete_in_tx_function(table),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {failures} (\n\
+             \x20   key         text        COLLATE \"C\" PRIMARY KEY,\n\
+             \x20   failures    bigint      NOT NULL,\n\
+             \x20   expires_at  timestamptz NOT NULL\n\
+             )",
+            failures = table.beside(FAILURES_TABLE)
+        ),
+        format!(
+            "CREATE INDEX IF NOT EXISTS {index} ON {failures} USING brin (expires_at)",
+            index = table.index("failures_expires_idx"),
+            failures = table.beside(FAILURES_TABLE)
+        ),
     ]
 }
 

@@ -19,7 +19,7 @@
 
 use crate::config::TableName;
 use crate::operate::info_columns;
-use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN};
+use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN, FAILURES_TABLE};
 use std::sync::Arc;
 
 /// `$n` milliseconds as an interval.
@@ -68,6 +68,11 @@ pub(crate) struct Statements {
     pub forget_delete: Arc<str>,
     pub scan: Arc<str>,
     pub scan_open: Arc<str>,
+    /// The quoted name of the failure counts' table.
+    pub failures_table: String,
+    pub count_failure: Arc<str>,
+    pub forget_failures: Arc<str>,
+    pub reap_failures: Arc<str>,
 }
 
 /// Columns a refused `resolve_in_tx` reads back, as `classify` answers:
@@ -199,7 +204,32 @@ impl Statements {
             info_columns("false")
         );
         let scan = scan_open.replace(" ORDER BY", " AND r.key < $4 ORDER BY");
+        // One statement, so concurrent counts of a key queue on its row
+        // and each sees the one before it: N counts answer 1..=N. An
+        // expired count (not reaped yet) starts again at 1.
+        let failures_table = t.beside(FAILURES_TABLE);
+        let f = &failures_table;
+        let count_failure = format!(
+            "INSERT INTO {f} AS f (key, failures, expires_at) \
+             VALUES ($1, 1, clock_timestamp() + {ttl}) \
+             ON CONFLICT (key) DO UPDATE SET \
+                failures = CASE WHEN f.expires_at <= clock_timestamp() THEN 1 \
+                                ELSE LEAST(f.failures + 1, 4294967295) END, \
+                expires_at = EXCLUDED.expires_at \
+             RETURNING failures",
+            ttl = ms!(2),
+        );
+        let forget_failures = format!("DELETE FROM {f} WHERE key = $1");
+        let reap_failures = format!(
+            "DELETE FROM {f} WHERE key IN ( \
+               SELECT key FROM {f} WHERE expires_at <= clock_timestamp() \
+               LIMIT $1 FOR UPDATE SKIP LOCKED)"
+        );
         Statements {
+            count_failure: count_failure.into(),
+            forget_failures: forget_failures.into(),
+            reap_failures: reap_failures.into(),
+            failures_table,
             inspect: inspect.into(),
             forget_lock: forget_lock.into(),
             forget_delete: forget_delete.into(),

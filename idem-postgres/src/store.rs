@@ -164,8 +164,9 @@ impl PgStore {
         &self.inner.pool
     }
 
-    /// Creates the table and its index if they are missing, and creates or
-    /// replaces its two functions (`<table>_claim`,
+    /// Creates the table and its index if they are missing, and the table
+    /// of failure counts beside it (`<table>_failures`, with its index),
+    /// and creates or replaces its two functions (`<table>_claim`,
     /// `<table>_complete_in_tx`), so calling it after an upgrade brings an
     /// existing table up to date. Safe to call at every start, from several
     /// processes at once (an advisory lock serializes them). The schema itself is not created: a
@@ -828,6 +829,26 @@ impl Store for PgStore {
 
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
         self.forget_row(key, force).await
+    }
+
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        let sql = &self.inner.sql;
+        let fail = |e| errors::map_failures("count_failure", &sql.failures_table, e);
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&sql.count_failure)))
+            .bind(key)
+            .bind(ms_i64(millis(ttl)))
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(fail)?;
+        let count: i64 = row
+            .try_get(0)
+            .map_err(|e| corrupt(&format!("column failures: {e}")))?;
+        u32::try_from(count).map_err(|_| {
+            corrupt(&format!(
+                "the failure count {count} in {} is out of range",
+                sql.failures_table
+            ))
+        })
     }
 
     async fn scan(

@@ -3,7 +3,7 @@
 use super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, namespace_prefix};
 use super::{
     Claim, ClaimReply, Completed, RecordInfo, ScanPage, Store, ValueKind, WriteReply, record_ttl,
-    store_lease,
+    store_duration, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -35,9 +35,18 @@ struct Entry {
     expires_at: Instant,
 }
 
+/// A key's failure counter ([`Store::count_failure`]): kept apart from the
+/// records, so it outlives a release and never shows in `scan` or `len`.
+#[derive(Debug)]
+struct Failures {
+    count: u32,
+    expires_at: Instant,
+}
+
 #[derive(Debug, Default)]
 struct Map {
     entries: HashMap<String, Entry>,
+    failures: HashMap<String, Failures>,
     writes_since_sweep: usize,
 }
 
@@ -120,10 +129,36 @@ impl Map {
     /// Drops expired entries, amortized O(1) per write.
     fn note_write(&mut self, now: Instant) {
         self.writes_since_sweep += 1;
-        if self.writes_since_sweep >= self.entries.len().max(1024) {
+        if self.writes_since_sweep >= (self.entries.len() + self.failures.len()).max(1024) {
             self.entries.retain(|_, e| e.expires_at > now);
+            self.failures.retain(|_, f| f.expires_at > now);
             self.writes_since_sweep = 0;
         }
+    }
+
+    /// One more failure of `key`, in a counter that expires `ttl` from now;
+    /// an expired counter starts again.
+    fn count_failure(&mut self, key: &str, ttl: Duration, now: Instant) -> u32 {
+        let expires_at = now + ttl;
+        let count = match self.failures.get_mut(key) {
+            Some(f) if f.expires_at > now => {
+                f.count = f.count.saturating_add(1);
+                f.expires_at = expires_at;
+                f.count
+            }
+            _ => {
+                self.failures.insert(
+                    key.to_owned(),
+                    Failures {
+                        count: 1,
+                        expires_at,
+                    },
+                );
+                1
+            }
+        };
+        self.note_write(now);
+        count
     }
 
     /// Finds the caller's pending entry, or says why it is not there.
@@ -312,6 +347,7 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut map = self.lock();
         let Some(info) = map.live(key, now).map(|e| e.info(now, false)) else {
+            map.failures.remove(key);
             return Ok(None);
         };
         if info.is_held() && !force {
@@ -321,11 +357,19 @@ impl Store for MemoryStore {
             });
         }
         map.entries.remove(key);
+        // An operator resetting a key resets its failures too.
+        map.failures.remove(key);
         drop(map);
         self.hub.notify(key);
         self.hub
             .invalidate(namespace_prefix(key), Invalidation::Key(key));
         Ok(Some(info))
+    }
+
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        let now = Instant::now();
+        let ttl = store_duration(ttl);
+        Ok(self.lock().count_failure(key, ttl, now))
     }
 
     async fn watch(&self, key: &str) -> Option<KeyWatch> {

@@ -281,6 +281,35 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Adds one to the count of failed runs kept beside the record of
+    /// `key` (a counter of its own, stored under
+    /// [`failure_key`](crate::failure_key), which survives the record's
+    /// release), sets the counter to expire `ttl` from now, and returns the
+    /// count after the addition. Atomic: N concurrent calls return 1..=N,
+    /// each once. An expired counter starts again at 1. [`forget`] resets
+    /// it; [`scan`] never lists it.
+    ///
+    /// The default answers [`Error::Unsupported`].
+    ///
+    /// [`forget`]: Store::forget
+    /// [`scan`]: Store::scan
+    ///
+    /// ```
+    /// use idem_core::{MemoryStore, Store};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// assert_eq!(store.count_failure("ns:charge:42", Duration::from_secs(60)).await?, 1);
+    /// assert_eq!(store.count_failure("ns:charge:42", Duration::from_secs(60)).await?, 2);
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        let _ = (key, ttl);
+        Err(Error::Unsupported {
+            op: "count_failure",
+        })
+    }
+
     /// One page of the records whose stored key starts with `prefix`,
     /// about `count` keys, from `cursor` (`None` for the first page). Never
     /// blocks the store for long (Redis: `SCAN`, never `KEYS`).

@@ -207,10 +207,11 @@ impl RedisStore {
         }
     }
 
-    /// Loads the four scripts now, so the first call of each is one round trip.
+    /// Loads the services' scripts now, so the first call of each is one
+    /// round trip.
     async fn load_scripts(&self) -> Result<(), Error> {
         let s = &*SCRIPTS;
-        for lua in [&s.claim, &s.complete, &s.release, &s.extend] {
+        for lua in [&s.claim, &s.complete, &s.release, &s.extend, &s.failure] {
             let loaded = match &self.conn {
                 Conn::Single(c) => lua.script.load_async(&mut c.clone()).await,
                 Conn::Cluster(c) => lua.script.load_async(&mut c.clone()).await,
@@ -434,7 +435,13 @@ impl Store for RedisStore {
     }
 
     async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.forget_key(key, force).await
+        let forgotten = self.forget_key(key, force).await?;
+        self.reset_failures(key).await;
+        Ok(forgotten)
+    }
+
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        self.count_failure_key(key, ttl).await
     }
 
     async fn watch(&self, key: &str) -> Option<KeyWatch> {

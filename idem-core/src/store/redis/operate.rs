@@ -8,8 +8,9 @@ use super::reply::{as_int, classify, protocol};
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
 use crate::error::Error;
+use crate::key::failure_key;
 use crate::store::watch::namespace_prefix;
-use crate::store::{RecordInfo, ScanPage};
+use crate::store::{RecordInfo, ScanPage, millis};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{RedisError, Value};
 use std::time::Duration;
@@ -160,6 +161,29 @@ impl RedisStore {
                 Err(unreadable(&raw))
             }
             _ => Err(protocol("forget", &Value::Array(items))),
+        }
+    }
+
+    /// `Store::count_failure`: the `failure` script on the counter's own
+    /// key (one key, so any slot of a cluster), one round trip.
+    pub(super) async fn count_failure_key(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        let counter = failure_key(key);
+        let lua = &SCRIPTS.failure;
+        let ms = millis(ttl);
+        let mut cmd = invocation(lua.script.get_hash(), &counter, 1, 20);
+        cmd.arg(ms);
+        parse_failure(self.eval("count_failure", lua, &counter, &cmd).await?)
+    }
+
+    /// Deletes the failure counter of `key` after a forget: a second
+    /// command, since on a cluster the counter lives in another slot than
+    /// the record. Best effort: a counter left behind only makes the
+    /// key's next failures count from where they were, until it expires.
+    pub(super) async fn reset_failures(&self, key: &str) {
+        let mut del = redis::cmd("DEL");
+        del.arg(failure_key(key));
+        if let Err(e) = self.send(&del).await {
+            tracing::warn!(error = %e, "forget could not reset the key's failure count (DEL refused?); it expires with its TTL");
         }
     }
 
@@ -319,6 +343,38 @@ impl RedisStore {
         masters.dedup();
         Ok(masters)
     }
+}
+
+/// The `failure` script's reply: `{DONE, count}`, `{UNREADABLE, bytes}`
+/// or `WRONG_TYPE`.
+fn parse_failure(reply: Value) -> Result<u32, Error> {
+    let bad = |v: &Value| protocol("count_failure", v);
+    let items = match reply {
+        Value::Int(i) if Code::of(i) == Some(Code::WrongType) => return Err(wrong_type()),
+        Value::Array(items) => items,
+        other => return Err(bad(&other)),
+    };
+    match (as_int(items.first()).and_then(Code::of), items.get(1)) {
+        (Some(Code::Done), Some(count)) => as_int(Some(count))
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| bad(count)),
+        (Some(Code::Unreadable), Some(Value::BulkString(raw))) => {
+            Err(not_a_count(&String::from_utf8_lossy(raw)))
+        }
+        _ => Err(bad(&Value::Array(items))),
+    }
+}
+
+/// A failure counter that holds something other than a count.
+fn not_a_count(found: &str) -> Error {
+    let shown: String = found
+        .chars()
+        .take(24)
+        .map(|c| if c.is_control() { '.' } else { c })
+        .collect();
+    Error::Corrupt(format!(
+        "a failure counter holds {shown:?} instead of a count; another program shares this key          space — use a distinct namespace, or delete the key"
+    ))
 }
 
 /// `SCAN`'s reply: the next cursor and the keys of this page.

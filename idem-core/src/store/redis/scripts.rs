@@ -45,6 +45,9 @@ pub(super) struct Scripts {
     /// Operators only (`Idempotency::forget`): not loaded at connect, so a
     /// service user needs nothing new; loaded on first use (`NOSCRIPT`).
     pub(super) forget: Lua,
+    /// `Store::count_failure`: one more failed run of a key, in a counter
+    /// key of its own. Not `allow-oom`: it may create that key.
+    pub(super) failure: Lua,
 }
 
 // `claim` may write, so Redis refuses it when out of memory; the others
@@ -55,6 +58,7 @@ pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     release: Lua::new(script!(" flags=allow-oom", "release.lua")),
     extend: Lua::new(script!(" flags=allow-oom", "extend.lua")),
     forget: Lua::new(script!(" flags=allow-oom", "forget.lua")),
+    failure: Lua::new(script!("", "failure.lua")),
 });
 
 /// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
