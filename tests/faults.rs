@@ -814,3 +814,60 @@ async fn out_of_memory_still_replays_stored_results_even_in_fail_open() {
         ("receipt".to_owned(), Outcome::Replayed)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_outage_past_the_lease_tells_the_body_and_the_next_holder_recovers() {
+    let lease = MS(800);
+    let (ctx, idem, other, _con) = proxied("l", lease).await;
+    let proxy = ctx.proxy();
+    let ledger = ctx.ledger().clone();
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
+    let l = ledger.clone();
+    // A long body that watches its lease; its store goes away mid-body.
+    let a = tokio::spawn(async move {
+        idem.call("op", "outage")
+            .run_outcome(|| async move {
+                l.record("outage");
+                let lease = idem::lease().expect("a body has a lease");
+                let _ = entered_tx.send(());
+                let heard = tokio::time::timeout(Duration::from_secs(10), lease.lost()).await;
+                if heard.is_ok() {
+                    l.record("outage:heard");
+                }
+                Ok::<_, Error>("A".to_owned())
+            })
+            .await
+    });
+    entered_rx.await.unwrap();
+    proxy.blackhole(true);
+    // Past the lease the store gives the key to the next holder (which
+    // reaches it directly), and says it is a re-run.
+    let (v, o) = other
+        .call("op", "outage")
+        .wait(Duration::from_secs(30))
+        .run_outcome(|| {
+            let l = ledger.clone();
+            async move {
+                l.record("outage");
+                Ok::<_, Error>("B".to_owned())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("B", Outcome::Recovered));
+    let (v, o) = a.await.unwrap().unwrap();
+    assert_eq!(
+        ledger.count("outage:heard"),
+        1,
+        "the first body was not told that its lease was lost"
+    );
+    assert_eq!(v, "A");
+    assert!(
+        matches!(o, Outcome::NotStored | Outcome::LeaseLost),
+        "{o:?}"
+    );
+    proxy.blackhole(false);
+    assert_eq!(ledger.count("outage"), 2);
+    let r = call(&other, &ledger, "outage", "C").await.unwrap();
+    assert_eq!(r, ("B".to_owned(), Outcome::Replayed));
+}

@@ -56,7 +56,9 @@ both_stores!(
     replays_every_value,
     err_releases,
     panic_releases,
-    cancellation_releases_at_once,
+    cancellation_mid_body_keeps_the_key_for_the_lease,
+    cancellation_with_release_on_cancel_releases_at_once,
+    body_learns_its_lease_is_lost_when_taken_over,
     frozen_holder_is_taken_over_and_late_complete_refused,
     keep_alive_holds_the_key_past_the_lease,
     wait_gets_the_first_result,
@@ -230,23 +232,64 @@ async fn panic_releases(b: TestContext) {
     assert_eq!((v, o), (2, Outcome::Executed));
 }
 
-async fn cancellation_releases_at_once(b: TestContext) {
-    // A 60 s lease: anything that frees the key sooner is the release.
-    let idem = b.idem_with(|x| x.lease(Duration::from_secs(60)));
+/// Starts a call of `cancel/k` whose body never ends, then aborts it
+/// mid-body. Returns when the call was started: its claim reached the store
+/// after that, so its lease ends no sooner than a lease later.
+async fn cancel_mid_body(idem: &Idempotency, release_on_cancel: bool) -> tokio::time::Instant {
+    let started = tokio::time::Instant::now();
     let (entered_tx, entered_rx) = oneshot::channel();
     let i2 = idem.clone();
     let task = tokio::spawn(async move {
-        i2.call("cancel", "k")
-            .run(|| async move {
-                let _ = entered_tx.send(());
-                std::future::pending::<()>().await;
-                Res::Ok(())
-            })
-            .await
+        let call = i2.call("cancel", "k");
+        let call = if release_on_cancel {
+            call.release_on_cancel()
+        } else {
+            call
+        };
+        call.run(|| async move {
+            let _ = entered_tx.send(());
+            std::future::pending::<()>().await;
+            Res::Ok(())
+        })
+        .await
     });
     entered_rx.await.unwrap();
     task.abort();
     let _ = task.await;
+    started
+}
+
+async fn cancellation_mid_body_keeps_the_key_for_the_lease(b: TestContext) {
+    // The body may have made effects: its key is not released, so the next
+    // caller waits for the lease to end and then knows it is a re-run.
+    let lease = Duration::from_secs(1);
+    let idem = b.idem_with(|x| x.lease(lease));
+    let started = cancel_mid_body(&idem, false).await;
+    let r = idem
+        .call("cancel", "k")
+        .run_outcome(|| async { Res::Ok(()) })
+        .await;
+    // Answered within the lease (unless the machine stalled for a whole
+    // lease), the key must still be held.
+    if started.elapsed() < lease {
+        assert!(
+            matches!(r, Err(Error::InProgress { .. })),
+            "released: {r:?}"
+        );
+    }
+    let (_, o) = idem
+        .call("cancel", "k")
+        .wait(Duration::from_secs(20))
+        .run_outcome(|| async { Res::Ok(()) })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Recovered);
+}
+
+async fn cancellation_with_release_on_cancel_releases_at_once(b: TestContext) {
+    // A 60 s lease: anything that frees the key sooner is the release.
+    let idem = b.idem_with(|x| x.lease(Duration::from_secs(60)));
+    cancel_mid_body(&idem, true).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
         match idem
@@ -264,6 +307,47 @@ async fn cancellation_releases_at_once(b: TestContext) {
             Err(e) => panic!("key not released after cancellation: {e}"),
         }
     }
+}
+
+async fn body_learns_its_lease_is_lost_when_taken_over(b: TestContext) {
+    let lease = Duration::from_millis(300);
+    let idem = b.idem_with(|x| x.lease(lease));
+    let (entered_tx, entered_rx) = oneshot::channel();
+    let outside = idem::lease();
+    assert!(outside.is_none(), "no lease outside a body");
+    // The holder's body waits for its lease to be lost; the holder is then
+    // not polled (frozen) for longer than the lease.
+    let mut old = Box::pin(idem.call("lost", "k").run_outcome(|| async move {
+        let lease = idem::lease().expect("a body has a lease");
+        assert!(!lease.is_lost());
+        let _ = entered_tx.send(());
+        lease.lost().await;
+        Res::Ok("old".to_owned())
+    }));
+    tokio::select! {
+        r = &mut old => panic!("the holder ended early: {r:?}"),
+        r = entered_rx => r.unwrap(),
+    }
+    let (v, o) = idem
+        .call("lost", "k")
+        .wait(Duration::from_secs(20))
+        .run_outcome(|| async { Res::Ok("new".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("new", Outcome::Recovered));
+    // Polled again, the old body hears that its lease is gone and stops;
+    // its late result is not stored.
+    let (v, o) = tokio::time::timeout(Duration::from_secs(20), old)
+        .await
+        .expect("the old body heard that its lease was lost")
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("old", Outcome::LeaseLost));
+    let (v, o) = idem
+        .call("lost", "k")
+        .run_outcome(|| async { Res::Ok("third".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("new", Outcome::Replayed));
 }
 
 async fn frozen_holder_is_taken_over_and_late_complete_refused(b: TestContext) {

@@ -1,10 +1,12 @@
 //! One idempotent call: claim, run the body under a kept-alive lease, then
 //! store the result or release the key.
 
+use crate::cache::Generation;
 use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
+use crate::lease::Lease;
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner, validate_ttl_lease};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, ValueKind, WriteReply};
@@ -21,7 +23,7 @@ use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
-use tokio::time::{Instant, Sleep, sleep, timeout};
+use tokio::time::{Instant, Sleep, sleep, sleep_until, timeout};
 use tracing::Instrument;
 use tracing::field::Empty;
 
@@ -57,6 +59,8 @@ pub struct Call<'a> {
     lease: Option<Duration>,
     wait: Option<Duration>,
     fingerprint: Result<Option<Fingerprint>, Error>,
+    /// The body undoes its effects when dropped: a cancelled call releases.
+    release_on_cancel: bool,
 }
 
 impl<'a> Call<'a> {
@@ -69,6 +73,7 @@ impl<'a> Call<'a> {
             lease: None,
             wait: inner.wait,
             fingerprint: Ok(None),
+            release_on_cancel: false,
         }
     }
 
@@ -124,6 +129,29 @@ impl<'a> Call<'a> {
     /// ```
     pub fn fingerprint<F: Serialize + ?Sized>(mut self, value: &F) -> Self {
         self.fingerprint = Fingerprint::of(value).map(Some);
+        self
+    }
+
+    /// Declares that this call's body undoes its effects when it is dropped
+    /// half-way (a database transaction that rolls back on drop, say), so
+    /// that a cancelled call releases its key at once and the next call
+    /// runs the body as [`Outcome::Executed`].
+    ///
+    /// Without it, a call dropped after its body started (an aborted task,
+    /// a `select!` that lost, a shutdown) keeps its key: the body may have
+    /// made effects, so the key stays in flight, no longer renewed, until
+    /// its lease ends, and the next call then runs the body as
+    /// [`Outcome::Recovered`] (attempt 2), which a body can check to
+    /// reconcile. A call dropped before its body started releases either way.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").release_on_cancel();
+    /// # });
+    /// ```
+    pub fn release_on_cancel(mut self) -> Self {
+        self.release_on_cancel = true;
         self
     }
 
@@ -238,6 +266,13 @@ impl<'a> Call<'a> {
             Some(_) => (Token::UNUSED, None),
             None => (Token::random(), Some(Instant::now())),
         };
+        // Before any store read: a forget heard after it keeps that read's
+        // record out of the cache.
+        let seen = inner
+            .cache
+            .as_ref()
+            .map(|c| c.generation(&key))
+            .unwrap_or_default();
         Ok(Exec {
             inner,
             scope: self.scope,
@@ -248,10 +283,12 @@ impl<'a> Call<'a> {
             cached,
             token,
             started,
+            seen,
             ttl: self.ttl,
             lease,
             wait: self.wait,
             fingerprint,
+            release_on_cancel: self.release_on_cancel,
         })
     }
 }
@@ -323,6 +360,11 @@ struct Exec<'a> {
     cached: Option<Completed>,
     /// When the call started for the store (before its claim was sent).
     started: Option<Instant>,
+    /// The local cache's invalidations before the first store read.
+    seen: Generation,
+    /// Whether a call dropped mid-body releases its key (see
+    /// [`Call::release_on_cancel`]).
+    release_on_cancel: bool,
 }
 
 impl Exec<'_> {
@@ -373,10 +415,12 @@ impl Exec<'_> {
                 Err(e) => return Err(self.fail(e)),
             };
             match reply {
-                ClaimReply::Acquired { attempt } => return self.execute(body, attempt).await,
+                ClaimReply::Acquired { attempt } => {
+                    return self.execute(body, attempt, sent).await;
+                }
                 ClaimReply::Completed(record) => {
                     if let Some(cache) = &self.inner.cache {
-                        cache.insert(&self.key, record.clone(), sent);
+                        cache.insert(&self.key, record.clone(), sent, self.seen);
                     }
                     return self.replay(&record).map_err(E::from);
                 }
@@ -497,7 +541,13 @@ impl Exec<'_> {
         result.map(|v| (v, Outcome::Unprotected))
     }
 
-    async fn execute<F, Fut, T, E>(&self, body: F, attempt: u32) -> Result<(T, Outcome), E>
+    /// Runs the body under the lease claimed by a claim sent at `claimed`.
+    async fn execute<F, Fut, T, E>(
+        &self,
+        body: F,
+        attempt: u32,
+        claimed: Instant,
+    ) -> Result<(T, Outcome), E>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -516,13 +566,21 @@ impl Exec<'_> {
             Outcome::Executed
         };
         self.report.attempt(attempt);
+        // Dropped mid-body, the call keeps its key (no longer renewed) until
+        // the lease ends: the body may have made effects, and releasing would
+        // let a redelivery run them again as `Executed`. Only a body declared
+        // undone on drop releases at once.
         let mut guard = self.guard();
+        guard.armed = self.release_on_cancel;
+        let mut kept = KeptOnDrop {
+            armed: !self.release_on_cancel,
+        };
         let body_start = self.call_start.map(|_| Instant::now());
         #[cfg(feature = "metrics")]
         let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
-        let result = self
-            .keep_alive(AssertUnwindSafe(body()).catch_unwind())
-            .await;
+        let lease = Lease::default();
+        let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
+        let result = self.keep_alive(body, &lease, claimed).await;
         #[cfg(feature = "metrics")]
         drop(in_flight);
         if let Some(body_start) = body_start {
@@ -534,6 +592,7 @@ impl Exec<'_> {
         // From here on the body has finished: whatever happens to this
         // future, the key is never released on the way out.
         guard.armed = false;
+        kept.armed = false;
         match result {
             Err(panic) => {
                 self.release("the body panicked").await;
@@ -611,7 +670,7 @@ impl Exec<'_> {
                     // The record's TTL runs from the claim, sent after this.
                     ttl_left: Some(self.ttl),
                 };
-                cache.insert(&self.key, record, started);
+                cache.insert(&self.key, record, started, self.seen);
             }
         }
         stored
@@ -620,26 +679,50 @@ impl Exec<'_> {
     /// Drives `body`, renewing the lease about every third of it from inside
     /// this future: no detached task, so a holder that is no longer polled
     /// (frozen process, forgotten future) stops renewing and loses the key.
-    async fn keep_alive<Fut: Future>(&self, body: Fut) -> Fut::Output {
+    ///
+    /// Flags `lease` lost when the store answers that the record is no
+    /// longer ours, or when no renewal has been confirmed for a whole lease
+    /// (counted from when the confirmed claim or renewal was sent, so never
+    /// later than the store's own count): past that the store may give the
+    /// key to another caller. Renewals go on after the latter, as the store
+    /// may still answer that the key is ours.
+    async fn keep_alive<Fut: Future>(
+        &self,
+        body: Fut,
+        lease: &Lease,
+        claimed: Instant,
+    ) -> Fut::Output {
         let period = self.lease / 3;
         let mut body = pin!(body);
         let mut tick: Option<Pin<Box<Sleep>>> = None;
-        let mut renewing: Option<BoxFuture<'_, Result<WriteReply, Error>>> = None;
-        let mut lost = false;
+        let mut renewing: Option<(Instant, BoxFuture<'_, Result<WriteReply, Error>>)> = None;
+        let mut valid_until = claimed + self.lease;
+        // Both timers are made on the first pending poll: most bodies are
+        // done by then and never pay for them.
+        let mut expiry: Option<Pin<Box<Sleep>>> = None;
+        let mut refused = false;
         poll_fn(|cx| {
             if let Poll::Ready(out) = body.as_mut().poll(cx) {
                 return Poll::Ready(out);
             }
-            while !lost {
-                if let Some(renewal) = renewing.as_mut() {
+            while !refused {
+                if let Some((sent, renewal)) = renewing.as_mut() {
+                    let sent = *sent;
                     let Poll::Ready(result) = renewal.as_mut().poll(cx) else {
                         break;
                     };
                     renewing = None;
                     let next = match result {
-                        Ok(WriteReply::Done) => period,
+                        Ok(WriteReply::Done) => {
+                            valid_until = sent + self.lease;
+                            if let Some(e) = expiry.as_mut() {
+                                e.as_mut().reset(valid_until);
+                            }
+                            period
+                        }
                         Ok(other) => {
-                            lost = true;
+                            refused = true;
+                            lease.mark_lost();
                             tracing::error!(
                                 ?other,
                                 "lease lost while the body runs: another caller may take over"
@@ -659,7 +742,18 @@ impl Exec<'_> {
                 if t.as_mut().poll(cx).is_pending() {
                     break;
                 }
-                renewing = Some(self.store.extend(&self.key, &self.token, self.lease));
+                let sent = Instant::now();
+                renewing = Some((sent, self.store.extend(&self.key, &self.token, self.lease)));
+            }
+            if !lease.is_lost() {
+                let e = expiry.get_or_insert_with(|| Box::pin(sleep_until(valid_until)));
+                if e.as_mut().poll(cx).is_ready() {
+                    lease.mark_lost();
+                    tracing::error!(
+                        lease = ?self.lease,
+                        "no lease renewal confirmed for a whole lease (store unreachable?): another caller may take over while the body runs"
+                    );
+                }
             }
             Poll::Pending
         })
@@ -770,8 +864,25 @@ impl Drop for DetachOnDrop<'_> {
     }
 }
 
-/// Releases the claim if the call's future is dropped mid-body
-/// (cancellation): at once, by owner token, rather than after the lease.
+/// Says, when a call's future is dropped mid-body without releasing (see
+/// [`Call::release_on_cancel`]), why the key stays in flight.
+struct KeptOnDrop {
+    armed: bool,
+}
+
+impl Drop for KeptOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::warn!(
+                "call dropped mid-body: the body may have made effects, so the key stays in flight until its lease ends; the next call then runs the body again as Recovered"
+            );
+        }
+    }
+}
+
+/// Releases the claim if the call's future is dropped while its claim is
+/// in flight, or mid-body under [`Call::release_on_cancel`]: at once, by
+/// owner token, rather than after the lease.
 struct ReleaseGuard<'a> {
     store: &'a Arc<dyn Store>,
     key: &'a str,

@@ -32,6 +32,7 @@ mod fingerprint;
 mod hook;
 mod idempotency;
 mod key;
+mod lease;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod operate;
@@ -47,7 +48,8 @@ pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use hook::{CallOutcome, OutcomeEvent};
 pub use idempotency::{Idempotency, IdempotencyBuilder};
-pub use key::{MAX_KEY_LEN, validate_key_part};
+pub use key::{MAX_KEY_LEN, failure_key, validate_key_part};
+pub use lease::{Lease, lease};
 pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;

@@ -329,9 +329,17 @@ impl IdempotencyLayer {
     /// when its client goes away (a client timeout does that), and a handler
     /// stopped half-way through a payment is worse than one that finishes.
     /// Its response is stored, so the client's retry gets it (`409` while it
-    /// still runs). With `true` the handler is dropped at its next `.await`
-    /// and the key released, so the retry runs it again: only for handlers
-    /// that are safe to stop anywhere.
+    /// still runs).
+    ///
+    /// With `true` the handler is dropped at its next `.await`. It may have
+    /// made effects by then, so its key is **not** released: it stays in
+    /// flight until its lease ends ([`lease`](IdempotencyLayer::lease);
+    /// retries get `409` with `Retry-After`), then the next retry runs the
+    /// handler again, as a re-run (`Outcome::Recovered`, the idem attempt
+    /// is 2). A client that leaves while a response streams stops the
+    /// reading, and the key answers `410 response-not-kept` (the handler
+    /// ran). Only for handlers that are safe to stop anywhere and to run
+    /// again after a lease.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();

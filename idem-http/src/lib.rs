@@ -128,8 +128,9 @@
 //! gets `409` while it runs, then the stored response. A body still
 //! streaming when the client leaves is read on (up to the limit) to store
 //! it. With [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect)
-//! a disconnect instead drops the handler at its next `.await` and releases
-//! the key. Clients should give slow handlers time: `idem-client`'s default
+//! a disconnect instead drops the handler at its next `.await`; as any call
+//! dropped mid-body, it keeps its key until the lease ends (it may have made
+//! effects), and the retry after that runs the handler again. Clients should give slow handlers time: `idem-client`'s default
 //! per-attempt timeout is 30 s, its whole retry budget, and a retry after a
 //! timeout is safe either way.
 //!
@@ -153,9 +154,9 @@
 //! reads it), logs it at `error` level and answers `500`
 //! [`handler-panicked`](#handler-panicked) when nothing was sent yet (a body
 //! that panics after its first bytes went out is cut short), so the client
-//! gets an answer and the server a free key; and, with
-//! [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect),
-//! a dropped connection.
+//! gets an answer and the server a free key. A dropped connection, even
+//! with [`cancel_on_disconnect(true)`](IdempotencyLayer::cancel_on_disconnect),
+//! does not: the handler it stops keeps its key until the lease ends.
 //!
 //! The layer needs a Tokio runtime (as axum does); without one it answers
 //! `500` [`internal-error`](#internal-error).

@@ -31,8 +31,7 @@ pub(crate) enum RunError<E> {
     /// not stored, a panic or a failed body turned into a 500.
     Respond(Response<Body>),
     /// The key is released; the client already has what it gets (a
-    /// response cut short, or nothing: it went away under
-    /// `cancel_on_disconnect`).
+    /// response whose body failed or panicked mid-stream, cut short).
     Released,
     /// The inner service's own error, passed on (the key is released).
     Inner(E),
@@ -193,6 +192,10 @@ where
 /// Reads the body, sending it on to the client as it comes (from its first
 /// frame on, unless it is complete at once) while keeping a copy up to the
 /// limit.
+///
+/// Under `cancel_on_disconnect`, a client gone mid-response stops the
+/// reading; the handler has run all the same, so what is stored is a
+/// "processed, response not kept" marker, never a released key.
 async fn tee<E>(
     parts: http::response::Parts,
     mut body: Body,
@@ -253,7 +256,7 @@ async fn tee<E>(
                 if send(reply, Ok(Response::from_parts(parts, Body::new(receiver)))) {
                     tx = Some(sender);
                 } else if cfg.cancel_on_disconnect {
-                    return Err(RunError::Released);
+                    return Ok(client_gone(&head));
                 }
             }
             if let Some(sender) = &tx {
@@ -261,7 +264,7 @@ async fn tee<E>(
                     tracing::debug!("client gone mid-response");
                     tx = None;
                     if cfg.cancel_on_disconnect {
-                        return Err(RunError::Released);
+                        return Ok(client_gone(&head));
                     }
                     // Otherwise read on: the retry gets the stored response.
                 }
@@ -343,6 +346,12 @@ fn is_stored(status: StatusCode) -> bool {
         401 | 403 | 407 | 408 | 409 | 425 | 429 => false,
         s => (200..500).contains(&s),
     }
+}
+
+/// The marker stored when the client left while its response streamed.
+fn client_gone(head: &StoredHead) -> StoredResponse {
+    tracing::debug!("client gone mid-response: stored as processed, not kept");
+    StoredResponse::not_kept(head.status(), NotKept::ClientGone)
 }
 
 #[cfg(test)]

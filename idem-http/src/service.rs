@@ -297,8 +297,9 @@ where
 }
 
 /// Aborts the run's task when the service future is dropped before the
-/// answer came (`cancel_on_disconnect(true)`): the runtime then releases the
-/// key, as it does for any dropped call.
+/// answer came (`cancel_on_disconnect(true)`). As for any call dropped
+/// mid-body, the key stays in flight until its lease ends (the handler may
+/// have made effects); the retry after that runs it again as a re-run.
 struct AbortOnDrop(Option<tokio::task::AbortHandle>);
 
 impl Drop for AbortOnDrop {

@@ -51,6 +51,9 @@ pub(crate) enum NotKept {
     TooLarge,
     /// Its content type is streamed through unbuffered (`text/event-stream`).
     Streamed,
+    /// Its client went away while it was sent, under `cancel_on_disconnect`:
+    /// the rest of its body was not read.
+    ClientGone,
 }
 
 impl NotKept {
@@ -59,6 +62,9 @@ impl NotKept {
             NotKept::TooLarge => "its body was over the size limit of stored responses",
             NotKept::Streamed => {
                 "it was a stream (such as Server-Sent Events), which is never stored"
+            }
+            NotKept::ClientGone => {
+                "its client went away while it was sent, and the rest of it was not read"
             }
         }
     }

@@ -731,8 +731,11 @@ async fn a_dropped_client_connection_does_not_cancel_the_handler() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cancel_on_disconnect_cancels_the_handler_and_frees_the_key() {
-    let h = Harness::start(|l| l.cancel_on_disconnect(true)).await;
+async fn cancel_on_disconnect_cancels_the_handler_and_keeps_the_key_for_the_lease() {
+    let lease = Duration::from_secs(1);
+    let h = Harness::start(|l| l.cancel_on_disconnect(true).lease(lease)).await;
+    // Before the claim: the key's lease ends no sooner than a lease later.
+    let started = Instant::now();
     let aborted = h
         .post("/slow", "drop-2")
         .header("x-sleep-ms", "5000")
@@ -744,9 +747,60 @@ async fn cancel_on_disconnect_cancels_the_handler_and_frees_the_key() {
         h.counters.cancelled.load(SeqCst) == 1
     })
     .await;
-    assert!(h.key_is_free("drop-2").await, "the key is released at once");
+    // The handler may have made effects: its key is not released...
+    let during = send(h.post("/slow", "drop-2").header("x-sleep-ms", "0")).await;
+    if started.elapsed() < lease {
+        during.assert_problem(409, "key-in-use");
+    }
+    // ...until its lease ends; then the retry runs the handler again.
+    let end = Instant::now() + Duration::from_secs(20);
+    let retry = loop {
+        let a = send(h.post("/slow", "drop-2").header("x-sleep-ms", "0")).await;
+        if a.status != StatusCode::CONFLICT || Instant::now() > end {
+            break a;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(!retry.replayed());
+    assert_eq!(&retry.body[..], b"slow run 2");
+    assert_eq!(h.runs(), 2);
+    assert_eq!(h.counters.done.load(SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_disconnect_mid_response_stores_processed_not_kept() {
+    // Events kept like any response: an endless one, read by the layer
+    // until its client leaves.
+    let h = Harness::start(|l| {
+        l.cancel_on_disconnect(true)
+            .stream_content_types(Vec::<String>::new())
+    })
+    .await;
+    let mut events = h.post("/sse", "gone-1").send().await.unwrap();
+    assert_eq!(events.status(), StatusCode::OK);
+    let first = events.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: run 1 event 0"));
+    // The client leaves mid-response; the handler has run all the same.
+    drop(events);
+    wait_until("the layer stops reading the stream", || {
+        h.counters.streams_dropped.load(SeqCst) == 1
+    })
+    .await;
+    let end = Instant::now() + Duration::from_secs(10);
+    let dup = loop {
+        // A released key would run the endless handler again.
+        let d = tokio::time::timeout(Duration::from_secs(10), send(h.post("/sse", "gone-1")))
+            .await
+            .expect("the key was released: the handler ran again");
+        if d.status != StatusCode::CONFLICT || Instant::now() > end {
+            break d;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    dup.assert_problem(410, "response-not-kept");
+    assert_eq!(dup.json()["processed_status"], 200);
     assert_eq!(h.runs(), 1);
-    assert_eq!(h.counters.done.load(SeqCst), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,9 +1,11 @@
 //! `run_in_tx`: the body's writes and its stored result commit together.
 //!
 //! The call runs through idem-core's ordinary `Call::run_outcome` (so
-//! waiting, replay, the local cache, keep-alive, release on `Err`, panic or
-//! cancellation and `FailMode` all behave as for every other call), with a
-//! task-local [`TxSlot`] that tells the `PgStore` serving that call:
+//! waiting, replay, the local cache, keep-alive, release on `Err` or panic
+//! and `FailMode` behave as for every other call; a cancellation releases
+//! too, through `Call::release_on_cancel`, as the dropped transaction rolls
+//! back), with a task-local [`TxSlot`] that tells the `PgStore` serving
+//! that call:
 //!
 //! 1. the claim (its own short autocommit statement) marks the row `in_tx`;
 //!    it runs on a connection taken from the caller's pool (when that pool
@@ -172,7 +174,9 @@ fn same_database(a: &PgPool, b: &PgPool) -> bool {
 ///   owner-token compare-and-set, then it commits. A lease lost meanwhile
 ///   (the body outran it without being polled, or the row was taken over)
 ///   rolls everything back and answers `Error::LeaseLost`.
-/// - `Err`, panic, cancellation: rolled back, then the key is released.
+/// - `Err`, panic, cancellation: rolled back, then the key is released (a
+///   cancelled `run_in_tx` releases at once, unlike a plain call, which
+///   keeps its key for the lease: here the rollback undoes the body).
 /// - A serialization failure or deadlock at the CAS or the commit
 ///   (SQLSTATE `40001`, `40P01`) answers `Error::Conflict`, retryable; the
 ///   key is released. Under REPEATABLE READ or SERIALIZABLE, a lease renewal
@@ -238,7 +242,9 @@ impl RunInTx for Call<'_> {
     {
         let slot = Arc::new(TxSlot::new(pool.clone()));
         let in_body = Arc::clone(&slot);
-        let run = self.run_outcome(move || async move {
+        // A dropped transaction rolls back: cancelling undoes the body, so
+        // the key is released at once rather than held for the lease.
+        let run = self.release_on_cancel().run_outcome(move || async move {
             if !in_body.lock().claimed_by_pg {
                 return Err(E::from(Error::InvalidConfig(
                     "run_in_tx needs an Idempotency built over a PgStore (e.g. \
