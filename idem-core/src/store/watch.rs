@@ -190,7 +190,8 @@ impl Hub {
         drop(rx);
         if keys.get(key).is_some_and(|tx| tx.receiver_count() == 0) {
             keys.remove(key);
-            drop(keys);
+            // Still under the lock: a `join` of the key after this asks to
+            // subscribe after our unsubscribe was asked for, never before.
             if let Some(on_last) = &self.on_last {
                 on_last(key);
             }
@@ -219,14 +220,29 @@ impl Hub {
         self.live.load(Ordering::Acquire)
     }
 
-    /// Adds an invalidation sink for keys under `prefix`; true when it is
-    /// the prefix's first (the store must subscribe).
+    /// Adds an invalidation sink for keys under `prefix` (once, however
+    /// often it is registered); true when it is the prefix's first (the
+    /// store must subscribe).
     pub(crate) fn add_feed(&self, prefix: &str, sink: &InvalidationSink) -> bool {
         let mut feeds = lock(&self.feeds);
         let list = feeds.entry(prefix.to_owned()).or_default();
         list.retain(|s| s.strong_count() > 0);
-        list.push(Arc::downgrade(sink));
+        let sink = Arc::downgrade(sink);
+        if !list.iter().any(|s| s.ptr_eq(&sink)) {
+            list.push(sink);
+        }
         list.len() == 1
+    }
+
+    /// The prefixes some live sink listens to (a restarted subscriber
+    /// subscribes them again).
+    pub(crate) fn feed_prefixes(&self) -> Vec<String> {
+        let mut feeds = lock(&self.feeds);
+        feeds.retain(|_, list| {
+            list.retain(|s| s.strong_count() > 0);
+            !list.is_empty()
+        });
+        feeds.keys().cloned().collect()
     }
 
     /// Tells the sinks of `prefix` about `what`.
@@ -298,5 +314,43 @@ mod tests {
     fn prefixes_end_at_the_first_colon() {
         assert_eq!(namespace_prefix("idem:charge:42"), "idem:");
         assert_eq!(namespace_prefix("nocolon"), "nocolon");
+    }
+
+    /// A waiter joining while the last one leaves must ask to subscribe
+    /// after the leaver's unsubscribe (Redis would otherwise drop the new
+    /// waiter's subscription): the join waits for `on_last`.
+    #[test]
+    fn a_join_racing_the_last_leave_subscribes_after_the_unsubscribe() {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let hub_slot: Arc<Mutex<Option<Arc<Hub>>>> = Arc::default();
+        let (log, slot) = (Arc::clone(&events), Arc::clone(&hub_slot));
+        let on_last: OnLast = Box::new(move |k: &str| {
+            // A waiter of the same key arrives now, on another thread.
+            let hub = slot.lock().unwrap().clone().unwrap();
+            let (log2, key) = (Arc::clone(&log), k.to_owned());
+            let joiner = std::thread::spawn(move || {
+                let (w, first) = hub.join(&key);
+                log2.lock().unwrap().push(format!("join first={first}"));
+                std::mem::forget(w);
+            });
+            // Give it every chance to overtake us before we unsubscribe.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            log.lock().unwrap().push("unsubscribe".to_owned());
+            drop(joiner);
+        });
+        let hub = Arc::new(Hub::new(true, Some(on_last)));
+        *hub_slot.lock().unwrap() = Some(Arc::clone(&hub));
+        let (w, _) = hub.join("k");
+        drop(w);
+        for _ in 0..100 {
+            if events.lock().unwrap().len() == 2 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(
+            *events.lock().unwrap(),
+            vec!["unsubscribe".to_owned(), "join first=true".to_owned()]
+        );
     }
 }

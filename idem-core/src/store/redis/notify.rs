@@ -20,6 +20,7 @@ use super::super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{PushInfo, PushKind, RedisError, Value};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -62,8 +63,8 @@ pub(super) struct Notifier {
     config: super::RedisStoreConfig,
     /// The running subscriber task's inbox; `None` before the first watch.
     cmds: Arc<Mutex<Option<Sender>>>,
-    /// Serializes starting the task.
-    start: tokio::sync::Mutex<()>,
+    /// Serializes starting the task; true once one has started.
+    start: tokio::sync::Mutex<bool>,
     refused_until: Mutex<Option<Instant>>,
 }
 
@@ -92,7 +93,7 @@ impl Notifier {
             source,
             config,
             cmds,
-            start: tokio::sync::Mutex::new(()),
+            start: tokio::sync::Mutex::new(false),
             refused_until: Mutex::new(None),
         }
     }
@@ -157,7 +158,7 @@ impl Notifier {
         if let Some(tx) = lock(&self.cmds).as_ref().filter(|tx| !tx.is_closed()) {
             return Some(tx.clone());
         }
-        let _starting = self.start.lock().await;
+        let mut started = self.start.lock().await;
         if let Some(tx) = lock(&self.cmds).as_ref().filter(|tx| !tx.is_closed()) {
             return Some(tx.clone());
         }
@@ -176,9 +177,42 @@ impl Notifier {
             hub: Arc::clone(&self.hub),
             sub,
             confirmed: std::collections::HashSet::new(),
+            resubscribing: std::collections::HashSet::new(),
         };
         tokio::spawn(task.run(rx, push_rx));
+        let restarted = std::mem::replace(&mut *started, true);
+        self.resubscribe_feeds(&tx, restarted).await;
         Some(tx)
+    }
+
+    /// A new task (the first, or one after the last stopped with its
+    /// runtime) subscribes every cache's invalidation channel again; one
+    /// after a stopped task then empties the caches, as a forget published
+    /// while no task listened is lost. (Before the first task no cache has
+    /// been told it hears forgets; the registration that first succeeds
+    /// empties its cache itself if it held copies.)
+    async fn resubscribe_feeds(&self, tx: &Sender, restarted: bool) {
+        let prefixes = self.hub.feed_prefixes();
+        if prefixes.is_empty() {
+            return;
+        }
+        for prefix in prefixes {
+            let (ack, answer) = oneshot::channel();
+            let channel = format!("{prefix}{FORGOTTEN}");
+            if tx.send(Command::Subscribe(channel, ack)).is_err() {
+                return;
+            }
+            match answer.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, %prefix, "could not subscribe a local cache's forget invalidations again: its copies of a key forgotten elsewhere replay until their TTL")
+                }
+                Err(_) => return,
+            }
+        }
+        if restarted {
+            self.hub.invalidate_all();
+        }
     }
 
     async fn open(&self, push: mpsc::UnboundedSender<PushInfo>) -> Result<Sub, RedisError> {
@@ -216,6 +250,9 @@ struct Task {
     hub: Arc<Hub>,
     sub: Sub,
     confirmed: std::collections::HashSet<String>,
+    /// Cluster: the channels confirmed before the last disconnection whose
+    /// resubscription has not been confirmed yet.
+    resubscribing: std::collections::HashSet<String>,
 }
 
 /// When the task ends (its runtime shut down), nothing is delivered any
@@ -274,6 +311,7 @@ impl Task {
     }
 
     async fn unsubscribe(&mut self, channel: String) {
+        self.resubscribing.remove(&channel);
         if !self.confirmed.remove(&channel) {
             return;
         }
@@ -290,6 +328,8 @@ impl Task {
     }
 
     fn on_push(&mut self, push: PushInfo) {
+        // Cluster: which node was lost is not said, so every channel
+        // counts as being resubscribed until its confirmation.
         let text = |v: Option<&Value>| match v {
             Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().map(str::to_owned),
             Some(Value::SimpleString(s)) => Some(s.clone()),
@@ -311,6 +351,7 @@ impl Task {
             }
             PushKind::Disconnection => {
                 tracing::debug!("subscriber connection lost: waiters poll until it is back");
+                self.resubscribing.clone_from(&self.confirmed);
                 self.hub.set_live(false);
                 self.hub.notify_all();
                 // Caches keep their copies meanwhile (they replay through a
@@ -319,12 +360,24 @@ impl Task {
                 // have been published in the gap.
             }
             // A resubscription confirmed: on a cluster, redis-rs
-            // subscribes again by itself after a reconnection; messages of
-            // the gap may be lost, so the key's waiters read again. (Our
-            // own subscriptions are confirmed while live: nothing to do.)
-            PushKind::SSubscribe if matches!(self.sub, Sub::Cluster(_)) && !self.hub.is_live() => {
-                if let Some(channel) = text(push.data.first()) {
+            // subscribes again by itself after a reconnection, one
+            // confirmation per channel, in no set order. Messages of the
+            // gap may be lost on any of them, so at the first: every waiter
+            // reads again and every cache is emptied, as on a standalone
+            // reconnection. (Our own subscriptions are confirmed while
+            // live: nothing to do.)
+            PushKind::SSubscribe if matches!(self.sub, Sub::Cluster(_)) => {
+                if !self.hub.is_live() {
+                    tracing::debug!("subscriber connection back: waiters are notified again");
                     self.hub.set_live(true);
+                    self.hub.notify_all();
+                    self.hub.invalidate_all();
+                }
+                // Each channel resubscribed later may have lost messages
+                // until then too.
+                if let Some(channel) = text(push.data.first())
+                    && self.resubscribing.remove(&channel)
+                {
                     match channel.strip_suffix(FORGOTTEN) {
                         Some(prefix) => self.hub.invalidate(prefix, Invalidation::All),
                         None => self.hub.notify(&channel),
@@ -335,14 +388,23 @@ impl Task {
         }
     }
 
-    /// After a disconnection (standalone): the manager reconnects and
-    /// subscribes again by itself on the next command; a `PING` is that
-    /// command, and its answer says the subscriptions are back.
+    /// After a disconnection: a `PING` (on a cluster, to every primary)
+    /// answered means the connection is back, with its subscriptions
+    /// (standalone: the manager reconnects and subscribes again on the
+    /// next command, this one; cluster: redis-rs reconnects the node and
+    /// subscribes again by itself, ahead of the `PING`).
     async fn heal(&mut self) {
-        let Sub::Single(c) = &mut self.sub else {
-            return;
+        let back = match &mut self.sub {
+            Sub::Single(c) => c.send_packed_command(&redis::cmd("PING")).await.is_ok(),
+            Sub::Cluster(c) => {
+                let every_primary =
+                    RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                c.route_command(redis::cmd("PING"), every_primary)
+                    .await
+                    .is_ok()
+            }
         };
-        if c.send_packed_command(&redis::cmd("PING")).await.is_ok() {
+        if back {
             tracing::debug!("subscriber connection back: waiters are notified again");
             self.hub.set_live(true);
             // What was published during the gap is lost: read again.
