@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt;
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::time::Duration;
 
 /// What one poll did, for every broker.
@@ -159,7 +159,7 @@ pub enum Recovery {
 ///     queue.ready.lock().unwrap().push_back(Received { id: id.into(), body: body.into(), receives: 1 });
 /// }
 /// let idem = Idempotency::builder(MemoryStore::new()).build();
-/// let consumer = Consumer::new(idem, "orders.charge").max_deliveries(2);
+/// let consumer = Consumer::new(idem, "orders.charge").max_failures(2);
 /// let charge = |m: Message| async move {
 ///     match &m.payload()[..] {
 ///         b"fail" => Err("card declined".to_owned()),
@@ -168,10 +168,10 @@ pub enum Recovery {
 /// };
 /// let first: PollReport = queue.poll(&consumer, &charge).await?;
 /// assert_eq!((first.fetched, first.acked, first.nacked), (4, 3, 1));
-/// let second = queue.poll(&consumer, &charge).await?; // o-3 again: over its limit
+/// let second = queue.poll(&consumer, &charge).await?; // o-3 fails again: its second failure
 /// assert_eq!((second.redelivered, second.dead_lettered), (1, 1));
 /// assert_eq!(*queue.acked.lock().unwrap(), ["o-1", "o-2", "o-1"]);
-/// assert!(queue.dead.lock().unwrap()[0].starts_with("o-3: gave up after 2 deliveries"));
+/// assert!(queue.dead.lock().unwrap()[0].starts_with("o-3: the handler failed 2 times"));
 /// # Ok::<(), ConsumerError>(()) }).unwrap();
 /// ```
 pub trait Adapter: Send + Sync {
@@ -354,11 +354,21 @@ pub trait Adapter: Send + Sync {
         }
     }
 
-    /// Polls until `shutdown` completes. A failed poll is logged and
-    /// [`recover`](Adapter::recover) says what next: back off and retry
-    /// (the default), retry at once, or stop with the error. A shutdown
-    /// drops the batch in flight: the broker redelivers it, and idem
-    /// replays whatever completed.
+    /// Polls until `shutdown` completes, then drains. A failed poll is
+    /// logged and [`recover`](Adapter::recover) says what next: back off
+    /// and retry (the default), retry at once, or stop with the error.
+    ///
+    /// **Shutdown drains.** Once `shutdown` completes, nothing more is
+    /// fetched (a fetch waiting for messages is dropped: it took none); the
+    /// batch whose handlers are running gets up to
+    /// [`Consumer::drain_timeout`] to finish, and its decisions are applied
+    /// as usual, so a deploy neither re-runs nor loses in-flight work.
+    /// Handlers still running at the deadline are abandoned, not released:
+    /// idem keeps their keys until their leases run out (a dropped call
+    /// never frees a key whose body started), their deliveries stay
+    /// unacked, and the broker's redelivery after the lease is answered as
+    /// [`Outcome::Recovered`](idem_core::Outcome::Recovered) (or replayed,
+    /// if the body finished meanwhile).
     fn run<C, T, E, H, Fut, S>(
         &self,
         consumer: &Consumer<C>,
@@ -377,10 +387,28 @@ pub trait Adapter: Send + Sync {
             let mut shutdown = pin!(shutdown);
             let mut failures = 0u32;
             loop {
-                let polled = tokio::select! {
+                let fetched = tokio::select! {
                     biased;
                     _ = &mut shutdown => return Ok(()),
-                    r = self.poll(consumer, handler) => r,
+                    r = self.fetch() => r,
+                };
+                let polled = match fetched {
+                    Ok(fetched) if fetched.is_empty() => Ok(PollReport::default()),
+                    Ok(fetched) => {
+                        let mut handling = pin!(self.handle(consumer, handler, fetched));
+                        // The shutdown's output is not `Send`: it must not
+                        // live across the awaits below.
+                        let decided = tokio::select! {
+                            biased;
+                            decided = &mut handling => Some(decided),
+                            _ = &mut shutdown => None,
+                        };
+                        match decided {
+                            Some(decided) => self.settle(decided).await,
+                            None => return drain(self, consumer, handling).await,
+                        }
+                    }
+                    Err(e) => Err(e),
                 };
                 let Err(e) = polled else {
                     failures = 0;
@@ -405,4 +433,36 @@ pub trait Adapter: Send + Sync {
             }
         }
     }
+}
+
+/// The end of [`Adapter::run`] after a shutdown: lets the batch in flight
+/// finish up to the drain deadline and settles it; past the deadline,
+/// abandons it (keys kept by their leases, deliveries unacked).
+async fn drain<A, C, F>(
+    adapter: &A,
+    consumer: &Consumer<C>,
+    handling: Pin<&mut F>,
+) -> Result<(), ConsumerError>
+where
+    A: Adapter + ?Sized,
+    F: Future<Output = Vec<(A::Delivery, Decision)>>,
+{
+    let deadline = consumer.drain_deadline();
+    tracing::info!(
+        deadline_ms = deadline.as_millis() as u64,
+        "shutting down: letting the handlers in flight finish"
+    );
+    match tokio::time::timeout(deadline, handling).await {
+        Ok(decided) => {
+            let report = adapter.settle(decided).await?;
+            tracing::info!(?report, "shut down after settling the batch in flight");
+        }
+        Err(_) => tracing::warn!(
+            deadline_ms = deadline.as_millis() as u64,
+            "shut down with handlers still running past the drain deadline: their messages stay \
+             unacked and their keys held until their leases run out; the redelivery then takes \
+             over (Outcome::Recovered) or replays"
+        ),
+    }
+    Ok(())
 }

@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 impl<C> Consumer<C> {
     /// Handles a batch with at most [`concurrency`](Consumer::concurrency)
@@ -19,9 +20,12 @@ impl<C> Consumer<C> {
     /// failure).
     ///
     /// A message whose key and payload equal those of an earlier one in the
-    /// batch is not run: it is acked with `duplicate_of` set, whatever the
-    /// first copy's decision (a nacked or dead-lettered first copy carries
-    /// the work on by itself).
+    /// batch is not run: it gets the first copy's decision, with
+    /// `duplicate_of` set. Never a plain ack: the copy may be the same
+    /// broker message as the first (a JetStream redelivery in the same
+    /// fetch), and acking it would remove a message whose first copy was
+    /// nacked or dead-lettered. A copy of a nacked message comes back and
+    /// replays then.
     ///
     /// ```
     /// use idem_consumer::{Consumer, Message};
@@ -83,26 +87,39 @@ impl<C> Consumer<C> {
         while let Some((i, handled)) = results.next().await {
             done[i] = Some(handled);
         }
-        done.into_iter()
-            .enumerate()
-            .map(|(i, h)| match h {
+        // A copy's first copy comes earlier in the batch, so its decision
+        // is known when the copy is reached.
+        let mut out: Vec<Handled<T>> = Vec::with_capacity(msgs.len());
+        for (i, h) in done.into_iter().enumerate() {
+            let h = match h {
                 Some(h) => h,
                 None => {
-                    let first = duplicate_of[i].and_then(|f| msgs.get(f));
+                    let first = duplicate_of[i];
+                    let decision = first
+                        .and_then(|f| out.get(f))
+                        .map(|h| h.decision.clone())
+                        // Unreachable (every message runs or copies an
+                        // earlier one); a nack loses nothing.
+                        .unwrap_or(Decision::Nack {
+                            delay: Duration::ZERO,
+                        });
                     tracing::debug!(
                         id = msgs[i].id(),
-                        first_id = first.and_then(Message::id),
-                        "copy of an earlier message in the same batch: acked without running"
+                        first_id = first.and_then(|f| msgs.get(f)).and_then(Message::id),
+                        decision = decision.as_str(),
+                        "copy of an earlier message in the same batch: not run, settled as the first copy"
                     );
                     Handled {
-                        decision: Decision::Ack,
+                        decision,
                         outcome: None,
                         value: None,
                         key: self.key_of(&msgs[i]).ok(),
-                        duplicate_of: duplicate_of[i],
+                        duplicate_of: first,
                     }
                 }
-            })
-            .collect()
+            };
+            out.push(h);
+        }
+        out
     }
 }

@@ -9,9 +9,16 @@ use serde::de::DeserializeOwned;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tracing::Instrument;
 use tracing::field::Empty;
+
+/// The default [`Consumer::max_deliveries`]: far above any retry limit, so
+/// that only a message that never gets through its handler reaches it.
+pub const DEFAULT_MAX_DELIVERIES: u32 = 100;
+
+const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// What happened to one message: the decision for the broker, and what idem
 /// did.
@@ -48,9 +55,10 @@ impl<T> Handled<T> {
 enum Failure<E> {
     Idem(Error),
     Handler(E),
-    /// The delivery limit was passed: the body declines to run, so the key
-    /// is released untouched (a completed key still replays and acks).
-    OverLimit,
+    /// The broker-delivery valve was passed: the body declines to run, so
+    /// the key is released untouched (a completed key still replays and
+    /// acks).
+    OverValve,
 }
 
 impl<E> From<Error> for Failure<E> {
@@ -70,7 +78,7 @@ impl<E> From<Error> for Failure<E> {
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let idem = Idempotency::builder(MemoryStore::new()).namespace("orders").build();
 /// let consumer = Consumer::new(idem, "orders.charge")
-///     .max_deliveries(5)
+///     .max_failures(5)
 ///     .classify(|e: &String| ErrorClass::from_retryable(!e.starts_with("declined")));
 ///
 /// let charge = |m: Message| async move {
@@ -90,13 +98,17 @@ pub struct Consumer<C = AllRetryable> {
     scope: Arc<str>,
     keys: KeySource,
     fingerprint: bool,
+    max_failures: u32,
     max_deliveries: u32,
     backoff_initial: Duration,
     backoff_max: Duration,
     wait: Option<Duration>,
     ttl: Option<Duration>,
     concurrency: usize,
+    drain_timeout: Duration,
     classifier: Arc<C>,
+    /// Set once the store said it cannot count failures (warned once).
+    warned_uncounted: Arc<AtomicBool>,
 }
 
 impl<C> fmt::Debug for Consumer<C> {
@@ -104,6 +116,7 @@ impl<C> fmt::Debug for Consumer<C> {
         f.debug_struct("Consumer")
             .field("scope", &self.scope)
             .field("keys", &self.keys)
+            .field("max_failures", &self.max_failures)
             .field("max_deliveries", &self.max_deliveries)
             .field("concurrency", &self.concurrency)
             .finish_non_exhaustive()
@@ -115,22 +128,26 @@ impl Consumer<AllRetryable> {
     /// the operation, part of every key: one per kind of message handled).
     ///
     /// Defaults: keys from the message id or else the payload, payload
-    /// fingerprints on, 5 deliveries at most, backoff 500 ms doubling to
-    /// 30 s, no waiting for in-flight duplicates, 16 messages at a time in a
-    /// batch, every handler error retryable.
+    /// fingerprints on, 5 handler failures at most, a valve of
+    /// [`DEFAULT_MAX_DELIVERIES`] broker deliveries, backoff 500 ms doubling
+    /// to 30 s, no waiting for in-flight duplicates, 16 messages at a time
+    /// in a batch, every handler error retryable.
     pub fn new(idem: Idempotency, scope: &str) -> Consumer<AllRetryable> {
         Consumer {
             idem,
             scope: Arc::from(scope),
             keys: KeySource::default(),
             fingerprint: true,
-            max_deliveries: 5,
+            max_failures: 5,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(30),
             wait: None,
             ttl: None,
             concurrency: 16,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             classifier: Arc::new(AllRetryable),
+            warned_uncounted: Arc::default(),
         }
     }
 }
@@ -151,9 +168,41 @@ impl<C> Consumer<C> {
         self
     }
 
-    /// Deliveries before a message that keeps failing is dead-lettered
-    /// (default 5; at least 1). A delivery past the limit does not run the
-    /// handler, but a message whose work is already done is still acked.
+    /// Handler failures before a message that keeps failing is
+    /// dead-lettered with [`DeadLetterReason::MaxFailures`] (default 5; at
+    /// least 1).
+    ///
+    /// A failure is a run of the handler that returned a retryable error.
+    /// They are counted per key in idem's store
+    /// ([`Idempotency::count_failure`]), so they add up across consumers,
+    /// processes and restarts, and nothing else counts: a delivery to a
+    /// consumer killed before or during the handler, or one nacked because
+    /// a duplicate was in flight, spends none of them. With a store that
+    /// cannot count ([`idem_core::Error::Unsupported`]) the broker's delivery
+    /// count stands in, as it did before failures were counted.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let consumer = idem_consumer::Consumer::new(idem, "orders.charge").max_failures(3);
+    /// assert_eq!(consumer.failure_limit(), 3);
+    /// ```
+    pub fn max_failures(mut self, n: u32) -> Self {
+        self.max_failures = n.max(1);
+        self
+    }
+
+    /// The safety valve for delivery loops that never reach the end of the
+    /// handler (default [`DEFAULT_MAX_DELIVERIES`]; at least 1): a delivery
+    /// whose broker count is over `n` does not run the handler and is
+    /// dead-lettered with [`DeadLetterReason::MaxDeliveries`] — unless its
+    /// work is done, which is acked at any count.
+    ///
+    /// This is not the retry limit ([`max_failures`](Consumer::max_failures)
+    /// is): broker deliveries also count crashes of the consumer and nacks
+    /// of in-flight duplicates, so keep it well above `max_failures`, or a
+    /// crash loop dead-letters valid messages that never ran. It stops a
+    /// message that kills its consumer every time (out of memory, abort)
+    /// from looping for ever.
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = n.max(1);
         self
@@ -182,6 +231,25 @@ impl<C> Consumer<C> {
         self
     }
 
+    /// How long [`Adapter::run`](crate::Adapter::run) lets the handlers in
+    /// flight finish after its shutdown signal before it abandons them
+    /// (default 20 s: inside the 30 s grace period that Kubernetes and
+    /// systemd give by default, with time left to settle). An abandoned
+    /// handler's key stays held until its lease runs out, and its message
+    /// comes back as [`Outcome::Recovered`]: keep the deadline longer than
+    /// your handlers usually take.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use std::time::Duration;
+    /// let c = idem_consumer::Consumer::new(idem, "s").drain_timeout(Duration::from_secs(5));
+    /// assert_eq!(c.drain_deadline(), Duration::from_secs(5));
+    /// ```
+    pub fn drain_timeout(mut self, d: Duration) -> Self {
+        self.drain_timeout = d;
+        self
+    }
+
     /// Messages of one batch handled at once (default 16; at least 1).
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
@@ -201,13 +269,16 @@ impl<C> Consumer<C> {
             scope: self.scope,
             keys: self.keys,
             fingerprint: self.fingerprint,
+            max_failures: self.max_failures,
             max_deliveries: self.max_deliveries,
             backoff_initial: self.backoff_initial,
             backoff_max: self.backoff_max,
             wait: self.wait,
             ttl: self.ttl,
             concurrency: self.concurrency,
+            drain_timeout: self.drain_timeout,
             classifier: Arc::new(classifier),
+            warned_uncounted: self.warned_uncounted,
         }
     }
 
@@ -221,9 +292,22 @@ impl<C> Consumer<C> {
         &self.scope
     }
 
-    /// The configured delivery limit.
+    /// The configured handler-failure limit
+    /// ([`max_failures`](Consumer::max_failures)).
+    pub fn failure_limit(&self) -> u32 {
+        self.max_failures
+    }
+
+    /// The configured broker-delivery valve
+    /// ([`max_deliveries`](Consumer::max_deliveries)).
     pub fn delivery_limit(&self) -> u32 {
         self.max_deliveries
+    }
+
+    /// How long a shutdown waits for handlers in flight
+    /// ([`drain_timeout`](Consumer::drain_timeout)).
+    pub fn drain_deadline(&self) -> Duration {
+        self.drain_timeout
     }
 
     /// Messages handled at once in a batch.
@@ -351,7 +435,7 @@ impl<C> Consumer<C> {
             }
         };
         let deliveries = msg.delivery_count();
-        let over_limit = deliveries > self.max_deliveries;
+        let over_valve = deliveries > self.max_deliveries;
         let mut call = self.idem.call(&self.scope, &key);
         if self.fingerprint {
             // A batch has hashed the payload already.
@@ -366,8 +450,8 @@ impl<C> Consumer<C> {
         }
         let result = call
             .run_outcome(|| async {
-                if over_limit {
-                    return Err(Failure::OverLimit);
+                if over_valve {
+                    return Err(Failure::OverValve);
                 }
                 handler(msg.clone()).await.map_err(Failure::Handler)
             })
@@ -387,11 +471,13 @@ impl<C> Consumer<C> {
                     duplicate_of: None,
                 };
             }
-            Err(Failure::OverLimit) => Decision::DeadLetter {
+            Err(Failure::OverValve) => Decision::DeadLetter {
                 reason: DeadLetterReason::MaxDeliveries {
                     deliveries,
                     last_error: format!(
-                        "delivery {deliveries} is over the limit of {}; the handler was not run",
+                        "delivery {deliveries} is over the valve of {} broker deliveries and \
+                         the work is not done (does the consumer die on this message?); the \
+                         handler was not run",
                         self.max_deliveries
                     ),
                 },
@@ -400,21 +486,49 @@ impl<C> Consumer<C> {
                 ErrorClass::Permanent => Decision::DeadLetter {
                     reason: DeadLetterReason::Permanent(e.to_string()),
                 },
-                ErrorClass::Retryable if deliveries >= self.max_deliveries => {
-                    Decision::DeadLetter {
-                        reason: DeadLetterReason::MaxDeliveries {
-                            deliveries,
-                            last_error: e.to_string(),
-                        },
-                    }
-                }
-                ErrorClass::Retryable => Decision::Nack {
-                    delay: self.backoff_for(deliveries),
-                },
+                ErrorClass::Retryable => self.after_failure(&key, deliveries, e.to_string()).await,
             },
             Err(Failure::Idem(e)) => self.decide_idem_error(e, deliveries),
         };
         Handled::decided(decision, Some(key))
+    }
+
+    /// Counts a retryable handler failure for `key` and decides between
+    /// another try and the dead-letter queue.
+    async fn after_failure(&self, key: &str, deliveries: u32, last_error: String) -> Decision {
+        let ttl = self.ttl.unwrap_or_else(|| self.idem.result_ttl());
+        let failures = match self.idem.count_failure(&self.scope, key, ttl).await {
+            Ok(n) => n,
+            Err(Error::Unsupported { .. }) => {
+                if !self.warned_uncounted.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "this idempotency store cannot count handler failures: the broker's \
+                         delivery count stands in for them, so deliveries that never ran the \
+                         handler (crashes, in-flight duplicates) also count towards max_failures"
+                    );
+                }
+                deliveries
+            }
+            Err(e) => {
+                // Not counted, so no reason to give up on the message: it
+                // comes back, and the next failure is counted.
+                tracing::warn!(error = %e, "handler failed and its failure could not be counted; nacking");
+                return Decision::Nack {
+                    delay: self.backoff_for(deliveries),
+                };
+            }
+        };
+        if failures >= self.max_failures {
+            return Decision::DeadLetter {
+                reason: DeadLetterReason::MaxFailures {
+                    failures,
+                    last_error,
+                },
+            };
+        }
+        Decision::Nack {
+            delay: self.backoff_for(failures),
+        }
     }
 
     fn decide_idem_error(&self, e: Error, deliveries: u32) -> Decision {

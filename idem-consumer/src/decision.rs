@@ -10,7 +10,8 @@ use std::time::Duration;
 /// | `Executed`, `Replayed`, `Recovered` (and the body-ran outcomes `LeaseLost`, `NotStored`, `Unprotected`) | [`Ack`](Decision::Ack) |
 /// | `InProgress { retry_after }` | [`Nack`](Decision::Nack) after `retry_after` (or, with `.wait(d)`, the first run's result and `Ack`) |
 /// | store unavailable (fail-closed, nothing ran) | `Nack` with backoff |
-/// | handler `Err`, retryable | key released, `Nack` with backoff; `DeadLetter` once `max_deliveries` is reached |
+/// | handler `Err`, retryable | key released, failure counted in idem's store, `Nack` with backoff; `DeadLetter` at `max_failures` failures |
+/// | a delivery over the `max_deliveries` valve whose work is not done | `DeadLetter`, handler not run |
 /// | handler `Err`, permanent | [`DeadLetter`](Decision::DeadLetter) |
 /// | `FingerprintMismatch`, unkeyable message | `DeadLetter` |
 ///
@@ -88,12 +89,26 @@ impl fmt::Display for Decision {
 pub enum DeadLetterReason {
     /// The handler failed with an error classified as permanent.
     Permanent(String),
-    /// The handler kept failing with retryable errors until the delivery
-    /// limit.
+    /// The handler ran and failed with retryable errors as many times as
+    /// [`Consumer::max_failures`](crate::Consumer::max_failures) allows.
+    /// Counted per key in idem's store: deliveries that never ran the
+    /// handler (a consumer killed before it, an in-flight duplicate) do
+    /// not count.
+    MaxFailures {
+        /// Handler runs that failed for this key, this one included.
+        failures: u32,
+        /// The last error.
+        last_error: String,
+    },
+    /// The broker delivered the message more often than the safety valve
+    /// [`Consumer::max_deliveries`](crate::Consumer::max_deliveries)
+    /// allows, whatever the handler did: a loop that never reaches the
+    /// handler (a consumer that crashes on it every time). A message whose
+    /// work is done is still acked at any delivery count.
     MaxDeliveries {
         /// Deliveries so far, this one included.
         deliveries: u32,
-        /// The last error (or why this delivery did not run).
+        /// Why this delivery did not run.
         last_error: String,
     },
     /// The key was used before by a message with another payload: two
@@ -107,11 +122,12 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
-    /// A stable machine-readable name: `permanent`, `max_deliveries`,
-    /// `fingerprint_mismatch`, `bad_message` or `store`.
+    /// A stable machine-readable name: `permanent`, `max_failures`,
+    /// `max_deliveries`, `fingerprint_mismatch`, `bad_message` or `store`.
     pub fn kind(&self) -> &'static str {
         match self {
             DeadLetterReason::Permanent(_) => "permanent",
+            DeadLetterReason::MaxFailures { .. } => "max_failures",
             DeadLetterReason::MaxDeliveries { .. } => "max_deliveries",
             DeadLetterReason::FingerprintMismatch => "fingerprint_mismatch",
             DeadLetterReason::BadMessage(_) => "bad_message",
@@ -120,10 +136,78 @@ impl DeadLetterReason {
     }
 }
 
+impl DeadLetterReason {
+    /// How many times the handler ran and failed for this message's key,
+    /// when the reason counts them.
+    ///
+    /// ```
+    /// use idem_consumer::DeadLetterReason;
+    /// let r = DeadLetterReason::MaxFailures { failures: 5, last_error: "timeout".into() };
+    /// assert_eq!(r.failures(), Some(5));
+    /// assert_eq!(DeadLetterReason::FingerprintMismatch.failures(), None);
+    /// ```
+    pub fn failures(&self) -> Option<u32> {
+        match self {
+            DeadLetterReason::MaxFailures { failures, .. } => Some(*failures),
+            _ => None,
+        }
+    }
+
+    /// What every adapter writes beside a dead letter (as headers, stream
+    /// fields or message properties), so that a reader can tell a poison
+    /// message from a delivery loop: `idem-reason` (this reason's text on
+    /// one line), `idem-kind` ([`kind`](DeadLetterReason::kind)),
+    /// `idem-deliveries` (the broker's count, this delivery included) and,
+    /// when counted, `idem-failures`.
+    ///
+    /// ```
+    /// use idem_consumer::DeadLetterReason;
+    /// let r = DeadLetterReason::MaxFailures { failures: 5, last_error: "timeout\nretry".into() };
+    /// let f = r.fields(7);
+    /// assert_eq!(f[1], ("idem-kind", "max_failures".to_owned()));
+    /// assert_eq!(f[2], ("idem-deliveries", "7".to_owned()));
+    /// assert_eq!(f[3], ("idem-failures", "5".to_owned()));
+    /// assert!(!f[0].1.contains('\n'));
+    /// ```
+    pub fn fields(&self, deliveries: u32) -> Vec<(&'static str, String)> {
+        // Header values (NATS, RabbitMQ, Kafka) cannot hold line breaks.
+        let text = self.to_string().replace(['\r', '\n'], " ");
+        let mut fields = vec![
+            (dead_letter_field::REASON, text),
+            (dead_letter_field::KIND, self.kind().to_owned()),
+            (dead_letter_field::DELIVERIES, deliveries.to_string()),
+        ];
+        if let Some(n) = self.failures() {
+            fields.push((dead_letter_field::FAILURES, n.to_string()));
+        }
+        fields
+    }
+}
+
+/// The names of the fields written beside every dead letter
+/// ([`DeadLetterReason::fields`]), on every broker.
+pub mod dead_letter_field {
+    /// The reason, as text on one line.
+    pub const REASON: &str = "idem-reason";
+    /// [`DeadLetterReason::kind`](crate::DeadLetterReason::kind).
+    pub const KIND: &str = "idem-kind";
+    /// The broker's delivery count, this delivery included.
+    pub const DELIVERIES: &str = "idem-deliveries";
+    /// Handler runs that failed for the key, when counted.
+    pub const FAILURES: &str = "idem-failures";
+}
+
 impl fmt::Display for DeadLetterReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeadLetterReason::Permanent(e) => write!(f, "permanent error: {e}"),
+            DeadLetterReason::MaxFailures {
+                failures,
+                last_error,
+            } => write!(
+                f,
+                "the handler failed {failures} times; last error: {last_error}"
+            ),
             DeadLetterReason::MaxDeliveries {
                 deliveries,
                 last_error,

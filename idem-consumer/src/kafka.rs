@@ -15,7 +15,7 @@
 //! | ack (executed, replayed, recovered) | done | decided |
 //! | nack, the handler failed (retryable) | run again in this process after the backoff, up to [`KafkaConfig::attempts_in_process`] runs; then published to the retry topic (or, without one, the dead-letter topic) | undecided until published, then decided |
 //! | nack, the handler did not run (idem's store down, another consumer holds the key) | waits and tries again for as long as the partition is ours: fail-closed | undecided |
-//! | dead-letter (permanent error, `max_deliveries`, bad key, fingerprint mismatch) | published to the dead-letter topic with the reason headers | undecided until published, then decided |
+//! | dead-letter (permanent error, `max_failures`, `max_deliveries`, bad key, fingerprint mismatch) | published to the dead-letter topic with the reason headers ([`header_names`] and the shared [`dead_letter_field`](crate::dead_letter_field)s) | undecided until published, then decided |
 //!
 //! A record whose idempotency key is already in flight in this process
 //! waits for that one to finish (then replays); with
@@ -83,7 +83,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::pin;
@@ -203,8 +203,9 @@ impl KafkaConfig {
 
     /// Move records still failing after the in-process attempts to this
     /// topic, and consume it too (it is added to the subscription). The
-    /// attempts carry on in the `idem-attempts` header, so the consumer's
-    /// `max_deliveries` still ends in the dead-letter topic.
+    /// attempts carry on in the `idem-attempts` header (the delivery count
+    /// when consumed back) and idem counts the handler's failures per key,
+    /// so the consumer's `max_failures` still ends in the dead-letter topic.
     pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
         self.retry_topic = Some(topic.into());
         self
@@ -340,8 +341,8 @@ pub struct KafkaReport {
     pub retry_published: usize,
     /// Moved to the dead-letter topic.
     pub dead_lettered: usize,
-    /// Left undecided because their partition was revoked (the next owner
-    /// handles them; idem replays what was done).
+    /// Left undecided because their partition was revoked or `run` shut
+    /// down (the next owner handles them; idem replays what was done).
     pub abandoned: usize,
 }
 
@@ -509,8 +510,13 @@ impl KafkaConsumer {
 
     /// Handles records until `shutdown` completes, committing decided
     /// offsets every [`KafkaConfig::commit_interval`]; returns what it did.
-    /// On shutdown it starts nothing more, lets in-flight handlers finish
-    /// (up to [`KafkaConfig::revoke_deadline`]) and commits what is decided.
+    /// On shutdown it drains: it starts nothing more (a record waiting
+    /// between in-process attempts is abandoned at once, undecided), lets
+    /// running handlers finish (up to [`KafkaConfig::revoke_deadline`])
+    /// and commits what is decided. A handler still running at the
+    /// deadline is dropped: its offset stays uncommitted and its idem key
+    /// keeps its lease, so the next owner waits and replays, or takes over
+    /// after the lease (`Recovered`).
     ///
     /// Fails with [`ConsumerError::Config`] if `run` is already running on
     /// this consumer.
@@ -540,6 +546,10 @@ impl KafkaConsumer {
         let limit = consumer.batch_concurrency();
         let mut closed = false;
         let mut committing: Option<tokio::task::JoinHandle<()>> = None;
+        // Records started and not finished, per partition assignment: those
+        // dropped at the shutdown deadline are released from the count.
+        let mut in_flight: HashMap<(Arc<str>, i32, u64), usize> = HashMap::new();
+        self.shared.set_closing(false);
         loop {
             // Start what may start, in arrival order: a record whose gate
             // (its idem key, or its record key in order-per-key mode) is
@@ -572,6 +582,10 @@ impl KafkaConsumer {
                 }
                 waiting = keep;
                 for w in start {
+                    let t = &w.taken;
+                    *in_flight
+                        .entry((t.topic.clone(), t.partition, t.epoch))
+                        .or_default() += 1;
                     report.fetched += 1;
                     if w.taken.msg.delivery_count() > 1 {
                         report.redelivered += 1;
@@ -584,7 +598,7 @@ impl KafkaConsumer {
                 biased;
                 _ = &mut shutdown => break,
                 Some(done) = running.next(), if !running.is_empty() => {
-                    self.finish(done, &mut busy, &mut report);
+                    self.finish(done, &mut busy, &mut in_flight, &mut report);
                 }
                 Some(_) = OptionFuture::from(committing.as_mut()), if committing.is_some() => {
                     committing = None;
@@ -605,12 +619,17 @@ impl KafkaConsumer {
                 }
             }
         }
-        // Shutdown: no new starts; in-flight handlers get the revocation
-        // deadline, then whatever is decided is committed.
+        // Shutdown drains: nothing new starts, not even another attempt of
+        // a record in flight (a paused one is abandoned at once); running
+        // handlers get the revocation deadline; then whatever is decided is
+        // committed. A handler dropped at the deadline keeps its idem lease
+        // (the next owner replays it, or takes over after the lease) and
+        // its offset stays uncommitted.
+        self.shared.set_closing(true);
         let end = Instant::now() + self.cfg.revoke_deadline;
         while !running.is_empty() {
             match tokio::time::timeout_at(end, running.next()).await {
-                Ok(Some(done)) => self.finish(done, &mut busy, &mut report),
+                Ok(Some(done)) => self.finish(done, &mut busy, &mut in_flight, &mut report),
                 Ok(None) => break,
                 Err(_) => {
                     tracing::warn!(
@@ -622,6 +641,10 @@ impl KafkaConsumer {
             }
         }
         drop(running);
+        for ((topic, partition, epoch), n) in in_flight {
+            report.abandoned += n;
+            self.shared.dropped(&topic, partition, epoch, n);
+        }
         if let Some(c) = committing.take() {
             let _ = c.await;
         }
@@ -646,9 +669,23 @@ impl KafkaConsumer {
         Waiting { taken, key, gates }
     }
 
-    fn finish(&self, done: Done, busy: &mut HashSet<String>, report: &mut KafkaReport) {
+    fn finish(
+        &self,
+        done: Done,
+        busy: &mut HashSet<String>,
+        in_flight: &mut HashMap<(Arc<str>, i32, u64), usize>,
+        report: &mut KafkaReport,
+    ) {
         for g in &done.gates {
             busy.remove(g);
+        }
+        let t = &done.taken;
+        let at = (t.topic.clone(), t.partition, t.epoch);
+        if let Some(n) = in_flight.get_mut(&at) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                in_flight.remove(&at);
+            }
         }
         report.add(done.report);
         let t = &done.taken;
@@ -792,8 +829,10 @@ impl KafkaConsumer {
                             Some(rt) => Destination::Retry(rt.clone()),
                             None => Destination::DeadLetter(
                                 self.cfg.dead_letter_for(&taken.topic),
-                                DeadLetterReason::MaxDeliveries {
-                                    deliveries: taken.msg.delivery_count(),
+                                // Every attempt counted here ran the handler
+                                // and failed, over every hop.
+                                DeadLetterReason::MaxFailures {
+                                    failures: taken.msg.delivery_count(),
                                     last_error: last_error
                                         .lock()
                                         .unwrap_or_else(|p| p.into_inner())
@@ -803,7 +842,6 @@ impl KafkaConsumer {
                             ),
                         };
                     }
-                    report.retried += 1;
                     if !self.pause(&taken, delay).await {
                         return Done {
                             taken,
@@ -812,6 +850,7 @@ impl KafkaConsumer {
                             report,
                         };
                     }
+                    report.retried += 1;
                     let next = taken.msg.delivery_count().saturating_add(1);
                     taken.msg = taken.msg.clone().with_delivery_count(next);
                 }

@@ -23,7 +23,8 @@
 //! * `nats`: [`nats::NatsConsumer`]: JetStream pull consumers with progress
 //!   acks, nak with delay, term and a dead-letter subject;
 //! * `rabbitmq`: [`rabbitmq::RabbitConsumer`]: `basic_ack`, delayed
-//!   `basic_nack` with requeue, reject to a dead-letter exchange;
+//!   `basic_nack` with requeue, dead letters published (with idem's reason
+//!   and counts, under publisher confirms) to a dead-letter exchange;
 //! * `kafka`: [`kafka::KafkaConsumer`]: a consumer group whose offsets are
 //!   committed only up to the lowest record not yet decided, in-process
 //!   retries, retry and dead-letter topics, rebalances with a deadline.
@@ -64,9 +65,10 @@ pub mod rabbitmq;
 pub mod redis_streams;
 
 pub use adapter::{Adapter, PollReport, Recovery};
-pub use consumer::{Consumer, Handled};
+pub use consumer::{Consumer, DEFAULT_MAX_DELIVERIES, Handled};
 pub use decision::{
     AllRetryable, ByTrait, Classify, ClassifyError, DeadLetterReason, Decision, ErrorClass,
+    dead_letter_field,
 };
 pub use error::ConsumerError;
 pub use heartbeat::with_heartbeat;

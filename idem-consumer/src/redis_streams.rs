@@ -7,9 +7,25 @@
 //! idle for [`StreamsConfig::claim_idle`]. A nack with a delay therefore
 //! re-claims the entry for ourselves with its idle time set so that it
 //! becomes claimable after that delay (`XCLAIM … IDLE n JUSTID`, which does
-//! not count as a delivery). While a handler runs, the owner re-claims its
+//! not count as a delivery), and remembers when: the fetch that follows
+//! blocks for new entries no longer than that, then scans the pending list
+//! at once. So a nacked entry comes back after its delay (never before:
+//! Redis counts idle time in whole milliseconds, so the delay is rounded up
+//! and one millisecond added) plus up to one tick of Redis's timer, which
+//! is when it ends a blocked `XREADGROUP` (1/`hz`: 100 ms at the default
+//! `hz 10`; a 500 ms nack measured 595 ms), instead of at the next periodic
+//! scan (a quarter of `claim_idle`, at most 1 s, after a blocked read:
+//! measured 1.0–1.1 s). While a handler runs, the owner re-claims its
 //! in-flight entries every [`Consumer::keep_alive_period`](crate::Consumer::keep_alive_period) so nobody else's
 //! `XAUTOCLAIM` takes them mid-run.
+//!
+//! A batch is settled by one Lua script (one round trip, atomic): acks,
+//! nacks, and each dead letter `XADD`ed to the dead-letter stream then
+//! acked, **only if the `XADD` succeeded**. An entry whose dead letter could
+//! not be written (the key holds another type, Redis is out of memory)
+//! stays pending and comes back after `claim_idle`; `poll` returns the
+//! error, which names the stream to fix. Each entry id is settled once per
+//! batch, whatever the batch holds.
 //!
 //! Entries are hashes of fields: the payload is in one field (default
 //! `payload`), the producer's id, when there is one, in another (default
@@ -22,7 +38,7 @@
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?).build();
-//! let consumer = Consumer::new(idem, "orders.charge").max_deliveries(5);
+//! let consumer = Consumer::new(idem, "orders.charge").max_failures(5);
 //! let stream = RedisStreamsConsumer::connect(
 //!     "redis://127.0.0.1/",
 //!     StreamsConfig::new("orders", "billing", "billing-1"),
@@ -39,15 +55,16 @@
 pub use redis;
 
 use crate::adapter::{Adapter, Recovery};
-use crate::decision::Decision;
+use crate::decision::{DeadLetterReason, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
-use redis::{RedisError, Value};
+use redis::{RedisError, Script, Value};
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 const BROKER: &str = "redis-streams";
@@ -107,7 +124,12 @@ impl StreamsConfig {
     }
 
     /// The stream dead-lettered entries are added to, with fields `payload`,
-    /// `id`, `source_id`, `reason`, `kind` and `deliveries`.
+    /// `id` (the producer's id, empty when none), `source_id` (the entry's id
+    /// in the consumed stream) and those of
+    /// [`DeadLetterReason::fields`](crate::DeadLetterReason::fields)
+    /// (`idem-reason`, `idem-kind`, `idem-deliveries`, and `idem-failures`
+    /// when counted). It must be a stream or not exist: an entry whose dead
+    /// letter cannot be added is left pending, not acked.
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
         self.dead_letter = stream.into();
         self
@@ -138,7 +160,8 @@ impl StreamsConfig {
     }
 
     /// How long a pending entry stays idle before any consumer takes it over
-    /// with `XAUTOCLAIM` (default 30 s). Also the longest nack delay.
+    /// with `XAUTOCLAIM` (default 30 s). Also the longest nack delay, and
+    /// how long an entry whose dead letter could not be written waits.
     pub fn claim_idle(mut self, d: Duration) -> Self {
         self.claim_idle = d.max(Duration::from_millis(1));
         self
@@ -180,6 +203,41 @@ pub struct StreamEntry {
     pub id: String,
     /// The message, or why the entry is not one.
     pub message: Result<Message, ConsumerError>,
+    /// Deliveries of the entry to the group, this one included.
+    pub deliveries: u32,
+}
+
+/// When the next `XAUTOCLAIM` scan of the pending list runs, and from where.
+#[derive(Debug)]
+struct Scan {
+    /// Where the next scan resumes.
+    cursor: String,
+    /// No periodic scan before this: an entry only goes stale after
+    /// `claim_idle`, so scanning on every poll would cost a round trip per
+    /// batch for nothing.
+    not_before: Option<Instant>,
+    /// When entries we nacked become claimable: a scan runs as soon as one
+    /// is due, and a blocked read waits no longer than the earliest.
+    nacks_due: Vec<Instant>,
+}
+
+impl Scan {
+    /// Whether to scan now, and from where; forgets the nacks now due.
+    fn start(&mut self, now: Instant) -> Option<String> {
+        let due = self.nacks_due.len();
+        self.nacks_due.retain(|t| *t > now);
+        if self.nacks_due.len() < due {
+            // The nacked entries may sit before the cursor.
+            return Some("0-0".into());
+        }
+        let periodic = self.not_before.is_none_or(|t| now >= t);
+        periodic.then(|| self.cursor.clone())
+    }
+
+    /// The earliest nack still to come due.
+    fn next_due(&self) -> Option<Instant> {
+        self.nacks_due.iter().min().copied()
+    }
 }
 
 /// A consumer of one stream in one consumer group.
@@ -192,10 +250,8 @@ pub struct RedisStreamsConsumer {
     reader: ConnectionManager,
     cfg: Arc<StreamsConfig>,
     source: Arc<str>,
-    /// Where the next `XAUTOCLAIM` scan of the pending list resumes, and
-    /// when it may run: an entry only goes stale after `claim_idle`, so
-    /// scanning on every poll would cost a round trip per batch for nothing.
-    cursor: Arc<Mutex<(String, Option<Instant>)>>,
+    /// Shared by clones: they consume as the same consumer.
+    scan: Arc<Mutex<Scan>>,
 }
 
 impl fmt::Debug for RedisStreamsConsumer {
@@ -241,7 +297,11 @@ impl RedisStreamsConsumer {
             reader,
             source: Arc::from(cfg.stream.as_str()),
             cfg: Arc::new(cfg),
-            cursor: Arc::new(Mutex::new(("0-0".into(), None))),
+            scan: Arc::new(Mutex::new(Scan {
+                cursor: "0-0".into(),
+                not_before: None,
+                nacks_due: Vec::new(),
+            })),
         }
     }
 
@@ -269,35 +329,28 @@ impl RedisStreamsConsumer {
 
     async fn claim_stale(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
         let mut conn = self.conn.clone();
-        let start = {
-            let Ok(c) = self.cursor.lock() else {
-                return Ok(Vec::new());
-            };
-            if c.1.is_some_and(|next| Instant::now() < next) {
-                return Ok(Vec::new());
-            }
-            c.0.clone()
+        let Some(start) = self.scan().start(Instant::now()) else {
+            return Ok(Vec::new());
         };
         let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
             .arg(&self.cfg.stream)
             .arg(&self.cfg.group)
             .arg(&self.cfg.consumer)
-            .arg(self.cfg.claim_idle.as_millis() as u64)
+            .arg(millis(self.cfg.claim_idle))
             .arg(&start)
             .arg("COUNT")
             .arg(self.cfg.batch)
             .query_async(&mut conn)
             .await
             .map_err(broker_err("claim"))?;
-        if let Ok(mut c) = self.cursor.lock() {
+        {
             // A full page, or a scan that has not wrapped yet, may have more
             // stale entries: look again next poll. Else wait a while.
             let more = reply.claimed.len() >= self.cfg.batch || reply.next_stream_id != "0-0";
             let pause = (self.cfg.claim_idle / 4).min(Duration::from_secs(1));
-            *c = (
-                reply.next_stream_id.clone(),
-                (!more).then(|| Instant::now() + pause),
-            );
+            let mut scan = self.scan();
+            scan.cursor = reply.next_stream_id.clone();
+            scan.not_before = (!more).then(|| Instant::now() + pause);
         }
         if !reply.deleted_ids.is_empty() {
             // Trimmed out of the stream while pending: nothing left to handle.
@@ -359,7 +412,14 @@ impl RedisStreamsConsumer {
         StreamEntry {
             id: sid.id,
             message,
+            deliveries,
         }
+    }
+
+    /// The scan state. A panic elsewhere while it was held left nothing
+    /// half-written that matters (a cursor, times), so poisoning is ignored.
+    fn scan(&self) -> std::sync::MutexGuard<'_, Scan> {
+        self.scan.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn parse_fields(
@@ -431,6 +491,192 @@ impl RedisStreamsConsumer {
     }
 }
 
+impl RedisStreamsConsumer {
+    /// Up to `count` new entries, waiting up to `wait` for them (not at
+    /// all when zero).
+    async fn read_new(
+        &self,
+        count: usize,
+        wait: Duration,
+    ) -> Result<Vec<StreamEntry>, ConsumerError> {
+        let mut read = redis::cmd("XREADGROUP");
+        read.arg("GROUP")
+            .arg(&self.cfg.group)
+            .arg(&self.cfg.consumer)
+            .arg("COUNT")
+            .arg(count);
+        if !wait.is_zero() {
+            // Whole milliseconds, rounded up: `BLOCK 0` would block forever.
+            read.arg("BLOCK").arg(millis_ceil(wait));
+        }
+        read.arg("STREAMS").arg(&self.cfg.stream).arg(">");
+        let reply: Option<StreamReadReply> = read
+            .query_async(&mut self.reader.clone())
+            .await
+            .map_err(broker_err("fetch"))?;
+        Ok(reply
+            .map(|r| r.keys)
+            .unwrap_or_default()
+            .into_iter()
+            .flat_map(|key| key.ids)
+            .map(|sid| self.entry(sid, 1))
+            .collect())
+    }
+
+    /// How long a read may block: until `deadline`, or until the earliest
+    /// nacked entry comes due if that is sooner.
+    fn read_wait(&self, deadline: Instant) -> Duration {
+        let until = match self.scan().next_due() {
+            Some(due) => due.min(deadline),
+            None => deadline,
+        };
+        until.saturating_duration_since(Instant::now())
+    }
+
+    /// The idle time (ms) to preset on an entry nacked with `delay` so that
+    /// `XAUTOCLAIM` (min idle `claim_idle`) takes it back after the delay,
+    /// and how long after the reply to scan for it. Redis counts idle time
+    /// in whole milliseconds of its own clock: the delay is rounded up and
+    /// 1 ms added so that the entry never comes back early, and 1 ms more
+    /// before the scan so that the scan does not come too early to find it.
+    fn nack_idle(&self, delay: Duration) -> (u64, Duration) {
+        let claim_idle = millis(self.cfg.claim_idle);
+        let wait = millis_ceil(delay).saturating_add(1).min(claim_idle);
+        (
+            claim_idle - wait,
+            Duration::from_millis(wait.saturating_add(1)),
+        )
+    }
+
+    /// Adds a dead-letter record to the settle script: the entry's payload,
+    /// the producer's id, the entry's id and idem's reason fields.
+    fn add_dead_letter(
+        &self,
+        settle: &mut redis::ScriptInvocation<'_>,
+        entry: &StreamEntry,
+        reason: &DeadLetterReason,
+    ) {
+        let msg = entry.message.as_ref().ok();
+        let fields = reason.fields(entry.deliveries);
+        settle
+            .arg("D")
+            .arg(&entry.id)
+            .arg(DEAD_LETTER_OWN_FIELDS + fields.len())
+            .arg("payload")
+            .arg(msg.map_or(&[][..], |m| &m.payload()[..]))
+            .arg("id")
+            .arg(msg.and_then(Message::id).unwrap_or(""))
+            .arg("source_id")
+            .arg(&entry.id);
+        for (name, value) in fields {
+            settle.arg(name).arg(value);
+        }
+    }
+
+    /// The error for dead letters the script could not add (their entries
+    /// stay pending), after logging each.
+    fn dead_letters_failed(
+        &self,
+        failed: &[(String, String)],
+        first: &(String, String),
+    ) -> ConsumerError {
+        for (id, error) in failed {
+            tracing::error!(
+                entry = %id,
+                dead_letter_stream = %self.cfg.dead_letter,
+                error = %error,
+                "dead letter not written; the entry stays pending"
+            );
+        }
+        let dead = &self.cfg.dead_letter;
+        ConsumerError::broker(
+            BROKER,
+            "dead_letter",
+            format!(
+                "{} dead letter(s) could not be added to `{dead}` (entry {}: {}); those entries \
+                 were not acked and come back after claim_idle ({} ms); make `{dead}` a stream \
+                 (delete the key if it holds another type) or set StreamsConfig::dead_letter_stream",
+                failed.len(),
+                first.0,
+                first.1,
+                millis(self.cfg.claim_idle),
+            ),
+        )
+    }
+}
+
+/// Fields of a dead letter besides idem's reason fields: `payload`, `id`,
+/// `source_id`.
+const DEAD_LETTER_OWN_FIELDS: usize = 3;
+
+/// Settles one batch atomically; see `apply_batch`.
+///
+/// `KEYS[1]` the stream, `KEYS[2]` its dead-letter stream; `ARGV` the
+/// group, the consumer, then one record per entry: `A id` (ack), `N id
+/// idle_ms` (nack: re-claim with that idle time), `D id n f1 v1 … fn vn`
+/// (dead letter of n fields, acked only once written). Records are checked
+/// before the first write (Redis does not roll a script back). Replies
+/// `{id, error}` for each dead letter not written.
+const SETTLE_LUA: &str = r#"
+local stream, dead = KEYS[1], KEYS[2]
+local group, consumer = ARGV[1], ARGV[2]
+local ops, i = {}, 3
+while i <= #ARGV do
+  local op, id = ARGV[i], ARGV[i + 1]
+  if id == nil then
+    return redis.error_reply('ERR idem-consumer settle: record without an id at argument ' .. i)
+  end
+  if op == 'A' then
+    ops[#ops + 1] = {op, id}
+    i = i + 2
+  elseif op == 'N' and tonumber(ARGV[i + 2]) then
+    ops[#ops + 1] = {op, id, ARGV[i + 2]}
+    i = i + 3
+  elseif op == 'D' and tonumber(ARGV[i + 2]) then
+    local last = i + 2 + 2 * tonumber(ARGV[i + 2])
+    if last <= i + 2 or last > #ARGV then
+      return redis.error_reply('ERR idem-consumer settle: bad dead letter at argument ' .. i)
+    end
+    ops[#ops + 1] = {op, id, i + 3, last}
+    i = last + 1
+  else
+    return redis.error_reply('ERR idem-consumer settle: bad record at argument ' .. i)
+  end
+end
+local acks, failed = {}, {}
+for _, o in ipairs(ops) do
+  if o[1] == 'A' then
+    acks[#acks + 1] = o[2]
+  elseif o[1] == 'N' then
+    redis.call('XCLAIM', stream, group, consumer, 0, o[2], 'IDLE', o[3], 'JUSTID')
+  else
+    local added = redis.pcall('XADD', dead, '*', unpack(ARGV, o[3], o[4]))
+    if type(added) == 'table' and added.err then
+      failed[#failed + 1] = {o[2], added.err}
+    else
+      acks[#acks + 1] = o[2]
+    end
+  end
+end
+-- unpack is bounded by Lua's stack: ack in slices.
+for first = 1, #acks, 1000 do
+  redis.call('XACK', stream, group, unpack(acks, first, math.min(first + 999, #acks)))
+end
+return failed
+"#;
+
+static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(SETTLE_LUA));
+
+/// Whole milliseconds, saturating.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Whole milliseconds, rounded up, saturating.
+fn millis_ceil(d: Duration) -> u64 {
+    u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
+}
+
 /// `XAUTOCLAIM` then `XREADGROUP`, `XACK`, nack by re-claiming with a preset
 /// idle time, dead letters to a stream; in-flight entries re-claimed while
 /// handlers run.
@@ -438,33 +684,31 @@ impl Adapter for RedisStreamsConsumer {
     type Delivery = StreamEntry;
 
     /// Fetches one batch: stale entries (idle over `claim_idle`, anyone's)
-    /// first; new entries fill the rest of the batch.
+    /// first; new entries fill the rest of the batch. Waits up to the block
+    /// time for new entries, or less when a nacked entry comes due first:
+    /// then it scans for it and waits again for what is left of the block
+    /// time.
     async fn fetch(&self) -> Result<Vec<StreamEntry>, ConsumerError> {
-        let mut entries = self.claim_stale().await?;
-        if entries.len() < self.cfg.batch {
-            let mut reader = self.reader.clone();
-            let mut read = redis::cmd("XREADGROUP");
-            read.arg("GROUP")
-                .arg(&self.cfg.group)
-                .arg(&self.cfg.consumer)
-                .arg("COUNT")
-                .arg(self.cfg.batch - entries.len());
-            // Never block with taken-over work in hand.
-            if entries.is_empty() {
-                read.arg("BLOCK").arg(self.cfg.block.as_millis() as u64);
+        let deadline = Instant::now() + self.cfg.block;
+        loop {
+            let mut entries = self.claim_stale().await?;
+            if entries.len() < self.cfg.batch {
+                // Never block with taken-over work in hand.
+                let wait = if entries.is_empty() {
+                    self.read_wait(deadline)
+                } else {
+                    Duration::ZERO
+                };
+                let fresh = self.read_new(self.cfg.batch - entries.len(), wait).await?;
+                // Claimed and new entries are disjoint in Redis; a batch
+                // still never holds an entry id twice, so it is settled once.
+                let mut seen: HashSet<String> = entries.iter().map(|e| e.id.clone()).collect();
+                entries.extend(fresh.into_iter().filter(|e| seen.insert(e.id.clone())));
             }
-            read.arg("STREAMS").arg(&self.cfg.stream).arg(">");
-            let reply: Option<StreamReadReply> = read
-                .query_async(&mut reader)
-                .await
-                .map_err(broker_err("fetch"))?;
-            for key in reply.map(|r| r.keys).unwrap_or_default() {
-                for sid in key.ids {
-                    entries.push(self.entry(sid, 1));
-                }
+            if !entries.is_empty() || Instant::now() >= deadline {
+                return Ok(entries);
             }
         }
-        Ok(entries)
     }
 
     fn message_of(&self, entry: &StreamEntry) -> Result<Message, ConsumerError> {
@@ -476,78 +720,56 @@ impl Adapter for RedisStreamsConsumer {
             .await
     }
 
-    /// One `XACK` for all acks, for each nack a re-claim with its idle time
-    /// preset, for each dead letter an `XADD` to the dead-letter stream then
-    /// an `XACK`, in one atomic round trip.
+    /// The whole batch in one atomic script (one round trip): one `XACK`
+    /// for the acks, for each nack a re-claim with its idle time preset,
+    /// for each dead letter an `XADD` to the dead-letter stream and, only
+    /// if it succeeded, its `XACK`. An entry id that appears twice is
+    /// settled once, with its first decision. Dead letters that could not
+    /// be written leave their entries pending and make this return an
+    /// error naming the stream to fix.
     async fn apply_batch(
         &self,
         decisions: &[(StreamEntry, Decision)],
     ) -> Result<(), ConsumerError> {
-        let mut conn = self.conn.clone();
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        let acks: Vec<&str> = decisions
-            .iter()
-            .filter(|(_, d)| d.is_ack())
-            .map(|(e, _)| e.id.as_str())
-            .collect();
-        if !acks.is_empty() {
-            pipe.cmd("XACK")
-                .arg(&self.cfg.stream)
-                .arg(&self.cfg.group)
-                .arg(&acks)
-                .ignore();
-        }
+        let mut settle = SETTLE.prepare_invoke();
+        settle
+            .key(&self.cfg.stream)
+            .key(&self.cfg.dead_letter)
+            .arg(&self.cfg.group)
+            .arg(&self.cfg.consumer);
+        let mut seen = HashSet::new();
+        let mut nack_waits = Vec::new();
         for (entry, decision) in decisions {
-            let id = &entry.id;
-            let msg = entry.message.as_ref().ok();
+            if !seen.insert(entry.id.as_str()) {
+                tracing::debug!(entry = %entry.id, "entry twice in one batch: settled once, by its first decision");
+                continue;
+            }
             match decision {
-                Decision::Ack => {}
+                Decision::Ack => {
+                    settle.arg("A").arg(&entry.id);
+                }
                 Decision::Nack { delay } => {
-                    let idle = self.cfg.claim_idle.saturating_sub(*delay);
-                    pipe.cmd("XCLAIM")
-                        .arg(&self.cfg.stream)
-                        .arg(&self.cfg.group)
-                        .arg(&self.cfg.consumer)
-                        .arg(0)
-                        .arg(id)
-                        .arg("IDLE")
-                        .arg(idle.as_millis() as u64)
-                        .arg("JUSTID")
-                        .ignore();
+                    let (idle, wait) = self.nack_idle(*delay);
+                    settle.arg("N").arg(&entry.id).arg(idle);
+                    nack_waits.push(wait);
                 }
                 Decision::DeadLetter { reason } => {
-                    let payload = msg.map(|m| m.payload().to_vec()).unwrap_or_default();
-                    let deliveries = msg.map_or(0, Message::delivery_count);
-                    pipe.cmd("XADD")
-                        .arg(&self.cfg.dead_letter)
-                        .arg("*")
-                        .arg("payload")
-                        .arg(payload)
-                        .arg("id")
-                        .arg(msg.and_then(Message::id).unwrap_or(""))
-                        .arg("source_id")
-                        .arg(id)
-                        .arg("reason")
-                        .arg(reason.to_string())
-                        .arg("kind")
-                        .arg(reason.kind())
-                        .arg("deliveries")
-                        .arg(deliveries)
-                        .ignore();
-                    pipe.cmd("XACK")
-                        .arg(&self.cfg.stream)
-                        .arg(&self.cfg.group)
-                        .arg(id)
-                        .ignore();
+                    self.add_dead_letter(&mut settle, entry, reason);
                 }
             }
         }
-        let _: () = pipe
-            .query_async(&mut conn)
+        let failed: Vec<(String, String)> = settle
+            .invoke_async(&mut self.conn.clone())
             .await
             .map_err(broker_err("apply"))?;
-        Ok(())
+        let now = Instant::now();
+        self.scan()
+            .nacks_due
+            .extend(nack_waits.into_iter().map(|w| now + w));
+        match failed.first() {
+            None => Ok(()),
+            Some(first) => Err(self.dead_letters_failed(&failed, first)),
+        }
     }
 
     /// A third of `claim_idle`, when [`StreamsConfig::keep_claimed`] is on.

@@ -58,27 +58,28 @@ async fn executed_then_replayed_both_ack_and_run_once() {
 }
 
 #[tokio::test]
-async fn retryable_nacks_with_backoff_then_dead_letters_at_the_limit() {
+async fn retryable_nacks_with_backoff_then_dead_letters_at_the_failure_limit() {
     let ledger = Ledger::new();
     let c = Consumer::new(idem(), "orders")
         .classify(classify)
-        .max_deliveries(3)
+        .max_failures(3)
         .backoff(Duration::from_millis(100), Duration::from_secs(1));
     let h = async |m: Message| -> Result<(), AppError> {
         ledger.record(m.id().unwrap_or("-"));
         Err(AppError::Transient)
     };
+    // Broker delivery counts far apart: only the handler's failures count.
     let m = Message::new("{}").with_id("p");
     let d1 = c
-        .handle(&m.clone().with_delivery_count(1), &h)
+        .handle(&m.clone().with_delivery_count(7), &h)
         .await
         .decision;
     let d2 = c
-        .handle(&m.clone().with_delivery_count(2), &h)
+        .handle(&m.clone().with_delivery_count(8), &h)
         .await
         .decision;
     let d3 = c
-        .handle(&m.clone().with_delivery_count(3), &h)
+        .handle(&m.clone().with_delivery_count(30), &h)
         .await
         .decision;
     assert_eq!(
@@ -96,20 +97,123 @@ async fn retryable_nacks_with_backoff_then_dead_letters_at_the_limit() {
     match d3 {
         Decision::DeadLetter {
             reason:
-                DeadLetterReason::MaxDeliveries {
-                    deliveries,
+                DeadLetterReason::MaxFailures {
+                    failures,
                     last_error,
                 },
-        } => assert_eq!((deliveries, last_error.as_str()), (3, "upstream timed out")),
+        } => assert_eq!((failures, last_error.as_str()), (3, "upstream timed out")),
         other => panic!("expected a dead letter, got {other}"),
     }
-    // Past the limit the handler is not even run.
-    let d4 = c
-        .handle(&m.clone().with_delivery_count(4), &h)
-        .await
-        .decision;
-    assert!(d4.is_dead_letter(), "{d4}");
     assert_eq!(ledger.count("p"), 3);
+}
+
+/// Issue 21 item 3: deliveries that never ran the handler (a consumer
+/// killed before it, in-flight duplicates nacked) spend no failures.
+#[tokio::test]
+async fn deliveries_that_never_ran_the_handler_do_not_count_as_failures() {
+    let ledger = Ledger::new();
+    let c = Consumer::new(idem(), "orders").max_failures(2);
+    let ok = async |m: Message| -> Result<u8, AppError> {
+        ledger.record(m.id().unwrap_or("-"));
+        Ok(1)
+    };
+    // Delivered 40 times to consumers that died before running it: runs.
+    let m = Message::new("{}").with_id("victim");
+    let h = c.handle(&m.clone().with_delivery_count(40), &ok).await;
+    assert_eq!(
+        (h.decision, h.outcome),
+        (Decision::Ack, Some(Outcome::Executed))
+    );
+    // One failure, then a success at delivery 60: never dead-lettered.
+    let flaky_runs = Ledger::new();
+    let flaky = async |m: Message| -> Result<u8, AppError> {
+        flaky_runs.record(m.id().unwrap_or("-"));
+        match flaky_runs.count("flaky") {
+            1 => Err(AppError::Transient),
+            _ => Ok(2),
+        }
+    };
+    let f = Message::new("{}").with_id("flaky");
+    let first = c.handle(&f.clone().with_delivery_count(59), &flaky).await;
+    assert!(first.decision.is_nack(), "{}", first.decision);
+    let second = c.handle(&f.clone().with_delivery_count(60), &flaky).await;
+    assert_eq!(
+        (second.decision, second.outcome),
+        (Decision::Ack, Some(Outcome::Executed))
+    );
+    assert_eq!((ledger.count("victim"), flaky_runs.count("flaky")), (1, 2));
+}
+
+/// The valve: a delivery count over `max_deliveries` with the work not
+/// done is dead-lettered unrun; done work is acked at any count.
+#[tokio::test]
+async fn over_the_delivery_valve_undone_work_is_dead_lettered_unrun_done_work_acked() {
+    let ledger = Ledger::new();
+    let c = Consumer::new(idem(), "orders").max_deliveries(10);
+    assert_eq!(c.failure_limit(), 5);
+    let ok = async |m: Message| -> Result<u8, AppError> {
+        ledger.record(m.id().unwrap_or("-"));
+        Ok(1)
+    };
+    let looping = Message::new("{}").with_id("loop").with_delivery_count(11);
+    match c.handle(&looping, &ok).await.decision {
+        Decision::DeadLetter {
+            reason: DeadLetterReason::MaxDeliveries { deliveries, .. },
+        } => assert_eq!(deliveries, 11),
+        other => panic!("expected the valve, got {other}"),
+    }
+    let done = Message::new("{}").with_id("done");
+    assert!(c.handle(&done, &ok).await.decision.is_ack());
+    let late = c.handle(&done.with_delivery_count(1000), &ok).await;
+    assert_eq!(
+        (late.decision, late.outcome),
+        (Decision::Ack, Some(Outcome::Replayed))
+    );
+    assert_eq!((ledger.count("loop"), ledger.count("done")), (0, 1));
+}
+
+/// Issue 21 item 1: a copy inside a batch settles as its first copy did.
+/// Acking it whatever the first copy's decision lost the message on
+/// JetStream, where both deliveries are one stream message.
+#[tokio::test]
+async fn a_copy_in_a_batch_settles_with_the_first_copy_decision() {
+    let runs = Ledger::new();
+    let c = Consumer::new(idem(), "orders")
+        .classify(classify)
+        .backoff(Duration::from_millis(100), Duration::from_secs(1));
+    let h = async |m: Message| -> Result<(), AppError> {
+        runs.record(m.id().unwrap_or("-"));
+        match &m.payload()[..] {
+            b"transient" => Err(AppError::Transient),
+            b"invalid" => Err(AppError::Invalid),
+            _ => Ok(()),
+        }
+    };
+    let batch = [
+        Message::new("transient").with_id("a"),
+        Message::new("ok").with_id("b"),
+        Message::new("invalid").with_id("c"),
+        Message::new("transient")
+            .with_id("a")
+            .with_delivery_count(2),
+        Message::new("ok").with_id("b").with_delivery_count(2),
+        Message::new("invalid").with_id("c").with_delivery_count(2),
+    ];
+    let out = c.handle_batch(&batch, &h).await;
+    let decisions: Vec<&str> = out.iter().map(|h| h.decision.as_str()).collect();
+    assert_eq!(
+        decisions,
+        ["nack", "ack", "dead_letter", "nack", "ack", "dead_letter"]
+    );
+    assert_eq!(out[3].decision, out[0].decision);
+    assert_eq!(
+        out[3..].iter().map(|h| h.duplicate_of).collect::<Vec<_>>(),
+        [Some(0), Some(1), Some(2)]
+    );
+    assert_eq!(
+        (runs.count("a"), runs.count("b"), runs.count("c")),
+        (1, 1, 1)
+    );
 }
 
 #[tokio::test]

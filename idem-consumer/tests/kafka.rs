@@ -12,7 +12,7 @@ use idem_consumer::kafka::rdkafka::message::{Header, Headers, Message as _, Owne
 use idem_consumer::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_consumer::kafka::rdkafka::{Offset, TopicPartitionList};
 use idem_consumer::kafka::{KafkaConfig, KafkaConsumer, KafkaReport, header_names};
-use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
+use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message, dead_letter_field};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, KafkaBroker, Ledger, RedisServer};
 use std::collections::BTreeMap;
@@ -478,6 +478,8 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason_and_the_pa
         .collect();
     let h = |o: &str, k: &str| by_order[o].headers.get(k).cloned().unwrap_or_default();
     assert_eq!(h("o-3", header_names::REASON_KIND), "permanent");
+    assert_eq!(h("o-3", dead_letter_field::KIND), "permanent");
+    assert_eq!(h("o-3", dead_letter_field::DELIVERIES), "1");
     assert!(h("o-3", header_names::REASON).contains("card stolen"));
     assert_eq!(h("o-3", header_names::ORIGINAL_TOPIC), topic);
     assert_eq!(h("o-3", header_names::ORIGINAL_PARTITION), "0");
@@ -488,10 +490,16 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason_and_the_pa
         "o-3",
         "original headers kept"
     );
-    assert_eq!(h("o-6", header_names::REASON_KIND), "max_deliveries");
+    assert_eq!(h("o-6", header_names::REASON_KIND), "max_failures");
+    assert_eq!(h("o-6", dead_letter_field::FAILURES), "3");
     assert!(h("o-6", header_names::REASON).contains("timeout talking to the bank"));
     assert_eq!(h("o-6", header_names::ORIGINAL_OFFSET), "6");
     assert_eq!(h("o-6", header_names::ATTEMPTS), "3");
+    assert_eq!(h("o-6", dead_letter_field::DELIVERIES), "3");
+    assert_eq!(
+        h("o-6", dead_letter_field::KIND),
+        h("o-6", header_names::REASON_KIND)
+    );
     assert_eq!(h("o-10", header_names::REASON_KIND), "bad_message");
     assert_eq!(h("o-10", header_names::ORIGINAL_OFFSET), "10");
 }
@@ -773,6 +781,116 @@ async fn a_revoked_partition_gives_its_handler_the_deadline_then_the_next_owner_
         ra.replayed + rb.replayed >= 1,
         "the next owner replayed o-2: {ra:?} {rb:?}"
     );
+}
+
+/// Shutdown drains: a record whose handler failed when shutdown came gets
+/// no further attempt (it is neither retried nor moved to the dead-letter
+/// topic), the record decided before it is committed, and the broker's
+/// offset stays at the undecided one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_starts_no_further_attempt_and_commits_only_what_is_decided() {
+    let kafka = KafkaBroker::start();
+    let redis = RedisServer::start();
+    let (topic, group) = (unique("drain"), unique("billing"));
+    create_topic(&kafka.bootstrap(), &topic, 1).await;
+    create_topic(&kafka.bootstrap(), &format!("{topic}.DLT"), 1).await;
+    let p = producer(&kafka.bootstrap());
+    for i in 0..2 {
+        publish(&p, &topic, 0, Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    )
+    .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let ledger = Ledger::new();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let charge = |m: Message| {
+        let (ledger, stop) = (&ledger, &stop);
+        async move {
+            let o = order_of(&m);
+            if o == "o-1" {
+                // Fails once o-0 is done, and asks for shutdown as it does.
+                until("o-0 done", Duration::from_secs(30), async || {
+                    ledger.count("o-0") == 1
+                })
+                .await;
+                ledger.record(&o);
+                let _ = stop.send(true);
+                return Err("timeout talking to the bank".to_owned());
+            }
+            ledger.record(&o);
+            Ok(())
+        }
+    };
+    let kc = KafkaConsumer::connect(cfg(&kafka.bootstrap(), &group, &topic)).unwrap();
+    let mut shutdown = stopped.clone();
+    let report = kc
+        .run(&consumer, &charge, async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        ledger.count("o-1"),
+        1,
+        "no attempt after shutdown: {report:?}"
+    );
+    assert_eq!(
+        (report.acked, report.retried, report.dead_lettered),
+        (1, 0, 0),
+        "{report:?}"
+    );
+    let (b, g, t) = (kafka.bootstrap(), group.clone(), topic.clone());
+    let at = tokio::task::spawn_blocking(move || committed(&b, &g, &t, 1))
+        .await
+        .unwrap();
+    assert_eq!(at, vec![Some(1)], "o-0 committed, o-1 (offset 1) not");
+}
+
+/// Two copies of one record (same key and payload) in one partition, the
+/// first failing once: each offset is decided once, the copy waits for the
+/// first and replays, the side effect happens once and the group commits
+/// to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_in_one_partition_with_a_failing_first_are_decided_once_each() {
+    let kafka = KafkaBroker::start();
+    let redis = RedisServer::start();
+    let (topic, group) = (unique("copies"), unique("billing"));
+    create_topic(&kafka.bootstrap(), &topic, 1).await;
+    let p = producer(&kafka.bootstrap());
+    for i in [0, 0, 1] {
+        publish(&p, &topic, 0, Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    )
+    .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let (runs, charged) = (Ledger::new(), Ledger::new());
+    let charge = |m: Message| {
+        let (runs, charged) = (&runs, &charged);
+        async move {
+            let o = order_of(&m);
+            if runs.record(&o) == 1 && o == "o-0" {
+                return Err("timeout talking to the bank".to_owned());
+            }
+            charged.record(&o);
+            Ok(())
+        }
+    };
+    let kc = KafkaConsumer::connect(cfg(&kafka.bootstrap(), &group, &topic)).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        until_committed_to_the_end(&kafka.bootstrap(), &group, &topic, 1).await;
+        stop.send(()).unwrap();
+    };
+    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = report.unwrap();
+    assert_eq!((charged.count("o-0"), charged.count("o-1")), (1, 1));
+    assert_eq!(report.acked, 3, "every offset decided once: {report:?}");
+    assert_eq!(report.replayed, 1, "the copy replayed: {report:?}");
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
 }
 
 // ------------------------------------------------------ processes (re-exec)

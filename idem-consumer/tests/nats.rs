@@ -9,8 +9,8 @@ mod support;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer, stream};
 use idem_consumer::nats::{NatsConfig, NatsConsumer, pull_config};
-use idem_consumer::{Adapter, PollReport};
-use idem_consumer::{Consumer, KeyDeriver, KeySource, Message};
+use idem_consumer::{Adapter, ConsumerError, Decision, PollReport, dead_letter_field};
+use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
 use idem_testkit::{Ledger, NatsServer, RedisServer};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -96,6 +96,40 @@ impl TestStream {
         stream.consumer_info(durable).await.unwrap()
     }
 
+    /// Every dead letter on `<name>.dead` so far: its headers (first value
+    /// of each) and payload.
+    async fn dead_letters_with_headers(&self) -> Vec<(BTreeMap<String, String>, Vec<u8>)> {
+        use futures_util::StreamExt;
+        let stream = self.js.get_stream(&self.name).await.unwrap();
+        let mut cfg = pull_config(&unique("dl"), Duration::from_secs(30));
+        cfg.filter_subject = self.subject("dead");
+        let c: PullConsumer = stream.create_consumer(cfg).await.unwrap();
+        let mut out = Vec::new();
+        let mut msgs = c
+            .fetch()
+            .max_messages(100)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(Ok(m)) = msgs.next().await {
+            let h = m
+                .headers
+                .as_ref()
+                .map(|h| {
+                    h.iter()
+                        .map(|(k, v)| {
+                            let v = v.first().map(|x| x.to_string()).unwrap_or_default();
+                            (k.to_string(), v)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push((h, m.payload.to_vec()));
+        }
+        out
+    }
+
     /// Nothing left to deliver and nothing waiting for an ack.
     async fn drained_of(&self, durable: &str) -> bool {
         let info = self.consumer_info(durable).await;
@@ -141,41 +175,19 @@ impl Place for TestStream {
     }
 
     async fn dead_letters(&self) -> Vec<DeadLetter> {
-        use futures_util::StreamExt;
-        let stream = self.js.get_stream(&self.name).await.unwrap();
-        let mut cfg = pull_config(&unique("dl"), Duration::from_secs(30));
-        cfg.filter_subject = self.subject("dead");
-        let c: PullConsumer = stream.create_consumer(cfg).await.unwrap();
-        let mut out = Vec::new();
-        let mut msgs = c
-            .fetch()
-            .max_messages(100)
-            .expires(Duration::from_millis(500))
-            .messages()
+        self.dead_letters_with_headers()
             .await
-            .unwrap();
-        while let Some(Ok(m)) = msgs.next().await {
-            let h: BTreeMap<String, String> = m
-                .headers
-                .as_ref()
-                .map(|h| {
-                    h.iter()
-                        .map(|(k, v)| {
-                            let v = v.first().map(|x| x.to_string()).unwrap_or_default();
-                            (k.to_string(), v)
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            out.push(DeadLetter {
+            .into_iter()
+            .map(|(h, payload)| DeadLetter {
                 id: h.get("Idem-Original-Id").cloned(),
-                kind: h.get("Idem-Dead-Kind").cloned(),
-                reason: h.get("Idem-Dead-Reason").cloned(),
-                deliveries: h.get("Idem-Deliveries").and_then(|d| d.parse().ok()),
-                payload: m.payload.to_vec(),
-            });
-        }
-        out
+                kind: h.get(dead_letter_field::KIND).cloned(),
+                reason: h.get(dead_letter_field::REASON).cloned(),
+                deliveries: h
+                    .get(dead_letter_field::DELIVERIES)
+                    .and_then(|d| d.parse().ok()),
+                payload,
+            })
+            .collect()
     }
 
     /// JetStream drops a re-published `Nats-Msg-Id` inside the window.
@@ -365,4 +377,243 @@ async fn slow_handlers_send_progress_or_the_redelivery_is_nacked_and_the_late_ac
             );
         }
     }
+}
+
+/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart; every
+/// redelivery after `ack_wait` spends a delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
+    let place = on_shared("idem_loop").await;
+    support::a_crash_loop_dead_letters_nothing_and_loses_nothing(place, Duration::from_millis(500))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_the_batch_in_flight_finish_and_settles_it() {
+    support::shutdown_drains_the_batch_in_flight(on_shared("idem_drain").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_abandoned_at_the_drain_deadline_keeps_its_key_until_the_lease() {
+    let place = on_shared("idem_abandon").await;
+    support::shutdown_past_the_deadline_keeps_the_key_until_the_lease(place).await;
+}
+
+/// Issue 21 item 5: with a stream on `<name>.>`, a consumer without a
+/// filter and dead letters to `<name>.dead`, every dead letter came back
+/// as a new message (2 poison messages made 6,850 dead letters in 8 s).
+/// Such a subject is refused, by both constructors; one outside the
+/// consumer's filter or in another stream is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_subject_the_consumer_would_receive_is_refused() {
+    let s = on_shared("idem_dl_loop").await;
+    let other = on_shared("idem_dl_other").await;
+    let stream = s.js.get_stream(&s.name).await.unwrap();
+    let consumer = |durable: &str, filter: &str| {
+        let mut cfg = pull_config(durable, Duration::from_secs(30));
+        cfg.filter_subject = filter.to_owned();
+        let stream = stream.clone();
+        async move { stream.create_consumer(cfg).await.unwrap() as PullConsumer }
+    };
+    let unfiltered = consumer("all", "").await;
+    let wildcard = consumer("wild", &s.subject("*")).await;
+    let filtered = consumer("in", &s.subject("in")).await;
+    let dead = s.subject("dead");
+    let config_error = |r: Result<NatsConsumer, ConsumerError>| match r {
+        Err(ConsumerError::Config(why)) => why,
+        other => panic!("expected a configuration error, got {other:?}"),
+    };
+    for (pull, what) in [(&unfiltered, "no filter"), (&wildcard, "`*`")] {
+        let why = config_error(
+            NatsConsumer::with_jetstream(&s.js, pull.clone(), cfg().dead_letter_subject(&dead))
+                .await,
+        );
+        assert!(
+            why.contains("forever") && why.contains("filter_subject"),
+            "{what}: {why}"
+        );
+        // Without the stream's subjects: refused as well, saying why.
+        let why =
+            config_error(NatsConsumer::new(pull.clone(), cfg().dead_letter_subject(&dead)).await);
+        assert!(why.contains("filter_subject"), "{what}: {why}");
+    }
+    // Outside the filter, in the same stream: accepted.
+    for pull in [&filtered] {
+        NatsConsumer::new(pull.clone(), cfg().dead_letter_subject(&dead))
+            .await
+            .unwrap();
+        NatsConsumer::with_jetstream(&s.js, pull.clone(), cfg().dead_letter_subject(&dead))
+            .await
+            .unwrap();
+    }
+    // In another stream: even the unfiltered consumer never sees it.
+    NatsConsumer::with_jetstream(
+        &s.js,
+        unfiltered.clone(),
+        cfg().dead_letter_subject(other.subject("dead")),
+    )
+    .await
+    .unwrap();
+    // No stream captures it: every dead letter would fail to publish.
+    let nowhere = format!("{}.dead", unique("idem_nowhere"));
+    let why = config_error(
+        NatsConsumer::with_jetstream(&s.js, filtered.clone(), cfg().dead_letter_subject(&nowhere))
+            .await,
+    );
+    assert!(why.contains("no JetStream stream captures"), "{why}");
+    // A wildcard cannot be published to.
+    let why = config_error(
+        NatsConsumer::new(filtered.clone(), cfg().dead_letter_subject(s.subject(">"))).await,
+    );
+    assert!(why.contains("wildcard"), "{why}");
+}
+
+/// Fetches until one batch holds at least two deliveries of each of
+/// `messages` stream messages: with progress acks off and a short
+/// `ack_wait`, the server redelivers what sits unacked in the client's
+/// buffer. A batch short of that is dropped unsettled, so it comes back.
+async fn batch_with_redeliveries(a: &NatsConsumer, messages: usize) -> Vec<jetstream::Message> {
+    for _ in 0..20 {
+        tokio::time::sleep(a.ack_wait() * 2).await;
+        let batch = a.fetch().await.unwrap();
+        let mut per_sequence: BTreeMap<u64, usize> = BTreeMap::new();
+        for m in &batch {
+            *per_sequence
+                .entry(m.info().unwrap().stream_sequence)
+                .or_default() += 1;
+        }
+        if per_sequence.len() == messages && per_sequence.values().all(|&n| n >= 2) {
+            return batch;
+        }
+    }
+    panic!("no batch held two deliveries of each message in 20 tries");
+}
+
+/// Issue 21 item 1 (NATS): a batch that outlives `ack_wait` is followed by
+/// a fetch holding the first delivery of a message and its redelivery,
+/// the same stream message. The core gives the copy the first's decision;
+/// the adapter settles the stream sequence once. Before, a copy was acked
+/// whatever the first's decision: the nacked message was removed, never
+/// retried (lost), and a dead letter per delivery was published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_of_one_stream_message_in_one_batch_settle_once_neither_lost_nor_doubled() {
+    let redis = RedisServer::start();
+    let s = on_shared("idem_same_batch").await;
+    let adapter = async || {
+        NatsConsumer::new(
+            s.pull("c", Duration::from_millis(300)).await,
+            cfg().progress(false).dead_letter_subject(s.subject("dead")),
+        )
+        .await
+        .unwrap()
+    };
+    let a = adapter().await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(6)).await,
+        &unique("same_batch"),
+    )
+    .classify(|e: &String| ErrorClass::from_retryable(!e.starts_with("permanent")))
+    .backoff(Duration::from_millis(50), Duration::from_millis(100));
+    // Opens the pull subscription, so that what is published next waits
+    // in the client's buffer and is redelivered there.
+    assert!(a.fetch().await.unwrap().is_empty());
+    s.publish(Some("flaky"), br#"{"n":1}"#).await;
+    s.publish(Some("poison"), br#"{"n":2}"#).await;
+    let effects = Ledger::new();
+    let attempts = Ledger::new();
+    let (effects_ref, attempts_ref) = (&effects, &attempts);
+    let handler = |m: Message| async move {
+        let id = m.id().unwrap_or("?").to_owned();
+        let attempt = attempts_ref.record(&id);
+        match id.as_str() {
+            "poison" => Err("permanent: card declined".to_owned()),
+            "flaky" if attempt == 1 => Err("payment provider timed out".to_owned()),
+            _ => {
+                effects_ref.record(&id);
+                Ok(())
+            }
+        }
+    };
+    let batch = batch_with_redeliveries(&a, 2).await;
+    let decided = a.handle(&consumer, &handler, batch).await;
+    let flaky_decisions: Vec<&Decision> = decided
+        .iter()
+        .filter(|(m, _)| a.message_of(m).unwrap().id() == Some("flaky"))
+        .map(|(_, d)| d)
+        .collect();
+    assert!(flaky_decisions.len() >= 2, "{flaky_decisions:?}");
+    a.settle(decided).await.unwrap();
+    // Redeliveries sent to `a` after its fetch are stale now: with its
+    // subscription gone they are never handled; what was nacked comes
+    // back to `b`.
+    drop(a);
+    let b = adapter().await;
+    let end = Instant::now() + Duration::from_secs(15);
+    while !s.drained_of("c").await && Instant::now() < end {
+        b.poll(&consumer, &handler).await.unwrap();
+    }
+    assert!(s.drained_of("c").await, "everything settled");
+    assert_eq!(
+        effects.count("flaky"),
+        1,
+        "retried once after the nack, run once"
+    );
+    assert_eq!(
+        attempts.count("poison"),
+        1,
+        "dead-lettered at its first run"
+    );
+    let dead = s.dead_letters().await;
+    assert_eq!(
+        dead.len(),
+        1,
+        "one dead letter per stream message: {dead:?}"
+    );
+    assert_eq!(dead[0].id.as_deref(), Some("poison"));
+    assert_eq!(dead[0].kind.as_deref(), Some("permanent"));
+    // Settled on the latest delivery: the count says it was redelivered.
+    assert!(dead[0].deliveries.is_some_and(|n| n >= 2), "{:?}", dead[0]);
+}
+
+/// Issue 21 item 8: a dead letter carries idem's fields under the names
+/// every broker uses (`dead_letter_field`), plus its original id and
+/// where it came from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_carry_the_shared_reason_kind_and_count_fields() {
+    let redis = RedisServer::start();
+    let s = on_shared("idem_dl_fields").await;
+    let a = s.adapter("a", Duration::from_secs(30)).await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(6)).await,
+        &unique("dl_fields"),
+    )
+    .max_failures(2)
+    .backoff(Duration::from_millis(20), Duration::from_millis(20));
+    s.publish(Some("f-1"), br#"{"n":1}"#).await;
+    let runs = Ledger::new();
+    let failing = |m: Message| {
+        runs.record(m.id().unwrap_or("?"));
+        async { Err::<(), _>("payment provider\ntimed out".to_owned()) }
+    };
+    let end = Instant::now() + Duration::from_secs(15);
+    while !s.drained_of("c").await && Instant::now() < end {
+        a.poll(&consumer, &failing).await.unwrap();
+    }
+    assert_eq!(runs.count("f-1"), 2);
+    let dead = s.dead_letters_with_headers().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let (h, payload) = &dead[0];
+    let field = |name: &str| h.get(name).map(String::as_str);
+    assert_eq!(
+        field(dead_letter_field::KIND),
+        Some("max_failures"),
+        "{h:?}"
+    );
+    assert_eq!(field(dead_letter_field::FAILURES), Some("2"), "{h:?}");
+    assert_eq!(field(dead_letter_field::DELIVERIES), Some("2"), "{h:?}");
+    let reason = field(dead_letter_field::REASON).unwrap_or_default();
+    assert!(reason.contains("payment provider timed out"), "{h:?}");
+    assert_eq!(field("Idem-Original-Id"), Some("f-1"), "{h:?}");
+    assert_eq!(field("Idem-Source"), Some(format!("{}/c", s.name).as_str()));
+    assert_eq!(payload.as_slice(), br#"{"n":1}"#);
 }

@@ -7,7 +7,7 @@ mod support;
 
 use idem_consumer::Consumer;
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
-use idem_consumer::{KeyDeriver, KeySource, Message};
+use idem_consumer::{Adapter, ErrorClass, KeyDeriver, KeySource, Message, dead_letter_field};
 use idem_testkit::{FaultProxy, RabbitServer, RedisServer};
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions,
@@ -80,6 +80,10 @@ struct TestQueue {
     link: tokio::sync::Mutex<Link>,
     queue: String,
     id_header: Option<String>,
+    /// Dead letters published by the adapter with idem's fields (`Some`,
+    /// the default: the queue's own dead-letter exchange) or rejected to
+    /// the queue's dead-letter exchange by the broker (`None`).
+    dead_letter_exchange: Option<String>,
     owned: bool,
 }
 
@@ -102,6 +106,7 @@ impl TestQueue {
         TestQueue {
             url: url.to_owned(),
             link: tokio::sync::Mutex::new(link),
+            dead_letter_exchange: Some(format!("{queue}.dlx")),
             queue,
             id_header: None,
             owned: true,
@@ -112,6 +117,42 @@ impl TestQueue {
     fn id_header(mut self, name: &str) -> TestQueue {
         self.id_header = Some(name.to_owned());
         self
+    }
+
+    /// Dead letters rejected to the queue's dead-letter exchange, as
+    /// before the adapter published them itself.
+    fn rejecting_dead_letters(mut self) -> TestQueue {
+        self.dead_letter_exchange = None;
+        self
+    }
+
+    /// Ready messages in `queue` (the broker's count).
+    async fn ready_in(&self, queue: &str) -> u32 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        self.channel()
+            .await
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    /// Messages in the dead-letter queue, taken off it.
+    async fn take_dead(&self) -> Vec<lapin::message::Delivery> {
+        let dead = format!("{}.dead", self.queue);
+        let channel = self.channel().await;
+        let mut out = Vec::new();
+        while let Some(m) = channel
+            .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            out.push(m.delivery);
+        }
+        out
     }
 
     /// The connection, opened again if the broker closed it (a restart:
@@ -171,6 +212,9 @@ impl Place for TestQueue {
         if let Some(h) = &self.id_header {
             cfg = cfg.id_header(h);
         }
+        if let Some(x) = &self.dead_letter_exchange {
+            cfg = cfg.dead_letter_exchange(x);
+        }
         let channel = self.link().await.conn.create_channel().await.unwrap();
         RabbitConsumer::new(channel, cfg).await.unwrap()
     }
@@ -190,27 +234,24 @@ impl Place for TestQueue {
         declared.is_ok_and(|q| q.message_count() == 0)
     }
 
-    /// RabbitMQ keeps the message id and payload; idem's reason is in the
-    /// log and the decision (the broker adds only `x-death`).
+    /// The message id and payload, and idem's fields from the headers
+    /// (`None` for dead letters the broker rejected: only `x-death`).
     async fn dead_letters(&self) -> Vec<DeadLetter> {
-        let mut out = Vec::new();
-        let dead = format!("{}.dead", self.queue);
-        let channel = self.channel().await;
-        while let Some(m) = channel
-            .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
+        self.take_dead()
             .await
-            .unwrap()
-        {
-            let props = &m.delivery.properties;
-            out.push(DeadLetter {
-                id: props.message_id().as_ref().map(|i| i.to_string()),
-                kind: None,
-                reason: None,
-                deliveries: None,
-                payload: m.delivery.data.clone(),
-            });
-        }
-        out
+            .into_iter()
+            .map(|d| {
+                let props = &d.properties;
+                DeadLetter {
+                    id: props.message_id().as_ref().map(|i| i.to_string()),
+                    kind: header_text(&d, dead_letter_field::KIND),
+                    reason: header_text(&d, dead_letter_field::REASON),
+                    deliveries: header_text(&d, dead_letter_field::DELIVERIES)
+                        .map(|n| n.parse().unwrap()),
+                    payload: d.data.clone(),
+                }
+            })
+            .collect()
     }
 
     fn to_env(&self) -> Vec<(String, String)> {
@@ -223,10 +264,12 @@ impl Place for TestQueue {
     async fn from_env() -> TestQueue {
         let env = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("worker: {k} not set"));
         let url = env("IDEM_RABBIT_URL");
+        let queue = env("IDEM_RABBIT_QUEUE");
         TestQueue {
             link: tokio::sync::Mutex::new(Link::open(&url).await),
             url,
-            queue: env("IDEM_RABBIT_QUEUE"),
+            dead_letter_exchange: Some(format!("{queue}.dlx")),
+            queue,
             id_header: None,
             owned: false,
         }
@@ -261,6 +304,16 @@ impl Drop for TestQueue {
             }
             let _ = conn.close(200, "bye".into()).await;
         });
+    }
+}
+
+/// A header's value as text (idem writes long strings).
+fn header_text(d: &lapin::message::Delivery, name: &str) -> Option<String> {
+    let h = d.properties.headers().as_ref()?;
+    match h.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        other => Some(format!("{other:?}")),
     }
 }
 
@@ -414,4 +467,292 @@ async fn core_bad_input_reasons_for_amqp_messages() {
         let d = consumer.handle(&m, &h).await.decision;
         assert!(d.to_string().contains(needle), "{needle:?} not in {d}");
     }
+}
+
+/// Issue 21 item 3, as reported: a quorum queue, a consumer SIGKILLed 12
+/// times 0.3–0.8 s apart; every requeue spends a delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
+    let place = TestQueue::create("idem.loop").await;
+    support::a_crash_loop_dead_letters_nothing_and_loses_nothing(place, Duration::ZERO).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_the_batch_in_flight_finish_and_settles_it() {
+    support::shutdown_drains_the_batch_in_flight(TestQueue::create("idem.drain").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_abandoned_at_the_drain_deadline_keeps_its_key_until_the_lease() {
+    let place = TestQueue::create("idem.abandon").await;
+    support::shutdown_past_the_deadline_keeps_the_key_until_the_lease(place).await;
+}
+
+// ------------------------------------------------------------ dead letters
+
+/// A consumer of `place` whose handler fails permanently on `{"fail":..}`
+/// payloads and records every run.
+fn failing_consumer(
+    idem: idem_core::Idempotency,
+) -> Consumer<impl idem_consumer::Classify<String>> {
+    Consumer::new(idem, "dead")
+        .keys(KeySource::MessageId)
+        .backoff(Duration::from_millis(20), Duration::from_millis(50))
+        .classify(|_: &String| ErrorClass::Permanent)
+}
+
+/// Polls until `n` decisions were made; returns the total.
+async fn poll_until_settled<H, Fut>(
+    adapter: &RabbitConsumer,
+    consumer: &Consumer<impl idem_consumer::Classify<String>>,
+    handler: &H,
+    n: usize,
+) -> idem_consumer::PollReport
+where
+    H: Fn(Message) -> Fut + Sync,
+    Fut: Future<Output = Result<(), String>> + Send,
+{
+    let mut total = idem_consumer::PollReport::default();
+    support::until("decisions made", Duration::from_secs(20), async || {
+        total.add(adapter.poll(consumer, handler).await.unwrap());
+        total.acked + total.nacked + total.dead_lettered >= n
+    })
+    .await;
+    total
+}
+
+/// A poison message's dead letter carries idem's reason, kind and counts,
+/// and keeps the original id, headers and payload; it is persistent and
+/// the original is acked (gone from the queue).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_messages_dead_letter_carries_idems_reason_kind_and_counts() {
+    let redis = RedisServer::start();
+    let place = TestQueue::create("idem.dl.fields").await;
+    let mut headers = FieldTable::default();
+    headers.insert("x-tenant".into(), AMQPValue::LongString("acme".into()));
+    place
+        .publish_with(Some("p-1"), Some(headers), br#"{"fail":"card declined"}"#)
+        .await;
+    let consumer = failing_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
+    let runs = idem_testkit::Ledger::new();
+    let handler = async |m: Message| -> Result<(), String> {
+        runs.record(m.id().unwrap_or("?"));
+        Err("card declined".to_owned())
+    };
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    let total = poll_until_settled(&adapter, &consumer, &handler, 1).await;
+    assert_eq!(total.dead_lettered, 1, "{total:?}");
+    support::assert_drained(&place).await;
+    let mut dead = Vec::new();
+    support::until("the dead letter", Duration::from_secs(10), async || {
+        dead.extend(place.take_dead().await);
+        !dead.is_empty()
+    })
+    .await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(d.data, br#"{"fail":"card declined"}"#);
+    assert_eq!(
+        d.properties.message_id().as_ref().map(|i| i.as_str()),
+        Some("p-1")
+    );
+    assert_eq!(*d.properties.delivery_mode(), Some(2), "persistent");
+    assert_eq!(header_text(d, "x-tenant").as_deref(), Some("acme"));
+    assert_eq!(
+        header_text(d, dead_letter_field::KIND).as_deref(),
+        Some("permanent")
+    );
+    assert_eq!(
+        header_text(d, dead_letter_field::DELIVERIES).as_deref(),
+        Some("1")
+    );
+    let reason = header_text(d, dead_letter_field::REASON).unwrap_or_default();
+    assert!(reason.contains("card declined"), "{reason}");
+    assert!(
+        header_text(d, "x-death").is_none(),
+        "published, not rejected"
+    );
+    assert_eq!(runs.count("p-1"), 1);
+}
+
+/// A dead letter no queue takes (the exchange exists, nothing is bound to
+/// it) comes back to the adapter: the original is not acked, it stays in
+/// the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_nothing_routes_is_not_acked_and_the_message_stays() {
+    let redis = RedisServer::start();
+    let mut place = TestQueue::create("idem.dl.unroutable").await;
+    let nowhere = format!("{}.nowhere", place.queue);
+    place
+        .channel()
+        .await
+        .exchange_declare(
+            nowhere.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    place.dead_letter_exchange = Some(nowhere.clone());
+    place.publish(Some("u-1"), br#"{"fail":1}"#).await;
+    let consumer = failing_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
+    let handler = async |_: Message| -> Result<(), String> { Err("no".to_owned()) };
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    let total = poll_until_settled(&adapter, &consumer, &handler, 1).await;
+    assert_eq!(total.dead_lettered, 1, "{total:?}");
+    // The consumer goes away: whatever it did not ack is back in the queue.
+    drop(adapter);
+    place
+        .link()
+        .await
+        .conn
+        .close(200, "bye".into())
+        .await
+        .unwrap();
+    support::until(
+        "the message is back in the queue",
+        Duration::from_secs(10),
+        async || {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            place.ready_in(&place.queue).await == 1
+        },
+    )
+    .await;
+    assert_eq!(place.ready_in(&format!("{}.dead", place.queue)).await, 0);
+    let _ = place
+        .channel()
+        .await
+        .exchange_delete(nowhere.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+}
+
+/// The dead-letter exchange deleted under a running consumer: the publish
+/// closes the channel, `poll` fails saying why, and the broker requeues the
+/// message (nothing acked, nothing lost). A consumer configured with an
+/// exchange that does not exist is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_exchange_that_is_gone_loses_nothing() {
+    let redis = RedisServer::start();
+    let mut place = TestQueue::create("idem.dl.gone").await;
+    let gone = format!("{}.gone", place.queue);
+    let channel = place.channel().await;
+    channel
+        .exchange_declare(
+            gone.as_str().into(),
+            lapin::ExchangeKind::Fanout,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    place.dead_letter_exchange = Some(gone.clone());
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    channel
+        .exchange_delete(gone.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    place.publish(Some("g-1"), br#"{"fail":1}"#).await;
+    let consumer = failing_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
+    let handler = async |_: Message| -> Result<(), String> { Err("no".to_owned()) };
+    let err = loop {
+        match adapter.poll(&consumer, &handler).await {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert!(err.to_string().contains("requeues the message"), "{err}");
+    support::until(
+        "the message is back in the queue",
+        Duration::from_secs(10),
+        async || {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            place.ready_in(&place.queue).await == 1
+        },
+    )
+    .await;
+    // Set-up refuses an exchange that does not exist.
+    let fresh = place.link().await.conn.create_channel().await.unwrap();
+    let cfg = RabbitConfig::new(&place.queue).dead_letter_exchange(&gone);
+    let refused = RabbitConsumer::new(fresh, cfg).await.unwrap_err();
+    assert!(refused.to_string().contains("declare it"), "{refused}");
+}
+
+/// Configuration written before dead letters were published keeps
+/// working: without `dead_letter_exchange` they are rejected to the
+/// queue's dead-letter exchange (RabbitMQ's `x-death`, no idem fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_dead_letter_exchange_dead_letters_are_rejected_to_the_queues() {
+    let redis = RedisServer::start();
+    let place = TestQueue::create("idem.dl.reject")
+        .await
+        .rejecting_dead_letters();
+    place.publish(Some("r-1"), br#"{"fail":1}"#).await;
+    let consumer = failing_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
+    let handler = async |_: Message| -> Result<(), String> { Err("no".to_owned()) };
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    poll_until_settled(&adapter, &consumer, &handler, 1).await;
+    let mut dead = Vec::new();
+    support::until("the dead letter", Duration::from_secs(10), async || {
+        dead.extend(place.take_dead().await);
+        !dead.is_empty()
+    })
+    .await;
+    assert!(header_text(&dead[0], "x-death").is_some());
+    assert!(header_text(&dead[0], dead_letter_field::KIND).is_none());
+}
+
+// ---------------------------------------------------------- copies (item 1)
+
+/// Two copies of one message (same id and payload) handled in one batch,
+/// the first run failing: each delivery tag is settled once (a second
+/// settlement would close the channel), and the message is not lost: it
+/// runs again and succeeds, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_in_one_batch_settle_once_each_and_a_failed_first_copy_loses_nothing() {
+    let redis = RedisServer::start();
+    let place = TestQueue::create("idem.copies").await;
+    for _ in 0..2 {
+        place.publish(Some("c-1"), br#"{"order":1}"#).await;
+    }
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(5)).await,
+        "copies",
+    )
+    .keys(KeySource::MessageId)
+    .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let (runs, charged) = (idem_testkit::Ledger::new(), idem_testkit::Ledger::new());
+    let handler = async |m: Message| -> Result<(), String> {
+        let id = m.id().unwrap_or("?");
+        if runs.record(id) == 1 {
+            return Err("first run fails".to_owned());
+        }
+        charged.record(id);
+        Ok(())
+    };
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    // Both copies in one batch, whatever the broker's pace.
+    let mut batch = Vec::new();
+    support::until("both copies fetched", Duration::from_secs(10), async || {
+        batch.extend(adapter.fetch().await.unwrap());
+        batch.len() >= 2
+    })
+    .await;
+    assert_eq!(batch.len(), 2);
+    let decided = adapter.handle(&consumer, &handler, batch).await;
+    assert!(decided[0].1.is_nack(), "{:?}", decided[0].1);
+    adapter.settle(decided).await.unwrap();
+    let mut total = idem_consumer::PollReport::default();
+    support::until("everything settled", Duration::from_secs(20), async || {
+        total.add(adapter.poll(&consumer, &handler).await.unwrap());
+        charged.count("c-1") == 1 && place.drained().await
+    })
+    .await;
+    support::assert_drained(&place).await;
+    assert_eq!(charged.count("c-1"), 1, "charged once");
+    assert_eq!(place.ready_in(&format!("{}.dead", place.queue)).await, 0);
+    assert!(
+        adapter.poll(&consumer, &handler).await.is_ok(),
+        "the channel is alive"
+    );
 }

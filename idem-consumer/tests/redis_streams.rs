@@ -7,14 +7,17 @@
 mod support;
 
 use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
-use idem_consumer::{Adapter, PollReport};
+use idem_consumer::{
+    Adapter, DeadLetterReason, Decision, ErrorClass, PollReport, dead_letter_field,
+};
 use idem_consumer::{Consumer, KeyDeriver, KeySource, Message};
 use idem_testkit::{Ledger, RedisServer};
 use redis::Value;
 use redis::aio::ConnectionManager;
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use support::{DeadLetter, Place, idem_on};
 
 // ------------------------------------------------------------------ the place
@@ -57,6 +60,39 @@ impl Stream {
             assert!(tries < 50, "XADD to {} failed: {e}", self.name);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Entry ids pending in group `g`.
+    async fn pending(&self) -> Vec<String> {
+        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(&self.name)
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(100)
+            .query_async(&mut self.conn.clone())
+            .await
+            .unwrap();
+        rows.into_iter().map(|(id, ..)| id).collect()
+    }
+
+    /// The dead-letter stream's entries, each as its fields.
+    async fn dead_entries(&self) -> Vec<HashMap<String, String>> {
+        let entries: Vec<(String, HashMap<String, Vec<u8>>)> = redis::cmd("XRANGE")
+            .arg(format!("{}:dead", self.name))
+            .arg("-")
+            .arg("+")
+            .query_async(&mut self.conn.clone())
+            .await
+            .unwrap();
+        entries
+            .into_iter()
+            .map(|(_, f)| {
+                f.into_iter()
+                    .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+                    .collect()
+            })
+            .collect()
     }
 }
 
@@ -113,9 +149,9 @@ impl Place for Stream {
             .into_iter()
             .map(|(_, f)| DeadLetter {
                 id: text(&f, "id"),
-                kind: text(&f, "kind"),
-                reason: text(&f, "reason"),
-                deliveries: text(&f, "deliveries").and_then(|d| d.parse().ok()),
+                kind: text(&f, dead_letter_field::KIND),
+                reason: text(&f, dead_letter_field::REASON),
+                deliveries: text(&f, dead_letter_field::DELIVERIES).and_then(|d| d.parse().ok()),
                 payload: f.get("payload").cloned().unwrap_or_default(),
             })
             .collect()
@@ -311,4 +347,201 @@ async fn slow_handlers_keep_their_entries_or_the_duplicate_waits_for_a_replay() 
         assert_eq!(ledger.count("s-1"), 1, "keep={keep}");
         assert_eq!(b_runs.load(Ordering::SeqCst), 0);
     }
+}
+
+/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart; every
+/// re-claim of a dead consumer's entry spends a delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "orders").await;
+    support::a_crash_loop_dead_letters_nothing_and_loses_nothing(place, Duration::from_millis(200))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_the_batch_in_flight_finish_and_settles_it() {
+    let server = RedisServer::start();
+    support::shutdown_drains_the_batch_in_flight(Stream::on(&server.url(), "orders").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_abandoned_at_the_drain_deadline_keeps_its_key_until_the_lease() {
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "orders").await;
+    support::shutdown_past_the_deadline_keeps_the_key_until_the_lease(place).await;
+}
+
+/// `EXEC` does not stop at a failed command: a dead letter that could not be
+/// written (the dead-letter key holds a string) must not ack its entry. It
+/// stays pending, `poll` says which stream to fix, and once fixed the entry
+/// is dead-lettered exactly once, with idem's reason fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_that_cannot_be_written_leaves_its_entry_pending_until_it_can() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "p").await;
+    let mut conn = place.conn.clone();
+    let _: () = redis::cmd("SET")
+        .arg("p:dead")
+        .arg("not a stream")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    place.publish(Some("p-1"), br#"{"n":1}"#).await;
+    let consumer = Consumer::new(idem_on(&url, Duration::from_secs(3)).await, "p")
+        .classify(|_: &String| ErrorClass::Permanent);
+    let adapter = place.adapter("a", Duration::from_millis(200)).await;
+    let ledger = Ledger::new();
+    let declined = async |m: Message| -> Result<(), String> {
+        ledger.record(m.id().unwrap_or("?"));
+        Err("card declined".into())
+    };
+
+    let failed = adapter.poll(&consumer, &declined).await;
+    assert_eq!(place.pending().await.len(), 1, "not acked: still pending");
+    let error = failed.expect_err("a dead letter that was not written is an error");
+    assert!(
+        error.to_string().contains("`p:dead`") && error.to_string().contains("WRONGTYPE"),
+        "{error}"
+    );
+    let held: String = redis::cmd("GET")
+        .arg("p:dead")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(held, "not a stream", "nothing written over it");
+
+    let _: () = redis::cmd("DEL")
+        .arg("p:dead")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    support::until(
+        "the entry is dead-lettered",
+        Duration::from_secs(10),
+        async || {
+            adapter.poll(&consumer, &declined).await.unwrap();
+            place.drained().await
+        },
+    )
+    .await;
+    let dead = place.dead_entries().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let field = |k: &str| dead[0].get(k).map(String::as_str);
+    assert_eq!(field("id"), Some("p-1"));
+    assert_eq!(field("payload"), Some(r#"{"n":1}"#));
+    assert_eq!(field(dead_letter_field::KIND), Some("permanent"));
+    assert_eq!(field(dead_letter_field::DELIVERIES), Some("2"));
+    assert!(field(dead_letter_field::REASON).is_some_and(|r| r.contains("card declined")));
+    assert!(field("source_id").is_some_and(|id| id.contains('-')));
+    // A permanent failure stores nothing: each delivery ran the handler.
+    assert_eq!(ledger.count("p-1"), 2);
+}
+
+/// An entry id twice in one batch is settled once: one dead letter, one ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_twice_in_one_batch_is_settled_once() {
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "twice").await;
+    place.publish(Some("t-1"), b"{}").await;
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let fetched = adapter.fetch().await.unwrap();
+    assert_eq!(fetched.len(), 1);
+    let dead = Decision::DeadLetter {
+        reason: DeadLetterReason::Permanent("declined".into()),
+    };
+    let entry = fetched[0].clone();
+    adapter
+        .apply_batch(&[(entry.clone(), dead.clone()), (entry, dead)])
+        .await
+        .unwrap();
+    assert_eq!(place.dead_entries().await.len(), 1);
+    assert!(place.drained().await);
+}
+
+/// Two entries that are copies of one message (same id and payload) in one
+/// batch: each is settled (both acked once the message is done) and the
+/// handler runs once, though its first run failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_in_one_batch_are_each_settled_and_run_once() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "copies").await;
+    place.publish(Some("c-1"), br#"{"n":1}"#).await;
+    place.publish(Some("c-1"), br#"{"n":1}"#).await;
+    place.publish(Some("c-2"), br#"{"n":2}"#).await;
+    let consumer = Consumer::new(idem_on(&url, Duration::from_secs(3)).await, "copies")
+        .backoff(Duration::from_millis(10), Duration::from_millis(10));
+    let adapter = place.adapter("a", Duration::from_millis(500)).await;
+    let ledger = Ledger::new();
+    let failed_once = AtomicBool::new(false);
+    let flaky = async |m: Message| -> Result<(), String> {
+        let id = m.id().unwrap_or("?").to_owned();
+        if id == "c-1" && !failed_once.swap(true, Ordering::SeqCst) {
+            return Err("timeout".into());
+        }
+        ledger.record(&id);
+        Ok(())
+    };
+    let mut acked = 0;
+    support::until(
+        "every entry is settled",
+        Duration::from_secs(10),
+        async || {
+            acked += adapter.poll(&consumer, &flaky).await.unwrap().acked;
+            place.drained().await
+        },
+    )
+    .await;
+    assert_eq!(acked, 3, "each entry acked once");
+    assert_eq!((ledger.count("c-1"), ledger.count("c-2")), (1, 1));
+    assert!(place.dead_entries().await.is_empty());
+    assert!(place.pending().await.is_empty());
+}
+
+/// A nack's delay is honoured by the next fetch, however long it may block:
+/// the entry comes back in the poll after the nack (it came only at the
+/// next periodic scan, a second or a whole block time later), and never
+/// before its delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_entry_comes_back_in_the_next_fetch_not_before_its_delay() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "nack").await;
+    place.publish(Some("n-1"), b"{}").await;
+    let delay = Duration::from_millis(500);
+    let consumer =
+        Consumer::new(idem_on(&url, Duration::from_secs(3)).await, "nack").backoff(delay, delay);
+    // The default claim idle time, and a block time far over the delay.
+    let cfg = place
+        .cfg("a")
+        .claim_idle(Duration::from_secs(30))
+        .block(Duration::from_secs(3));
+    let adapter = RedisStreamsConsumer::connect(&url, cfg).await.unwrap();
+    adapter.ensure_group().await.unwrap();
+    let starts = Mutex::new(Vec::new());
+    let flaky = async |_: Message| -> Result<(), String> {
+        let mut starts = starts.lock().unwrap();
+        starts.push(Instant::now());
+        if starts.len() == 1 {
+            return Err("timeout".into());
+        }
+        Ok(())
+    };
+    let first = adapter.poll(&consumer, &flaky).await.unwrap();
+    assert_eq!((first.fetched, first.nacked), (1, 1));
+    let second = adapter.poll(&consumer, &flaky).await.unwrap();
+    assert_eq!(
+        (second.fetched, second.redelivered, second.acked),
+        (1, 1, 1),
+        "the nacked entry came back in the next poll"
+    );
+    let gap = {
+        let starts = starts.lock().unwrap();
+        starts[1] - starts[0]
+    };
+    eprintln!("nack delay {delay:?}: the handler ran again after {gap:?}");
+    assert!(gap >= delay, "back after {gap:?}, before its delay");
+    assert!(place.drained().await);
 }

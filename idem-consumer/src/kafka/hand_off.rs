@@ -3,21 +3,26 @@
 //! and where it came from.
 
 use super::poller::{Taken, header};
-use crate::decision::DeadLetterReason;
+use crate::decision::{DeadLetterReason, dead_letter_field};
 use crate::error::ConsumerError;
 use rdkafka::message::{Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use std::time::Duration;
 
-/// Names of the headers this adapter reads and writes.
+/// Names of the headers this adapter reads and writes. Dead letters also
+/// carry the fields every adapter writes,
+/// [`dead_letter_field`](crate::dead_letter_field) (`idem-reason`,
+/// `idem-kind`, `idem-deliveries`, `idem-failures`); the Kafka-only names
+/// below stay for readers that use them.
 pub mod header_names {
     /// The producer's idempotency key (the default key header).
     pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
-    /// Why the record was moved (the reason's text).
-    pub const REASON: &str = "idem-reason";
-    /// The reason's stable name: `permanent`, `max_deliveries`,
-    /// `fingerprint_mismatch`, `bad_message`, `store`, or `retry` on the
-    /// retry topic.
+    /// Why the record was moved (the reason's text, on one line); the same
+    /// name as [`dead_letter_field::REASON`](crate::dead_letter_field::REASON).
+    pub const REASON: &str = crate::dead_letter_field::REASON;
+    /// The reason's stable name ([`DeadLetterReason::kind`](crate::DeadLetterReason::kind), also in
+    /// [`dead_letter_field::KIND`](crate::dead_letter_field::KIND) on dead
+    /// letters), or `retry` on the retry topic.
     pub const REASON_KIND: &str = "idem-reason-kind";
     /// The topic the record was first published to.
     pub const ORIGINAL_TOPIC: &str = "idem-original-topic";
@@ -42,7 +47,8 @@ pub(super) enum Destination {
 }
 
 /// The headers of the moved record: the original ones (minus ours), the
-/// origin (kept from the first hop), the attempts and the reason.
+/// origin (kept from the first hop), the attempts and the reason; on a
+/// dead letter also the fields every adapter writes.
 fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
     let ours = [
         REASON,
@@ -51,6 +57,9 @@ fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
         ORIGINAL_PARTITION,
         ORIGINAL_OFFSET,
         ATTEMPTS,
+        dead_letter_field::KIND,
+        dead_letter_field::DELIVERIES,
+        dead_letter_field::FAILURES,
     ];
     let mut out = OwnedHeaders::new();
     if let Some(h) = &t.headers {
@@ -70,25 +79,28 @@ fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
     let topic = origin(ORIGINAL_TOPIC, t.topic.to_string());
     let partition = origin(ORIGINAL_PARTITION, t.partition.to_string());
     let offset = origin(ORIGINAL_OFFSET, t.offset.to_string());
-    let attempts = attempts.to_string();
-    let (kind, reason) = match dest {
+    let (kind, mut fields) = match dest {
         Destination::Retry(_) => (
             "retry",
-            "still failing after the in-process attempts".to_owned(),
+            vec![(
+                REASON,
+                "still failing after the in-process attempts".to_owned(),
+            )],
         ),
-        Destination::DeadLetter(_, r) => (r.kind(), r.to_string()),
+        // `idem-reason` (the shared name) comes with the shared fields.
+        Destination::DeadLetter(_, r) => (r.kind(), r.fields(attempts)),
     };
-    for (k, v) in [
-        (REASON, reason.as_str()),
-        (REASON_KIND, kind),
-        (ORIGINAL_TOPIC, topic.as_str()),
-        (ORIGINAL_PARTITION, partition.as_str()),
-        (ORIGINAL_OFFSET, offset.as_str()),
-        (ATTEMPTS, attempts.as_str()),
-    ] {
+    fields.extend([
+        (REASON_KIND, kind.to_owned()),
+        (ORIGINAL_TOPIC, topic),
+        (ORIGINAL_PARTITION, partition),
+        (ORIGINAL_OFFSET, offset),
+        (ATTEMPTS, attempts.to_string()),
+    ]);
+    for (k, v) in &fields {
         out = out.insert(Header {
             key: k,
-            value: Some(v),
+            value: Some(v.as_str()),
         });
     }
     out

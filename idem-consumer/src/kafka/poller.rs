@@ -59,8 +59,12 @@ pub(super) struct Shared {
     state: Mutex<State>,
     /// Signalled whenever a handler finishes (a revocation waits on it).
     finished: Condvar,
-    /// Woken when a revocation starts, so retry pauses notice at once.
+    /// Woken when a revocation or a shutdown starts, so retry pauses
+    /// notice at once.
     pub(super) revoked: Notify,
+    /// `run` is shutting down: records in flight may finish what they
+    /// are doing, but start no further attempt.
+    closing: AtomicBool,
     revoke_deadline: Duration,
     commits: AtomicU64,
     commit_failures: AtomicU64,
@@ -73,6 +77,7 @@ impl Shared {
             state: Mutex::new(State::default()),
             finished: Condvar::new(),
             revoked: Notify::new(),
+            closing: AtomicBool::new(false),
             revoke_deadline,
             commits: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
@@ -117,10 +122,38 @@ impl Shared {
             .filter(|p| p.epoch == t.epoch)
     }
 
-    /// Whether `t`'s partition is still ours (same assignment, not being revoked).
+    /// Whether `t` may try again: its partition is still ours (same
+    /// assignment, not being revoked) and `run` is not shutting down.
     pub(super) fn is_live(&self, t: &Taken) -> bool {
+        if self.closing.load(Ordering::Relaxed) {
+            return false;
+        }
         let mut st = self.lock();
         Self::part_is(&mut st, t).is_some_and(|p| !p.revoking)
+    }
+
+    /// Starts (`true`) or ends a shutdown of `run`: paused records stop
+    /// waiting and are abandoned undecided.
+    pub(super) fn set_closing(&self, closing: bool) {
+        self.closing.store(closing, Ordering::Relaxed);
+        if closing {
+            self.revoked.notify_waiters();
+        }
+    }
+
+    /// `n` records of `partition` (assignment `epoch`) whose handling was
+    /// dropped unfinished at shutdown: no longer in flight, still
+    /// undecided, so a revocation need not wait for them.
+    pub(super) fn dropped(&self, topic: &Arc<str>, partition: i32, epoch: u64, n: usize) {
+        let mut st = self.lock();
+        if let Some(p) = st
+            .parts
+            .get_mut(&(topic.clone(), partition))
+            .filter(|p| p.epoch == epoch)
+        {
+            p.in_flight = p.in_flight.saturating_sub(n);
+        }
+        self.finished.notify_all();
     }
 
     /// Counts `t` in flight when its partition is still ours.

@@ -10,7 +10,7 @@
 use idem_consumer::{Adapter, Consumer, ErrorClass, KeyDeriver, KeySource, Message, PollReport};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, Ledger, RedisServer};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// One dead-lettered message as the broker keeps it; what a broker does
-/// not record is `None` (RabbitMQ keeps neither idem's kind nor the count).
+/// One dead-lettered message as the broker keeps it, with idem's fields
+/// (`DeadLetterReason::fields`); what a place does not record is `None`.
 #[derive(Debug, Clone)]
 pub struct DeadLetter {
     pub id: Option<String>,
@@ -242,7 +242,8 @@ pub async fn four_tasks_run_each_order_once<P: Place>(place: P) {
 }
 
 /// In a batch of 8, a permanent error is dead-lettered after its first
-/// delivery, a retryable one after `max_deliveries` (3); the rest is acked.
+/// delivery, a retryable one at its third failure (`max_failures(3)`); the
+/// rest is acked.
 pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P) {
     let redis = RedisServer::start();
     for i in 0..8 {
@@ -254,7 +255,7 @@ pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P
         place.publish(Some(&format!("j{i}")), &body).await;
     }
     let consumer = Consumer::new(idem_on(&redis.url(), Duration::from_secs(5)).await, "jobs")
-        .max_deliveries(3)
+        .max_failures(3)
         .backoff(Duration::from_millis(20), Duration::from_millis(50))
         .classify(|e: &String| ErrorClass::from_retryable(e != "permanent"));
     let adapter = place.adapter("c", Duration::from_secs(1)).await;
@@ -298,7 +299,7 @@ pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P
     };
     for (d, id, kind, deliveries) in [
         (permanent, "j2", "permanent", 1),
-        (retryable, "j5", "max_deliveries", 3),
+        (retryable, "j5", "max_failures", 3),
     ] {
         assert!(d.id.as_deref().is_none_or(|i| i == id), "{d:?}");
         assert!(d.kind.as_deref().is_none_or(|k| k == kind), "{d:?}");
@@ -314,7 +315,7 @@ pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P
     assert_eq!(
         (ledger.count("j2"), ledger.count("j5"), ledger.count("j0")),
         (1, 3, 1),
-        "the delivery count drives the limit"
+        "three failures drive the limit"
     );
 }
 
@@ -568,6 +569,21 @@ pub fn worker<P: Place>() {
                     adapter.poll(&consumer, &charge).await.unwrap();
                 }
             }
+            "crash-loop" => {
+                // One handler at a time, so that a kill interrupts at most
+                // one run; the effect is the handler's last step.
+                let consumer = consumer.concurrency(1);
+                let adapter = place.adapter("looped", redeliver_after).await;
+                let charge = async |m: Message| -> Result<(), String> {
+                    tokio::time::sleep(Duration::from_millis(60)).await;
+                    ledger.record(&order_of(&m));
+                    Ok(())
+                };
+                adapter
+                    .run(&consumer, &charge, std::future::pending::<()>())
+                    .await
+                    .unwrap();
+            }
             other => panic!("worker: unknown mode {other}"),
         }
     });
@@ -611,7 +627,7 @@ fn settled_by_children(dir: &Path) -> usize {
 }
 
 /// Two processes of two consumer tasks each on N orders plus duplicates:
-/// every order charged once, every message settled once, both did work.
+/// every order charged once, every message settled once, nothing left.
 pub async fn two_processes_run_every_order_once<P: Place>(place: P) {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
@@ -651,8 +667,8 @@ pub async fn two_processes_run_every_order_once<P: Place>(place: P) {
         "duplicates: {:?}",
         counts.iter().filter(|(_, c)| **c > 1).collect::<Vec<_>>()
     );
-    let pids: BTreeSet<u32> = ledger.runs().iter().map(|r| r.pid).collect();
-    assert_eq!(pids.len(), 2, "both processes did work");
+    // Which process took which messages is the broker's business: under
+    // load one of them may take everything, which is no defect.
 }
 
 /// The seeds' crash: a consumer process SIGKILLed after its side effects,
@@ -766,4 +782,188 @@ pub async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
         "exactly one extra run, after the lease"
     );
     assert_drained(&place).await;
+}
+
+/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart, with
+/// the default limits. Broker redeliveries after crashes and in-flight
+/// nacks used to spend `max_deliveries` and dead-letter valid orders that
+/// never ran; failures are now counted per key in idem's store, so
+/// nothing is dead-lettered, nothing lost, and each kill costs at most the
+/// one run it interrupted.
+pub async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place>(
+    place: P,
+    redeliver_after: Duration,
+) {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let n = 24;
+    for i in 0..n {
+        place.publish(Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let kills = 12;
+    for k in 0..kills {
+        let mut child = spawn_worker(
+            &place,
+            "crash-loop",
+            &redis.url(),
+            dir.path(),
+            redeliver_after,
+        );
+        // 0.3–0.8 s apart, a fixed spread rather than luck.
+        tokio::time::sleep(Duration::from_millis(300 + (k * 173 % 500))).await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let ledger = FileLedger::at(dir.path().join("ledger"));
+    let consumer = orders_consumer(&redis.url(), Duration::from_millis(1500)).await;
+    let adapter = place.adapter("survivor", redeliver_after).await;
+    let charge = async |m: Message| -> Result<(), String> {
+        ledger.record(&order_of(&m));
+        Ok(())
+    };
+    let mut total = PollReport::default();
+    until(
+        "every order charged and nothing pending",
+        Duration::from_secs(60),
+        async || {
+            total.add(adapter.poll(&consumer, &charge).await.unwrap());
+            counts(&ledger).len() == n && place.drained().await
+        },
+    )
+    .await;
+    assert_eq!(total.dead_lettered, 0, "{total:?}");
+    assert_drained(&place).await;
+    let dead = place.dead_letters().await;
+    assert!(dead.is_empty(), "valid orders dead-lettered: {dead:?}");
+    let counts = counts(&ledger);
+    assert_eq!(counts.len(), n, "every order charged: {counts:?}");
+    let extra: usize = counts.values().map(|c| c - 1).sum();
+    assert!(
+        extra <= kills as usize,
+        "each kill may cost the one run it interrupted, no more: {counts:?}"
+    );
+}
+
+/// Issue 21 item 4: `run`'s shutdown lets the batch in flight finish and
+/// settles it. It used to drop the batch, release its keys, and leave the
+/// messages to be run again (as `Executed`) by the next consumer.
+pub async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
+    let redis = RedisServer::start();
+    let n = 3;
+    for i in 0..n {
+        place.publish(Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let consumer = orders_consumer(&redis.url(), Duration::from_millis(1500))
+        .await
+        .drain_timeout(Duration::from_secs(20));
+    let adapter = place.adapter("drained", Duration::from_secs(1)).await;
+    let ledger = shut_down_mid_handler(adapter, &consumer, Duration::from_millis(400)).await;
+    assert!(ledger.total() >= 1, "a handler was running at the shutdown");
+    let charge = async |m: Message| -> Result<(), String> {
+        ledger.record(&order_of(&m));
+        Ok(())
+    };
+    // Whatever ran was settled: the next consumer runs only what never ran
+    // (and replays what comes back, on brokers that return prefetched
+    // messages), so every order is charged once.
+    let again = place.adapter("after", Duration::from_secs(1)).await;
+    let mut total = PollReport::default();
+    until("the rest processed", Duration::from_secs(20), async || {
+        total.add(again.poll(&consumer, &charge).await.unwrap());
+        (0..n).all(|i| ledger.count(&format!("o-{i}")) >= 1) && place.drained().await
+    })
+    .await;
+    for i in 0..n {
+        assert_eq!(
+            ledger.count(&format!("o-{i}")),
+            1,
+            "o-{i} charged once: {total:?}"
+        );
+    }
+    assert_drained(&place).await;
+}
+
+/// Issue 21 item 4: a handler still running at the drain deadline is
+/// abandoned, not released: its key stays held until the lease runs out,
+/// and the redelivery takes over as `Recovered` (one extra run, after the
+/// lease), never as a fresh `Executed`.
+pub async fn shutdown_past_the_deadline_keeps_the_key_until_the_lease<P: Place>(place: P) {
+    let redis = RedisServer::start();
+    place.publish(Some("o-0"), &order(0, 1)).await;
+    let outcomes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = outcomes.clone();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    let idem = Idempotency::builder(store)
+        .namespace("consumer-test")
+        .lease(Duration::from_millis(1500))
+        .on_outcome(move |e: &idem_core::OutcomeEvent| seen.lock().unwrap().push(e.outcome))
+        .build();
+    let consumer = Consumer::new(idem, "orders.charge")
+        .keys(order_key())
+        .drain_timeout(Duration::from_millis(100))
+        .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let adapter = place.adapter("abandoned", Duration::from_secs(1)).await;
+    let ledger = shut_down_mid_handler(adapter, &consumer, Duration::from_secs(30)).await;
+    assert_eq!(ledger.count("o-0"), 1);
+    let key = order_key().key(&Message::new(order(0, 1))).unwrap();
+    let held = consumer
+        .idem()
+        .inspect("orders.charge", &key)
+        .await
+        .unwrap();
+    assert_eq!(
+        held.map(|r| r.state),
+        Some(idem_core::KeyState::Pending),
+        "the abandoned handler's key is held, not released"
+    );
+    let charge = async |m: Message| -> Result<(), String> {
+        ledger.record(&order_of(&m));
+        Ok(())
+    };
+    let survivor = place.adapter("survivor", Duration::from_secs(1)).await;
+    let mut total = PollReport::default();
+    until(
+        "taken over and acked",
+        Duration::from_secs(30),
+        async || {
+            total.add(survivor.poll(&consumer, &charge).await.unwrap());
+            total.acked == 1
+        },
+    )
+    .await;
+    assert_eq!(ledger.count("o-0"), 2, "one extra run, after the lease");
+    let outcomes = outcomes.lock().unwrap().clone();
+    assert!(
+        outcomes.contains(&idem_core::CallOutcome::Recovered)
+            && !outcomes.contains(&idem_core::CallOutcome::Executed),
+        "the redelivery took over the held key: {outcomes:?}"
+    );
+    assert_drained(&place).await;
+}
+
+/// Runs `adapter` with handlers that charge first, then work for `work`,
+/// and signals its shutdown as soon as the first charge is made (a deploy
+/// landing mid-handler). Returns the charges once `run` has returned and
+/// the adapter is gone.
+async fn shut_down_mid_handler<A: Adapter>(
+    adapter: A,
+    consumer: &Consumer,
+    work: Duration,
+) -> Ledger {
+    let ledger = Ledger::new();
+    let started = tokio::sync::Notify::new();
+    let charge = async |m: Message| -> Result<(), String> {
+        // The effect first: a shutdown now must not free the key of a
+        // charged order.
+        ledger.record(&order_of(&m));
+        started.notify_one();
+        tokio::time::sleep(work).await;
+        Ok(())
+    };
+    adapter
+        .run(consumer, &charge, started.notified())
+        .await
+        .unwrap();
+    drop(adapter);
+    ledger
 }
