@@ -123,15 +123,15 @@ pub enum Error {
         attempt: u32,
     },
 
-    /// The store does not implement an operator command (`inspect`,
-    /// `forget`, `scan`): the `Store` trait's default answer, for stores
-    /// written before these commands existed.
+    /// The store does not implement an optional operation (`inspect`,
+    /// `forget`, `scan`, `count_failure`): the `Store` trait's default
+    /// answer, for stores written before these operations existed.
     #[error(
         "this store does not support `{op}`; upgrade the store crate, or use one that does \
-         (RedisStore and MemoryStore do)"
+         (RedisStore, MemoryStore and idem-postgres's PgStore do)"
     )]
     Unsupported {
-        /// The command: `inspect`, `forget` or `scan`.
+        /// The operation: `inspect`, `forget`, `scan` or `count_failure`.
         op: &'static str,
     },
 

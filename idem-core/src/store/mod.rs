@@ -275,6 +275,11 @@ pub trait Store: Send + Sync + 'static {
     /// is told [`Invalidation::All`] when messages may have been lost. The
     /// store keeps it weakly: it is heard while the caller holds it.
     ///
+    /// Called again with the same sink every few seconds while it answers
+    /// true (so a subscriber that stopped is started again), and every few
+    /// seconds while it answers false: register a sink once, however often
+    /// it is passed, and make a call that finds everything in place cheap.
+    ///
     /// The default answers false.
     async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
         let _ = (prefix, sink);
