@@ -165,21 +165,22 @@ impl ClientBuilder {
         self
     }
 
-    /// Builds the client. Fails with [`ClientError::Build`] if the base URL
+    /// Builds the client. Fails with [`ClientErrorKind::Build`](crate::ClientErrorKind::Build) if the base URL
     /// is not an absolute `http`/`https` URL without query or fragment, or a
     /// header was invalid.
     ///
     /// ```
-    /// use idem_client::{Client, ClientError};
+    /// use idem_client::{Client, ClientErrorKind};
     /// assert!(Client::builder("http://127.0.0.1:3000").build().is_ok());
-    /// assert!(matches!(Client::builder("not a url").build(), Err(ClientError::Build { .. })));
+    /// let err = Client::builder("not a url").build().unwrap_err();
+    /// assert!(matches!(err.kind(), ClientErrorKind::Build { .. }));
     /// assert!(Client::builder("ftp://example.com").build().is_err());
     /// ```
     pub fn build(self) -> Result<Client, ClientError> {
         if let Some(reason) = self.error {
-            return Err(ClientError::Build { reason });
+            return Err(ClientError::build(reason));
         }
-        let build_err = |reason: String| ClientError::Build { reason };
+        let build_err = ClientError::build;
         let url = Url::parse(&self.base)
             .map_err(|e| build_err(format!("invalid base URL {:?}: {e}", self.base)))?;
         if !matches!(url.scheme(), "http" | "https") {
@@ -283,9 +284,8 @@ impl Client {
 
     pub(crate) fn url(&self, path: &str) -> Result<Url, ClientError> {
         let sep = if path.starts_with('/') { "" } else { "/" };
-        Url::parse(&format!("{}{sep}{path}", self.inner.base)).map_err(|e| ClientError::Build {
-            reason: format!("invalid request path {path:?}: {e}"),
-        })
+        Url::parse(&format!("{}{sep}{path}", self.inner.base))
+            .map_err(|e| ClientError::build(format!("invalid request path {path:?}: {e}")))
     }
 }
 

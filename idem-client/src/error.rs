@@ -1,13 +1,15 @@
-//! The client's error type.
+//! The client's error type: one [`ClientError`] made of what went wrong
+//! ([`ClientErrorKind`]) and which request it happened to
+//! ([`RequestContext`]).
 
-use std::error::Error as _;
+use std::error::Error as StdError;
 use std::fmt;
 
 use http::{Method, StatusCode};
 
 use crate::Problem;
 
-/// Why the client stopped retrying; see [`ClientError::GaveUp`].
+/// Why the client stopped retrying; see [`ClientErrorKind::GaveUp`].
 ///
 /// ```
 /// use idem_client::GiveUpReason;
@@ -34,24 +36,63 @@ impl fmt::Display for GiveUpReason {
     }
 }
 
-/// Everything that can go wrong when sending an operation.
-///
-/// The message (`Display`) says what happened, with which key after how many
-/// attempts, and what to do next. Accessors such as [`status`](Self::status)
-/// and [`problem`](Self::problem) look through [`GaveUp`](Self::GaveUp) to
-/// the last failure.
+/// The request an error is about: which operation, under which key, after
+/// how many attempts. See [`ClientError::context`].
 ///
 /// ```
-/// use idem_client::{validate_key, ClientError};
+/// use idem_client::validate_key;
+/// // A key checked on its own belongs to no request.
+/// assert!(validate_key("").unwrap_err().context().is_none());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RequestContext {
+    /// HTTP method of the operation.
+    pub method: Method,
+    /// Request path, relative to the base URL.
+    pub path: String,
+    /// The idempotency key the operation is sent with (on every attempt).
+    pub key: String,
+    /// Attempts made so far, including the failing one; `0` when the error
+    /// came before anything was sent (the body did not encode).
+    pub attempts: u32,
+}
+
+impl RequestContext {
+    pub(crate) fn new(method: Method, path: String, key: String, attempts: u32) -> Self {
+        RequestContext {
+            method,
+            path,
+            key,
+            attempts,
+        }
+    }
+
+    /// Whether at least one attempt was sent.
+    fn sent(&self) -> bool {
+        self.attempts > 0
+    }
+}
+
+/// What went wrong; see [`ClientError::kind`].
+///
+/// Its `Display` is the failure alone, without the request;
+/// [`ClientError`]'s message adds the request and what to do next. Its
+/// [`source`](StdError::source), which [`ClientError`] hands on, is the
+/// transport or JSON error, or for [`GaveUp`](Self::GaveUp) the last
+/// attempt's error.
+///
+/// ```
+/// use idem_client::{validate_key, ClientErrorKind};
 ///
 /// let err = validate_key("").unwrap_err();
-/// assert!(matches!(err, ClientError::InvalidKey { .. }));
-/// assert!(err.to_string().contains("empty"));
-/// assert_eq!(err.status(), None);
+/// assert!(matches!(err.kind(), ClientErrorKind::InvalidKey { .. }));
 /// ```
+// No `#[error]` attributes: `Display` is written by hand below, thiserror
+// derives `source` from the `#[source]` fields.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum ClientError {
+pub enum ClientErrorKind {
     /// The request could not be completed: connection refused or reset, a
     /// timeout, or the response body broke off. Always retried; seen on its
     /// own only inside [`GaveUp`](Self::GaveUp).
@@ -60,14 +101,6 @@ pub enum ClientError {
         /// The underlying reqwest error.
         #[source]
         source: reqwest::Error,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
-        /// The idempotency key sent.
-        key: String,
-        /// Attempts made so far, including this one.
-        attempts: u32,
     },
     /// The server answered with a status that is not success: either one
     /// that is never retried (most 4xx, a replayed 500), or, inside
@@ -82,14 +115,6 @@ pub enum ClientError {
         body: String,
         /// Whether the response carried `Idempotent-Replayed: true`.
         replayed: bool,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
-        /// The idempotency key sent.
-        key: String,
-        /// Attempts made so far, including this one.
-        attempts: u32,
     },
     /// The server says the operation **was applied** under this key, but it
     /// did not keep the response (too large to store, or a stream), so it
@@ -103,14 +128,6 @@ pub enum ClientError {
         processed_status: Option<StatusCode>,
         /// The problem document.
         problem: Problem,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
-        /// The idempotency key sent.
-        key: String,
-        /// Attempts made, including this one.
-        attempts: u32,
     },
     /// The server answered with success, but the body did not decode into
     /// the requested type. The operation *was* applied. Not retried.
@@ -121,14 +138,6 @@ pub enum ClientError {
         source: serde_json::Error,
         /// The (successful) response status.
         status: StatusCode,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
-        /// The idempotency key sent.
-        key: String,
-        /// Attempts made, including this one.
-        attempts: u32,
     },
     /// The request body could not be serialized to JSON; nothing was sent.
     #[non_exhaustive]
@@ -136,10 +145,6 @@ pub enum ClientError {
         /// The JSON error.
         #[source]
         source: serde_json::Error,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
     },
     /// A caller-supplied idempotency key is malformed; nothing was sent.
     /// See [`validate_key`](crate::validate_key).
@@ -157,17 +162,9 @@ pub enum ClientError {
     GaveUp {
         /// The failure of the last attempt.
         #[source]
-        last: Box<ClientError>,
+        last: ClientError,
         /// Why the client stopped.
         reason: GiveUpReason,
-        /// HTTP method of the operation.
-        method: Method,
-        /// Request path, relative to the base URL.
-        path: String,
-        /// The idempotency key sent on every attempt.
-        key: String,
-        /// Attempts made.
-        attempts: u32,
     },
     /// Invalid configuration: a bad base URL, path, or header.
     #[non_exhaustive]
@@ -177,9 +174,162 @@ pub enum ClientError {
     },
 }
 
+/// The failure alone, without the request: the one-line form
+/// [`GaveUp`](ClientErrorKind::GaveUp) quotes for its last attempt.
+impl fmt::Display for ClientErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientErrorKind::Status {
+                status,
+                replayed,
+                problem,
+                body,
+            } => {
+                write!(f, "{status}")?;
+                if *replayed {
+                    f.write_str(" (replayed)")?;
+                }
+                if let Some(said) = server_said(problem.as_ref(), body) {
+                    write!(f, " (server said: {said})")?;
+                }
+                Ok(())
+            }
+            ClientErrorKind::Transport { source } => f.write_str(&transport_summary(source)),
+            ClientErrorKind::ResponseNotKept {
+                processed_status, ..
+            } => {
+                f.write_str("the operation was processed")?;
+                if let Some(status) = processed_status {
+                    write!(f, " (status {status})")?;
+                }
+                f.write_str(" but the server did not keep its response")
+            }
+            ClientErrorKind::Decode { source, status } => {
+                write!(f, "{status} whose body did not decode: {source}")
+            }
+            ClientErrorKind::Encode { source } => {
+                write!(
+                    f,
+                    "could not encode the body as JSON: {source}; nothing was sent"
+                )
+            }
+            ClientErrorKind::InvalidKey { key, reason } => write!(
+                f,
+                "invalid idempotency key {:?}: {reason}; nothing was sent: use 1-255 visible \
+                 ASCII characters (a UUID works), or let the client generate a key",
+                short_key(key),
+            ),
+            ClientErrorKind::GaveUp { last, reason } => {
+                write!(f, "gave up because {reason}; last error: {}", last.kind())
+            }
+            ClientErrorKind::Build { reason } => {
+                write!(f, "invalid client configuration: {reason}")
+            }
+        }
+    }
+}
+
+/// Everything that can go wrong when sending an operation: what went wrong
+/// ([`kind`](Self::kind)) and, when a request was being made, which one
+/// ([`context`](Self::context)).
+///
+/// The message (`Display`) says what happened, with which key after how many
+/// attempts, and what to do next. Accessors such as [`status`](Self::status)
+/// and [`problem`](Self::problem) look through
+/// [`GaveUp`](ClientErrorKind::GaveUp) to the last failure;
+/// [`source`](StdError::source) leads to the transport or JSON error behind
+/// it.
+///
+/// ```
+/// use idem_client::{validate_key, ClientErrorKind};
+///
+/// let err = validate_key("").unwrap_err();
+/// assert!(matches!(err.kind(), ClientErrorKind::InvalidKey { .. }));
+/// assert!(err.to_string().contains("empty"));
+/// assert_eq!(err.status(), None);
+/// ```
+// Boxed: the kind carries a parsed `Problem` inline, and every `Result` of
+// the client would otherwise be some 200 bytes wide.
+pub struct ClientError(Box<Repr>);
+
+#[derive(Debug)]
+struct Repr {
+    kind: ClientErrorKind,
+    context: Option<RequestContext>,
+}
+
 impl ClientError {
+    /// An error about one request.
+    pub(crate) fn request(kind: ClientErrorKind, context: RequestContext) -> Self {
+        ClientError(Box::new(Repr {
+            kind,
+            context: Some(context),
+        }))
+    }
+
+    /// An error that belongs to no request (a bad key checked on its own,
+    /// a bad configuration).
+    pub(crate) fn bare(kind: ClientErrorKind) -> Self {
+        ClientError(Box::new(Repr {
+            kind,
+            context: None,
+        }))
+    }
+
+    /// A bad configuration: base URL, path or header.
+    pub(crate) fn build(reason: String) -> Self {
+        ClientError::bare(ClientErrorKind::Build { reason })
+    }
+
+    /// A malformed idempotency key.
+    pub(crate) fn invalid_key(key: &str, reason: String) -> Self {
+        ClientError::bare(ClientErrorKind::InvalidKey {
+            key: key.to_owned(),
+            reason,
+        })
+    }
+
+    /// What went wrong.
+    ///
+    /// ```
+    /// use idem_client::{Client, ClientErrorKind};
+    /// let err = Client::builder("not a url").build().unwrap_err();
+    /// assert!(matches!(err.kind(), ClientErrorKind::Build { .. }));
+    /// ```
+    pub fn kind(&self) -> &ClientErrorKind {
+        &self.0.kind
+    }
+
+    /// Which request this error is about: method, path, key and attempts;
+    /// `None` for a bad configuration or a key checked on its own.
+    ///
+    /// ```
+    /// use idem_client::ClientError;
+    /// # fn check(err: ClientError) {
+    /// if let Some(request) = err.context() {
+    ///     eprintln!("{} {} failed under key {}", request.method, request.path, request.key);
+    /// }
+    /// # }
+    /// ```
+    pub fn context(&self) -> Option<&RequestContext> {
+        self.0.context.as_ref()
+    }
+
+    /// Takes the error apart into what went wrong and which request it was.
+    ///
+    /// ```
+    /// use idem_client::{validate_key, ClientErrorKind};
+    /// let (kind, context) = validate_key("").unwrap_err().into_parts();
+    /// assert!(matches!(kind, ClientErrorKind::InvalidKey { .. }));
+    /// assert!(context.is_none());
+    /// ```
+    pub fn into_parts(self) -> (ClientErrorKind, Option<RequestContext>) {
+        let Repr { kind, context } = *self.0;
+        (kind, context)
+    }
+
     /// The HTTP status behind this error, looking through
-    /// [`GaveUp`](Self::GaveUp).
+    /// [`GaveUp`](ClientErrorKind::GaveUp).
     ///
     /// ```
     /// use idem_client::ClientError;
@@ -190,18 +340,18 @@ impl ClientError {
     /// # }
     /// ```
     pub fn status(&self) -> Option<StatusCode> {
-        match self {
-            ClientError::Status { status, .. } | ClientError::Decode { status, .. } => {
+        match self.kind() {
+            ClientErrorKind::Status { status, .. } | ClientErrorKind::Decode { status, .. } => {
                 Some(*status)
             }
-            ClientError::ResponseNotKept { .. } => Some(StatusCode::GONE),
-            ClientError::GaveUp { last, .. } => last.status(),
+            ClientErrorKind::ResponseNotKept { .. } => Some(StatusCode::GONE),
+            ClientErrorKind::GaveUp { last, .. } => last.status(),
             _ => None,
         }
     }
 
     /// The parsed `application/problem+json` body, looking through
-    /// [`GaveUp`](Self::GaveUp).
+    /// [`GaveUp`](ClientErrorKind::GaveUp).
     ///
     /// ```
     /// use idem_client::ClientError;
@@ -212,30 +362,26 @@ impl ClientError {
     /// # }
     /// ```
     pub fn problem(&self) -> Option<&Problem> {
-        match self {
-            ClientError::Status { problem, .. } => problem.as_ref(),
-            ClientError::ResponseNotKept { problem, .. } => Some(problem),
-            ClientError::GaveUp { last, .. } => last.problem(),
+        match self.kind() {
+            ClientErrorKind::Status { problem, .. } => problem.as_ref(),
+            ClientErrorKind::ResponseNotKept { problem, .. } => Some(problem),
+            ClientErrorKind::GaveUp { last, .. } => last.problem(),
             _ => None,
         }
     }
 
-    /// The idempotency key involved, if any.
+    /// The idempotency key involved: the one sent, or the one rejected;
+    /// `None` when nothing was sent for another reason.
     ///
     /// ```
     /// use idem_client::validate_key;
     /// assert_eq!(validate_key("\n").unwrap_err().key(), Some("\n"));
     /// ```
     pub fn key(&self) -> Option<&str> {
-        match self {
-            ClientError::Transport { key, .. }
-            | ClientError::Status { key, .. }
-            | ClientError::Decode { key, .. }
-            | ClientError::ResponseNotKept { key, .. }
-            | ClientError::InvalidKey { key, .. }
-            | ClientError::GaveUp { key, .. } => Some(key),
-            _ => None,
+        if let ClientErrorKind::InvalidKey { key, .. } = self.kind() {
+            return Some(key);
         }
+        self.sent().map(|request| request.key.as_str())
     }
 
     /// How many attempts were made (`None` when nothing was sent).
@@ -245,151 +391,114 @@ impl ClientError {
     /// assert_eq!(validate_key("").unwrap_err().attempts(), None);
     /// ```
     pub fn attempts(&self) -> Option<u32> {
-        match self {
-            ClientError::Transport { attempts, .. }
-            | ClientError::Status { attempts, .. }
-            | ClientError::Decode { attempts, .. }
-            | ClientError::ResponseNotKept { attempts, .. }
-            | ClientError::GaveUp { attempts, .. } => Some(*attempts),
-            _ => None,
-        }
+        self.sent().map(|request| request.attempts)
     }
 
-    /// A one-line description of a single attempt's failure, for `GaveUp`.
-    fn summary(&self) -> String {
-        match self {
-            ClientError::Status {
-                status,
-                replayed,
-                problem,
-                body,
-                ..
-            } => {
-                let mut s = status.to_string();
-                if *replayed {
-                    s.push_str(" (replayed)");
-                }
-                if let Some(said) = server_said(problem.as_ref(), body) {
-                    s.push_str(&format!(" (server said: {said})"));
-                }
-                s
-            }
-            ClientError::Transport { source, .. } => transport_summary(source),
-            other => other.to_string(),
-        }
+    /// The request, if at least one attempt of it was sent.
+    fn sent(&self) -> Option<&RequestContext> {
+        self.context().filter(|request| request.sent())
+    }
+}
+
+impl fmt::Debug for ClientError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientError")
+            .field("kind", &self.0.kind)
+            .field("context", &self.0.context)
+            .finish()
+    }
+}
+
+// The kind's message is part of this one, so the chain goes on from the
+// kind's source rather than from the kind itself.
+impl StdError for ClientError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.kind().source()
     }
 }
 
 impl fmt::Display for ClientError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::Transport {
-                source,
-                method,
-                path,
-                key,
-                attempts,
-            } => write!(
+        match self.context() {
+            Some(request) => describe(self.kind(), request, f),
+            None => fmt::Display::fmt(self.kind(), f),
+        }
+    }
+}
+
+/// The full message of an error about `request`: what happened, to which
+/// operation, and what to do next.
+fn describe(
+    kind: &ClientErrorKind,
+    request: &RequestContext,
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    let RequestContext {
+        method,
+        path,
+        key,
+        attempts,
+    } = request;
+    let attempts = plural_attempts(*attempts);
+    let key = short_key(key);
+    match kind {
+        ClientErrorKind::Transport { source } => write!(
+            f,
+            "{method} {path} failed after {attempts} (key {key}): {}; check that the server is \
+             running and the base URL is right; retrying with the same key is safe",
+            transport_summary(source),
+        ),
+        ClientErrorKind::Status {
+            status,
+            problem,
+            body,
+            replayed,
+        } => {
+            write!(
                 f,
-                "{method} {path} failed after {} (key {}): {}; check that the server is \
-                 running and the base URL is right; retrying with the same key is safe",
-                plural_attempts(*attempts),
-                short_key(key),
-                transport_summary(source),
-            ),
-            ClientError::Status {
-                status,
-                problem,
-                body,
-                replayed,
-                method,
-                path,
-                key,
-                attempts,
-            } => {
-                write!(
-                    f,
-                    "{method} {path} failed with {status}{} after {} (key {}): {}",
-                    if *replayed { " (replayed)" } else { "" },
-                    plural_attempts(*attempts),
-                    short_key(key),
-                    advice(*status, *replayed),
-                )?;
-                if let Some(said) = server_said(problem.as_ref(), body) {
-                    write!(f, " (server said: {said})")?;
-                }
-                Ok(())
+                "{method} {path} failed with {status}{} after {attempts} (key {key}): {}",
+                if *replayed { " (replayed)" } else { "" },
+                advice(*status, *replayed),
+            )?;
+            if let Some(said) = server_said(problem.as_ref(), body) {
+                write!(f, " (server said: {said})")?;
             }
-            ClientError::ResponseNotKept {
-                processed_status,
-                method,
-                path,
-                key,
-                attempts,
-                ..
-            } => {
-                write!(f, "{method} {path} was processed")?;
-                if let Some(status) = processed_status {
-                    write!(f, " (status {status})")?;
-                }
-                write!(
-                    f,
-                    " but the server did not keep its response, so it cannot be replayed \
-                     (key {}, {}): the operation was applied, so do not send it again with \
-                     this key or a new one; look its result up another way",
-                    short_key(key),
-                    plural_attempts(*attempts),
-                )
+            Ok(())
+        }
+        ClientErrorKind::ResponseNotKept {
+            processed_status, ..
+        } => {
+            write!(f, "{method} {path} was processed")?;
+            if let Some(status) = processed_status {
+                write!(f, " (status {status})")?;
             }
-            ClientError::Decode {
-                source,
-                status,
-                method,
-                path,
-                key,
-                attempts,
-            } => write!(
+            write!(
                 f,
-                "{method} {path} succeeded with {status} after {} (key {}) but the response \
-                 body did not decode: {source}; the operation was applied, so do not resend it \
-                 with a new key: fix the response type, then the same key returns the stored \
-                 response",
-                plural_attempts(*attempts),
-                short_key(key),
-            ),
-            ClientError::Encode {
-                source,
-                method,
-                path,
-            } => write!(
-                f,
-                "could not encode the body of {method} {path} as JSON: {source}; nothing was sent"
-            ),
-            ClientError::InvalidKey { key, reason } => write!(
-                f,
-                "invalid idempotency key {:?}: {reason}; nothing was sent: use 1-255 visible \
-                 ASCII characters (a UUID works), or let the client generate a key",
-                truncate_chars(key, 40),
-            ),
-            ClientError::GaveUp {
-                last,
-                reason,
-                method,
-                path,
-                key,
-                attempts,
-            } => write!(
-                f,
-                "{method} {path} gave up after {} (key {}) because {reason}; last error: {}; \
-                 the operation may or may not have been applied: retry later with the same \
-                 key to complete it exactly once",
-                plural_attempts(*attempts),
-                short_key(key),
-                last.summary(),
-            ),
-            ClientError::Build { reason } => {
-                write!(f, "invalid client configuration: {reason}")
-            }
+                " but the server did not keep its response, so it cannot be replayed \
+                 (key {key}, {attempts}): the operation was applied, so do not send it again \
+                 with this key or a new one; look its result up another way",
+            )
+        }
+        ClientErrorKind::Decode { source, status } => write!(
+            f,
+            "{method} {path} succeeded with {status} after {attempts} (key {key}) but the \
+             response body did not decode: {source}; the operation was applied, so do not \
+             resend it with a new key: fix the response type, then the same key returns the \
+             stored response",
+        ),
+        ClientErrorKind::Encode { source } => write!(
+            f,
+            "could not encode the body of {method} {path} as JSON: {source}; nothing was sent"
+        ),
+        ClientErrorKind::GaveUp { last, reason } => write!(
+            f,
+            "{method} {path} gave up after {attempts} (key {key}) because {reason}; last \
+             error: {}; the operation may or may not have been applied: retry later with the \
+             same key to complete it exactly once",
+            last.kind(),
+        ),
+        ClientErrorKind::InvalidKey { .. } | ClientErrorKind::Build { .. } => {
+            fmt::Display::fmt(kind, f)
         }
     }
 }
@@ -489,17 +598,20 @@ fn truncate_chars(s: &str, max: usize) -> String {
 mod tests {
     use super::*;
 
+    fn payments(attempts: u32) -> RequestContext {
+        RequestContext::new(Method::POST, "/payments".into(), "5f0c".into(), attempts)
+    }
+
     fn status_err(code: u16, replayed: bool, problem: Option<Problem>) -> ClientError {
-        ClientError::Status {
-            status: StatusCode::from_u16(code).unwrap_or_default(),
-            problem,
-            body: String::new(),
-            replayed,
-            method: Method::POST,
-            path: "/payments".into(),
-            key: "5f0c".into(),
-            attempts: 1,
-        }
+        ClientError::request(
+            ClientErrorKind::Status {
+                status: StatusCode::from_u16(code).unwrap_or_default(),
+                problem,
+                body: String::new(),
+                replayed,
+            },
+            payments(1),
+        )
     }
 
     #[test]
@@ -517,14 +629,13 @@ mod tests {
             title: Some("Busy".into()),
             ..Problem::default()
         };
-        let err = ClientError::GaveUp {
-            last: Box::new(status_err(503, false, Some(problem))),
-            reason: GiveUpReason::RetriesExhausted,
-            method: Method::POST,
-            path: "/payments".into(),
-            key: "5f0c".into(),
-            attempts: 3,
-        };
+        let err = ClientError::request(
+            ClientErrorKind::GaveUp {
+                last: status_err(503, false, Some(problem)),
+                reason: GiveUpReason::RetriesExhausted,
+            },
+            payments(3),
+        );
         let msg = err.to_string();
         assert!(msg.contains("gave up after 3 attempts"), "{msg}");
         assert!(
@@ -539,14 +650,13 @@ mod tests {
 
     #[test]
     fn response_not_kept_message() {
-        let err = ClientError::ResponseNotKept {
-            processed_status: Some(StatusCode::CREATED),
-            problem: Problem::default(),
-            method: Method::POST,
-            path: "/payments".into(),
-            key: "5f0c".into(),
-            attempts: 1,
-        };
+        let err = ClientError::request(
+            ClientErrorKind::ResponseNotKept {
+                processed_status: Some(StatusCode::CREATED),
+                problem: Problem::default(),
+            },
+            payments(1),
+        );
         assert_eq!(
             err.to_string(),
             "POST /payments was processed (status 201 Created) but the server did not keep \
@@ -572,5 +682,24 @@ mod tests {
             msg.contains("(replayed)") && msg.contains("send a new key"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn an_encode_error_names_the_request_but_no_key_or_attempts() {
+        let Err(source) = serde_json::from_str::<u8>("x") else {
+            panic!("`x` is not JSON");
+        };
+        let err = ClientError::request(ClientErrorKind::Encode { source }, payments(0));
+        assert_eq!(err.key(), None);
+        assert_eq!(err.attempts(), None);
+        assert_eq!(err.context().map(|r| r.path.as_str()), Some("/payments"));
+        assert!(
+            err.to_string()
+                .starts_with("could not encode the body of POST /payments as JSON: expected value")
+        );
+        let json = err
+            .source()
+            .and_then(|s| s.downcast_ref::<serde_json::Error>());
+        assert!(json.is_some(), "{err:?}");
     }
 }

@@ -31,7 +31,7 @@ pub fn new_key() -> String {
 /// A key is 1 to 255 bytes of printable ASCII (`0x20..=0x7E`, so spaces are
 /// allowed), and not made only of spaces: the grammar of `idem-key`, which
 /// idem's server (`idem-http`) parses with, so a key this accepts is never
-/// refused there. The error is [`ClientError::InvalidKey`], which the
+/// refused there. The error is [`ClientErrorKind::InvalidKey`](crate::ClientErrorKind::InvalidKey), which the
 /// client returns before sending anything.
 ///
 /// A key that is not a bare token (it has a space, or starts with `"`) is
@@ -39,11 +39,12 @@ pub fn new_key() -> String {
 /// forms as the same key.
 ///
 /// ```
-/// use idem_client::{validate_key, ClientError};
+/// use idem_client::{validate_key, ClientErrorKind};
 ///
 /// assert!(validate_key("order-42:charge").is_ok());
 /// assert!(validate_key(" spaced key ").is_ok());
-/// assert!(matches!(validate_key(""), Err(ClientError::InvalidKey { .. })));
+/// let err = validate_key("").unwrap_err();
+/// assert!(matches!(err.kind(), ClientErrorKind::InvalidKey { .. }));
 /// assert!(validate_key("tab\there").is_err());
 /// assert!(validate_key(&"k".repeat(256)).is_err());
 /// assert!(validate_key("   ").is_err());
@@ -55,10 +56,7 @@ pub fn validate_key(key: &str) -> Result<(), ClientError> {
 /// The `Idempotency-Key` header value carrying `key` (bare, or quoted when
 /// it must be), or why the key is refused.
 pub(crate) fn header_value(key: &str) -> Result<http::HeaderValue, ClientError> {
-    let invalid = |reason: String| ClientError::InvalidKey {
-        key: key.to_owned(),
-        reason,
-    };
+    let invalid = |reason: String| ClientError::invalid_key(key, reason);
     let encoded = idem_key::encode(key).map_err(|e| invalid(e.to_string()))?;
     // Printable ASCII only, so a valid header value.
     http::HeaderValue::from_str(&encoded).map_err(|e| invalid(e.to_string()))
@@ -67,6 +65,7 @@ pub(crate) fn header_value(key: &str) -> Result<http::HeaderValue, ClientError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ClientErrorKind;
 
     #[test]
     fn accepts_edges() {
@@ -94,9 +93,12 @@ mod tests {
             ("  ", "only spaces"),
         ] {
             match validate_key(key) {
-                Err(ClientError::InvalidKey { reason, .. }) => {
-                    assert!(reason.contains(needle), "{key:?}: {reason}")
-                }
+                Err(err) => match err.kind() {
+                    ClientErrorKind::InvalidKey { reason, .. } => {
+                        assert!(reason.contains(needle), "{key:?}: {reason}")
+                    }
+                    other => panic!("{key:?}: {other:?}"),
+                },
                 other => panic!("{key:?}: {other:?}"),
             }
         }

@@ -16,7 +16,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use idem_client::{Client, ClientError, RetryPolicy};
+//! use idem_client::{Client, ClientError, ClientErrorKind, RetryPolicy};
 //! use serde::{Deserialize, Serialize};
 //!
 //! #[derive(Serialize)]
@@ -45,7 +45,9 @@
 //! // resumes the same operation instead of starting a new one.
 //! match client.post_with_key::<_, Receipt>("/payments", "order-42", &Charge { cents: 1999, currency: "EUR" }).await {
 //!     Ok(r) => println!("paid: {}", r.value.id),
-//!     Err(e @ ClientError::GaveUp { .. }) => eprintln!("try again later with the same key: {e}"),
+//!     Err(e) if matches!(e.kind(), ClientErrorKind::GaveUp { .. }) => {
+//!         eprintln!("try again later with the same key: {e}")
+//!     }
 //!     Err(e) => eprintln!("{e}"),
 //! }
 //! # Ok(()) }
@@ -59,14 +61,14 @@
 //! | `409` (same key still in progress), `429`, `502`, `503`, `504` | yes |
 //! | `500` | yes, unless it carries `Idempotent-Replayed: true` |
 //! | any response with `Idempotent-Replayed: true` | no — it is the stored outcome |
-//! | `410` `response-not-kept`: processed, response not kept | no ([`ClientError::ResponseNotKept`]) |
+//! | `410` `response-not-kept`: processed, response not kept | no ([`ClientErrorKind::ResponseNotKept`]) |
 //! | `400`, `422` and every other 4xx, 3xx, other 5xx | no |
-//! | 2xx whose body does not decode | no ([`ClientError::Decode`]) |
+//! | 2xx whose body does not decode | no ([`ClientErrorKind::Decode`]) |
 //!
 //! Delays follow [`RetryPolicy`]: exponential backoff with equal jitter
 //! (default 0.5 s doubling to 5 s, 2 retries), `Retry-After` as a lower bound
 //! (capped at 30 s), all within an overall deadline (default 30 s). When
-//! retries run out the error is [`ClientError::GaveUp`], which names the last
+//! retries run out the error is [`ClientErrorKind::GaveUp`], which names the last
 //! status or transport error and the attempt count.
 //!
 //! # Timeouts and slow operations
@@ -82,7 +84,7 @@
 //! cancel the handler, so that the retry runs it again.
 //!
 //! An operation the server processed but whose response it did not keep
-//! (too large, or a stream) is [`ClientError::ResponseNotKept`]: not
+//! (too large, or a stream) is [`ClientErrorKind::ResponseNotKept`]: not
 //! retried, and not to be sent again under a new key.
 //!
 //! Redirects are not followed (a `301`/`302` would turn a `POST` into a
@@ -91,9 +93,6 @@
 
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
-// `ClientError::Status` carries the parsed `Problem` inline (the agreed
-// contract is `problem: Option<Problem>`), which makes the error ~200 bytes.
-#![allow(clippy::result_large_err)]
 #![cfg_attr(
     not(test),
     deny(
@@ -114,7 +113,7 @@ mod request;
 mod retry;
 
 pub use client::{Client, ClientBuilder};
-pub use error::{ClientError, GiveUpReason};
+pub use error::{ClientError, ClientErrorKind, GiveUpReason, RequestContext};
 pub use key::{IDEMPOTENCY_KEY, MAX_KEY_LEN, new_key, validate_key};
 pub use operation::{IDEMPOTENT_REPLAYED, Response};
 pub use problem::Problem;

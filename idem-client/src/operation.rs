@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use reqwest::Url;
 use serde::de::DeserializeOwned;
 
-use crate::error::GiveUpReason;
+use crate::error::{ClientErrorKind, GiveUpReason, RequestContext};
 use crate::key::IDEMPOTENCY_KEY;
 use crate::problem::is_problem_json;
 use crate::retry::{is_retryable_status, retry_after};
@@ -26,7 +26,7 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// How much of an error response body is read (for problem details).
 const ERROR_BODY_CAP: usize = 64 * 1024;
-/// How much of an error response body is kept in [`ClientError::Status`].
+/// How much of an error response body is kept in [`ClientErrorKind::Status`].
 const SNIPPET_CAP: usize = 1024;
 
 /// A successful outcome: the decoded body plus what the client knows about
@@ -154,17 +154,27 @@ impl Operation<'_> {
                         %reason,
                         "idem request failed; giving up"
                     );
-                    return Err(ClientError::GaveUp {
-                        last: Box::new(error),
-                        reason,
-                        method: self.method,
-                        path: self.path,
-                        key: self.key,
-                        attempts,
-                    });
+                    let request = RequestContext::new(self.method, self.path, self.key, attempts);
+                    return Err(ClientError::request(
+                        ClientErrorKind::GaveUp {
+                            last: error,
+                            reason,
+                        },
+                        request,
+                    ));
                 }
             }
         }
+    }
+
+    /// Which request a failure of attempt number `attempt` is about.
+    fn context(&self, attempt: u32) -> RequestContext {
+        RequestContext::new(
+            self.method.clone(),
+            self.path.clone(),
+            self.key.clone(),
+            attempt,
+        )
     }
 
     async fn attempt<T: DeserializeOwned>(&self, attempt: u32, timeout: Duration) -> Outcome<T> {
@@ -179,13 +189,8 @@ impl Operation<'_> {
                 .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
                 .body(body.clone());
         }
-        let transport = |source: reqwest::Error| ClientError::Transport {
-            source,
-            method: self.method.clone(),
-            path: self.path.clone(),
-            key: self.key.clone(),
-            attempts: attempt,
-        };
+        let fail = |kind: ClientErrorKind| ClientError::request(kind, self.context(attempt));
+        let transport = |source: reqwest::Error| fail(ClientErrorKind::Transport { source });
         let mut response = match request.send().await {
             Ok(response) => response,
             Err(e) => return Outcome::Retry(transport(e), None),
@@ -217,14 +222,7 @@ impl Operation<'_> {
                     replayed,
                     attempts: attempt,
                 }),
-                Err(source) => Outcome::Final(ClientError::Decode {
-                    source,
-                    status,
-                    method: self.method.clone(),
-                    path: self.path.clone(),
-                    key: self.key.clone(),
-                    attempts: attempt,
-                }),
+                Err(source) => Outcome::Final(fail(ClientErrorKind::Decode { source, status })),
             };
         }
 
@@ -243,26 +241,18 @@ impl Operation<'_> {
             String::from_utf8_lossy(body.get(..SNIPPET_CAP).unwrap_or(&body)).into_owned();
         if status == StatusCode::GONE {
             if let Some(processed_status) = problem.as_ref().and_then(Problem::response_not_kept) {
-                return Outcome::Final(ClientError::ResponseNotKept {
+                return Outcome::Final(fail(ClientErrorKind::ResponseNotKept {
                     processed_status,
                     problem: problem.unwrap_or_default(),
-                    method: self.method.clone(),
-                    path: self.path.clone(),
-                    key: self.key.clone(),
-                    attempts: attempt,
-                });
+                }));
             }
         }
-        let error = ClientError::Status {
+        let error = fail(ClientErrorKind::Status {
             status,
             problem,
             body: snippet,
             replayed,
-            method: self.method.clone(),
-            path: self.path.clone(),
-            key: self.key.clone(),
-            attempts: attempt,
-        };
+        });
         if is_retryable_status(status, replayed) {
             Outcome::Retry(error, hint)
         } else {

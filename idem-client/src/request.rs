@@ -9,9 +9,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::client::convert_header;
+use crate::error::RequestContext;
 use crate::key::{IDEMPOTENCY_KEY, header_value};
 use crate::operation::{Operation, Response};
-use crate::{Client, ClientError, RetryPolicy, new_key};
+use crate::{Client, ClientError, ClientErrorKind, RetryPolicy, new_key};
 
 impl Client {
     /// `POST`s `body` as JSON under a fresh UUIDv4 key, reused on every
@@ -177,7 +178,7 @@ pub struct RequestBuilder {
 
 impl RequestBuilder {
     /// Sets the JSON body (serialized once, now; an error is reported by
-    /// `send` as [`ClientError::Encode`]).
+    /// `send` as [`ClientErrorKind::Encode`](crate::ClientErrorKind::Encode)).
     ///
     /// ```no_run
     /// # async fn run(client: idem_client::Client) -> Result<(), idem_client::ClientError> {
@@ -303,7 +304,7 @@ impl RequestBuilder {
             timeout,
         } = self;
         if let Some(reason) = error {
-            return Err(ClientError::Build { reason });
+            return Err(ClientError::build(reason));
         }
         let key = key.unwrap_or_else(new_key);
         // The header form the server reads back as exactly this key.
@@ -312,11 +313,12 @@ impl RequestBuilder {
             None => None,
             Some(Ok(bytes)) => Some(bytes),
             Some(Err(source)) => {
-                return Err(ClientError::Encode {
-                    source,
-                    method,
-                    path,
-                });
+                // Nothing was sent yet: no attempts.
+                let request = RequestContext::new(method, path, key, 0);
+                return Err(ClientError::request(
+                    ClientErrorKind::Encode { source },
+                    request,
+                ));
             }
         };
         let url = client.url(&path)?;

@@ -5,10 +5,11 @@
 mod support;
 
 use std::collections::{BTreeMap, HashSet};
+use std::error::Error;
 use std::time::Duration;
 
 use http::{Method, StatusCode};
-use idem_client::{Client, ClientError, GiveUpReason, Response, RetryPolicy};
+use idem_client::{Client, ClientError, ClientErrorKind, GiveUpReason, Response, RetryPolicy};
 use serde::Deserialize;
 use serde_json::json;
 use support::{Reply, Server, unused_port};
@@ -185,8 +186,8 @@ async fn no_retry_on_422_and_problem_is_parsed() {
     );
     assert_eq!(problem.extensions["instance"], "/payments");
     assert!(matches!(
-        err,
-        ClientError::Status {
+        err.kind(),
+        ClientErrorKind::Status {
             replayed: false,
             ..
         }
@@ -226,10 +227,10 @@ async fn no_retry_on_400() {
         err.problem().and_then(|p| p.detail.as_deref()),
         Some("cents must be positive")
     );
-    match &err {
-        ClientError::Status { body, attempts, .. } => {
+    match err.kind() {
+        ClientErrorKind::Status { body, .. } => {
             assert!(body.contains("cents must be positive"));
-            assert_eq!(*attempts, 1);
+            assert_eq!(err.attempts(), Some(1));
         }
         other => panic!("expected Status, got {other:?}"),
     }
@@ -275,7 +276,8 @@ async fn replayed_500_is_final() {
 
     assert_eq!(server.seen().len(), 1, "a replayed 500 must not be retried");
     assert!(
-        matches!(err, ClientError::Status { status, replayed: true, attempts: 1, .. } if status == StatusCode::INTERNAL_SERVER_ERROR),
+        matches!(err.kind(), ClientErrorKind::Status { status, replayed: true, .. } if *status == StatusCode::INTERNAL_SERVER_ERROR)
+            && err.attempts() == Some(1),
         "{err:?}"
     );
     let msg = err.to_string();
@@ -328,18 +330,12 @@ async fn gives_up_after_the_retry_limit() {
         .unwrap_err();
 
     assert_eq!(server.seen().len(), 3);
-    match &err {
-        ClientError::GaveUp {
-            attempts,
-            reason,
-            last,
-            key,
-            ..
-        } => {
-            assert_eq!(*attempts, 3);
+    match err.kind() {
+        ClientErrorKind::GaveUp { reason, last, .. } => {
+            assert_eq!(err.attempts(), Some(3));
             assert_eq!(*reason, GiveUpReason::RetriesExhausted);
-            assert!(matches!(**last, ClientError::Status { .. }));
-            assert_eq!(server.seen()[0].key.as_deref(), Some(key.as_str()));
+            assert!(matches!(last.kind(), ClientErrorKind::Status { .. }));
+            assert_eq!(server.seen()[0].key.as_deref(), err.key());
         }
         other => panic!("expected GaveUp, got {other:?}"),
     }
@@ -367,13 +363,12 @@ async fn gives_up_when_the_deadline_would_pass() {
     assert_eq!(server.seen().len(), 1);
     assert!(
         matches!(
-            err,
-            ClientError::GaveUp {
+            err.kind(),
+            ClientErrorKind::GaveUp {
                 reason: GiveUpReason::DeadlineExceeded,
-                attempts: 1,
                 ..
             }
-        ),
+        ) && err.attempts() == Some(1),
         "{err:?}"
     );
 }
@@ -420,15 +415,51 @@ async fn connection_refused_gives_up_with_transport_error() {
         .post::<_, Receipt>("/payments", &json!({}))
         .await
         .unwrap_err();
-    match &err {
-        ClientError::GaveUp { attempts, last, .. } => {
-            assert_eq!(*attempts, 2);
-            assert!(matches!(**last, ClientError::Transport { attempts: 2, .. }));
+    match err.kind() {
+        ClientErrorKind::GaveUp { last, .. } => {
+            assert_eq!(err.attempts(), Some(2));
+            assert!(
+                matches!(last.kind(), ClientErrorKind::Transport { .. })
+                    && last.attempts() == Some(2)
+            );
         }
         other => panic!("expected GaveUp, got {other:?}"),
     }
     let msg = err.to_string();
     assert!(msg.contains("could not connect"), "{msg}");
+}
+
+#[tokio::test]
+async fn source_leads_from_the_error_to_the_refused_connection() {
+    let port = unused_port();
+    let client = Client::builder(format!("http://127.0.0.1:{port}"))
+        .retry(RetryPolicy::no_retries())
+        .build()
+        .unwrap();
+    let err = client
+        .post::<_, Receipt>("/payments", &json!({}))
+        .await
+        .unwrap_err();
+
+    // GaveUp -> the last attempt's ClientError -> reqwest -> ... -> io.
+    let last = err.source().unwrap();
+    let last = last.downcast_ref::<ClientError>().unwrap();
+    assert!(
+        matches!(last.kind(), ClientErrorKind::Transport { .. }),
+        "{last:?}"
+    );
+    let transport = last.source().unwrap();
+    let transport = transport.downcast_ref::<reqwest::Error>().unwrap();
+    assert!(transport.is_connect(), "{transport:?}");
+    let mut cause: Option<&(dyn Error + 'static)> = Some(transport);
+    let mut refused = false;
+    while let Some(c) = cause {
+        refused |= c
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused);
+        cause = c.source();
+    }
+    assert!(refused, "no io::Error ConnectionRefused under {err:?}");
 }
 
 #[tokio::test]
@@ -488,7 +519,7 @@ async fn invalid_caller_keys_are_rejected_before_any_request() {
             .await
             .unwrap_err();
         assert!(
-            matches!(err, ClientError::InvalidKey { .. }),
+            matches!(err.kind(), ClientErrorKind::InvalidKey { .. }),
             "{key:?}: {err:?}"
         );
         assert_eq!(err.attempts(), None);
@@ -499,7 +530,7 @@ async fn invalid_caller_keys_are_rejected_before_any_request() {
         .send::<Receipt>()
         .await
         .unwrap_err();
-    assert!(matches!(err, ClientError::InvalidKey { .. }));
+    assert!(matches!(err.kind(), ClientErrorKind::InvalidKey { .. }));
     assert_eq!(server.seen().len(), 0, "nothing may be sent with a bad key");
 
     // The longest valid key goes through untouched.
@@ -578,7 +609,8 @@ async fn undecodable_success_body_is_a_decode_error_not_retried() {
         .unwrap_err();
     assert_eq!(server.seen().len(), 1);
     assert!(
-        matches!(err, ClientError::Decode { status, attempts: 1, .. } if status == StatusCode::CREATED),
+        matches!(err.kind(), ClientErrorKind::Decode { status, .. } if *status == StatusCode::CREATED)
+            && err.attempts() == Some(1),
         "{err:?}"
     );
     assert!(err.to_string().contains("was applied"));
@@ -604,7 +636,10 @@ async fn unserializable_body_is_an_encode_error_and_nothing_is_sent() {
         .post::<_, Receipt>("/payments", &body)
         .await
         .unwrap_err();
-    assert!(matches!(err, ClientError::Encode { .. }), "{err:?}");
+    assert!(
+        matches!(err.kind(), ClientErrorKind::Encode { .. }),
+        "{err:?}"
+    );
     assert_eq!(server.seen().len(), 0);
 }
 
@@ -618,8 +653,10 @@ fn bad_configuration_is_a_build_error() {
     ] {
         assert!(
             matches!(
-                Client::builder(base).build(),
-                Err(ClientError::Build { .. })
+                Client::builder(base)
+                    .build()
+                    .map_err(ClientError::into_parts),
+                Err((ClientErrorKind::Build { .. }, _))
             ),
             "{base}"
         );
@@ -627,19 +664,22 @@ fn bad_configuration_is_a_build_error() {
     assert!(matches!(
         Client::builder("http://127.0.0.1:1")
             .header("bad name", "v")
-            .build(),
-        Err(ClientError::Build { .. })
+            .build()
+            .map_err(ClientError::into_parts),
+        Err((ClientErrorKind::Build { .. }, _))
     ));
     assert!(matches!(
         Client::builder("http://127.0.0.1:1")
             .header("x-ok", "line\nbreak")
-            .build(),
-        Err(ClientError::Build { .. })
+            .build()
+            .map_err(ClientError::into_parts),
+        Err((ClientErrorKind::Build { .. }, _))
     ));
     assert!(matches!(
         Client::builder("http://127.0.0.1:1")
             .header("idempotency-key", "fixed")
-            .build(),
-        Err(ClientError::Build { .. })
+            .build()
+            .map_err(ClientError::into_parts),
+        Err((ClientErrorKind::Build { .. }, _))
     ));
 }

@@ -57,33 +57,38 @@
 /// producer and admin code uses the same version.
 pub use rdkafka;
 
+mod config;
+mod gates;
 mod hand_off;
 mod offsets;
 mod poller;
+mod report;
+mod schedule;
 
+pub use config::{KafkaConfig, KafkaKey};
 pub use hand_off::header_names;
 pub use offsets::{OffsetTracker, PartitionOffsets};
+pub use report::KafkaReport;
 
 use crate::consumer::Consumer;
-use crate::decision::{Classify, DeadLetterReason, Decision};
+use crate::decision::Classify;
 use crate::error::ConsumerError;
 use crate::message::Message;
-use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::future::OptionFuture;
 use futures_util::stream::FuturesUnordered;
+use gates::{Gated, StartQueue};
 use hand_off::Destination;
 use idem_core::Outcome;
-use poller::{Ctx, Shared, Taken, header};
+use poller::{Ctx, Shared, Taken};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
-use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
+use schedule::{Attempts, Step};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sha2::{Digest, Sha256};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::pin;
@@ -95,271 +100,9 @@ use tokio::time::Instant;
 
 const BROKER: &str = "kafka";
 
-/// Where a record's idempotency key (the core's message id) comes from.
-///
-/// To derive keys from the payload instead, give the [`Consumer`]
-/// [`KeySource::Payload`](crate::KeySource::Payload): it ignores ids.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum KafkaKey {
-    /// A header set by the producer (default `idempotency-key`). A record
-    /// without it falls back to the consumer's key source (by default the
-    /// payload); a value that is not UTF-8 is dead-lettered.
-    Header(String),
-    /// The record key and a SHA-256 of the payload, `"<key>:<hash>"`: the
-    /// same record re-published is one key, two records under one key are
-    /// two. A record without a key falls back to the consumer's key source.
-    RecordKeyAndPayloadHash,
-}
-
-impl Default for KafkaKey {
-    fn default() -> Self {
-        KafkaKey::Header(header_names::IDEMPOTENCY_KEY.to_owned())
-    }
-}
-
-/// How to consume.
-///
-/// ```
-/// use idem_consumer::kafka::{KafkaConfig, KafkaKey};
-/// use std::time::Duration;
-/// let cfg = KafkaConfig::new("127.0.0.1:9092", "billing", ["orders"])
-///     .key(KafkaKey::RecordKeyAndPayloadHash)
-///     .retry_topic("orders.retry")
-///     .dead_letter_topic("orders.DLT")
-///     .commit_interval(Duration::from_millis(200))
-///     .set("session.timeout.ms", "10000");
-/// assert_eq!(cfg.dead_letter_for("orders"), "orders.DLT");
-/// ```
-#[derive(Debug, Clone)]
-pub struct KafkaConfig {
-    brokers: String,
-    group: String,
-    topics: Vec<String>,
-    key: KafkaKey,
-    client: Vec<(String, String)>,
-    attempts_in_process: u32,
-    retry_topic: Option<String>,
-    dead_letter_topic: Option<String>,
-    commit_interval: Duration,
-    revoke_deadline: Duration,
-    in_order_per_key: bool,
-    buffer: usize,
-    publish_timeout: Duration,
-}
-
-impl KafkaConfig {
-    /// Consume `topics` from the brokers `brokers` (`host:port,…`) in
-    /// consumer group `group`.
-    ///
-    /// Defaults: keys from the `idempotency-key` header, 3 runs in process
-    /// before a failing record is moved, no retry topic, dead letters to
-    /// `<topic>.DLT`, commits every 500 ms, 10 s for handlers to finish on
-    /// a revocation, records of a partition run concurrently, 256 records
-    /// buffered, a new group starts at the earliest offset.
-    pub fn new<S: Into<String>>(
-        brokers: impl Into<String>,
-        group: impl Into<String>,
-        topics: impl IntoIterator<Item = S>,
-    ) -> KafkaConfig {
-        KafkaConfig {
-            brokers: brokers.into(),
-            group: group.into(),
-            topics: topics.into_iter().map(Into::into).collect(),
-            key: KafkaKey::default(),
-            client: Vec::new(),
-            attempts_in_process: 3,
-            retry_topic: None,
-            dead_letter_topic: None,
-            commit_interval: Duration::from_millis(500),
-            revoke_deadline: Duration::from_secs(10),
-            in_order_per_key: false,
-            buffer: 256,
-            publish_timeout: Duration::from_secs(10),
-        }
-    }
-
-    /// Where keys come from (default the `idempotency-key` header).
-    pub fn key(mut self, key: KafkaKey) -> Self {
-        self.key = key;
-        self
-    }
-
-    /// Any librdkafka consumer property (`session.timeout.ms`,
-    /// `security.protocol`, …), applied after this adapter's own
-    /// (`enable.auto.commit=false` is required and cannot be overridden).
-    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.client.push((key.into(), value.into()));
-        self
-    }
-
-    /// Runs of a failing handler in this process, with the consumer's
-    /// backoff between them, before the record is moved to the retry or
-    /// dead-letter topic (default 3, at least 1).
-    pub fn attempts_in_process(mut self, n: u32) -> Self {
-        self.attempts_in_process = n.max(1);
-        self
-    }
-
-    /// Move records still failing after the in-process attempts to this
-    /// topic, and consume it too (it is added to the subscription). The
-    /// attempts carry on in the `idem-attempts` header (the delivery count
-    /// when consumed back) and idem counts the handler's failures per key,
-    /// so the consumer's `max_failures` still ends in the dead-letter topic.
-    pub fn retry_topic(mut self, topic: impl Into<String>) -> Self {
-        self.retry_topic = Some(topic.into());
-        self
-    }
-
-    /// The dead-letter topic for every source topic (default
-    /// `<topic>.DLT`, per topic).
-    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
-        self.dead_letter_topic = Some(topic.into());
-        self
-    }
-
-    /// How often decided offsets are committed (default 500 ms).
-    pub fn commit_interval(mut self, d: Duration) -> Self {
-        self.commit_interval = d.max(Duration::from_millis(1));
-        self
-    }
-
-    /// How long in-flight handlers of a revoked partition may run before it
-    /// is given up anyway (default 10 s). Keep it below the group's
-    /// rebalance timeout (`max.poll.interval.ms`).
-    pub fn revoke_deadline(mut self, d: Duration) -> Self {
-        self.revoke_deadline = d;
-        self
-    }
-
-    /// Run the records of one partition that share a record key one after
-    /// the other, in offset order (default off: concurrently).
-    pub fn in_order_per_key(mut self, on: bool) -> Self {
-        self.in_order_per_key = on;
-        self
-    }
-
-    /// Records taken from the broker and not yet started, at most (default
-    /// 256, at least 1); polling pauses beyond it.
-    pub fn buffer(mut self, n: usize) -> Self {
-        self.buffer = n.max(1);
-        self
-    }
-
-    /// The dead-letter topic for records of `topic`.
-    pub fn dead_letter_for(&self, topic: &str) -> String {
-        match &self.dead_letter_topic {
-            Some(t) => t.clone(),
-            None => format!("{topic}.DLT"),
-        }
-    }
-
-    fn client_config(&self) -> ClientConfig {
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &self.brokers)
-            .set("group.id", &self.group)
-            .set("auto.offset.reset", "earliest");
-        for (k, v) in &self.client {
-            c.set(k, v);
-        }
-        // The whole point: offsets move only by the commit rule.
-        c.set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false");
-        c
-    }
-
-    /// The core's message for a record: payload, id per [`KafkaKey`],
-    /// delivery count from the `idem-attempts` header.
-    fn message_of(
-        &self,
-        payload: Bytes,
-        record_key: Option<&[u8]>,
-        headers: Option<&OwnedHeaders>,
-        topic: &Arc<str>,
-    ) -> Message {
-        let attempts = header(headers, header_names::ATTEMPTS)
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .unwrap_or(0);
-        let msg = Message::new(payload.clone())
-            .with_delivery_count(attempts.saturating_add(1))
-            .with_source(BROKER, topic.clone());
-        match &self.key {
-            KafkaKey::Header(name) => match header(headers, name) {
-                None => msg,
-                Some(v) => match std::str::from_utf8(v) {
-                    Ok(id) => msg.with_id(id),
-                    Err(_) => msg.with_unreadable_id(format!("header `{name}` is not UTF-8")),
-                },
-            },
-            KafkaKey::RecordKeyAndPayloadHash => match record_key {
-                None => msg,
-                Some(k) => {
-                    let key = match std::str::from_utf8(k) {
-                        Ok(s) => s.to_owned(),
-                        Err(_) => hex(k),
-                    };
-                    let digest = Sha256::digest(&payload);
-                    msg.with_id(format!("{key}:{}", hex(&digest[..16])))
-                }
-            },
-        }
-    }
-}
-
+/// Lowercase hex digits, as message ids and gate names spell raw bytes.
 fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
-}
-
-/// What a [`run`](KafkaConsumer::run) did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct KafkaReport {
-    /// Records taken from the broker and started.
-    pub fetched: usize,
-    /// Of those, records back from the retry topic (delivery count over 1).
-    pub redelivered: usize,
-    /// Acked: done, replayed or recovered; their offsets are decided.
-    pub acked: usize,
-    /// Of those, duplicates answered with the stored result (idem's `Replayed`).
-    pub replayed: usize,
-    /// Of those, taken over from a holder that died mid-handler (idem's
-    /// `Recovered`: the handler ran again once its lease ran out).
-    pub recovered: usize,
-    /// Handler runs repeated in process after a retryable failure.
-    pub retried: usize,
-    /// Waits because the handler could not run (store down, key in flight
-    /// elsewhere), each followed by another try.
-    pub nacked: usize,
-    /// Moved to the retry topic.
-    pub retry_published: usize,
-    /// Moved to the dead-letter topic.
-    pub dead_lettered: usize,
-    /// Left undecided because their partition was revoked or `run` shut
-    /// down (the next owner handles them; idem replays what was done).
-    pub abandoned: usize,
-}
-
-impl KafkaReport {
-    /// Adds another report's counts to this one.
-    pub fn add(&mut self, other: KafkaReport) {
-        self.fetched += other.fetched;
-        self.redelivered += other.redelivered;
-        self.acked += other.acked;
-        self.replayed += other.replayed;
-        self.recovered += other.recovered;
-        self.retried += other.retried;
-        self.nacked += other.nacked;
-        self.retry_published += other.retry_published;
-        self.dead_lettered += other.dead_lettered;
-        self.abandoned += other.abandoned;
-    }
+    hex::encode(bytes)
 }
 
 /// How one record's handling ended.
@@ -382,6 +125,12 @@ struct Waiting {
     taken: Taken,
     key: Result<String, ConsumerError>,
     gates: Vec<String>,
+}
+
+impl Gated for Waiting {
+    fn gates(&self) -> &[String] {
+        &self.gates
+    }
 }
 
 /// A Kafka consumer-group member run through idem.
@@ -539,8 +288,7 @@ impl KafkaConsumer {
         let mut shutdown = pin!(shutdown);
         let mut report = KafkaReport::default();
         let mut running = FuturesUnordered::new();
-        let mut waiting: VecDeque<Waiting> = VecDeque::new();
-        let mut busy: HashSet<String> = HashSet::new();
+        let mut waiting: StartQueue<Waiting> = StartQueue::default();
         let mut ticker = tokio::time::interval(self.cfg.commit_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let limit = consumer.batch_concurrency();
@@ -551,60 +299,33 @@ impl KafkaConsumer {
         let mut in_flight: HashMap<(Arc<str>, i32, u64), usize> = HashMap::new();
         self.shared.set_closing(false);
         loop {
-            // Start what may start, in arrival order: a record whose gate
-            // (its idem key, or its record key in order-per-key mode) is
-            // held waits, and so do later records sharing a gate with it.
-            // A record of a partition revoked meanwhile is dropped (the
-            // next owner reads it from the last commit).
-            if running.len() < limit && !waiting.is_empty() {
-                let mut blocked: HashSet<String> = HashSet::new();
-                let mut keep = VecDeque::with_capacity(waiting.len());
-                let mut start = Vec::new();
-                while let Some(w) = waiting.pop_front() {
-                    if running.len() + start.len() >= limit {
-                        keep.push_back(w);
-                        keep.extend(waiting.drain(..));
-                        break;
-                    }
-                    let free = w
-                        .gates
-                        .iter()
-                        .all(|g| !busy.contains(g) && !blocked.contains(g));
-                    if !free {
-                        blocked.extend(w.gates.iter().cloned());
-                        keep.push_back(w);
-                        continue;
-                    }
-                    if self.shared.begin(&w.taken) {
-                        busy.extend(w.gates.iter().cloned());
-                        start.push(w);
-                    }
+            // Start what the gate rule lets start. A record of a partition
+            // revoked meanwhile is dropped (the next owner reads it from the
+            // last commit).
+            let room = limit.saturating_sub(running.len());
+            for w in waiting.start(room, |w| self.shared.begin(&w.taken)) {
+                let t = &w.taken;
+                *in_flight
+                    .entry((t.topic.clone(), t.partition, t.epoch))
+                    .or_default() += 1;
+                report.fetched += 1;
+                if w.taken.msg.delivery_count() > 1 {
+                    report.redelivered += 1;
                 }
-                waiting = keep;
-                for w in start {
-                    let t = &w.taken;
-                    *in_flight
-                        .entry((t.topic.clone(), t.partition, t.epoch))
-                        .or_default() += 1;
-                    report.fetched += 1;
-                    if w.taken.msg.delivery_count() > 1 {
-                        report.redelivered += 1;
-                    }
-                    running.push(self.process(consumer, handler, w));
-                }
+                running.push(self.process(consumer, handler, w));
             }
             let room = !closed && waiting.len() < self.cfg.buffer;
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
                 Some(done) = running.next(), if !running.is_empty() => {
-                    self.finish(done, &mut busy, &mut in_flight, &mut report);
+                    self.finish(done, &mut waiting, &mut in_flight, &mut report);
                 }
                 Some(_) = OptionFuture::from(committing.as_mut()), if committing.is_some() => {
                     committing = None;
                 }
                 taken = rx.recv(), if room => match taken {
-                    Some(taken) => waiting.push_back(self.gated(consumer, taken)),
+                    Some(taken) => waiting.push(self.gated(consumer, taken)),
                     None => closed = true,
                 },
                 _ = ticker.tick(), if committing.is_none() => {
@@ -629,7 +350,7 @@ impl KafkaConsumer {
         let end = Instant::now() + self.cfg.revoke_deadline;
         while !running.is_empty() {
             match tokio::time::timeout_at(end, running.next()).await {
-                Ok(Some(done)) => self.finish(done, &mut busy, &mut in_flight, &mut report),
+                Ok(Some(done)) => self.finish(done, &mut waiting, &mut in_flight, &mut report),
                 Ok(None) => break,
                 Err(_) => {
                     tracing::warn!(
@@ -672,13 +393,11 @@ impl KafkaConsumer {
     fn finish(
         &self,
         done: Done,
-        busy: &mut HashSet<String>,
+        waiting: &mut StartQueue<Waiting>,
         in_flight: &mut HashMap<(Arc<str>, i32, u64), usize>,
         report: &mut KafkaReport,
     ) {
-        for g in &done.gates {
-            busy.remove(g);
-        }
+        waiting.release(&done.gates);
         let t = &done.taken;
         let at = (t.topic.clone(), t.partition, t.epoch);
         if let Some(n) = in_flight.get_mut(&at) {
@@ -786,14 +505,20 @@ impl KafkaConsumer {
                 out
             }
         };
-        let mut runs_here = 0u32;
+        let mut attempts = Attempts::new(&self.cfg, taken.topic.clone());
         let dest = loop {
             ran.store(false, Ordering::Relaxed);
             let handled = consumer
                 .handle_keyed(&taken.msg, key.clone(), Some(fingerprint), &watched)
                 .await;
-            match handled.decision {
-                Decision::Ack => {
+            let step = attempts.next(
+                handled.decision,
+                ran.load(Ordering::Relaxed),
+                taken.msg.delivery_count(),
+                || last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            );
+            let (delay, run_again) = match step {
+                Step::Ack => {
                     match handled.outcome {
                         Some(Outcome::Replayed) => report.replayed += 1,
                         Some(Outcome::Recovered) => report.recovered += 1,
@@ -806,92 +531,70 @@ impl KafkaConsumer {
                         report,
                     };
                 }
-                Decision::DeadLetter { reason } => {
-                    break Destination::DeadLetter(self.cfg.dead_letter_for(&taken.topic), reason);
-                }
-                Decision::Nack { delay } if !ran.load(Ordering::Relaxed) => {
-                    // Nothing ran (store down, or the key is in flight
-                    // elsewhere): the record is fine, keep it and wait.
+                Step::Move(dest) => break dest,
+                Step::Wait(delay) => {
                     report.nacked += 1;
-                    if !self.pause(&taken, delay).await {
-                        return Done {
-                            taken,
-                            gates,
-                            end: End::Abandoned,
-                            report,
-                        };
-                    }
+                    (delay, false)
                 }
-                Decision::Nack { delay } => {
-                    runs_here += 1;
-                    if runs_here >= self.cfg.attempts_in_process {
-                        break match &self.cfg.retry_topic {
-                            Some(rt) => Destination::Retry(rt.clone()),
-                            None => Destination::DeadLetter(
-                                self.cfg.dead_letter_for(&taken.topic),
-                                // Every attempt counted here ran the handler
-                                // and failed, over every hop.
-                                DeadLetterReason::MaxFailures {
-                                    failures: taken.msg.delivery_count(),
-                                    last_error: last_error
-                                        .lock()
-                                        .unwrap_or_else(|p| p.into_inner())
-                                        .clone()
-                                        .unwrap_or_else(|| "nacked".into()),
-                                },
-                            ),
-                        };
-                    }
-                    if !self.pause(&taken, delay).await {
-                        return Done {
-                            taken,
-                            gates,
-                            end: End::Abandoned,
-                            report,
-                        };
-                    }
-                    report.retried += 1;
-                    let next = taken.msg.delivery_count().saturating_add(1);
-                    taken.msg = taken.msg.clone().with_delivery_count(next);
-                }
+                Step::Retry(delay) => (delay, true),
+            };
+            if !self.pause(&taken, delay).await {
+                return Done {
+                    taken,
+                    gates,
+                    end: End::Abandoned,
+                    report,
+                };
+            }
+            if run_again {
+                report.retried += 1;
+                let next = taken.msg.delivery_count().saturating_add(1);
+                taken.msg = taken.msg.clone().with_delivery_count(next);
             }
         };
-        // Moved aside: the offset is decided only once the broker has the
-        // copy, so a failed publish never loses the record.
-        let attempts = taken.msg.delivery_count();
+        self.move_aside(consumer, taken, gates, dest, report).await
+    }
+
+    /// Publishes `taken` to `dest`, retrying with the consumer's backoff for
+    /// as long as the partition is ours: the offset is decided only once
+    /// the broker has the copy, so a failed publish never loses the record.
+    async fn move_aside<C>(
+        &self,
+        consumer: &Consumer<C>,
+        taken: Taken,
+        gates: Vec<String>,
+        dest: Destination,
+        report: KafkaReport,
+    ) -> Done {
+        let runs = taken.msg.delivery_count();
         let mut failures = 0u32;
         loop {
-            match hand_off::publish(
+            let published = hand_off::publish(
                 &self.producer,
                 &taken,
                 &dest,
-                attempts,
+                runs,
                 self.cfg.publish_timeout,
             )
-            .await
-            {
-                Ok(()) => {
-                    return Done {
-                        taken,
-                        gates,
-                        end: End::Moved(dest),
-                        report,
-                    };
-                }
+            .await;
+            let end = match published {
+                Ok(()) => End::Moved(dest),
                 Err(e) => {
                     failures = failures.saturating_add(1);
                     let pause = consumer.backoff_for(failures);
                     tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "could not move the record aside; retrying");
-                    if !self.pause(&taken, pause).await {
-                        return Done {
-                            taken,
-                            gates,
-                            end: End::Abandoned,
-                            report,
-                        };
+                    if self.pause(&taken, pause).await {
+                        continue;
                     }
+                    End::Abandoned
                 }
-            }
+            };
+            return Done {
+                taken,
+                gates,
+                end,
+                report,
+            };
         }
     }
 }

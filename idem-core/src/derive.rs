@@ -8,7 +8,6 @@
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use std::fmt::Write as _;
 
 /// Why a key could not be derived from a payload.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -86,7 +85,7 @@ impl KeyDeriver {
 
     /// The key of `payload`: 64 hex digits of SHA-256 over its canonical form.
     pub fn derive(&self, payload: &[u8]) -> Result<String, DeriveError> {
-        Ok(hex(&self.digest(payload)?))
+        Ok(hex::encode(self.digest(payload)?))
     }
 
     /// The raw SHA-256 of the canonical form (for a fingerprint, for example
@@ -190,17 +189,18 @@ fn write_scalar(value: &Value, out: &mut Vec<u8>) {
     let _ = serde_json::to_writer(&mut *out, value);
 }
 
-fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_the_lowercase_hex_of_the_digest() {
+        // SHA-256 of `{}`, the canonical form of an empty object.
+        assert_eq!(
+            KeyDeriver::new().derive(b"{ }").unwrap(),
+            "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+        );
+    }
 
     #[test]
     fn nested_objects_sort_and_pointers_unescape() {

@@ -167,6 +167,7 @@ impl Error {
     /// Redis's unavailability (the one store in this crate that can be
     /// unreachable): the reason ends with what to check. Other stores'
     /// crates build `Unavailable` with their own advice.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
         Error::Unavailable {
             op,

@@ -39,7 +39,7 @@ mod operate;
 mod outcome;
 mod private;
 mod settings;
-mod store;
+pub mod store;
 mod token;
 
 pub use call::Call;
@@ -48,16 +48,22 @@ pub use error::{Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use hook::{CallOutcome, OutcomeEvent};
 pub use idempotency::{Idempotency, IdempotencyBuilder};
-pub use key::{MAX_KEY_LEN, failure_key, validate_key_part};
+pub use key::{MAX_KEY_LEN, validate_key_part};
 pub use lease::{Lease, lease};
 pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;
+pub use store::{KeyState, MemoryStore, RecordInfo};
+#[cfg(feature = "redis")]
+pub use store::{RedisStore, RedisStoreConfig};
+
+// Store authors' items at their former root paths, so that stores written
+// against them keep compiling; documented (and to be named) in `store`.
+#[doc(hidden)]
 pub use store::{
-    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyState, KeyWatch, MemoryStore,
-    RecordInfo, RedisStore, RedisStoreConfig, ScanPage, Store, ValueKind, WriteReply,
+    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, Store, Token,
+    ValueKind, WriteReply, failure_key,
 };
-pub use token::Token;
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may
 /// change in any release.

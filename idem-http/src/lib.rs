@@ -228,7 +228,7 @@
 //! member `processed_status` holds the status the handler answered. Not
 //! retryable, and the operation must not be sent again under a new key:
 //! look its result up another way (`idem-client` returns
-//! `ClientError::ResponseNotKept`).
+//! `ClientErrorKind::ResponseNotKept`).
 //! ### request-too-large
 //! `413`: the body is over the layer's buffering limit.
 //! ### key-reused

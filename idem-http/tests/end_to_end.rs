@@ -2,6 +2,8 @@
 //! `idem-client`s sharing one key, the layer, and an `#[idempotent]`
 //! service function behind the handler.
 
+mod support;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
@@ -79,13 +81,7 @@ async fn eight_retrying_clients_one_key_one_charge() {
         .route("/payments", post(create))
         .layer(IdempotencyLayer::new(idem).require_key(true))
         .with_state(payments.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let base = support::serve(app).await;
 
     let key = uuid_like();
     let body = Charge {

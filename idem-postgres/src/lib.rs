@@ -44,10 +44,14 @@ mod config;
 mod errors;
 mod operate;
 mod reaper;
+mod row;
 mod schema;
 mod sql;
 mod store;
+mod store_impl;
+mod time;
 mod tx;
+mod write;
 
 pub use config::{DEFAULT_TABLE, PgStoreConfig};
 pub use reaper::Reaper;

@@ -9,85 +9,11 @@
 //! never a full-table read.
 
 use crate::errors::map_failures;
-use crate::store::{PgStore, corrupt, get};
-use bytes::Bytes;
-use idem_core::{Error, Fingerprint, RecordInfo, ScanPage, ValueKind};
+use crate::row::{get, row_info};
+use crate::store::PgStore;
+use idem_core::{Error, RecordInfo, ScanPage};
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::PgRow;
 use std::sync::Arc;
-use std::time::Duration;
-
-/// The columns every operator read selects, with `c.now` the statement's
-/// clock and `$with_value` whether the value itself travels.
-pub(crate) fn info_columns(with_value: &str) -> String {
-    format!(
-        "r.key, r.state, r.attempt, r.token, r.fingerprint, \
-         CASE WHEN {with_value} THEN r.value END AS value, \
-         octet_length(r.value)::bigint AS value_size, \
-         ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
-         ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint AS ttl_ms"
-    )
-}
-
-/// The record of one row of [`info_columns`], or why it cannot be read.
-pub(crate) fn row_info(row: &PgRow, with_value: bool) -> Result<RecordInfo, Error> {
-    let state: i8 = get(row, "state")?;
-    let fingerprint: Option<Vec<u8>> = get(row, "fingerprint")?;
-    let fingerprint = match fingerprint {
-        None => None,
-        Some(f) => Some(
-            Fingerprint::from_bytes(&f)
-                .ok_or_else(|| corrupt("a fingerprint that is not 16 bytes"))?,
-        ),
-    };
-    let ttl_ms: Option<i64> = get(row, "ttl_ms")?;
-    let ttl_left = Some(millis(ttl_ms));
-    match state as u8 {
-        b'P' => {
-            let token: Option<Vec<u8>> = get(row, "token")?;
-            let attempt: Option<i64> = get(row, "attempt")?;
-            let lease_ms: Option<i64> = get(row, "lease_ms")?;
-            let attempt = attempt
-                .and_then(|a| u32::try_from(a).ok())
-                .filter(|a| *a >= 1);
-            match (token.map(|t| t.len()), attempt, lease_ms) {
-                (Some(16), Some(attempt), Some(lease)) => Ok(RecordInfo::pending(
-                    attempt,
-                    ttl_left,
-                    millis(Some(lease)),
-                    fingerprint,
-                )),
-                _ => Err(corrupt(
-                    "a pending record with a bad owner token, attempt or lease",
-                )),
-            }
-        }
-        tag => {
-            let kind = ValueKind::from_tag(tag)
-                .ok_or_else(|| corrupt(&format!("unknown state {:?}", char::from(tag))))?;
-            let size: Option<i64> = get(row, "value_size")?;
-            let size = size
-                .and_then(|s| usize::try_from(s).ok())
-                .ok_or_else(|| corrupt("a completed record without a value"))?;
-            let value: Option<Vec<u8>> = get(row, "value")?;
-            let mut info = RecordInfo::completed(
-                kind,
-                value.map(Bytes::from).unwrap_or_default(),
-                fingerprint,
-                ttl_left,
-                with_value,
-            );
-            // The size is the stored one even when the value stayed home.
-            info.value_size = Some(size);
-            Ok(info)
-        }
-    }
-}
-
-/// Whole milliseconds left, zero once past.
-fn millis(ms: Option<i64>) -> Duration {
-    Duration::from_millis(ms.and_then(|m| u64::try_from(m).ok()).unwrap_or(0))
-}
 
 /// The smallest string above every string that starts with `prefix`, in
 /// byte order (`COLLATE "C"`, where UTF-8 sorts by code point): the prefix

@@ -18,7 +18,6 @@
 //! again when the read says it should have happened.
 
 use crate::config::TableName;
-use crate::operate::info_columns;
 use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN, FAILURES_TABLE};
 use std::sync::Arc;
 
@@ -46,6 +45,18 @@ pub(crate) mod claim_col {
     pub(crate) const TTL_LEFT: Col = (7, "ttl_left");
     /// The bare insert's one column: the attempt it won.
     pub(crate) const INSERTED: Col = (0, "attempt");
+}
+
+/// The columns every operator read selects, with `c.now` the statement's
+/// clock and `$with_value` whether the value itself travels.
+pub(crate) fn info_columns(with_value: &str) -> String {
+    format!(
+        "r.key, r.state, r.attempt, r.token, r.fingerprint, \
+         CASE WHEN {with_value} THEN r.value END AS value, \
+         octet_length(r.value)::bigint AS value_size, \
+         ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
+         ceil(extract(epoch FROM r.expires_at - c.now) * 1000)::bigint AS ttl_ms"
+    )
 }
 
 /// The rendered statements of one table.
@@ -267,19 +278,9 @@ impl Statements {
             "SELECT {f}(convert_from(decode('{key}', 'hex'), 'UTF8'), decode('{token}', 'hex'), \
                         '{tag}', decode('{value}', 'hex')); COMMIT; BEGIN",
             f = self.complete_in_tx,
-            key = hex(key.as_bytes()),
-            token = hex(token),
-            value = hex(value),
+            key = hex::encode(key),
+            token = hex::encode(token),
+            value = hex::encode(value),
         )
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 15)]));
-    }
-    out
 }

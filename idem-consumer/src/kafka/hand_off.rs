@@ -38,7 +38,7 @@ pub mod header_names {
 use header_names::*;
 
 /// Where a record goes when it leaves its partition undone.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Destination {
     /// The retry topic: consumed again (by this group too), attempts carried on.
     Retry(String),

@@ -1,4 +1,9 @@
-//! The store: the one state machine every backend implements, and its replies.
+//! For store authors: the [`Store`] trait, the one state machine every
+//! backend implements, and the types of its requests and replies
+//! ([`Claim`], [`ClaimReply`], [`WriteReply`], [`Completed`], [`ValueKind`],
+//! [`Token`], [`KeyWatch`], …). An application needs none of them: it builds
+//! a store ([`MemoryStore`], `RedisStore`, idem-postgres's `PgStore`) and
+//! hands it to `Idempotency::builder`; the crate root has what it writes.
 //!
 //! A key is absent, pending (claimed by one owner token until a lease
 //! deadline) or completed (holding a stored value until its TTL). `claim`
@@ -9,17 +14,20 @@
 
 mod info;
 mod memory;
+#[cfg(feature = "redis")]
 mod redis;
 mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
+#[cfg(feature = "redis")]
 pub use self::redis::{RedisStore, RedisStoreConfig};
 pub use self::watch::{Invalidation, InvalidationSink, KeyWatch};
+pub use crate::key::failure_key;
+pub use crate::token::Token;
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::token::Token;
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::time::Duration;

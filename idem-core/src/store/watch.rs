@@ -206,16 +206,22 @@ impl Hub {
     }
 
     /// Wakes every watcher (notifications may have been lost).
+    // Used by the Redis notifier only.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn notify_all(&self) {
         for tx in lock(&self.keys).values() {
             tx.send_modify(|g| *g = g.wrapping_add(1));
         }
     }
 
+    // Used by the Redis notifier only.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn set_live(&self, live: bool) {
         self.live.store(live, Ordering::Release);
     }
 
+    // Used by the Redis notifier only.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
     }
@@ -236,6 +242,8 @@ impl Hub {
 
     /// The prefixes some live sink listens to (a restarted subscriber
     /// subscribes them again).
+    // Used by the Redis notifier only.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn feed_prefixes(&self) -> Vec<String> {
         let mut feeds = lock(&self.feeds);
         feeds.retain(|_, list| {
@@ -257,6 +265,8 @@ impl Hub {
     }
 
     /// Tells every sink to drop everything (messages may have been lost).
+    // Used by the Redis notifier only.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn invalidate_all(&self) {
         let sinks: Vec<InvalidationSink> = lock(&self.feeds)
             .values()

@@ -1,0 +1,183 @@
+//! `PgStore` as an `idem_core::Store`: the claim and its race loop here,
+//! the writes in `write.rs`, operators' reads in `operate.rs`.
+
+use crate::claim_path::ClaimPath;
+use crate::errors;
+use crate::row::{ClaimRead, WriteState, corrupt, read_claim, read_insert};
+use crate::store::PgStore;
+use crate::time::{lease_ms, millis, ms_i64, record_ttl_ms};
+use crate::tx;
+use crate::write::{MAX_RACES, WriteKind};
+use async_trait::async_trait;
+use idem_core::{
+    Claim, ClaimReply, Error, Fingerprint, RecordInfo, ScanPage, Store, Token, ValueKind,
+    WriteReply,
+};
+use sqlx::{AssertSqlSafe, Row};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[async_trait]
+impl Store for PgStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
+        let token = *c.token.as_raw();
+        let slot = tx::current();
+        if let Some(slot) = &slot {
+            slot.note_claim(token);
+        }
+        let lease = ms_i64(lease_ms(c.lease));
+        let ttl = ms_i64(record_ttl_ms(c.ttl, c.lease));
+        let fingerprint = c.fingerprint.map(|f| &f.as_bytes()[..]);
+        // A `run_in_tx` claim runs on a connection of the caller's pool,
+        // which the body's transaction then opens on (see `tx.rs`).
+        let mut conn = match &slot {
+            Some(slot) => match slot.claim_conn(&self.inner.pool).await {
+                Some(conn) => Some(conn.map_err(self.fail("claim"))?),
+                None => None,
+            },
+            None => None,
+        };
+        let mut path = self.inner.forecast.path();
+        for _ in 0..MAX_RACES {
+            let sql = &self.inner.sql;
+            let q = match path {
+                ClaimPath::Insert => sqlx::query(AssertSqlSafe(Arc::clone(match slot {
+                    Some(_) => &sql.claim_insert_tx,
+                    None => &sql.claim_insert,
+                })))
+                .bind(c.key)
+                .bind(&token[..])
+                .bind(lease)
+                .bind(ttl)
+                .bind(fingerprint),
+                ClaimPath::Read => {
+                    sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim_read))).bind(c.key)
+                }
+                ClaimPath::Combined => sqlx::query(AssertSqlSafe(Arc::clone(&sql.claim)))
+                    .bind(c.key)
+                    .bind(&token[..])
+                    .bind(lease)
+                    .bind(ttl)
+                    .bind(fingerprint)
+                    .bind(slot.is_some()),
+            };
+            let row = match conn.as_mut() {
+                Some(conn) => q.fetch_optional(&mut **conn).await,
+                None => q.fetch_optional(&self.inner.pool).await,
+            }
+            .map_err(self.fail("claim"))?;
+            let read = match path {
+                ClaimPath::Insert => read_insert(row.as_ref())?,
+                _ => read_claim(row.as_ref(), &c, &token)?,
+            };
+            // Whatever the first statement could not answer, the combined
+            // one can.
+            path = ClaimPath::Combined;
+            if let ClaimRead::Reply(reply) = read {
+                let won = matches!(reply, ClaimReply::Acquired { .. });
+                self.inner.forecast.observe(!won);
+                if let (true, Some(slot), Some(conn)) = (won, &slot, conn) {
+                    slot.keep_conn(conn);
+                }
+                return Ok(reply);
+            }
+        }
+        Err(errors::unavailable(
+            "claim",
+            "the record kept changing under this claim; retry",
+        ))
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        _fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let token = *token.as_raw();
+        let tag = kind.tag() as i8;
+        // A `run_in_tx` call's own complete: inside the body's transaction.
+        if let Some(slot) = tx::current()
+            && let Some(txn) = slot.take_tx(&token)
+        {
+            return self
+                .complete_in_tx(&slot, txn, key, &token, tag, value)
+                .await;
+        }
+        let first = self
+            .write(key, &token, WriteKind::Complete { tag, value })
+            .await;
+        match first {
+            Ok(WriteState::Reply(r)) => Ok(r),
+            // A `run_in_tx` claim completed outside its transaction: that
+            // transaction did not commit (or this would find the record
+            // completed), so its writes are gone: release instead.
+            Ok(WriteState::TxBound) => self.resolve_in_tx(key, &token, tag, value).await,
+            Ok(WriteState::Ours) => Ok(WriteReply::Missing),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let token = *token.as_raw();
+        match self.write(key, &token, WriteKind::Release).await? {
+            WriteState::Reply(r) => Ok(r),
+            WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
+        }
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let token = *token.as_raw();
+        let ms = ms_i64(lease_ms(lease));
+        match self
+            .write(key, &token, WriteKind::Extend { lease_ms: ms })
+            .await?
+        {
+            WriteState::Reply(r) => Ok(r),
+            WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
+        }
+    }
+
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inspect_row(key, with_value).await
+    }
+
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        self.forget_row(key, force).await
+    }
+
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        let sql = &self.inner.sql;
+        let fail = |e| errors::map_failures("count_failure", &sql.failures_table, e);
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&sql.count_failure)))
+            .bind(key)
+            .bind(ms_i64(millis(ttl)))
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(fail)?;
+        let count: i64 = row
+            .try_get(0)
+            .map_err(|e| corrupt(&format!("column failures: {e}")))?;
+        u32::try_from(count).map_err(|_| {
+            corrupt(&format!(
+                "the failure count {count} in {} is out of range",
+                sql.failures_table
+            ))
+        })
+    }
+
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        self.scan_page(prefix, cursor, count).await
+    }
+}
