@@ -74,7 +74,7 @@ fn user_url(server: &RedisServer) -> String {
 
 fn assert_acl_error(e: &Error, op: &str, case: &str) {
     match e {
-        Error::Unavailable { op: o, reason } => {
+        Error::Unavailable { op: o, reason, .. } => {
             assert_eq!(*o, op, "{case}: {e}");
             assert!(
                 reason.contains("Redis ACL denied the command"),
@@ -127,7 +127,7 @@ async fn minimal_acl_user_runs_the_core_semantics() {
     // release: an error from the body frees the key
     let failed: Result<u64, Error> = idem
         .call("charge", "order-2")
-        .run(|| async { Err(Error::Codec("provider said no".into())) })
+        .run(|| async { Err(Error::codec("provider said no")) })
         .await;
     assert!(failed.is_err());
     let retried = idem
@@ -419,7 +419,7 @@ async fn captured_logs(idem: &Idempotency, key: &str) -> String {
     let failing = format!("{key}/failing");
     let _: Result<u8, Error> = idem
         .call("charge", &failing)
-        .run(|| async { Err(Error::Codec("no".into())) })
+        .run(|| async { Err(Error::codec("no")) })
         .await;
     let busy = format!("{key}/busy");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -333,7 +333,7 @@ async fn unserializable_result_is_returned_once_then_codec() {
             .run(|| runs.body(HashMap::new()))
             .await;
         match again {
-            Err(Error::Codec(msg)) => {
+            Err(Error::Codec { reason: msg, .. }) => {
                 assert!(msg.contains("could not be serialized"), "{msg}");
                 assert!(msg.contains("key must be a string"), "{msg}");
                 assert!(msg.contains("fix the type's Serialize impl"), "{msg}");
@@ -359,7 +359,7 @@ async fn unserializable_fingerprint_is_refused_before_the_body() {
             .run(|| runs.body(1))
             .await;
         match r {
-            Err(Error::Codec(msg)) => assert!(
+            Err(Error::Codec { reason: msg, .. }) => assert!(
                 msg.contains("fingerprint value cannot be serialized"),
                 "{msg}"
             ),
@@ -410,7 +410,7 @@ async fn changed_result_type_is_codec_naming_the_type() {
             })
             .await;
         match v2 {
-            Err(Error::Codec(msg)) => {
+            Err(Error::Codec { reason: msg, .. }) => {
                 assert!(
                     msg.contains("does not deserialize as `bad_input::ReceiptV2`"),
                     "{msg}"
@@ -475,7 +475,9 @@ async fn assert_corrupt(
             let started = std::time::Instant::now();
             let r: Result<u32, Error> = call.run(|| runs.body(1)).await;
             match r {
-                Err(Error::Corrupt(ref msg)) => {
+                Err(Error::Corrupt {
+                    reason: ref msg, ..
+                }) => {
                     for s in says {
                         assert!(msg.contains(s), "{case}: {msg:?} lacks {s:?}");
                     }
@@ -507,7 +509,7 @@ async fn assert_corrupt(
                 .await,
         ];
         for w in writes {
-            if let Err(Error::Corrupt(msg)) = &w {
+            if let Err(Error::Corrupt { reason: msg, .. }) = &w {
                 assert!(
                     msg.contains("delete the key") && !msg.contains("0 bytes"),
                     "{case}: {msg}"
@@ -516,7 +518,7 @@ async fn assert_corrupt(
             assert!(
                 matches!(
                     w,
-                    Err(Error::Corrupt(_))
+                    Err(Error::Corrupt { .. })
                         | Ok(WriteReply::AlreadyCompleted | WriteReply::OtherOwner)
                 ),
                 "{case}: {w:?}"

@@ -61,7 +61,7 @@ every_store!(
 async fn fail_once(idem: &Idempotency, scope: &str, key: &str) {
     let r: Result<u32, Error> = idem
         .call(scope, key)
-        .run(|| async { Err(Error::Codec("handler failed".to_owned())) })
+        .run(|| async { Err(Error::codec("handler failed")) })
         .await;
     assert!(r.is_err(), "the body's error passes through");
 }
@@ -241,7 +241,7 @@ async fn redis_counter_of_another_program_is_corrupt_and_kept() {
     assert_eq!(server.cli(&["SET", &counter, "not a count"]), "OK");
     let e = idem.count_failure("charge", "text", DAY).await.unwrap_err();
     assert!(
-        matches!(&e, Error::Corrupt(m) if m.contains("not a count")),
+        matches!(&e, Error::Corrupt { reason: m, .. } if m.contains("not a count")),
         "{e}"
     );
     assert_eq!(server.cli(&["GET", &counter]), "not a count");
@@ -249,7 +249,7 @@ async fn redis_counter_of_another_program_is_corrupt_and_kept() {
     let counter = failure_key("fail:charge:list");
     server.cli(&["RPUSH", &counter, "x"]);
     let e = idem.count_failure("charge", "list", DAY).await.unwrap_err();
-    assert!(matches!(e, Error::Corrupt(_)), "{e}");
+    assert!(matches!(e, Error::Corrupt { .. }), "{e}");
     assert_eq!(server.cli(&["TYPE", &counter]), "list");
 
     // A real counter: its key and its expiry, as documented.

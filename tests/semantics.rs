@@ -648,7 +648,7 @@ async fn stored_type_mismatch_is_codec(b: TestContext) {
         })
         .await;
     match r {
-        Err(Error::Codec(msg)) => assert!(msg.contains("Receipt"), "{msg}"),
+        Err(Error::Codec { reason: msg, .. }) => assert!(msg.contains("Receipt"), "{msg}"),
         other => panic!("{other:?}"),
     }
 }
@@ -802,7 +802,7 @@ async fn corrupt_records_and_wrong_types_are_corrupt() {
             })
             .await;
         match r {
-            Err(Error::Corrupt(msg)) => {
+            Err(Error::Corrupt { reason: msg, .. }) => {
                 if key == "newer" {
                     assert!(msg.contains("newer"), "{msg}");
                 }

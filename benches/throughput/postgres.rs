@@ -130,7 +130,7 @@ async fn one(ctx: &Ctx, phase: Phase, n: u64) -> Result<(), String> {
             let _: Receipt = ctx
                 .idem
                 .call("bench", &replay)
-                .run(|| async { Err::<Receipt, _>(Error::Codec("not replayed".into())) })
+                .run(|| async { Err::<Receipt, _>(Error::codec("not replayed")) })
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -153,7 +153,7 @@ async fn one(ctx: &Ctx, phase: Phase, n: u64) -> Result<(), String> {
                         .bind(&fresh)
                         .execute(&mut *tx)
                         .await
-                        .map_err(|e| Error::Codec(e.to_string()))?;
+                        .map_err(|e| Error::codec(e.to_string()))?;
                     Ok::<_, Error>(1)
                 })
                 .await

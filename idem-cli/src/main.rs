@@ -23,7 +23,7 @@ fn code_of(e: &Error) -> u8 {
     match e {
         Error::InvalidKey(_) | Error::InvalidConfig(_) => exit::USAGE,
         Error::LeaseHeld { .. } => exit::IN_FLIGHT,
-        Error::Corrupt(_) | Error::Codec(_) => exit::UNREADABLE,
+        Error::Corrupt { .. } | Error::Codec { .. } => exit::UNREADABLE,
         Error::Unavailable { .. } => exit::UNAVAILABLE,
         _ => exit::OTHER,
     }

@@ -544,7 +544,7 @@ impl<C> Consumer<C> {
             Error::InvalidKey(k) => Decision::DeadLetter {
                 reason: DeadLetterReason::BadMessage(k.to_string()),
             },
-            e @ (Error::Corrupt(_) | Error::Codec(_) | Error::TooLarge { .. }) => {
+            e @ (Error::Corrupt { .. } | Error::Codec { .. } | Error::TooLarge { .. }) => {
                 Decision::DeadLetter {
                     reason: DeadLetterReason::Store(e.to_string()),
                 }

@@ -66,7 +66,7 @@ pub(crate) fn marker_error(kind: ValueKind, bytes: &[u8]) -> Option<Error> {
                 limit: parts.next().unwrap_or(0),
             })
         }
-        ValueKind::Unstorable => Some(Error::Codec(format!(
+        ValueKind::Unstorable => Some(Error::codec(format!(
             "the first run's result could not be serialized ({text}), so no result was stored; \
              the body is not run again for this key — fix the type's Serialize impl"
         ))),
@@ -85,13 +85,14 @@ pub(crate) fn decompress(value: &[u8], limit: usize) -> Result<Vec<u8>, Error> {
     match size {
         Some(n) if (n as usize) <= limit => {}
         _ => {
-            return Err(Error::Corrupt(
+            return Err(Error::corrupt(
                 "compressed record with a missing or oversized length prefix".to_owned(),
             ));
         }
     }
-    lz4_flex::decompress_size_prepended(value)
-        .map_err(|e| Error::Corrupt(format!("compressed record does not decompress: {e}")))
+    lz4_flex::decompress_size_prepended(value).map_err(|e| {
+        Error::corrupt(format!("compressed record does not decompress: {e}")).with_source(e)
+    })
 }
 
 /// Reads a stored result back as `T`.
@@ -101,23 +102,25 @@ pub(crate) fn decode<T: DeserializeOwned>(c: &Completed, limit: usize) -> Result
             // Only valid JSON of another shape is a changed type; bytes that
             // are not JSON at all are a damaged or foreign record.
             if serde_json::from_slice::<serde::de::IgnoredAny>(json).is_err() {
-                return Error::Corrupt(format!(
+                return Error::corrupt(format!(
                     "the stored value is not JSON ({e}); another program may share this key \
                      space — use a distinct namespace, or delete the key"
-                ));
+                ))
+                .with_source(e);
             }
-            Error::Codec(format!(
+            Error::codec(format!(
                 "the stored result does not deserialize as `{}`: {e}; the result type changed since it \
                  was stored — change the scope (e.g. \"charge.v2\") when changing a result type",
                 std::any::type_name::<T>()
             ))
+            .with_source(e)
         })
     };
     match c.kind {
         ValueKind::Json => parse(&c.value),
         ValueKind::Lz4Json => parse(&decompress(&c.value, limit)?),
         kind => Err(marker_error(kind, &c.value)
-            .unwrap_or_else(|| Error::Corrupt(format!("unknown value kind {kind:?}")))),
+            .unwrap_or_else(|| Error::corrupt(format!("unknown value kind {kind:?}")))),
     }
 }
 
@@ -158,20 +161,20 @@ mod tests {
         assert_eq!(e.kind, ValueKind::Unstorable);
         assert!(matches!(
             decode::<u8>(&completed(e), 100),
-            Err(Error::Codec(_))
+            Err(Error::Codec { .. })
         ));
 
         let e = encode(&7u32, 100, None);
         assert!(matches!(
             decode::<String>(&completed(e), 100),
-            Err(Error::Codec(_))
+            Err(Error::Codec { .. })
         ));
 
         let mut lying = completed(encode(&big, 1 << 20, Some(1)));
         lying.value = Bytes::from_static(&[0xff, 0xff, 0xff, 0x7f, 1, 2]);
         assert!(matches!(
             decode::<String>(&lying, 1 << 20),
-            Err(Error::Corrupt(_))
+            Err(Error::Corrupt { .. })
         ));
     }
 }

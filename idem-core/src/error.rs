@@ -3,10 +3,16 @@
 use std::fmt;
 use std::time::Duration;
 
+/// A driver's or decoder's error kept as the cause of an [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Everything that can go wrong around an idempotent call.
 ///
-/// Each message says what happened and what to do about it. Errors of the
-/// user's own body never appear here: they are returned as they are.
+/// Each message says what happened and what to do about it; where a
+/// driver or decoder failed, its own error is kept as the
+/// [`source`](std::error::Error::source) (`redis::RedisError`,
+/// `sqlx::Error`, `serde_json::Error`). Errors of the user's own body never
+/// appear here: they are returned as they are.
 ///
 /// ```
 /// use idem_core::Error;
@@ -48,25 +54,47 @@ pub enum Error {
     /// The store could not be reached, timed out, or refused the command.
     /// With `FailMode::Closed` (the default) the body did not run. The
     /// reason names the store (Redis, PostgreSQL) and what to check.
+    ///
+    /// `source` is the client's own error when there is one (a
+    /// `redis::RedisError`, a `sqlx::Error`): downcast it to match on the
+    /// driver's error kind. Build it with [`Error::unavailable`].
     #[error(
         "idempotency store unavailable during {op}: {reason}; the body did not run — retry later"
     )]
+    #[non_exhaustive]
     Unavailable {
         /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
         op: &'static str,
-        /// What the store said.
+        /// What the store said, and what to check.
         reason: String,
+        /// The driver's error, when there is one.
+        #[source]
+        source: Option<BoxError>,
     },
 
     /// A stored record could not be read: garbage bytes, a wrong Redis type,
-    /// or a format written by a newer idem.
-    #[error("stored idempotency record is unreadable: {0}")]
-    Corrupt(String),
+    /// or a format written by a newer idem. Build it with [`Error::corrupt`].
+    #[error("stored idempotency record is unreadable: {reason}")]
+    #[non_exhaustive]
+    Corrupt {
+        /// What is wrong with the record.
+        reason: String,
+        /// The decoder's or driver's error, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
 
     /// A value could not be serialized, or a stored value does not
-    /// deserialize into the type asked for.
-    #[error("idempotent result codec error: {0}")]
-    Codec(String),
+    /// deserialize into the type asked for. Build it with [`Error::codec`].
+    #[error("idempotent result codec error: {reason}")]
+    #[non_exhaustive]
+    Codec {
+        /// What could not be encoded or decoded, and why.
+        reason: String,
+        /// The `serde_json::Error`, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
 
     /// The serialized result is larger than the configured limit.
     #[error(
@@ -164,15 +192,88 @@ impl Error {
         )
     }
 
+    /// The store could not do `op`; `reason` says what to check. Chain
+    /// the driver's error with [`with_source`](Error::with_source).
+    ///
+    /// ```
+    /// let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+    /// let e = idem_core::Error::unavailable("claim", "mystore: refused; is it up?").with_source(io);
+    /// let source = std::error::Error::source(&e).unwrap();
+    /// assert!(source.downcast_ref::<std::io::Error>().is_some());
+    /// ```
+    pub fn unavailable(op: &'static str, reason: impl Into<String>) -> Error {
+        Error::Unavailable {
+            op,
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A stored record that cannot be read; `reason` says what is wrong.
+    ///
+    /// ```
+    /// let e = idem_core::Error::corrupt("unknown value kind 'Q'");
+    /// assert!(e.to_string().contains("unreadable: unknown value kind"));
+    /// ```
+    pub fn corrupt(reason: impl Into<String>) -> Error {
+        Error::Corrupt {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A value that cannot be encoded or decoded; `reason` says which and why.
+    ///
+    /// ```
+    /// let json = serde_json::from_str::<u32>("\"x\"").unwrap_err();
+    /// let e = idem_core::Error::codec("stored value is not a u32").with_source(json);
+    /// assert!(std::error::Error::source(&e).unwrap().is::<serde_json::Error>());
+    /// ```
+    pub fn codec(reason: impl Into<String>) -> Error {
+        Error::Codec {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// Keeps `source` as the cause of an [`Unavailable`](Error::Unavailable),
+    /// [`Corrupt`](Error::Corrupt) or [`Codec`](Error::Codec) error, for
+    /// [`std::error::Error::source`]; other errors have no cause to keep
+    /// and are returned as they are.
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Error {
+        match &mut self {
+            Error::Unavailable { source: s, .. }
+            | Error::Corrupt { source: s, .. }
+            | Error::Codec { source: s, .. } => *s = Some(source.into()),
+            _ => {}
+        }
+        self
+    }
+
+    /// What the store said (`Unavailable`), or what is wrong (`Corrupt`,
+    /// `Codec`): the message without idem's framing. `None` for others.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::Error::corrupt("bad tag").reason(), Some("bad tag"));
+    /// ```
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            Error::Unavailable { reason, .. }
+            | Error::Corrupt { reason, .. }
+            | Error::Codec { reason, .. } => Some(reason),
+            _ => None,
+        }
+    }
+
     /// Redis's unavailability (the one store in this crate that can be
     /// unreachable): the reason ends with what to check. Other stores'
     /// crates build `Unavailable` with their own advice.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
-        Error::Unavailable {
+    #[cfg(feature = "redis")]
+    pub(crate) fn redis_unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
+        Error::unavailable(
             op,
-            reason: format!("{reason}; check that Redis is up and reachable"),
-        }
+            format!("{reason}; check that Redis is up and reachable"),
+        )
     }
 }
 

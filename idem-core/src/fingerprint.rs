@@ -36,10 +36,12 @@ impl Fingerprint {
     /// assert_eq!(idem_core::Fingerprint::of(&m).unwrap(), idem_core::Fingerprint::of(&n).unwrap());
     /// ```
     pub fn of<T: Serialize + ?Sized>(value: &T) -> Result<Fingerprint, Error> {
-        let canonical = serde_json::to_value(value)
-            .map_err(|e| Error::Codec(format!("fingerprint value cannot be serialized: {e}")))?;
-        let bytes = serde_json::to_vec(&canonical)
-            .map_err(|e| Error::Codec(format!("fingerprint value cannot be serialized: {e}")))?;
+        let canonical = serde_json::to_value(value).map_err(|e| {
+            Error::codec(format!("fingerprint value cannot be serialized: {e}")).with_source(e)
+        })?;
+        let bytes = serde_json::to_vec(&canonical).map_err(|e| {
+            Error::codec(format!("fingerprint value cannot be serialized: {e}")).with_source(e)
+        })?;
         Ok(Fingerprint::of_bytes(&bytes))
     }
 

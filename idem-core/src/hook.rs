@@ -107,8 +107,8 @@ impl CallOutcome {
         match e {
             Error::InProgress { .. } => CallOutcome::InProgress,
             Error::FingerprintMismatch => CallOutcome::FingerprintMismatch,
-            Error::Corrupt(_) => CallOutcome::Corrupt,
-            Error::Codec(_) => CallOutcome::Codec,
+            Error::Corrupt { .. } => CallOutcome::Corrupt,
+            Error::Codec { .. } => CallOutcome::Codec,
             Error::TooLarge { .. } => CallOutcome::TooLarge,
             Error::LeaseLost => CallOutcome::LeaseLost,
             Error::InvalidKey(_) | Error::InvalidConfig(_) | Error::NotInstalled => {

@@ -44,7 +44,7 @@ mod token;
 
 pub use call::Call;
 pub use derive::{DeriveError, KeyDeriver};
-pub use error::{Error, KeyError, KeyPart};
+pub use error::{BoxError, Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
 pub use hook::{CallOutcome, OutcomeEvent};
 pub use idempotency::{Idempotency, IdempotencyBuilder};

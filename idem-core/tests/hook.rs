@@ -42,10 +42,7 @@ struct Down;
 #[async_trait]
 impl Store for Down {
     async fn claim(&self, _: Claim<'_>) -> Result<ClaimReply, Error> {
-        Err(Error::Unavailable {
-            op: "claim",
-            reason: "down".into(),
-        })
+        Err(Error::unavailable("claim", "down"))
     }
     async fn complete(
         &self,
@@ -90,7 +87,7 @@ async fn one_event_per_call_for_every_outcome() {
     assert!(matches!(e, Err(Error::FingerprintMismatch)));
     let e: Result<u32, Error> = idem
         .call("charge", "k2")
-        .run(|| async { Err(Error::Codec("the body's own error".into())) })
+        .run(|| async { Err(Error::codec("the body's own error")) })
         .await;
     assert!(e.is_err());
     let e = idem.call("charge", "").run(|| ok(1)).await;

@@ -230,9 +230,9 @@ async fn redis_standalone() {
         .unwrap();
     for key in ["garbage", "hash"] {
         let e = idem.inspect("charge", key).await.unwrap_err();
-        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
         let e = idem.forget("charge", key).force().await.unwrap_err();
-        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
     }
     assert_eq!(server.cli(&["GET", "ops:charge:garbage"]), "not a record");
     assert_eq!(server.cli(&["TYPE", "ops:charge:hash"]), "hash");
@@ -241,7 +241,7 @@ async fn redis_standalone() {
     assert!(
         scanned
             .iter()
-            .all(|e| matches!(e, Ok(k) if matches!(k.record, Err(Error::Corrupt(_)))))
+            .all(|e| matches!(e, Ok(k) if matches!(k.record, Err(Error::Corrupt { .. }))))
     );
 
     // forget is a script: it survives SCRIPT FLUSH like the others.
@@ -288,9 +288,9 @@ async fn postgres() {
     let idem = idem(&store);
     for key in ["garbage", "short-token"] {
         let e = idem.inspect("charge", key).await.unwrap_err();
-        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
         let e = idem.forget("charge", key).force().await.unwrap_err();
-        assert!(matches!(e, Error::Corrupt(_)), "{e}");
+        assert!(matches!(e, Error::Corrupt { .. }), "{e}");
     }
     assert_eq!(db.count("SELECT count(*) FROM idem_keys").await, 2);
     let scanned: Vec<_> = idem.scan("charge").collect().await;
@@ -298,7 +298,7 @@ async fn postgres() {
     assert!(
         scanned
             .iter()
-            .all(|e| matches!(e, Ok(k) if matches!(k.record, Err(Error::Corrupt(_)))))
+            .all(|e| matches!(e, Ok(k) if matches!(k.record, Err(Error::Corrupt { .. }))))
     );
 }
 

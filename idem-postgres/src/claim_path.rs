@@ -182,7 +182,10 @@ mod tests {
             db.exec("INSERT INTO idem_keys (expires_at, state, key) VALUES (clock_timestamp() + interval '1 hour', 'X', 'odd')")
                 .await;
             let odd = s.claim(claim("odd", &a, 5_000, 60_000, None)).await;
-            assert!(matches!(odd, Err(Error::Corrupt(_))), "{path:?}: {odd:?}");
+            assert!(
+                matches!(odd, Err(Error::Corrupt { .. })),
+                "{path:?}: {odd:?}"
+            );
             assert_eq!(
                 db.count("SELECT count(*) FROM idem_keys WHERE key = 'odd' AND state = 'X'")
                     .await,
@@ -225,7 +228,7 @@ mod tests {
                         sqlx::query("INSERT INTO orders VALUES ('tx-1')")
                             .execute(&mut *tx)
                             .await
-                            .map_err(|e| Error::Codec(e.to_string()))?;
+                            .map_err(|e| Error::codec(e.to_string()))?;
                         Ok::<_, Error>(5u8)
                     })
                     .await

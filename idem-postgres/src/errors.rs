@@ -10,7 +10,8 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &e {
         let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
         let msg = db.message().to_owned();
-        return match code.as_str() {
+        // The driver's error stays reachable through `source()`.
+        let mapped = match code.as_str() {
             "40001" | "40P01" => Error::Conflict { code, reason: msg },
             // undefined_table
             "42P01" | "3F000" => Error::InvalidConfig(format!(
@@ -48,6 +49,7 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
                 ),
             ),
         };
+        return mapped.with_source(e);
     }
     let reason = match &e {
         sqlx::Error::PoolTimedOut => "no connection became free in time: the pool is exhausted or \
@@ -56,7 +58,7 @@ pub(crate) fn map(op: &'static str, table: &str, e: sqlx::Error) -> Error {
         sqlx::Error::PoolClosed => "the connection pool was closed".to_owned(),
         other => format!("{other}; check that PostgreSQL is up and reachable and the URL is right"),
     };
-    unavailable(op, reason)
+    unavailable(op, reason).with_source(e)
 }
 
 /// Maps a sqlx error met on the failure counts' table `failures`: a
@@ -77,8 +79,5 @@ pub(crate) fn map_failures(op: &'static str, failures: &str, e: sqlx::Error) -> 
 }
 
 pub(crate) fn unavailable(op: &'static str, reason: impl Into<String>) -> Error {
-    Error::Unavailable {
-        op,
-        reason: format!("PostgreSQL: {}", reason.into()),
-    }
+    Error::unavailable(op, format!("PostgreSQL: {}", reason.into()))
 }

@@ -8,18 +8,27 @@
 //! says "done" but the rows are missing.
 //!
 //! ```no_run
-//! use idem_core::{Error, Idempotency};
+//! use idem_core::Idempotency;
 //! use idem_postgres::{PgStore, RunInTx};
 //!
-//! # async fn demo() -> Result<(), Error> {
-//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await
-//!     .map_err(|e| Error::Unavailable { op: "connect", reason: e.to_string() })?;
+//! /// The application's error: idem's and the database's, each kept whole
+//! /// (match on it, or walk `source()`), no dressing up as one another.
+//! #[derive(Debug, thiserror::Error)]
+//! enum AppError {
+//!     #[error(transparent)]
+//!     Idem(#[from] idem_core::Error),
+//!     #[error("database: {0}")]
+//!     Db(#[from] sqlx::Error),
+//! }
+//!
+//! # async fn demo() -> Result<(), AppError> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
 //! let store = PgStore::from_pool(pool.clone());
 //! store.migrate().await?; // creates `idem_keys` and its functions if missing (or apply schema.sql yourself)
 //! let idem = Idempotency::builder(store).namespace("orders").build();
 //!
 //! // Plain calls work as on Redis:
-//! let n: u32 = idem.call("orders.count", "req-1").run(|| async { Ok::<_, Error>(3) }).await?;
+//! let n: u32 = idem.call("orders.count", "req-1").run(|| async { Ok::<_, AppError>(3) }).await?;
 //!
 //! // The row and the stored result commit together:
 //! let id: i64 = idem
@@ -27,9 +36,8 @@
 //!     .run_in_tx(&pool, async |tx| {
 //!         let (id,): (i64,) = sqlx::query_as("INSERT INTO orders (amount) VALUES (500) RETURNING id")
 //!             .fetch_one(&mut *tx)
-//!             .await
-//!             .map_err(|e| Error::Codec(e.to_string()))?;
-//!         Ok::<_, Error>(id)
+//!             .await?;
+//!         Ok::<_, AppError>(id)
 //!     })
 //!     .await?;
 //! # Ok(()) }

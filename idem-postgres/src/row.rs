@@ -167,7 +167,7 @@ where
 }
 
 pub(crate) fn corrupt(what: &str) -> Error {
-    Error::Corrupt(format!(
+    Error::corrupt(format!(
         "{what}; the row was not written by idem-postgres (or was edited by hand) and was left \
          as it is — delete it, or use a table of its own for idem"
     ))

@@ -187,19 +187,26 @@ fn same_database(a: &PgPool, b: &PgPool) -> bool {
 ///   committed on its own (`Outcome::Unprotected`).
 ///
 /// ```no_run
-/// use idem_core::{Error, Idempotency};
+/// use idem_core::Idempotency;
 /// use idem_postgres::{PgStore, RunInTx};
 ///
-/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Error> {
+/// #[derive(Debug, thiserror::Error)]
+/// enum AppError {
+///     #[error(transparent)]
+///     Idem(#[from] idem_core::Error),
+///     #[error("database: {0}")]
+///     Db(#[from] sqlx::Error),
+/// }
+///
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), AppError> {
 /// let idem = Idempotency::builder(PgStore::from_pool(pool.clone())).namespace("orders").build();
 /// let order_id: i64 = idem
 ///     .call("orders.create", "req-42")
 ///     .run_in_tx(&pool, async |tx| {
 ///         let row: (i64,) = sqlx::query_as("INSERT INTO orders (amount) VALUES (500) RETURNING id")
 ///             .fetch_one(&mut *tx)
-///             .await
-///             .map_err(|e| Error::Codec(e.to_string()))?; // use your own error type
-///         Ok::<_, Error>(row.0)
+///             .await?;
+///         Ok::<_, AppError>(row.0)
 ///     })
 ///     .await?;
 /// # Ok(()) }

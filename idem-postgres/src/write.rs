@@ -144,13 +144,13 @@ impl PgStore {
                 // `complete`, which finds it completed (committed) or still
                 // ours (rolled back, then released).
                 let e = self.fail("complete")(e);
-                slot.failed(Error::Unavailable {
-                    op: "complete",
-                    reason: format!(
+                slot.failed(Error::unavailable(
+                    "complete",
+                    format!(
                         "{e}; the body's transaction did not commit and the key was released: \
                          retry with the same key"
                     ),
-                });
+                ));
                 return Err(e);
             }
         };
@@ -159,14 +159,15 @@ impl PgStore {
         let e = self.fail("complete")(failure);
         let e = match e {
             Error::Conflict { .. } => e,
-            other => Error::Unavailable {
-                op: "commit",
-                reason: format!(
+            other => Error::unavailable(
+                "commit",
+                format!(
                     "the body's transaction could not commit ({other}); nothing was committed and \
                      the key was released. If the body caught a failed statement and returned Ok, \
                      return its error instead (an aborted transaction cannot commit)"
                 ),
-            },
+            )
+            .with_source(other),
         };
         tracing::warn!(error = %e, "the body's transaction was rolled back; releasing the key");
         let _ = self.write(key, token, WriteKind::Release).await;

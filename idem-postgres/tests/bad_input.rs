@@ -118,7 +118,7 @@ async fn corrupt_rows_are_reported_and_left_alone() {
     for (key, _) in &rows {
         let e = s.claim(claim(key, &t)).await.unwrap_err();
         assert!(
-            matches!(&e, Error::Corrupt(m) if m.contains("left")),
+            matches!(&e, Error::Corrupt { reason: m, .. } if m.contains("left")),
             "{key}: {e}"
         );
     }
@@ -132,7 +132,7 @@ async fn corrupt_rows_are_reported_and_left_alone() {
             assert!(
                 matches!(
                     r,
-                    Err(Error::Corrupt(_))
+                    Err(Error::Corrupt { .. })
                         | Ok(WriteReply::OtherOwner | WriteReply::AlreadyCompleted)
                 ),
                 "{key}: {r:?}"
@@ -148,7 +148,7 @@ async fn corrupt_rows_are_reported_and_left_alone() {
         .call("s", "k")
         .run(|| async { panic!("must not run") })
         .await;
-    assert!(matches!(r, Err(Error::Corrupt(_))), "{r:?}");
+    assert!(matches!(r, Err(Error::Corrupt { .. })), "{r:?}");
     db.exec("DELETE FROM idem_keys WHERE key = 'n:s:k'").await;
     let (after,): (String,) = sqlx::query_as(snapshot).fetch_one(&db.pool).await.unwrap();
     assert_eq!(before, after, "a corrupt row was modified");

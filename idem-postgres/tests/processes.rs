@@ -29,7 +29,7 @@ async fn body(tx: &mut sqlx::PgConnection, key: &str, who: &str) -> Result<i64, 
             .bind(who)
             .fetch_one(&mut *tx)
             .await
-            .map_err(|e| Error::Codec(e.to_string()))?;
+            .map_err(|e| Error::codec(e.to_string()))?;
     tokio::time::sleep(Duration::from_millis(30)).await;
     Ok(id)
 }
@@ -56,7 +56,7 @@ async fn hammer(
                     let mut conn = pool
                         .acquire()
                         .await
-                        .map_err(|e| Error::Codec(e.to_string()))?;
+                        .map_err(|e| Error::codec(e.to_string()))?;
                     body(&mut conn, key, &who).await
                 })
                 .await

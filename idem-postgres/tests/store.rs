@@ -314,7 +314,7 @@ async fn through_idempotency_every_value_replays() {
     // Err releases: the next call runs
     let e: Result<u32, Error> = idem
         .call("v", "err")
-        .run(|| async { Err(Error::Codec("boom".into())) })
+        .run(|| async { Err(Error::codec("boom")) })
         .await;
     assert!(e.is_err());
     let (v, o) = idem

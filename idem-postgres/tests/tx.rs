@@ -28,7 +28,7 @@ async fn insert(tx: &mut PgConnection, req: &str, holder: &str) -> Result<i64, E
             .bind(holder)
             .fetch_one(&mut *tx)
             .await
-            .map_err(|e| Error::Codec(format!("insert: {e}")))?;
+            .map_err(|e| Error::codec(format!("insert: {e}")))?;
     Ok(id)
 }
 
@@ -102,10 +102,10 @@ async fn err_rolls_back_and_releases() {
         .call("orders.create", "r2")
         .run_in_tx(&db.pool, async |tx| {
             insert(tx, "r2", "a").await?;
-            Err(Error::Codec("declined".into()))
+            Err(Error::codec("declined"))
         })
         .await;
-    assert!(matches!(r, Err(Error::Codec(_))));
+    assert!(matches!(r, Err(Error::Codec { .. })));
     assert_eq!((orders(&db, "r2").await, records(&db).await), (0, 0));
     // released: the retry runs and commits
     let (_, o) = idem
@@ -413,6 +413,7 @@ async fn statement_timeout_is_unavailable() {
             e @ Error::Unavailable {
                 op: "claim",
                 reason,
+                ..
             },
         ) => {
             assert!(reason.contains("statement_timeout"), "{e}")
@@ -464,7 +465,7 @@ async fn the_claim_runs_on_the_connection_the_body_then_uses() {
         let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
             .fetch_one(&mut *tx)
             .await
-            .map_err(|e| Error::Codec(e.to_string()))?;
+            .map_err(|e| Error::codec(e.to_string()))?;
         Ok::<_, Error>(pid)
     };
     // claim, body and completion: one connection taken from the pool and

@@ -233,7 +233,7 @@ impl RedisStore {
                     }
                 };
                 let idx = masters.iter().position(|m| *m == here).ok_or_else(|| {
-                    Error::unavailable(
+                    Error::redis_unavailable(
                         "scan",
                         format!(
                             "the cluster's masters changed during the scan ({}:{} is no longer one); start the scan again",
@@ -372,7 +372,7 @@ fn not_a_count(found: &str) -> Error {
         .take(24)
         .map(|c| if c.is_control() { '.' } else { c })
         .collect();
-    Error::Corrupt(format!(
+    Error::corrupt(format!(
         "a failure counter holds {shown:?} instead of a count; another program shares this key          space — use a distinct namespace, or delete the key"
     ))
 }

@@ -179,7 +179,7 @@ fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
 /// Says what is wrong with a record the scripts could not read.
 pub(crate) fn unreadable(record: &[u8]) -> Error {
     match record.first() {
-        Some(v) if v.is_ascii_digit() && *v > FORMAT_VERSION => Error::Corrupt(format!(
+        Some(v) if v.is_ascii_digit() && *v > FORMAT_VERSION => Error::corrupt(format!(
             "the record was written by a newer idem (format version {}); this build reads version 1 — \
              upgrade this service, or roll the newer one back",
             *v as char
@@ -189,7 +189,7 @@ pub(crate) fn unreadable(record: &[u8]) -> Error {
                 .chars()
                 .map(|c| if c.is_control() { '.' } else { c })
                 .collect();
-            Error::Corrupt(format!(
+            Error::corrupt(format!(
                 "{} bytes that are not an idem record (starting {shown:?}); \
                  another program may share this key space — use a distinct namespace, \
                  or delete the key",
@@ -200,7 +200,7 @@ pub(crate) fn unreadable(record: &[u8]) -> Error {
 }
 
 pub(crate) fn wrong_type() -> Error {
-    Error::Corrupt(
+    Error::corrupt(
         "the key holds a Redis type other than string; another program shares this key space — \
          use a distinct namespace, or delete the key"
             .to_owned(),
@@ -225,15 +225,15 @@ mod tests {
         assert_eq!(c.ttl_left, None);
         assert!(matches!(
             decode_completed(b"1C\x20ab".to_vec(), 1),
-            Err(Error::Corrupt(_))
+            Err(Error::Corrupt { .. })
         ));
         assert!(matches!(
             decode_completed(b"".to_vec(), 1),
-            Err(Error::Corrupt(_))
+            Err(Error::Corrupt { .. })
         ));
         assert!(matches!(
             decode_completed(b"1Q\x00".to_vec(), 1),
-            Err(Error::Corrupt(_))
+            Err(Error::Corrupt { .. })
         ));
         let newer = unreadable(b"2C\x00x").to_string();
         assert!(newer.contains("newer idem"), "{newer}");
@@ -253,7 +253,10 @@ mod tests {
             let mut r = b"1P\x00".to_vec();
             r.extend_from_slice(&token);
             r.extend_from_slice(bad);
-            assert!(matches!(decode(r, 1), Err(Error::Corrupt(_))), "{bad:?}");
+            assert!(
+                matches!(decode(r, 1), Err(Error::Corrupt { .. })),
+                "{bad:?}"
+            );
         }
         let newer = unreadable(b"2C\x00x").to_string();
         assert!(newer.contains("newer idem"), "{newer}");
@@ -314,7 +317,7 @@ mod tests {
                 (Some((tag, _)), Ok(Record::Completed(c))) => {
                     assert_eq!(c.kind.tag(), tag, "{what}")
                 }
-                (None, Err(Error::Corrupt(_))) => {}
+                (None, Err(Error::Corrupt { .. })) => {}
                 (expected, read) => panic!("{what}: expected {expected:?}, read {read:?}"),
             }
         }

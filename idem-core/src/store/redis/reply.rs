@@ -87,11 +87,11 @@ pub(super) fn classify(op: &'static str, e: RedisError) -> Error {
         _ if e.is_timeout() => format!("no reply within the response timeout ({e})"),
         _ => e.to_string(),
     };
-    Error::unavailable(op, reason)
+    Error::redis_unavailable(op, reason).with_source(e)
 }
 
 pub(super) fn protocol(op: &'static str, v: &Value) -> Error {
-    Error::unavailable(
+    Error::redis_unavailable(
         op,
         format!("unexpected reply from the idem script: {v:?}; is this Redis 7 or newer?"),
     )
@@ -148,7 +148,7 @@ pub(super) fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Erro
         Some(Code::OtherOwner) => Ok(WriteReply::OtherOwner),
         Some(Code::Completed) => Ok(WriteReply::AlreadyCompleted),
         // The write scripts do not send the record back: say what it is not.
-        Some(Code::Unreadable) => Err(Error::Corrupt(
+        Some(Code::Unreadable) => Err(Error::corrupt(
             "the key holds bytes that are not an idem record this build can read (damaged, \
              another program's, or a newer idem's format); use a distinct namespace, or delete the key"
                 .to_owned(),
