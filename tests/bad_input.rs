@@ -4,9 +4,10 @@
 //! not affected; nothing panics. Each case runs against `MemoryStore` and
 //! `RedisStore` wherever it applies (raw records exist only in Redis).
 
+use idem::store::{Store, Token, WriteReply};
 use idem::{
     Error, FailMode, Idempotency, IdempotencyBuilder, KeyError, KeyPart, MemoryStore, Outcome,
-    RedisStore, Store, Token, WriteReply,
+    RedisStore,
 };
 use idem_testkit::{Runs, TestContext};
 use serde::{Deserialize, Serialize};
@@ -505,7 +506,7 @@ async fn assert_corrupt(
             store.release(KEY, &t).await,
             store.extend(KEY, &t, Duration::from_secs(1)).await,
             store
-                .complete(KEY, &t, None, idem::ValueKind::Json, b"1")
+                .complete(KEY, &t, None, idem::store::ValueKind::Json, b"1")
                 .await,
         ];
         for w in writes {
@@ -980,7 +981,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
             ("zero lease and TTL", Duration::ZERO, Duration::ZERO),
         ] {
             let key = format!("idem:store:{case}");
-            let claim = |token| idem::Claim {
+            let claim = |token| idem::store::Claim {
                 key: &key,
                 token,
                 lease,
@@ -991,7 +992,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
             let first = store.claim(claim(&a)).await;
             assert_eq!(
                 first.unwrap(),
-                idem::ClaimReply::Acquired { attempt: 1 },
+                idem::store::ClaimReply::Acquired { attempt: 1 },
                 "{name}/{case}"
             );
             let extended = store.extend(&key, &a, lease).await;
@@ -1000,7 +1001,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
                 "{name}/{case}: {extended:?}"
             );
             let done = store
-                .complete(&key, &a, None, idem::ValueKind::Json, b"1")
+                .complete(&key, &a, None, idem::store::ValueKind::Json, b"1")
                 .await;
             assert!(
                 matches!(done, Ok(WriteReply::Done | WriteReply::Missing)),

@@ -3,7 +3,8 @@
 //! on a private Redis, a private three-master Redis Cluster, a PostgreSQL
 //! database of its own and MemoryStore.
 
-use idem::{Error, Idempotency, KeyState, Outcome, failure_key};
+use idem::store::failure_key;
+use idem::{Error, Idempotency, KeyState, Outcome};
 use idem_testkit::TestContext;
 use std::time::Duration;
 

@@ -4,7 +4,8 @@
 //! ends with its value or a typed error, and nothing is stranded beyond the
 //! lease.
 
-use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig, ValueKind};
+use idem::store::ValueKind;
+use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig};
 use idem_testkit::{
     BodyError, FaultProxy, Ledger, LogCapture, RecordPeek, RecordState, RedisServer, TestContext,
     eventually, is_typed_store_error, is_unavailable, record_state,

@@ -28,7 +28,7 @@ async fn until_executed(idem: &Idempotency, key: &str, value: u32) -> Outcome {
     last
 }
 
-fn cached(idem_store: impl idem::Store) -> Idempotency {
+fn cached(idem_store: impl idem::store::Store) -> Idempotency {
     Idempotency::builder(idem_store)
         .namespace("payments")
         .result_ttl(Duration::from_secs(3600))

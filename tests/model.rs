@@ -13,7 +13,9 @@
 //! ≥ 150 ms in the past (a sleep since). Long durations (5 s leases, 60 s
 //! TTLs) outlive a whole sequence.
 
-use idem::{Claim, ClaimReply, Fingerprint, MemoryStore, Store, Token, ValueKind, WriteReply};
+use idem::store::Finish;
+use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem::{Fingerprint, MemoryStore};
 use idem_postgres::PgStore;
 use idem_testkit::{PgTestDb, TestContext};
 use proptest::prelude::*;
@@ -80,6 +82,34 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let key = 0..KEYS.len();
     let tok = 0u8..3;
+    prop_oneof![
+        5 => claim_op(),
+        5 => finish_op(),
+        2 => (key, tok, any::<bool>())
+            .prop_map(|(key, token, long_lease)| Op::Extend { key, token, long_lease }),
+        1 => Just(Op::Advance),
+    ]
+}
+
+fn claim_op() -> impl Strategy<Value = Op> {
+    (
+        0..KEYS.len(),
+        0u8..3,
+        proptest::option::of(0u8..2),
+        prop::bool::weighted(0.2),
+        any::<bool>(),
+    )
+        .prop_map(|(key, token, fp, long_lease, long_ttl)| Op::Claim {
+            key,
+            token,
+            fp,
+            long_lease,
+            long_ttl,
+        })
+}
+
+/// A complete (3 in 5) or a release (2 in 5): the items of `finish_batch`.
+fn finish_op() -> impl Strategy<Value = Op> {
     let kind = prop_oneof![
         Just(ValueKind::Json),
         Just(ValueKind::Lz4Json),
@@ -87,30 +117,40 @@ fn op() -> impl Strategy<Value = Op> {
         Just(ValueKind::Unstorable),
     ];
     prop_oneof![
-        5 => (key.clone(), tok.clone(), proptest::option::of(0u8..2), prop::bool::weighted(0.2), any::<bool>())
-            .prop_map(|(key, token, fp, long_lease, long_ttl)| Op::Claim { key, token, fp, long_lease, long_ttl }),
-        3 => (key.clone(), tok.clone(), any::<bool>(), kind, 0..VALUES.len())
+        3 => (0..KEYS.len(), 0u8..3, any::<bool>(), kind, 0..VALUES.len())
             .prop_map(|(key, token, fp_hint, kind, value)| Op::Complete { key, token, fp_hint, kind, value }),
-        2 => (key.clone(), tok.clone()).prop_map(|(key, token)| Op::Release { key, token }),
-        2 => (key, tok, any::<bool>())
-            .prop_map(|(key, token, long_lease)| Op::Extend { key, token, long_lease }),
-        1 => Just(Op::Advance),
+        2 => (0..KEYS.len(), 0u8..3).prop_map(|(key, token)| Op::Release { key, token }),
     ]
 }
 
-fn ops() -> impl Strategy<Value = Vec<Op>> {
-    proptest::collection::vec(op(), 1..12).prop_map(|mut ops| {
+/// One step of a sequence: a single call, or a batch (`claim_batch` of
+/// claims, `finish_batch` of completes and releases) that the reference
+/// memory store runs one call at a time and the others as one batch. With
+/// three keys, a batch often holds a key twice.
+#[derive(Debug, Clone)]
+enum Step {
+    One(Op),
+    Batch(Vec<Op>),
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let step = prop_oneof![
+        8 => op().prop_map(Step::One),
+        1 => proptest::collection::vec(claim_op(), 1..5).prop_map(Step::Batch),
+        1 => proptest::collection::vec(finish_op(), 1..5).prop_map(Step::Batch),
+    ];
+    proptest::collection::vec(step, 1..12).prop_map(|mut steps| {
         // Keep the number of sleeps bounded (see MAX_ADVANCES).
         let mut seen = 0;
-        ops.retain(|o| {
-            if matches!(o, Op::Advance) {
+        steps.retain(|s| {
+            if matches!(s, Step::One(Op::Advance)) {
                 seen += 1;
                 seen <= MAX_ADVANCES
             } else {
                 true
             }
         });
-        ops
+        steps
     })
 }
 
@@ -131,20 +171,8 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
             long_ttl,
         } => {
             let (t, f) = (token(t), fp.map(fingerprint));
-            Reply::Claim(
-                store
-                    .claim(Claim {
-                        key: KEYS[key],
-                        token: &t,
-                        // A long lease over a short TTL: both stores keep
-                        // the record for the lease.
-                        lease: if long_lease { LONG_LEASE } else { SHORT },
-                        ttl: if long_ttl { LONG_TTL } else { SHORT },
-                        fingerprint: f.as_ref(),
-                        want_ttl_left: true,
-                    })
-                    .await?,
-            )
+            let claim = claim_of(key, &t, f.as_ref(), long_lease, long_ttl);
+            Reply::Claim(store.claim(claim).await?)
         }
         Op::Complete {
             key,
@@ -181,6 +209,80 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
     })
 }
 
+fn claim_of<'a>(
+    key: usize,
+    token: &'a Token,
+    fingerprint: Option<&'a Fingerprint>,
+    long_lease: bool,
+    long_ttl: bool,
+) -> Claim<'a> {
+    Claim {
+        key: KEYS[key],
+        token,
+        // A long lease over a short TTL: both stores keep the record for
+        // the lease.
+        lease: if long_lease { LONG_LEASE } else { SHORT },
+        ttl: if long_ttl { LONG_TTL } else { SHORT },
+        fingerprint,
+        want_ttl_left: true,
+    }
+}
+
+/// Runs `ops` as one batch: `claim_batch` when they are claims, else
+/// `finish_batch` (`steps` makes batches of one sort only).
+async fn batch(store: &dyn Store, ops: &[Op]) -> Vec<Result<Reply, idem::Error>> {
+    let owned: Vec<(Token, Option<Fingerprint>)> = ops
+        .iter()
+        .map(|op| match *op {
+            Op::Claim { token: t, fp, .. } => (token(t), fp.map(fingerprint)),
+            Op::Complete {
+                token: t, fp_hint, ..
+            } => (token(t), fp_hint.then(|| fingerprint(1))),
+            Op::Release { token: t, .. } | Op::Extend { token: t, .. } => (token(t), None),
+            Op::Advance => (token(0), None),
+        })
+        .collect();
+    if ops.iter().all(|op| matches!(op, Op::Claim { .. })) {
+        let claims: Vec<Claim<'_>> = ops
+            .iter()
+            .zip(&owned)
+            .filter_map(|(op, (t, f))| match *op {
+                Op::Claim {
+                    key,
+                    long_lease,
+                    long_ttl,
+                    ..
+                } => Some(claim_of(key, t, f.as_ref(), long_lease, long_ttl)),
+                _ => None,
+            })
+            .collect();
+        let replies = store.claim_batch(&claims).await;
+        return replies.into_iter().map(|r| r.map(Reply::Claim)).collect();
+    }
+    let finishes: Vec<Finish<'_>> = ops
+        .iter()
+        .zip(&owned)
+        .filter_map(|(op, (t, f))| match *op {
+            Op::Complete {
+                key, kind, value, ..
+            } => Some(Finish::Complete {
+                key: KEYS[key],
+                token: t,
+                fingerprint: f.as_ref(),
+                kind,
+                value: VALUES[value],
+            }),
+            Op::Release { key, .. } => Some(Finish::Release {
+                key: KEYS[key],
+                token: t,
+            }),
+            _ => None,
+        })
+        .collect();
+    let replies = store.finish_batch(&finishes).await;
+    replies.into_iter().map(|r| r.map(Reply::Write)).collect()
+}
+
 fn close(a: Duration, b: Duration) -> bool {
     a.abs_diff(b) <= CLOCK_SLACK
 }
@@ -209,56 +311,88 @@ fn same(mem: &Reply, red: &Reply) -> bool {
     }
 }
 
-async fn run_case(ops: &[Op], redis: &TestContext, pg: &Pg) -> Result<(), TestCaseError> {
+async fn run_case(steps: &[Step], redis: &TestContext, pg: &Pg) -> Result<(), TestCaseError> {
     redis.server().flushall();
     pg.0.exec("DELETE FROM idem_keys").await;
+    // The reference runs every operation as a single call; `batched`, Redis
+    // and PostgreSQL run a batch step as one batch.
     let memory = MemoryStore::new();
+    let batched = MemoryStore::new();
     let mut log = Vec::new();
     // Every sequence ends with a probe of each key by an outsider token, so
     // a divergence in state that no reply showed yet still surfaces.
-    let probes = (0..KEYS.len()).map(|key| Op::Claim {
-        key,
-        token: 9,
-        fp: None,
-        long_lease: false,
-        long_ttl: true,
+    let probes = (0..KEYS.len()).map(|key| {
+        Step::One(Op::Claim {
+            key,
+            token: 9,
+            fp: None,
+            long_lease: false,
+            long_ttl: true,
+        })
     });
-    for op in ops.iter().copied().chain(probes) {
+    for step_ in steps.iter().cloned().chain(probes) {
         let started = Instant::now();
-        if let Op::Advance = op {
+        if let Step::One(Op::Advance) = step_ {
             tokio::time::sleep(ADVANCE).await;
         }
-        let mem = step(&memory, op).await;
-        let red = step(redis.store(), op).await;
-        let sql = step(&pg.1, op).await;
-        let (mem, red, sql) = match (mem, red, sql) {
-            (Ok(m), Ok(r), Ok(p)) => (m, r, p),
-            (m, r, p) => {
+        let ops = match &step_ {
+            Step::One(op) => vec![*op],
+            Step::Batch(ops) => ops.clone(),
+        };
+        let mut mem = Vec::with_capacity(ops.len());
+        for op in &ops {
+            mem.push(step(&memory, *op).await);
+        }
+        let (bat, red, sql) = match &step_ {
+            Step::One(op) => (
+                vec![step(&batched, *op).await],
+                vec![step(redis.store(), *op).await],
+                vec![step(&pg.1, *op).await],
+            ),
+            Step::Batch(ops) => (
+                batch(&batched, ops).await,
+                batch(redis.store(), ops).await,
+                batch(&pg.1, ops).await,
+            ),
+        };
+        let lens = [bat.len(), red.len(), sql.len()];
+        if lens != [ops.len(); 3] {
+            return Err(TestCaseError::fail(format!(
+                "{step_:?}: {lens:?} replies for {} operations",
+                ops.len()
+            )));
+        }
+        let all = mem.into_iter().zip(bat).zip(red).zip(sql);
+        for (op, (((mem, bat), red), sql)) in ops.iter().zip(all) {
+            let (mem, bat, red, sql) = match (mem, bat, red, sql) {
+                (Ok(m), Ok(b), Ok(r), Ok(p)) => (m, b, r, p),
+                (m, b, r, p) => {
+                    return Err(TestCaseError::fail(format!(
+                        "{op:?} in {step_:?}: a store failed: memory {m:?}, batched memory {b:?}, redis {r:?}, postgres {p:?}\nafter {log:#?}"
+                    )));
+                }
+            };
+            if !same(&mem, &bat) || !same(&mem, &red) || !same(&mem, &sql) {
                 return Err(TestCaseError::fail(format!(
-                    "{op:?}: a store failed: memory {m:?}, redis {r:?}, postgres {p:?}\nafter {log:#?}"
+                    "stores diverge at {op:?} in {step_:?}:\n  memory:   {mem:?}\n  batched:  {bat:?}\n  redis:    {red:?}\n  postgres: {sql:?}\nafter {log:#?}"
                 )));
             }
-        };
-        if !same(&mem, &red) || !same(&mem, &sql) {
-            return Err(TestCaseError::fail(format!(
-                "stores diverge at {op:?}:\n  memory:   {mem:?}\n  redis:    {red:?}\n  postgres: {sql:?}\nafter {log:#?}"
-            )));
+            log.push((*op, mem));
         }
         // A step far slower than expected would blur the lease boundaries
         // this model relies on: say so instead of reporting a false bug.
         let took = started
             .elapsed()
-            .saturating_sub(if matches!(op, Op::Advance) {
+            .saturating_sub(if matches!(step_, Step::One(Op::Advance)) {
                 ADVANCE
             } else {
                 Duration::ZERO
             });
         if took > Duration::from_millis(100) {
             return Err(TestCaseError::reject(format!(
-                "step {op:?} took {took:?}: machine too loaded"
+                "step {step_:?} took {took:?}: machine too loaded"
             )));
         }
-        log.push((op, mem));
     }
     Ok(())
 }
@@ -312,7 +446,7 @@ fn memory_and_redis_stores_are_one_state_machine() {
     };
     let mut runner = TestRunner::new(config);
     let started = Instant::now();
-    let result = runner.run(&ops(), |ops| rt.block_on(run_case(&ops, &redis, &pg)));
+    let result = runner.run(&steps(), |steps| rt.block_on(run_case(&steps, &redis, &pg)));
     if let Err(e) = result {
         panic!("MemoryStore and RedisStore diverge: {e}");
     }
@@ -460,20 +594,95 @@ fn memory_and_redis_agree_on_every_transition() {
         ],
     ];
     for ops in sequences {
-        // A case rejected for a slow step (see `run_case`) is run again from
-        // clean stores, as proptest does with its own draws; a divergence
-        // fails at once.
-        let mut tries = 0;
-        loop {
-            match rt.block_on(run_case(&ops, &redis, &pg)) {
-                Ok(()) => break,
-                Err(TestCaseError::Reject(why)) if tries < MAX_SLOW_RETRIES => {
-                    tries += 1;
-                    eprintln!("model: run again ({why})");
-                }
-                Err(e) => panic!("{e}"),
+        run_fixed(&rt, &redis, &pg, ops.into_iter().map(Step::One).collect());
+    }
+}
+
+/// Runs one fixed sequence. A case rejected for a slow step (see
+/// `run_case`) is run again from clean stores, as proptest does with its
+/// own draws; a divergence fails at once.
+fn run_fixed(rt: &tokio::runtime::Runtime, redis: &TestContext, pg: &Pg, steps: Vec<Step>) {
+    let mut tries = 0;
+    loop {
+        match rt.block_on(run_case(&steps, redis, pg)) {
+            Ok(()) => break,
+            Err(TestCaseError::Reject(why)) if tries < MAX_SLOW_RETRIES => {
+                tries += 1;
+                eprintln!("model: run again ({why})");
             }
+            Err(e) => panic!("{e}"),
         }
+    }
+}
+
+/// Batches that hold a key more than once, beside other keys, through
+/// each transition: every store answers each item as the reference
+/// answers the same calls one by one, in batch order.
+#[test]
+fn batches_answer_as_the_single_calls_in_order() {
+    use Op::*;
+    let (rt, redis, pg) = runtime_and_redis();
+    let claim = |key, token, fp| Claim {
+        key,
+        token,
+        fp,
+        long_lease: false,
+        long_ttl: true,
+    };
+    let json = |key, token, value| Complete {
+        key,
+        token,
+        fp_hint: true,
+        kind: ValueKind::Json,
+        value,
+    };
+    let sequences: Vec<Vec<Step>> = vec![
+        vec![
+            // fresh, busy, re-sent, mismatch; another key beside it
+            Step::Batch(vec![
+                claim(0, 0, Some(1)),
+                claim(0, 1, Some(1)),
+                claim(1, 2, None),
+                claim(0, 0, Some(1)),
+                claim(0, 1, Some(0)),
+            ]),
+            // complete, then the same again, a release and another owner
+            Step::Batch(vec![
+                json(0, 0, 3),
+                json(0, 0, 3),
+                Release { key: 0, token: 0 },
+                json(0, 1, 2),
+                Release { key: 1, token: 2 },
+                json(1, 2, 1),
+            ]),
+            // replays, a fresh key after its release
+            Step::Batch(vec![
+                claim(0, 1, None),
+                claim(1, 0, None),
+                claim(0, 2, Some(0)),
+            ]),
+        ],
+        vec![
+            Step::Batch(vec![claim(2, 0, None), claim(1, 0, None)]),
+            Step::One(Advance),
+            // takeover (attempt 2), then busy for the next one in the batch
+            Step::Batch(vec![
+                claim(2, 1, Some(1)),
+                claim(2, 2, None),
+                claim(2, 1, Some(1)),
+                claim(1, 0, None),
+            ]),
+            // the old holder is refused; release then complete of one key
+            Step::Batch(vec![
+                json(2, 0, 4),
+                Release { key: 2, token: 1 },
+                json(2, 1, 4),
+                Release { key: 1, token: 0 },
+            ]),
+        ],
+    ];
+    for steps in sequences {
+        run_fixed(&rt, &redis, &pg, steps);
     }
 }
 

@@ -2,10 +2,8 @@
 //! PostgreSQL (PgStore, a fresh database per test) and against
 //! MemoryStore: every store must behave as one state machine.
 
-use idem::{
-    Claim, ClaimReply, Error, FailMode, Idempotency, Outcome, RedisStore, Token, ValueKind,
-    WriteReply,
-};
+use idem::store::{Claim, ClaimReply, Token, ValueKind, WriteReply};
+use idem::{Error, FailMode, Idempotency, Outcome, RedisStore};
 use idem_testkit::{RedisServer, TestContext};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use std::collections::{BTreeMap, HashSet};

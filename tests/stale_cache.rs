@@ -5,10 +5,11 @@
 //! `PUBSUB SHARDCHANNELS` sees only this test's subscribers).
 
 use async_trait::async_trait;
-use idem::{
-    Claim, ClaimReply, Error, Fingerprint, Idempotency, Invalidation, InvalidationSink, KeyWatch,
-    Outcome, RecordInfo, RedisStore, Store, Token, ValueKind, WriteReply,
+use idem::store::{
+    Claim, ClaimReply, Invalidation, InvalidationSink, KeyWatch, Store, Token, ValueKind,
+    WriteReply,
 };
+use idem::{Error, Fingerprint, Idempotency, Outcome, RecordInfo, RedisStore};
 use idem_testkit::TestContext;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -7,10 +7,10 @@
 //! one about seven times over the same hold.
 
 use async_trait::async_trait;
-use idem::{
-    Claim, ClaimReply, Error, Fingerprint, Idempotency, InvalidationSink, KeyWatch, MemoryStore,
-    Outcome, RecordInfo, Store, Token, ValueKind, WriteReply,
+use idem::store::{
+    Claim, ClaimReply, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
+use idem::{Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo};
 use idem_testkit::{Ledger, TestContext};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

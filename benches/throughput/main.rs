@@ -37,6 +37,7 @@
 // The JSON report is one `json!` object with many fields.
 #![recursion_limit = "256"]
 
+mod batch;
 mod cpu;
 mod keys;
 mod memory;
@@ -177,6 +178,14 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
     if waits {
         wait::print_waits(&wait::measure_waits(&url).await);
     }
+    // The batch phase too: `claim_batch`/`finish_batch` against single calls.
+    let batches = opts
+        .only
+        .as_ref()
+        .is_none_or(|o| o.iter().any(|n| n == "batch"));
+    if batches {
+        batch::measure_and_print(&fresh_store, run_id).await;
+    }
     // Only when asked: it installs the process's global recorder.
     #[cfg(feature = "metrics")]
     if opts
@@ -196,7 +205,7 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
         })
         .collect();
     if selected.is_empty() {
-        if waits {
+        if waits || batches {
             return;
         }
         usage()

@@ -50,7 +50,9 @@ fn main() -> ExitCode {
     }
 }
 
-async fn connect(target: &Target) -> Result<Idempotency, Error> {
+/// The store `idem` talks to, and what it describes itself as (the first
+/// line of `inspect`: for Redis, the server and how it completes records).
+async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
     validate_key_part(KeyPart::Namespace, &target.namespace)?;
     // An operator waits a little longer than a service would.
     let config = RedisStoreConfig::default()
@@ -59,9 +61,10 @@ async fn connect(target: &Target) -> Result<Idempotency, Error> {
     if let Some(url) = &target.postgres {
         let config = idem_postgres::PgStoreConfig::table(target.table.as_str());
         let store = idem_postgres::PgStore::connect_with(url, config).await?;
-        return Ok(Idempotency::builder(store)
+        let idem = Idempotency::builder(store)
             .namespace(&target.namespace)
-            .build());
+            .build();
+        return Ok((idem, "postgres".to_owned()));
     }
     let store = if target.cluster.is_empty() {
         let url = target.redis.as_deref().unwrap_or("redis://127.0.0.1:6379/");
@@ -70,13 +73,19 @@ async fn connect(target: &Target) -> Result<Idempotency, Error> {
         let urls: Vec<&str> = target.cluster.iter().map(String::as_str).collect();
         RedisStore::connect_cluster_with(&urls, config).await?
     };
-    Ok(Idempotency::builder(store)
+    let described = format!(
+        "redis ({}; complete: {})",
+        store.server(),
+        store.complete_path()
+    );
+    let idem = Idempotency::builder(store)
         .namespace(&target.namespace)
-        .build())
+        .build();
+    Ok((idem, described))
 }
 
 async fn run(cli: Cli) -> Result<u8, Error> {
-    let idem = connect(&cli.target).await?;
+    let (idem, store) = connect(&cli.target).await?;
     let json = cli.target.json;
     match cli.command {
         Command::Inspect { scope, key, value } => {
@@ -99,7 +108,7 @@ async fn run(cli: Cli) -> Result<u8, Error> {
             if json {
                 println!("{}", render::json(&scope, &key, &info));
             } else {
-                print!("{}", render::human_record(&scope, &key, &info));
+                print!("{}", render::human_record(&store, &scope, &key, &info));
             }
             Ok(0)
         }

@@ -1,6 +1,7 @@
 //! Records as people and programs read them.
 
-use idem_core::{KeyState, RecordInfo, ValueKind};
+use idem_core::store::ValueKind;
+use idem_core::{KeyState, RecordInfo};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -76,9 +77,10 @@ pub(crate) fn summary(info: &RecordInfo) -> String {
     }
 }
 
-pub(crate) fn human_record(scope: &str, key: &str, info: &RecordInfo) -> String {
+/// A record as people read it, under a header naming the store.
+pub(crate) fn human_record(store: &str, scope: &str, key: &str, info: &RecordInfo) -> String {
     let mut out = format!(
-        "scope:       {scope}\nkey:         {key}\nstate:       {}\nfingerprint: {}\n",
+        "store:       {store}\nscope:       {scope}\nkey:         {key}\nstate:       {}\nfingerprint: {}\n",
         summary(info),
         if info.fingerprint.is_some() {
             "stored"

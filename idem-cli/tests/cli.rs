@@ -1,6 +1,7 @@
 //! The `idem` binary against a real redis-server: output and exit codes.
 
-use idem_core::{Claim, Error, Idempotency, RedisStore, Store, Token};
+use idem_core::store::{Claim, Store, Token};
+use idem_core::{Error, Idempotency, RedisStore};
 use idem_testkit::RedisServer;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -63,6 +64,14 @@ async fn inspect_forget_scan_and_exit_codes() {
         out(&o)
     );
     assert!(out(&o).contains("fingerprint: stored"), "{}", out(&o));
+    // The header names the server and how it completes records.
+    let header = out(&o).lines().next().unwrap_or_default().to_owned();
+    assert!(
+        header.starts_with("store:       redis (")
+            && (header.ends_with("; complete: script)")
+                || header.ends_with("; complete: set-ifeq)")),
+        "{header}"
+    );
     let o = idem(
         url,
         &with(&["--json", "inspect", "charge", "done", "--value"]),

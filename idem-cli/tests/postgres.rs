@@ -1,7 +1,8 @@
 //! The `idem` binary with `--postgres`: the same commands, output and exit
 //! codes over a PgStore (a fresh database of this test's own).
 
-use idem_core::{Claim, Error, Token};
+use idem_core::Error;
+use idem_core::store::{Claim, Token};
 use idem_testkit::TestContext;
 use std::process::{Command, Output};
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! Brokers redeliver: a consumer that crashes after its side effect but
 //! before its ack gets the message again, and so may another consumer that
 //! sees it go stale. This crate runs each message's handler through idem
-//! (any [`Store`](idem_core::Store): Redis, memory…) keyed on the message id
+//! (any [`Store`](idem_core::store::Store): Redis, memory…) keyed on the message id
 //! or a hash of its payload, so the handler runs **once per key** and every
 //! redelivery replays its result, then returns a [`Decision`] (ack, nack
 //! with delay, dead-letter with a reason) for the adapter to apply.

@@ -20,7 +20,8 @@
 //! ```
 //!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
-//! defaults, and [`Store`] for the state machine both stores implement.
+//! defaults, and [`Store`](store::Store) for the state machine both
+//! stores implement.
 #![warn(missing_docs)]
 
 mod cache;

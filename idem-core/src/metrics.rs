@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::CallOutcome;
 use crate::store::{
-    Claim, ClaimReply, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
     WriteReply,
 };
 use crate::token::Token;
@@ -232,6 +232,20 @@ impl Store for Metered {
         let reply = self.store.release(key, token).await;
         self.record("release", since);
         reply
+    }
+
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        let since = Instant::now();
+        let replies = self.store.claim_batch(claims).await;
+        self.record("claim_batch", since);
+        replies
+    }
+
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        let since = Instant::now();
+        let replies = self.store.finish_batch(ops).await;
+        self.record("finish_batch", since);
+        replies
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {

@@ -3,10 +3,8 @@
 //! exporter renders after a known sequence of calls.
 
 use async_trait::async_trait;
-use idem_core::{
-    CallOutcome, Claim, ClaimReply, Error, FailMode, Fingerprint, Idempotency, MemoryStore,
-    Outcome, Store, Token, ValueKind, WriteReply,
-};
+use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::{CallOutcome, Error, FailMode, Fingerprint, Idempotency, MemoryStore, Outcome};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

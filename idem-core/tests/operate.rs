@@ -3,10 +3,8 @@
 //! forget means for local replay caches.
 
 use futures_util::StreamExt;
-use idem_core::{
-    Claim, ClaimReply, Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore, Store,
-    Token, ValueKind,
-};
+use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::{Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore};
 use idem_testkit::{RedisCluster, RedisServer, TestContext};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -319,18 +317,13 @@ impl Store for Deaf {
         fp: Option<&idem_core::Fingerprint>,
         kind: ValueKind,
         value: &[u8],
-    ) -> Result<idem_core::WriteReply, Error> {
+    ) -> Result<WriteReply, Error> {
         self.0.complete(key, token, fp, kind, value).await
     }
-    async fn release(&self, key: &str, token: &Token) -> Result<idem_core::WriteReply, Error> {
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.0.release(key, token).await
     }
-    async fn extend(
-        &self,
-        key: &str,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<idem_core::WriteReply, Error> {
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.0.extend(key, token, lease).await
     }
     async fn forget(&self, key: &str, force: bool) -> Result<Option<idem_core::RecordInfo>, Error> {

@@ -89,9 +89,8 @@ impl Forecast {
 mod tests {
     use super::*;
     use crate::{PgStore, RunInTx};
-    use idem_core::{
-        ClaimReply, Error, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
-    };
+    use idem_core::store::{ClaimReply, Store, Token, ValueKind};
+    use idem_core::{Error, Fingerprint, Idempotency, Outcome};
     use idem_testkit::{PgTestDb, claim};
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;

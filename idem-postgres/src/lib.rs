@@ -47,6 +47,7 @@
 //! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`].
 #![warn(missing_docs)]
 
+mod batch;
 mod claim_path;
 mod config;
 mod errors;

@@ -1,5 +1,5 @@
 //! Operating a `PgStore`: `inspect`, `forget` and `scan`, with the same
-//! answers as idem's Redis and memory stores (see `idem_core::Store`).
+//! answers as idem's Redis and memory stores (see `idem_core::store::Store`).
 //!
 //! Reads are single statements on the database's clock. `forget` reads the
 //! row under `FOR UPDATE`, decides in Rust (the same decoding as every
@@ -11,7 +11,8 @@
 use crate::errors::map_failures;
 use crate::row::{get, row_info};
 use crate::store::PgStore;
-use idem_core::{Error, RecordInfo, ScanPage};
+use idem_core::store::ScanPage;
+use idem_core::{Error, RecordInfo};
 use sqlx::AssertSqlSafe;
 use std::sync::Arc;
 

@@ -4,9 +4,8 @@
 use crate::sql::claim_col;
 use crate::time::{duration_ms, interval_ms};
 use bytes::Bytes;
-use idem_core::{
-    Claim, ClaimReply, Completed, Error, Fingerprint, RecordInfo, ValueKind, WriteReply,
-};
+use idem_core::store::{Claim, ClaimReply, Completed, ValueKind, WriteReply};
+use idem_core::{Error, Fingerprint, RecordInfo};
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row};
 

@@ -1,7 +1,7 @@
 //! The table that holds the records: its DDL (also shipped as
 //! `schema.sql`) and the idempotent migration.
 //!
-//! One row per key, the state machine of `idem_core::Store` in columns:
+//! One row per key, the state machine of `idem_core::store::Store` in columns:
 //!
 //! | column | pending (`P`) | completed (`C`, `Z`, `L`, `U`) |
 //! | --- | --- | --- |

@@ -66,6 +66,10 @@ pub(crate) struct Statements {
     pub claim_insert: Arc<str>,
     pub claim_insert_tx: Arc<str>,
     pub claim_read: Arc<str>,
+    /// The combined claim of a batch of distinct keys (`batch.rs`).
+    pub claim_batch: Arc<str>,
+    /// The completes and releases of a batch of distinct keys.
+    pub finish_batch: Arc<str>,
     pub complete: Arc<str>,
     /// The quoted name of the `run_in_tx` completion function.
     complete_in_tx: String,
@@ -236,7 +240,41 @@ impl Statements {
                SELECT key FROM {f} WHERE expires_at <= clock_timestamp() \
                LIMIT $1 FOR UPDATE SKIP LOCKED)"
         );
+        // A batch of distinct keys (`batch.rs`): the combined claim per
+        // row of the arrays, in their order, with the position appended
+        // after `claim_col`'s columns; and the completes and releases as
+        // `complete` and `release` above, answering the keys they changed.
+        // A key the batch statement does not answer goes through the single
+        // call, which re-runs the same write and reads why it was refused.
+        let claim_batch = format!(
+            "SELECT CASE WHEN r.key IS NULL OR r.expires_at <= c.now \
+                          OR (r.state = 'P' AND (r.token = b.token OR r.lease_until <= c.now)) \
+                     THEN {claim_fn}(b.key, b.token, b.lease, b.ttl, b.fp, false, c.now, r.key IS NULL) END AS won, \
+                    r.attempt, r.state, r.token, r.fingerprint, r.value, \
+                    r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left, b.ord \
+             FROM unnest($1::text[], $2::bytea[], $3::bigint[], $4::bigint[], $5::bytea[]) \
+                  WITH ORDINALITY AS b(key, token, lease, ttl, fp, ord) \
+             CROSS JOIN (SELECT clock_timestamp() AS now OFFSET 0) c \
+             LEFT JOIN {t} r ON r.key = b.key ORDER BY b.ord",
+            claim_fn = t.routine(CLAIM_FN),
+        );
+        let finish_batch = format!(
+            "WITH b AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::\"char\"[], $4::bytea[]) \
+                        AS b(key, token, state, value)), \
+             c AS (SELECT clock_timestamp() AS now), \
+             done AS (UPDATE {t} r SET state = b.state, value = b.value, attempt = NULL, \
+                             lease_until = NULL, token = NULL, in_tx = false \
+                      FROM b, c WHERE b.state IS NOT NULL AND r.key = b.key AND r.state = 'P' \
+                        AND r.token = b.token AND r.expires_at > c.now AND NOT r.in_tx \
+                      RETURNING r.key), \
+             gone AS (DELETE FROM {t} r USING b, c WHERE b.state IS NULL AND r.key = b.key \
+                        AND r.state = 'P' AND r.token = b.token AND r.expires_at > c.now \
+                      RETURNING r.key) \
+             SELECT key FROM done UNION ALL SELECT key FROM gone"
+        );
         Statements {
+            claim_batch: claim_batch.into(),
+            finish_batch: finish_batch.into(),
             count_failure: count_failure.into(),
             forget_failures: forget_failures.into(),
             reap_failures: reap_failures.into(),

@@ -1,5 +1,5 @@
 //! `PgStore`: its pool and rendered statements, its constructors and its
-//! migration. What it does as an `idem_core::Store` is in `store_impl.rs`
+//! migration. What it does as an `idem_core::store::Store` is in `store_impl.rs`
 //! (claims), `write.rs` (completes, releases, extends) and `operate.rs`.
 
 use crate::claim_path::Forecast;

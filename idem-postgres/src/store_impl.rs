@@ -1,4 +1,4 @@
-//! `PgStore` as an `idem_core::Store`: the claim and its race loop here,
+//! `PgStore` as an `idem_core::store::Store`: the claim and its race loop here,
 //! the writes in `write.rs`, operators' reads in `operate.rs`.
 
 use crate::claim_path::ClaimPath;
@@ -9,10 +9,9 @@ use crate::time::{lease_ms, millis, ms_i64, record_ttl_ms};
 use crate::tx;
 use crate::write::{MAX_RACES, WriteKind};
 use async_trait::async_trait;
-use idem_core::{
-    Claim, ClaimReply, Error, Fingerprint, RecordInfo, ScanPage, Store, Token, ValueKind,
-    WriteReply,
-};
+use idem_core::store::Finish;
+use idem_core::store::{Claim, ClaimReply, ScanPage, Store, Token, ValueKind, WriteReply};
+use idem_core::{Error, Fingerprint, RecordInfo};
 use sqlx::{AssertSqlSafe, Row};
 use std::sync::Arc;
 use std::time::Duration;
@@ -142,6 +141,14 @@ impl Store for PgStore {
             WriteState::Reply(r) => Ok(r),
             WriteState::Ours | WriteState::TxBound => Ok(WriteReply::Missing),
         }
+    }
+
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        self.claim_many(claims).await
+    }
+
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        self.finish_many(ops).await
     }
 
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {

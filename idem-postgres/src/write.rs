@@ -7,7 +7,8 @@ use crate::row::{WriteState, read_write_row, row_done};
 use crate::schema::LEASE_LOST;
 use crate::store::PgStore;
 use crate::tx::{self, TxSlot};
-use idem_core::{Error, WriteReply};
+use idem_core::Error;
+use idem_core::store::WriteReply;
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use std::sync::Arc;
 

@@ -3,7 +3,8 @@
 
 mod support;
 
-use idem_core::{Claim, ClaimReply, Error, Store, Token, ValueKind, WriteReply};
+use idem_core::Error;
+use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
 use support::{DbStore, TestDb};

@@ -6,7 +6,8 @@
 
 mod support;
 
-use idem_core::{Error, Store};
+use idem_core::Error;
+use idem_core::store::Store;
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
 use support::{DbStore, TestDb};

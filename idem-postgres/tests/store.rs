@@ -3,10 +3,8 @@
 
 mod support;
 
-use idem_core::{
-    ClaimReply, Error, FailMode, Fingerprint, Idempotency, Outcome, Store, Token, ValueKind,
-    WriteReply,
-};
+use idem_core::store::{ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::{Error, FailMode, Fingerprint, Idempotency, Outcome};
 use idem_postgres::{PgStore, PgStoreConfig};
 use idem_testkit::claim;
 use std::time::Duration;

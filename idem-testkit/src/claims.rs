@@ -1,6 +1,7 @@
 //! A store-level claim in one call, for tests that drive `Store` directly.
 
-use idem_core::{Claim, Fingerprint, Token};
+use idem_core::Fingerprint;
+use idem_core::store::{Claim, Token};
 use std::time::Duration;
 
 /// The [`Claim`] of `key` by `token`, with a lease and TTL in ms, asking for

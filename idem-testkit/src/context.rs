@@ -4,9 +4,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use idem_core::{
-    Idempotency, IdempotencyBuilder, MemoryStore, RedisStore, RedisStoreConfig, Store,
-};
+use idem_core::store::Store;
+use idem_core::{Idempotency, IdempotencyBuilder, MemoryStore, RedisStore, RedisStoreConfig};
 use idem_postgres::PgStore;
 
 use crate::record::{RecordPeek, RecordState, record_state};

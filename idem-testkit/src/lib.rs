@@ -99,7 +99,7 @@ pub use rabbitmq::{RabbitServer, require_rabbitmq};
 pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;
 pub use runs::Runs;
-pub use server::RedisServer;
+pub use server::{RedisServer, SERVER_ENV};
 pub use worker::{exit_with_parent, run_worker};
 
 use std::collections::HashSet;
@@ -138,14 +138,20 @@ fn is_executable(path: &Path) -> bool {
 }
 
 /// The Redis binaries, or a panic with installation instructions.
+/// [`server::SERVER_ENV`] names another server binary (Valkey); its
+/// directory's `valkey-cli` or `redis-cli` is used with it when there is one.
 pub(crate) fn redis_binaries() -> &'static RedisBinaries {
     static BINARIES: OnceLock<Option<RedisBinaries>> = OnceLock::new();
     BINARIES
-        .get_or_init(|| {
-            Some(RedisBinaries {
+        .get_or_init(|| match server::server_from_env() {
+            Some(server) => Some(RedisBinaries {
+                cli: server::cli_beside(&server).or_else(|| find_binary("redis-cli"))?,
+                server,
+            }),
+            None => Some(RedisBinaries {
                 server: find_binary("redis-server")?,
                 cli: find_binary("redis-cli")?,
-            })
+            }),
         })
         .as_ref()
         .unwrap_or_else(|| panic!("{MISSING_REDIS}"))

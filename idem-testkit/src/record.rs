@@ -4,7 +4,7 @@
 //! format changes this one place. It reads the header alone (version,
 //! state); what follows is idem-core's business.
 
-use idem_core::ValueKind;
+use idem_core::store::ValueKind;
 
 /// The one format version these peeks understand.
 const FORMAT_VERSION: u8 = b'1';
@@ -29,7 +29,7 @@ impl RecordState {
     /// ```
     /// use idem_testkit::RecordState;
     ///
-    /// assert_eq!(RecordState::of(b"1C\x00{}"), RecordState::Completed(idem_core::ValueKind::Json));
+    /// assert_eq!(RecordState::of(b"1C\x00{}"), RecordState::Completed(idem_core::store::ValueKind::Json));
     /// assert_eq!(RecordState::of(b"hello"), RecordState::Unreadable);
     /// ```
     pub fn of(raw: &[u8]) -> RecordState {

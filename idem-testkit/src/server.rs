@@ -431,6 +431,38 @@ fn tail(path: &Path, from: u64, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The environment variable that names the server binary the tests run
+/// instead of `redis-server` from `PATH`, e.g. a Valkey:
+/// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test --test semantics`.
+pub const SERVER_ENV: &str = "IDEM_REDIS_SERVER";
+
+/// The server binary [`SERVER_ENV`] names, if it is set and not empty.
+///
+/// # Panics
+///
+/// When it is set to something that is not an executable file.
+pub(crate) fn server_from_env() -> Option<PathBuf> {
+    let path = PathBuf::from(std::env::var_os(SERVER_ENV).filter(|v| !v.is_empty())?);
+    if !crate::is_executable(&path) {
+        panic!(
+            "idem-testkit: {SERVER_ENV}={} is not an executable file: point it at a \
+             redis-server or valkey-server binary, or unset it to use redis-server from PATH",
+            path.display()
+        );
+    }
+    Some(path)
+}
+
+/// The command-line client in the same directory as `server`
+/// (`valkey-cli` beside `valkey-server`, `redis-cli` beside `redis-server`).
+pub(crate) fn cli_beside(server: &Path) -> Option<PathBuf> {
+    let dir = server.parent()?;
+    ["valkey-cli", "redis-cli"]
+        .into_iter()
+        .map(|name| dir.join(name))
+        .find(|candidate| crate::is_executable(candidate))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

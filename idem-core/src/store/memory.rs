@@ -2,8 +2,8 @@
 
 use super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, namespace_prefix};
 use super::{
-    Claim, ClaimReply, Completed, RecordInfo, ScanPage, Store, ValueKind, WriteReply, record_ttl,
-    store_duration, store_lease,
+    Claim, ClaimReply, Completed, Finish, RecordInfo, ScanPage, Store, ValueKind, WriteReply,
+    record_ttl, store_duration, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -111,6 +111,13 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// Wakes the waiters of `key` once a write changed it.
+    fn notify_if_done(&self, key: &str, reply: WriteReply) {
+        if reply.is_done() {
+            self.hub.notify(key);
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Map> {
         // No code path panics while holding the lock; recover anyway.
         self.map.lock().unwrap_or_else(|p| p.into_inner())
@@ -159,6 +166,108 @@ impl Map {
         };
         self.note_write(now);
         count
+    }
+
+    /// `Store::claim` at `now`, under the caller's lock.
+    fn claim(&mut self, c: &Claim<'_>, now: Instant) -> ClaimReply {
+        let lease = store_lease(c.lease);
+        let ttl = record_ttl(c.ttl, c.lease);
+        let pending = |attempt| State::Pending {
+            token: *c.token,
+            deadline: now + lease,
+            attempt,
+        };
+        let Some(entry) = self.live(c.key, now) else {
+            self.entries.insert(
+                c.key.to_owned(),
+                Entry {
+                    state: pending(1),
+                    fingerprint: c.fingerprint.copied(),
+                    expires_at: now + ttl,
+                },
+            );
+            self.note_write(now);
+            return ClaimReply::Acquired { attempt: 1 };
+        };
+        if mismatch(c.fingerprint, entry.fingerprint.as_ref()) {
+            return ClaimReply::Mismatch;
+        }
+        match entry.state {
+            State::Completed { kind, ref value } => ClaimReply::Completed(Completed {
+                kind,
+                value: value.clone(),
+                fingerprint: entry.fingerprint,
+                ttl_left: Some(entry.expires_at - now),
+            }),
+            State::Pending {
+                token,
+                deadline,
+                attempt,
+            } => {
+                if token == *c.token {
+                    // Our own claim again: its reply was lost and it was re-sent.
+                    entry.state = pending(attempt);
+                } else if deadline > now {
+                    return ClaimReply::InProgress {
+                        retry_after: deadline - now,
+                    };
+                } else {
+                    entry.state = pending(attempt.saturating_add(1));
+                    if c.fingerprint.is_some() {
+                        entry.fingerprint = c.fingerprint.copied();
+                    }
+                }
+                entry.expires_at = now + ttl;
+                let attempt = match entry.state {
+                    State::Pending { attempt, .. } => attempt,
+                    State::Completed { .. } => 1,
+                };
+                ClaimReply::Acquired { attempt }
+            }
+        }
+    }
+
+    /// `Store::complete` at `now`, under the caller's lock.
+    fn complete(
+        &mut self,
+        key: &str,
+        token: &Token,
+        kind: ValueKind,
+        value: &[u8],
+        now: Instant,
+    ) -> WriteReply {
+        let entry = match self.owned(key, token, now) {
+            Ok(e) => e,
+            // Already holding exactly this result: this same complete, sent
+            // again after its reply was lost (as the Lua script decides).
+            Err(WriteReply::AlreadyCompleted) => {
+                let same = self.live(key, now).is_some_and(|e| {
+                    matches!(&e.state, State::Completed { kind: k, value: v } if *k == kind && v[..] == *value)
+                });
+                return if same {
+                    WriteReply::Done
+                } else {
+                    WriteReply::AlreadyCompleted
+                };
+            }
+            Err(reply) => return reply,
+        };
+        entry.state = State::Completed {
+            kind,
+            value: Bytes::copy_from_slice(value),
+        };
+        // The expiry stays: the result TTL counts from the claim.
+        self.note_write(now);
+        WriteReply::Done
+    }
+
+    /// `Store::release` at `now`, under the caller's lock.
+    fn release(&mut self, key: &str, token: &Token, now: Instant) -> WriteReply {
+        if let Err(reply) = self.owned(key, token, now) {
+            return reply;
+        }
+        self.entries.remove(key);
+        WriteReply::Done
     }
 
     /// Finds the caller's pending entry, or says why it is not there.
@@ -213,63 +322,7 @@ impl Store for MemoryStore {
     }
 
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
-        let now = Instant::now();
-        let lease = store_lease(c.lease);
-        let ttl = record_ttl(c.ttl, c.lease);
-        let pending = |attempt| State::Pending {
-            token: *c.token,
-            deadline: now + lease,
-            attempt,
-        };
-        let mut map = self.lock();
-        let Some(entry) = map.live(c.key, now) else {
-            map.entries.insert(
-                c.key.to_owned(),
-                Entry {
-                    state: pending(1),
-                    fingerprint: c.fingerprint.copied(),
-                    expires_at: now + ttl,
-                },
-            );
-            map.note_write(now);
-            return Ok(ClaimReply::Acquired { attempt: 1 });
-        };
-        if mismatch(c.fingerprint, entry.fingerprint.as_ref()) {
-            return Ok(ClaimReply::Mismatch);
-        }
-        match entry.state {
-            State::Completed { kind, ref value } => Ok(ClaimReply::Completed(Completed {
-                kind,
-                value: value.clone(),
-                fingerprint: entry.fingerprint,
-                ttl_left: Some(entry.expires_at - now),
-            })),
-            State::Pending {
-                token,
-                deadline,
-                attempt,
-            } => {
-                if token == *c.token {
-                    // Our own claim again: its reply was lost and it was re-sent.
-                    entry.state = pending(attempt);
-                } else if deadline > now {
-                    return Ok(ClaimReply::InProgress {
-                        retry_after: deadline - now,
-                    });
-                } else {
-                    entry.state = pending(attempt.saturating_add(1));
-                    if c.fingerprint.is_some() {
-                        entry.fingerprint = c.fingerprint.copied();
-                    }
-                }
-                entry.expires_at = now + ttl;
-                let attempt = match entry.state {
-                    State::Pending { attempt, .. } => attempt,
-                    State::Completed { .. } => 1,
-                };
-                Ok(ClaimReply::Acquired { attempt })
-            }
-        }
+        Ok(self.lock().claim(&c, Instant::now()))
     }
 
     async fn complete(
@@ -280,45 +333,52 @@ impl Store for MemoryStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        let now = Instant::now();
-        let mut map = self.lock();
-        let entry = match map.owned(key, token, now) {
-            Ok(e) => e,
-            // Already holding exactly this result: this same complete, sent
-            // again after its reply was lost (as the Lua script decides).
-            Err(WriteReply::AlreadyCompleted) => {
-                let same = map.live(key, now).is_some_and(|e| {
-                    matches!(&e.state, State::Completed { kind: k, value: v } if *k == kind && v[..] == *value)
-                });
-                return Ok(if same {
-                    WriteReply::Done
-                } else {
-                    WriteReply::AlreadyCompleted
-                });
-            }
-            Err(reply) => return Ok(reply),
-        };
-        entry.state = State::Completed {
-            kind,
-            value: Bytes::copy_from_slice(value),
-        };
-        // The expiry stays: the result TTL counts from the claim.
-        map.note_write(now);
-        drop(map);
-        self.hub.notify(key);
-        Ok(WriteReply::Done)
+        let reply = self
+            .lock()
+            .complete(key, token, kind, value, Instant::now());
+        self.notify_if_done(key, reply);
+        Ok(reply)
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let reply = self.lock().release(key, token, Instant::now());
+        self.notify_if_done(key, reply);
+        Ok(reply)
+    }
+
+    /// One lock for the whole batch, so its items are one step each of
+    /// the same machine the single calls drive.
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
         let now = Instant::now();
         let mut map = self.lock();
-        if let Err(reply) = map.owned(key, token, now) {
-            return Ok(reply);
-        }
-        map.entries.remove(key);
-        drop(map);
-        self.hub.notify(key);
-        Ok(WriteReply::Done)
+        claims.iter().map(|c| Ok(map.claim(c, now))).collect()
+    }
+
+    /// One lock for the whole batch; waiters are woken after it is let go.
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        let now = Instant::now();
+        let replies: Vec<WriteReply> = {
+            let mut map = self.lock();
+            ops.iter()
+                .map(|op| match *op {
+                    Finish::Complete {
+                        key,
+                        token,
+                        kind,
+                        value,
+                        ..
+                    } => map.complete(key, token, kind, value, now),
+                    Finish::Release { key, token } => map.release(key, token, now),
+                })
+                .collect()
+        };
+        ops.iter()
+            .zip(replies)
+            .map(|(op, reply)| {
+                self.notify_if_done(op.key(), reply);
+                Ok(reply)
+            })
+            .collect()
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {

@@ -188,6 +188,102 @@ impl WriteReply {
     }
 }
 
+/// One write that ends a claim, as an item of [`Store::finish_batch`]:
+/// the arguments of [`Store::complete`] or of [`Store::release`].
+///
+/// ```
+/// use idem_core::store::{Finish, Token};
+/// let token = Token::random();
+/// let op = Finish::Release { key: "idem:charge:42", token: &token };
+/// assert_eq!(op.key(), "idem:charge:42");
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub enum Finish<'a> {
+    /// [`Store::complete`] of `key` for `token`.
+    Complete {
+        /// The full stored key.
+        key: &'a str,
+        /// The owner token that holds the pending record.
+        token: &'a Token,
+        /// The caller's fingerprint, as given to the claim.
+        fingerprint: Option<&'a Fingerprint>,
+        /// How `value` is encoded.
+        kind: ValueKind,
+        /// The bytes to store.
+        value: &'a [u8],
+    },
+    /// [`Store::release`] of `key` for `token`.
+    Release {
+        /// The full stored key.
+        key: &'a str,
+        /// The owner token that holds the pending record.
+        token: &'a Token,
+    },
+}
+
+impl<'a> Finish<'a> {
+    /// The stored key this write acts on.
+    ///
+    /// ```
+    /// use idem_core::store::{Finish, Token, ValueKind};
+    /// let token = Token::random();
+    /// let op = Finish::Complete { key: "k", token: &token, fingerprint: None, kind: ValueKind::Json, value: b"1" };
+    /// assert_eq!(op.key(), "k");
+    /// ```
+    pub fn key(&self) -> &'a str {
+        match self {
+            Finish::Complete { key, .. } | Finish::Release { key, .. } => key,
+        }
+    }
+
+    /// The owner token this write acts for.
+    pub fn token(&self) -> &'a Token {
+        match self {
+            Finish::Complete { token, .. } | Finish::Release { token, .. } => token,
+        }
+    }
+
+    /// Runs this write through the single-key methods of `store`: what the
+    /// default [`Store::finish_batch`] does per item.
+    pub async fn run_on<S: Store + ?Sized>(&self, store: &S) -> Result<WriteReply, Error> {
+        match *self {
+            Finish::Complete {
+                key,
+                token,
+                fingerprint,
+                kind,
+                value,
+            } => store.complete(key, token, fingerprint, kind, value).await,
+            Finish::Release { key, token } => store.release(key, token).await,
+        }
+    }
+}
+
+/// The positions of a batch's items in waves, for a store that sends a
+/// batch as one statement or pipeline: the n-th occurrence of a key goes to
+/// the n-th wave, so no wave holds a key twice, and running the waves in
+/// order answers a key's items in batch order. A batch of distinct keys is
+/// one wave.
+///
+/// ```
+/// use idem_core::store::key_waves;
+/// let waves = key_waves(["a", "b", "a", "c", "a"]);
+/// assert_eq!(waves, vec![vec![0, 1, 3], vec![2], vec![4]]);
+/// ```
+pub fn key_waves<'k>(keys: impl IntoIterator<Item = &'k str>) -> Vec<Vec<usize>> {
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut waves: Vec<Vec<usize>> = Vec::new();
+    for (i, key) in keys.into_iter().enumerate() {
+        let n = seen.entry(key).or_insert(0);
+        match waves.get_mut(*n) {
+            Some(wave) => wave.push(i),
+            None => waves.push(vec![i]),
+        }
+        *n += 1;
+    }
+    waves
+}
+
 /// A backend that keeps idempotency records.
 ///
 /// Implementations must be atomic per key: each method is one indivisible
@@ -228,6 +324,66 @@ pub trait Store: Send + Sync + 'static {
 
     /// Moves the caller's lease deadline to now + `lease`.
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error>;
+
+    /// Claims several keys at once: one reply per item, in order, each the
+    /// reply [`claim`](Store::claim) would give for it. A batch is a
+    /// transport, never a transaction across keys: each key keeps exactly
+    /// the single call's semantics, an item that fails answers its own
+    /// error while the others are answered normally, and a key that comes
+    /// twice is answered as two single calls in that order would be.
+    ///
+    /// The default calls `claim` per item; stores override it to save
+    /// round trips (Redis: one pipeline; MemoryStore: one lock).
+    ///
+    /// ```
+    /// use idem_core::store::{Claim, ClaimReply, MemoryStore, Store, Token};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let (a, b) = (Token::random(), Token::random());
+    /// let claim = |key, token| Claim { key, token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// let replies = store.claim_batch(&[claim("k1", &a), claim("k1", &b)]).await;
+    /// assert_eq!(replies[0].as_ref().ok(), Some(&ClaimReply::Acquired { attempt: 1 }));
+    /// assert!(matches!(replies[1], Ok(ClaimReply::InProgress { .. })));
+    /// # });
+    /// ```
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        let mut replies = Vec::with_capacity(claims.len());
+        for claim in claims {
+            replies.push(self.claim(*claim).await);
+        }
+        replies
+    }
+
+    /// Completes and releases several keys at once: one reply per item, in
+    /// order, each the reply [`complete`](Store::complete) or
+    /// [`release`](Store::release) would give for it, with the same
+    /// per-key guarantees as [`claim_batch`](Store::claim_batch).
+    ///
+    /// The default runs each item through the single methods.
+    ///
+    /// ```
+    /// use idem_core::store::{Claim, Finish, MemoryStore, Store, Token, ValueKind, WriteReply};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let token = Token::random();
+    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// store.claim(claim).await?;
+    /// let done = Finish::Complete { key: "k", token: &token, fingerprint: None, kind: ValueKind::Json, value: b"7" };
+    /// let again = Finish::Release { key: "k", token: &token };
+    /// let replies = store.finish_batch(&[done, again]).await;
+    /// assert_eq!(replies[0].as_ref().ok(), Some(&WriteReply::Done));
+    /// assert_eq!(replies[1].as_ref().ok(), Some(&WriteReply::AlreadyCompleted));
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        let mut replies = Vec::with_capacity(ops.len());
+        for op in ops {
+            replies.push(op.run_on(self).await);
+        }
+        replies
+    }
 
     /// The backend's short name, the `store` label of idem's metrics
     /// (`redis`, `memory`, `postgres`). A bounded set: never a key or URL.

@@ -1,6 +1,8 @@
 //! `RedisStore`: a plain `SET NX GET` for the common claims, four Lua
 //! scripts for the rest, one key each.
 
+mod batch;
+mod complete;
 mod config;
 mod notify;
 mod operate;
@@ -10,6 +12,7 @@ mod scripts;
 
 pub use self::config::RedisStoreConfig;
 
+use self::complete::Server;
 use self::notify::{Notifier, Source};
 use self::record::{CompletedRecord, MS_DIGITS, PendingRecord, Record};
 use self::reply::{
@@ -18,8 +21,8 @@ use self::reply::{
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
 use super::{
-    Claim, ClaimReply, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
-    WriteReply, millis, record_ttl, store_lease,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
+    WriteReply, millis, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -58,6 +61,9 @@ pub struct RedisStore {
     /// Wakes this process's waiters (and local caches): `None` for a store
     /// made from a connection (no URL to open a subscriber with).
     notifier: Option<Arc<Notifier>>,
+    /// What the server is, how `complete` runs on it, and the pending
+    /// records this process wrote (complete.rs).
+    server: Arc<Server>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -114,11 +120,13 @@ impl RedisStore {
         let manager = ConnectionManager::new_with_config(client, manager_config)
             .await
             .map_err(|e| classify("connect", e))?;
-        let store = RedisStore {
+        let mut store = RedisStore {
             conn: Conn::Single(manager),
             notifier: Some(Arc::new(notifier)),
+            server: Arc::new(Server::unknown()),
         };
         store.load_scripts().await?;
+        store.server = Arc::new(store.detect_server().await);
         Ok(store)
     }
 
@@ -166,10 +174,13 @@ impl RedisStore {
             .get_async_connection()
             .await
             .map_err(|e| classify("connect", e))?;
-        Ok(RedisStore {
+        let mut store = RedisStore {
             conn: Conn::Cluster(conn),
             notifier: Some(Arc::new(notifier)),
-        })
+            server: Arc::new(Server::unknown()),
+        };
+        store.server = Arc::new(store.detect_server().await);
+        Ok(store)
     }
 
     /// Wraps a `ConnectionManager` you configured yourself. Such a store
@@ -188,6 +199,7 @@ impl RedisStore {
         RedisStore {
             conn: Conn::Single(manager),
             notifier: None,
+            server: Arc::new(Server::unknown()),
         }
     }
 
@@ -204,6 +216,7 @@ impl RedisStore {
         RedisStore {
             conn: Conn::Cluster(conn),
             notifier: None,
+            server: Arc::new(Server::unknown()),
         }
     }
 
@@ -292,14 +305,7 @@ impl RedisStore {
         record: &PendingRecord<'_>,
         ttl: u64,
     ) -> Result<(Option<Vec<u8>>, i64), Error> {
-        let mut set = Cmd::with_capacity(7, 3 + claim.key.len() + 3 + 16 + 32 + 2 * MS_DIGITS + 12);
-        set.arg("SET")
-            .arg(claim.key)
-            .arg(record)
-            .arg("NX")
-            .arg("PX")
-            .arg(ttl)
-            .arg("GET");
+        let set = batch::set_nx_get_cmd(claim.key, record, ttl);
         let (found, pttl) = if claim.want_ttl_left {
             let mut pipe = redis::pipe();
             pipe.add_command(set).cmd("PTTL").arg(claim.key);
@@ -330,15 +336,8 @@ impl RedisStore {
         record: PendingRecord<'_>,
         ttl: u64,
     ) -> Result<ClaimReply, Error> {
-        let want = if claim.want_ttl_left { "1" } else { "0" };
         let lua = &SCRIPTS.claim;
-        let mut cmd = invocation(
-            lua.script.get_hash(),
-            claim.key,
-            3,
-            3 + 16 + 32 + 2 * MS_DIGITS + 3,
-        );
-        cmd.arg(record).arg(ttl).arg(want);
+        let cmd = batch::claim_script_cmd(claim, &record, ttl);
         parse_claim(self.eval("claim", lua, claim.key, &cmd).await?)
     }
 
@@ -364,16 +363,12 @@ impl Store for RedisStore {
     }
 
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        let ttl = millis(record_ttl(claim.ttl, claim.lease));
-        let record = PendingRecord {
-            fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
-            token: claim.token,
-            // The lease ends when the key's remaining TTL falls to this: a
-            // difference of durations, so no clock is read on either side.
-            lease_end: ttl - millis(store_lease(claim.lease)),
-        };
+        let (record, ttl) = batch::pending_record(&claim);
         match self.set_nx_get(&claim, &record, ttl).await {
-            Ok((None, _)) => Ok(ClaimReply::Acquired { attempt: 1 }),
+            Ok((None, _)) => {
+                self.server.remember(&record);
+                Ok(ClaimReply::Acquired { attempt: 1 })
+            }
             Ok((Some(found), pttl)) => match record::decode(found, pttl)? {
                 // Someone holds it, or held it and stopped (a takeover), or
                 // it is our own claim re-sent: the script decides atomically.
@@ -404,6 +399,9 @@ impl Store for RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
+        if let Some(done) = self.complete_plain(key, token, kind, value).await {
+            return done;
+        }
         let record = CompletedRecord {
             kind,
             fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
@@ -416,6 +414,7 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.server.forget(token);
         let lua = &SCRIPTS.release;
         let mut cmd = invocation(lua.script.get_hash(), key, 1, 32);
         cmd.arg(token.as_bytes().as_slice());
@@ -423,11 +422,20 @@ impl Store for RedisStore {
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        self.server.forget(token);
         let lua = &SCRIPTS.extend;
         let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + MS_DIGITS);
         cmd.arg(token.as_bytes().as_slice())
             .arg(millis(store_lease(lease)));
         parse_write("extend", self.eval("extend", lua, key, &cmd).await?)
+    }
+
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        self.claim_many(claims).await
+    }
+
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        self.finish_many(ops).await
     }
 
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {

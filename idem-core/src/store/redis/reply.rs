@@ -74,9 +74,11 @@ pub(super) fn classify_claim(e: RedisError) -> Error {
 }
 
 pub(super) fn classify(op: &'static str, e: RedisError) -> Error {
-    // Redis refuses a command called by a script with ERR, not NOPERM.
+    // Redis refuses a command called by a script with ERR, not NOPERM
+    // (Valkey: "ACL failure in script: …").
     let denied = matches!(e.kind(), redis::ErrorKind::Server(ServerErrorKind::NoPerm))
-        || e.to_string().contains("can't run this command");
+        || e.to_string().contains("can't run this command")
+        || e.to_string().contains("ACL failure in script");
     let reason = match e.kind() {
         _ if denied => format!(
             "Redis ACL denied the command ({e}); grant the commands listed in the README's ACL section"

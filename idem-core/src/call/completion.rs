@@ -1,0 +1,158 @@
+//! Storing a finished body's result, even when the call is dropped
+//! meanwhile.
+
+use super::exec::Exec;
+use super::is_unavailable;
+use crate::codec::{encode, marker_error};
+use crate::fingerprint::Fingerprint;
+use crate::store::{Completed, Store, ValueKind, WriteReply};
+use crate::token::Token;
+use backon::{ExponentialBuilder, Retryable};
+use bytes::Bytes;
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::Instrument;
+
+impl Exec<'_> {
+    /// Stores the result, re-trying within the lease. The work has happened
+    /// either way, so this never turns a success into an error; and if this
+    /// future is dropped meanwhile (the caller gave up), the completion
+    /// goes on in a task of its own rather than leave the key to run again.
+    pub(super) async fn complete<T: Serialize>(&self, value: &T) -> Stored {
+        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
+        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
+            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
+        }
+        let value: Bytes = encoded.bytes.into();
+        let completion = Completion {
+            store: self.store,
+            key: &self.key,
+            token: self.token,
+            fingerprint: self.fingerprint,
+            kind: encoded.kind,
+            value: &value,
+            lease: self.lease,
+        };
+        let mut detach = DetachOnDrop(Some(&completion));
+        let stored = completion.run().await;
+        detach.0 = None;
+        drop(detach);
+        if stored == Stored::Yes {
+            if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
+                let record = Completed {
+                    kind: encoded.kind,
+                    value: value.clone(),
+                    fingerprint: self.fingerprint,
+                    // The record's TTL runs from the claim, sent after this.
+                    ttl_left: Some(self.ttl),
+                };
+                cache.insert(&self.key, record, started, self.seen);
+            }
+        }
+        stored
+    }
+}
+
+/// Whether a finished body's result made it into the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stored {
+    Yes,
+    /// The record was no longer ours: taken over, or expired.
+    LeaseLost,
+    /// The store could not be reached within the retry window.
+    No,
+}
+
+/// Everything a `complete` needs, borrowed from the call; `to_owned` for a
+/// completion that outlives it.
+struct Completion<'a> {
+    store: &'a Arc<dyn Store>,
+    key: &'a str,
+    token: Token,
+    fingerprint: Option<Fingerprint>,
+    kind: ValueKind,
+    value: &'a Bytes,
+    lease: Duration,
+}
+
+impl Completion<'_> {
+    /// Sends `complete`, re-sending while the store is unreachable, for at
+    /// most half a lease: past the lease the key may be taken over anyway.
+    /// A re-sent complete that finds its own result stored is `Done`.
+    async fn run(&self) -> Stored {
+        let retries = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(20))
+            .with_max_delay(self.lease / 4)
+            .with_total_delay(Some(self.lease / 2))
+            .without_max_times();
+        let result = (|| {
+            self.store.complete(
+                self.key,
+                &self.token,
+                self.fingerprint.as_ref(),
+                self.kind,
+                self.value,
+            )
+        })
+        .retry(retries)
+        .when(is_unavailable)
+        .await;
+        match result {
+            Ok(WriteReply::Done) => Stored::Yes,
+            Ok(other) => {
+                tracing::error!(
+                    ?other,
+                    "the body finished after its lease was lost (it blocked or was not polled for longer than the lease): another caller may have run it too; this result was NOT stored"
+                );
+                Stored::LeaseLost
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    "the result could not be stored; the key stays in flight until its lease expires, then the next call runs the body again"
+                );
+                Stored::No
+            }
+        }
+    }
+}
+
+/// Finishes a [`Completion`] in a task of its own when the call's future
+/// is dropped while it runs: the body has succeeded, so dropping the
+/// caller must neither release the key nor leave it to run again.
+struct DetachOnDrop<'a>(Option<&'a Completion<'a>>);
+
+impl Drop for DetachOnDrop<'_> {
+    fn drop(&mut self) {
+        let Some(c) = self.0.take() else {
+            return;
+        };
+        let (store, key, value) = (Arc::clone(c.store), c.key.to_owned(), c.value.clone());
+        let (token, fingerprint, kind, lease) = (c.token, c.fingerprint, c.kind, c.lease);
+        let finish = async move {
+            let completion = Completion {
+                store: &store,
+                key: &key,
+                token,
+                fingerprint,
+                kind,
+                value: &value,
+                lease,
+            };
+            if completion.run().await == Stored::Yes {
+                tracing::debug!(
+                    "call dropped after its body succeeded: result stored by a detached completion"
+                );
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(finish.instrument(tracing::Span::current()));
+            }
+            Err(_) => tracing::warn!(
+                "call dropped outside a Tokio runtime after its body succeeded: the result is not stored; the key runs again after its lease"
+            ),
+        }
+    }
+}

@@ -1,0 +1,319 @@
+//! The prepared call: claim (waiting out another holder), execute the
+//! body, or replay the stored result.
+
+use super::completion::Stored;
+use super::guard::KeptOnDrop;
+use super::{is_unavailable, observe};
+use crate::cache::Generation;
+use crate::codec::decode;
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::hook::{CallOutcome, Report};
+use crate::lease::Lease;
+use crate::outcome::Outcome;
+use crate::settings::{FailMode, Inner};
+use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store};
+use crate::token::Token;
+use backon::{ExponentialBuilder, Retryable};
+use futures_util::FutureExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::{Instant, sleep, timeout};
+
+/// A prepared call: everything checked, a fresh owner token drawn.
+pub(super) struct Exec<'a> {
+    pub(super) inner: &'a Inner,
+    pub(super) scope: &'a str,
+    /// When `run` started, read only when something observes calls.
+    pub(super) call_start: Option<Instant>,
+    /// What the call ended with, once it has (for the hook and metrics).
+    pub(super) report: Report,
+    pub(super) store: &'a Arc<dyn Store>,
+    pub(super) key: String,
+    pub(super) token: Token,
+    pub(super) ttl: Duration,
+    pub(super) lease: Duration,
+    pub(super) wait: Option<Duration>,
+    pub(super) fingerprint: Option<Fingerprint>,
+    /// The local cache's copy of the record, when it had one.
+    pub(super) cached: Option<Completed>,
+    /// When the call started for the store (before its claim was sent).
+    pub(super) started: Option<Instant>,
+    /// The local cache's invalidations before the first store read.
+    pub(super) seen: Generation,
+    /// Whether a call dropped mid-body releases its key (see
+    /// [`Call::release_on_cancel`](super::Call::release_on_cancel)).
+    pub(super) release_on_cancel: bool,
+}
+
+impl Exec<'_> {
+    /// Reports the call once, after all its store work: the hook never runs
+    /// inside a round trip, and a slow hook delays only this caller.
+    pub(super) fn finish(&self) {
+        let (Some(start), Some(outcome)) = (self.call_start, self.report.take_outcome()) else {
+            return;
+        };
+        observe(
+            self.inner,
+            self.scope,
+            Some(&self.key),
+            outcome,
+            self.report.get_attempt(),
+            start,
+            self.report.get_body(),
+        );
+    }
+
+    pub(super) async fn run<F, Fut, T, E>(&self, body: F) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        if let Some(hit) = &self.cached {
+            return self.replay(hit).map_err(E::from);
+        }
+        // Capped so that an absurd wait (`Duration::MAX`) waits "forever"
+        // instead of overflowing the clock.
+        let give_up_at = self
+            .wait
+            .map(|w| Instant::now() + w.min(Duration::from_secs(100 * 365 * 86_400)));
+        let mut poll = Duration::from_millis(5);
+        // Subscribed to the key's changes on the first InProgress, if the
+        // store can notify; held (and so subscribed) until the call ends.
+        let mut watch: Option<KeyWatch> = None;
+        let mut asked = false;
+        loop {
+            let sent = Instant::now();
+            let reply = match self.claim().await {
+                Ok(reply) => reply,
+                Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
+                    return self.run_unprotected(body, e).await;
+                }
+                Err(e) => return Err(self.fail(e)),
+            };
+            match reply {
+                ClaimReply::Acquired { attempt } => {
+                    return self.execute(body, attempt, sent).await;
+                }
+                ClaimReply::Completed(record) => {
+                    if let Some(cache) = &self.inner.cache {
+                        cache.insert(&self.key, record.clone(), sent, self.seen);
+                    }
+                    return self.replay(&record).map_err(E::from);
+                }
+                ClaimReply::Mismatch => return Err(self.fail(Error::FingerprintMismatch)),
+                ClaimReply::InProgress { retry_after } => {
+                    let now = Instant::now();
+                    match give_up_at {
+                        Some(end) if now < end => {
+                            if !asked {
+                                asked = true;
+                                watch = self.store.watch(&self.key).await;
+                                if watch.is_some() {
+                                    // Subscribed: read again, so a change
+                                    // between the claim and the subscription
+                                    // is not missed.
+                                    poll = NOTIFIED_POLL;
+                                    continue;
+                                }
+                            }
+                            // Never past the holder's lease (it may have
+                            // died, and no one will tell) or our deadline.
+                            let nap = poll.min(retry_after).min(end - now);
+                            match watch.as_mut().filter(|w| w.is_live()) {
+                                // Woken by the holder's complete or release;
+                                // the slow poll only covers a lost message.
+                                Some(w) => {
+                                    let _ = timeout(nap, w.changed()).await;
+                                    poll = (poll * 2).min(NOTIFIED_POLL_MAX);
+                                }
+                                // Poll fast at first (most bodies are short).
+                                None => {
+                                    sleep(nap).await;
+                                    poll = (poll * 2).min(Duration::from_millis(250));
+                                }
+                            }
+                        }
+                        _ => return Err(self.fail(Error::InProgress { retry_after })),
+                    }
+                }
+            }
+        }
+    }
+
+    fn fail<E: From<Error>>(&self, e: Error) -> E {
+        self.report.outcome(CallOutcome::of_error(&e));
+        let span = tracing::Span::current();
+        span.record(
+            "outcome",
+            match e {
+                Error::InProgress { .. } => "in_progress",
+                Error::FingerprintMismatch => "mismatch",
+                _ => "error",
+            },
+        );
+        if !e.is_retryable() || is_unavailable(&e) {
+            tracing::warn!(error = %e, "idempotent call failed");
+        }
+        E::from(e)
+    }
+
+    fn replay<T: DeserializeOwned>(&self, record: &Completed) -> Result<(T, Outcome), Error> {
+        if let (Some(given), Some(stored)) = (&self.fingerprint, &record.fingerprint) {
+            if given != stored {
+                return Err(self.fail(Error::FingerprintMismatch));
+            }
+        }
+        tracing::Span::current().record("outcome", "replayed");
+        self.report.outcome(CallOutcome::Replayed);
+        decode(record, self.inner.max_value_size)
+            .map(|v| (v, Outcome::Replayed))
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Claims, re-sending with the same token when the store could not be
+    /// reached: the script answers a re-sent claim as the same claim, so a
+    /// claim that landed but whose reply was lost is not stranded.
+    async fn claim(&self) -> Result<ClaimReply, Error> {
+        // Before the first read that may enter the cache: a forget after
+        // the read is then heard (one atomic load once registered).
+        self.inner.hear_forgets().await;
+        let claim = Claim {
+            key: &self.key,
+            token: &self.token,
+            lease: self.lease,
+            ttl: self.ttl,
+            fingerprint: self.fingerprint.as_ref(),
+            want_ttl_left: self.inner.cache.is_some(),
+        };
+        // Dropped while a claim is in flight: the claim may land anyway, so
+        // release by token rather than leave the key to the lease.
+        let mut guard = self.guard();
+        let result = (|| self.store.claim(claim))
+            .retry(store_backoff(self.inner.store_retries))
+            .when(is_unavailable)
+            .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
+            .await;
+        guard.armed = false;
+        if result.is_err() {
+            // The last attempt may have landed after all: free the key now
+            // rather than leaving it to the lease. Best effort.
+            let _ = self.store.release(&self.key, &self.token).await;
+        }
+        result
+    }
+
+    async fn run_unprotected<F, Fut, T, E>(&self, body: F, cause: Error) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        tracing::warn!(error = %cause, "store unavailable and FailMode::Open: running the body WITHOUT idempotency protection");
+        tracing::Span::current().record("outcome", "unprotected");
+        let result = body().await;
+        self.report.outcome(match result {
+            Ok(_) => CallOutcome::Unprotected,
+            Err(_) => CallOutcome::BodyError,
+        });
+        result.map(|v| (v, Outcome::Unprotected))
+    }
+
+    /// Runs the body under the lease claimed by a claim sent at `claimed`.
+    async fn execute<F, Fut, T, E>(
+        &self,
+        body: F,
+        attempt: u32,
+        claimed: Instant,
+    ) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let span = tracing::Span::current();
+        span.record("attempt", attempt);
+        let outcome = if attempt > 1 {
+            tracing::warn!(
+                attempt,
+                "took over a key whose holder stopped renewing its lease; the body runs again"
+            );
+            Outcome::Recovered
+        } else {
+            Outcome::Executed
+        };
+        self.report.attempt(attempt);
+        // Dropped mid-body, the call keeps its key (no longer renewed) until
+        // the lease ends: the body may have made effects, and releasing would
+        // let a redelivery run them again as `Executed`. Only a body declared
+        // undone on drop releases at once.
+        let mut guard = self.guard();
+        guard.armed = self.release_on_cancel;
+        let mut kept = KeptOnDrop {
+            armed: !self.release_on_cancel,
+        };
+        let body_start = self.call_start.map(|_| Instant::now());
+        #[cfg(feature = "metrics")]
+        let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
+        let lease = Lease::default();
+        let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
+        let result = self.keep_alive(body, &lease, claimed).await;
+        #[cfg(feature = "metrics")]
+        drop(in_flight);
+        if let Some(body_start) = body_start {
+            let took = body_start.elapsed();
+            self.report.body(took);
+            #[cfg(feature = "metrics")]
+            self.inner.metrics.body(self.scope, took);
+        }
+        // From here on the body has finished: whatever happens to this
+        // future, the key is never released on the way out.
+        guard.armed = false;
+        kept.armed = false;
+        match result {
+            Err(panic) => {
+                self.release("the body panicked").await;
+                self.report.outcome(CallOutcome::BodyError);
+                self.finish();
+                std::panic::resume_unwind(panic)
+            }
+            Ok(Err(e)) => {
+                span.record("outcome", "released");
+                self.release("the body returned an error").await;
+                self.report.outcome(CallOutcome::BodyError);
+                Err(e)
+            }
+            Ok(Ok(value)) => {
+                let outcome = match self.complete(&value).await {
+                    Stored::Yes => outcome,
+                    Stored::LeaseLost => Outcome::LeaseLost,
+                    Stored::No => Outcome::NotStored,
+                };
+                span.record("outcome", outcome.as_str());
+                self.report.outcome(CallOutcome::from(outcome));
+                Ok((value, outcome))
+            }
+        }
+    }
+}
+
+/// How often a waiter reads the record while the store notifies it: only
+/// to cover a lost message (pub/sub is at most once), so slowly; doubled
+/// up to [`NOTIFIED_POLL_MAX`]. Without notifications: 5 ms doubling to
+/// 250 ms, as most bodies are short.
+const NOTIFIED_POLL: Duration = Duration::from_millis(500);
+const NOTIFIED_POLL_MAX: Duration = Duration::from_secs(2);
+
+fn store_backoff(retries: usize) -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(10))
+        .with_max_delay(Duration::from_millis(200))
+        .with_jitter()
+        .with_max_times(retries)
+}

@@ -1,0 +1,76 @@
+//! Releasing the key: on purpose after a failed body, or on drop when
+//! the call's future is cancelled.
+
+use super::exec::Exec;
+use crate::store::{Store, WriteReply};
+use crate::token::Token;
+use std::sync::Arc;
+
+impl Exec<'_> {
+    pub(super) fn guard(&self) -> ReleaseGuard<'_> {
+        ReleaseGuard {
+            store: self.store,
+            key: &self.key,
+            token: &self.token,
+            armed: true,
+        }
+    }
+
+    pub(super) async fn release(&self, why: &str) {
+        match self.store.release(&self.key, &self.token).await {
+            Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
+            Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
+            Err(e) => {
+                tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires")
+            }
+        }
+    }
+}
+
+/// Says, when a call's future is dropped mid-body without releasing (see
+/// [`Call::release_on_cancel`](super::Call::release_on_cancel)), why the key stays in flight.
+pub(super) struct KeptOnDrop {
+    pub(super) armed: bool,
+}
+
+impl Drop for KeptOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::warn!(
+                "call dropped mid-body: the body may have made effects, so the key stays in flight until its lease ends; the next call then runs the body again as Recovered"
+            );
+        }
+    }
+}
+
+/// Releases the claim if the call's future is dropped while its claim is
+/// in flight, or mid-body under [`Call::release_on_cancel`](super::Call::release_on_cancel): at once, by
+/// owner token, rather than after the lease.
+pub(super) struct ReleaseGuard<'a> {
+    store: &'a Arc<dyn Store>,
+    key: &'a str,
+    token: &'a Token,
+    pub(super) armed: bool,
+}
+
+impl Drop for ReleaseGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, key, token) = (Arc::clone(self.store), self.key.to_owned(), *self.token);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    match store.release(&key, &token).await {
+                        Ok(_) => tracing::debug!("call cancelled: key released"),
+                        Err(e) => tracing::warn!(error = %e, "call cancelled and the key could not be released: it frees itself when the lease expires"),
+                    }
+                });
+            }
+            Err(_) => tracing::warn!(
+                "call cancelled outside a Tokio runtime: the key frees itself when the lease expires"
+            ),
+        }
+    }
+}

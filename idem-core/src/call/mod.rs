@@ -1,0 +1,340 @@
+//! One idempotent call: claim, run the body under a kept-alive lease, then
+//! store the result or release the key.
+
+mod completion;
+mod exec;
+mod guard;
+mod keep_alive;
+
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
+use crate::outcome::Outcome;
+use crate::settings::{Inner, validate_ttl_lease};
+use crate::token::Token;
+use exec::Exec;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+/// One call of an operation, configured then [`run`](Call::run).
+///
+/// Made by [`Idempotency::call`](crate::Idempotency::call). Holds no borrow
+/// of the key or the fingerprint value: both are rendered at once.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore};
+/// use std::time::Duration;
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let request = ("refund", 500, "EUR");
+/// let r: Result<u64, idem_core::Error> = idem
+///     .call("payments.refund", "order-9")
+///     .ttl(Duration::from_secs(3600))
+///     .lease(Duration::from_secs(10))
+///     .fingerprint(&request)
+///     .wait(Duration::from_secs(5))
+///     .run(|| async { Ok(500) })
+///     .await;
+/// assert_eq!(r.unwrap(), 500);
+/// # });
+/// ```
+#[must_use = "a Call does nothing until `.run(..)` is awaited"]
+pub struct Call<'a> {
+    inner: &'a Inner,
+    scope: &'a str,
+    key: Result<String, Error>,
+    ttl: Duration,
+    /// Set for this call; else the builder's, capped at the TTL.
+    lease: Option<Duration>,
+    wait: Option<Duration>,
+    fingerprint: Result<Option<Fingerprint>, Error>,
+    /// The body undoes its effects when dropped: a cancelled call releases.
+    release_on_cancel: bool,
+}
+
+impl<'a> Call<'a> {
+    pub(crate) fn new(inner: &'a Inner, scope: &'a str, key: Result<String, Error>) -> Call<'a> {
+        Call {
+            inner,
+            scope,
+            key,
+            ttl: inner.result_ttl,
+            lease: None,
+            wait: inner.wait,
+            fingerprint: Ok(None),
+            release_on_cancel: false,
+        }
+    }
+
+    /// How long this call's result is replayed (overrides the builder's `result_ttl`).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").ttl(std::time::Duration::from_secs(60));
+    /// ```
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// This call's lease (overrides the builder's `lease`). Without it, a
+    /// call whose [`ttl`](Call::ttl) is shorter than the builder's lease
+    /// uses the TTL as its lease; with it, a lease over the TTL is refused
+    /// with [`Error::InvalidConfig`].
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").lease(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// When another call holds the key, wait up to `wait` for its result (or
+    /// take over if its holder dies) instead of failing at once with
+    /// [`Error::InProgress`].
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").wait(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// The request's payload: reusing the key with a different payload fails
+    /// with [`Error::FingerprintMismatch`] instead of replaying a result that
+    /// belongs to another request. Hashed now (canonical JSON, SHA-256).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let a: Result<u32, idem_core::Error> = idem.call("s", "k").fingerprint(&100).run(|| async { Ok(1) }).await;
+    /// let b: Result<u32, idem_core::Error> = idem.call("s", "k").fingerprint(&200).run(|| async { Ok(2) }).await;
+    /// assert!(matches!(b, Err(idem_core::Error::FingerprintMismatch)));
+    /// # });
+    /// ```
+    pub fn fingerprint<F: Serialize + ?Sized>(mut self, value: &F) -> Self {
+        self.fingerprint = Fingerprint::of(value).map(Some);
+        self
+    }
+
+    /// Declares that this call's body undoes its effects when it is dropped
+    /// half-way (a database transaction that rolls back on drop, say), so
+    /// that a cancelled call releases its key at once and the next call
+    /// runs the body as [`Outcome::Executed`].
+    ///
+    /// Without it, a call dropped after its body started (an aborted task,
+    /// a `select!` that lost, a shutdown) keeps its key: the body may have
+    /// made effects, so the key stays in flight, no longer renewed, until
+    /// its lease ends, and the next call then runs the body as
+    /// [`Outcome::Recovered`] (attempt 2), which a body can check to
+    /// reconcile. A call dropped before its body started releases either way.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").release_on_cancel();
+    /// # });
+    /// ```
+    pub fn release_on_cancel(mut self) -> Self {
+        self.release_on_cancel = true;
+        self
+    }
+
+    /// A fingerprint computed elsewhere (the HTTP layer hashes the request).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let call = idem.call("s", "k").fingerprint_raw(idem_core::Fingerprint::of_bytes(b"body"));
+    /// ```
+    pub fn fingerprint_raw(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = Ok(Some(fingerprint));
+        self
+    }
+
+    /// Runs `body` at most once for this key and returns its value, or the
+    /// stored value of an earlier run.
+    ///
+    /// `Err` from the body releases the key (the next call runs again) and
+    /// is returned as is. Idempotency failures arrive as `E::from(Error)`.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let first: Result<Vec<u8>, idem_core::Error> = idem.call("s", "k").run(|| async { Ok(vec![]) }).await;
+    /// let again: Result<Vec<u8>, idem_core::Error> = idem.call("s", "k").run(|| async { Ok(vec![1]) }).await;
+    /// assert_eq!(again.unwrap(), Vec::<u8>::new()); // empty values replay too
+    /// # });
+    /// ```
+    pub async fn run<F, Fut, T, E>(self, body: F) -> Result<T, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        self.run_outcome(body).await.map(|(value, _)| value)
+    }
+
+    /// Like [`run`](Call::run), also saying whether the body ran.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use idem_core::Outcome;
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let (_, o) = idem.call("s", "k").run_outcome(|| async { Ok::<_, idem_core::Error>(()) }).await?;
+    /// assert_eq!(o, Outcome::Executed);
+    /// let (_, o) = idem.call("s", "k").run_outcome(|| async { Ok::<_, idem_core::Error>(()) }).await?;
+    /// assert_eq!(o, Outcome::Replayed);
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    pub async fn run_outcome<F, Fut, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let span = tracing::info_span!(
+            "idem.call",
+            scope = self.scope,
+            key = Empty,
+            outcome = Empty,
+            attempt = Empty
+        );
+        // Clocks are read for the hook and metrics only: with neither,
+        // a call costs what it did before they existed.
+        let (inner, scope) = (self.inner, self.scope);
+        let call_start = inner.observing().then(Instant::now);
+        let exec = match self.prepare(&span, call_start) {
+            Ok(exec) => exec,
+            Err(e) => {
+                span.record("outcome", "refused");
+                let _enter = span.enter();
+                tracing::warn!(error = %e, "idempotent call refused before reaching the store");
+                if let Some(start) = call_start {
+                    observe(
+                        inner,
+                        scope,
+                        None,
+                        CallOutcome::of_error(&e),
+                        None,
+                        start,
+                        None,
+                    );
+                }
+                return Err(E::from(e));
+            }
+        };
+        let result = exec.run(body).instrument(span).await;
+        exec.finish();
+        result
+    }
+
+    fn prepare(self, span: &tracing::Span, call_start: Option<Instant>) -> Result<Exec<'a>, Error> {
+        let inner = self.inner;
+        if let Some(msg) = &inner.config_error {
+            return Err(Error::InvalidConfig(msg.clone()));
+        }
+        // A user who set only a TTL expects it to work: the builder's lease
+        // (30 s by default) yields to it.
+        let lease = self.lease.unwrap_or(inner.lease.min(self.ttl));
+        validate_ttl_lease(self.ttl, lease).map_err(Error::InvalidConfig)?;
+        let key = self.key?;
+        let fingerprint = self.fingerprint?;
+        if !span.is_disabled() {
+            span.record("key", shown_key(inner, &key).as_str());
+        }
+        // A hit in the local cache needs no owner token and no clock: look
+        // first, and draw them only for a call that goes to the store.
+        let cached = inner.cache.as_ref().and_then(|c| c.get(&key));
+        let (token, started) = match cached {
+            Some(_) => (Token::UNUSED, None),
+            None => (Token::random(), Some(Instant::now())),
+        };
+        // Before any store read: a forget heard after it keeps that read's
+        // record out of the cache.
+        let seen = inner
+            .cache
+            .as_ref()
+            .map(|c| c.generation(&key))
+            .unwrap_or_default();
+        Ok(Exec {
+            inner,
+            scope: self.scope,
+            call_start,
+            report: Report::new(),
+            store: &inner.store,
+            key,
+            cached,
+            token,
+            started,
+            seen,
+            ttl: self.ttl,
+            lease,
+            wait: self.wait,
+            fingerprint,
+            release_on_cancel: self.release_on_cancel,
+        })
+    }
+}
+
+/// The key as logs and hooks show it: in clear only with `log_keys`.
+pub(crate) fn shown_key(inner: &Inner, key: &str) -> String {
+    if inner.log_keys {
+        key.to_owned()
+    } else {
+        key_digest(key)
+    }
+}
+
+/// A short, stable digest that lets logs correlate a key without showing it.
+fn key_digest(key: &str) -> String {
+    let f = Fingerprint::of_bytes(key.as_bytes());
+    let b = f.as_bytes();
+    format!(
+        "#{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5]
+    )
+}
+
+/// Reports a finished call to the hook and the metrics.
+fn observe(
+    inner: &Inner,
+    scope: &str,
+    key: Option<&str>,
+    outcome: CallOutcome,
+    attempt: Option<u32>,
+    start: Instant,
+    body: Option<Duration>,
+) {
+    #[cfg(feature = "metrics")]
+    inner
+        .metrics
+        .call(&inner.namespace, scope, outcome, inner.store.name());
+    if let Some(hook) = &inner.hook {
+        let shown = key.map(|k| shown_key(inner, k));
+        let event = OutcomeEvent {
+            namespace: &inner.namespace,
+            scope,
+            key: shown.as_deref(),
+            outcome,
+            attempt,
+            elapsed: start.elapsed(),
+            body,
+        };
+        fire(hook, &event);
+    }
+}
+
+fn is_unavailable(e: &Error) -> bool {
+    matches!(e, Error::Unavailable { .. })
+}

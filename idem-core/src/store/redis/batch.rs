@@ -1,0 +1,370 @@
+//! Batches on Redis (`Store::claim_batch`, `Store::finish_batch`): the
+//! single calls' commands, pipelined. A standalone server gets one round
+//! trip per batch (plus one for the claims that found a pending record and
+//! need the claim script); a cluster gets one pipeline per slot, sent
+//! concurrently, since redis-rs routes a pipeline by its keys' one slot.
+//!
+//! A batch is a transport: every key gets exactly the commands its single
+//! call would send. A key that comes more than once is split into waves
+//! ([`key_waves`]), so each wave holds a key at most once and the waves run
+//! in order: a key's items see each other's effects
+//! in batch order, whatever is retried inside a wave. An item redirected
+//! (`MOVED`/`ASK`, a cluster resharding) or whose script is gone
+//! (`NOSCRIPT`) is sent again alone through the single call, which follows
+//! redirects and loads scripts.
+
+use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record};
+use super::reply::{
+    answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
+    protocol,
+};
+use super::scripts::{SCRIPTS, invocation};
+use super::{Conn, RedisStore};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis, record_ttl};
+use crate::store::{Store, key_waves, store_lease};
+use crate::token::Token;
+use futures_util::future::join_all;
+use redis::cluster_routing::Slot;
+use redis::{Cmd, RedisError, Value};
+use std::collections::HashMap;
+
+/// What one item of a pipeline got back: the replies of its commands, or
+/// the error of its first command (or of the whole pipeline).
+type ItemReplies = Result<Vec<Value>, RedisError>;
+
+/// The pending record a claim writes and the record's TTL in ms.
+pub(super) fn pending_record<'a>(claim: &Claim<'a>) -> (PendingRecord<'a>, u64) {
+    let ttl = millis(record_ttl(claim.ttl, claim.lease));
+    let record = PendingRecord {
+        fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
+        token: claim.token,
+        // The lease ends when the key's remaining TTL falls to this: a
+        // difference of durations, so no clock is read on either side.
+        lease_end: ttl - millis(store_lease(claim.lease)),
+    };
+    (record, ttl)
+}
+
+/// `SET key pending NX PX ttl GET`: a claim's common paths as one plain
+/// command (creates a fresh record, or hands back the one there).
+pub(super) fn set_nx_get_cmd(key: &str, record: &PendingRecord<'_>, ttl: u64) -> Cmd {
+    let mut set = Cmd::with_capacity(7, 3 + key.len() + 3 + 16 + 32 + 2 * MS_DIGITS + 12);
+    set.arg("SET")
+        .arg(key)
+        .arg(record)
+        .arg("NX")
+        .arg("PX")
+        .arg(ttl)
+        .arg("GET");
+    set
+}
+
+/// The claim script's invocation, for a claim that found a pending record.
+pub(super) fn claim_script_cmd(claim: &Claim<'_>, record: &PendingRecord<'_>, ttl: u64) -> Cmd {
+    let want = if claim.want_ttl_left { "1" } else { "0" };
+    let mut cmd = invocation(
+        SCRIPTS.claim.script.get_hash(),
+        claim.key,
+        3,
+        3 + 16 + 32 + 2 * MS_DIGITS + 3,
+    );
+    cmd.arg(record).arg(ttl).arg(want);
+    cmd
+}
+
+/// The complete script's invocation.
+fn complete_cmd(
+    key: &str,
+    token: &Token,
+    fingerprint: Option<&Fingerprint>,
+    kind: ValueKind,
+    value: &[u8],
+) -> Cmd {
+    let record = CompletedRecord {
+        kind,
+        fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
+        value,
+    };
+    let mut cmd = invocation(
+        SCRIPTS.complete.script.get_hash(),
+        key,
+        2,
+        32 + 3 + 16 + value.len(),
+    );
+    cmd.arg(token.as_bytes().as_slice()).arg(record);
+    cmd
+}
+
+/// The release script's invocation.
+fn release_cmd(key: &str, token: &Token) -> Cmd {
+    let mut cmd = invocation(SCRIPTS.release.script.get_hash(), key, 1, 32);
+    cmd.arg(token.as_bytes().as_slice());
+    cmd
+}
+
+/// Whether an item must be sent again alone: the cluster moved its slot
+/// (or is between states), which the single call's routing follows.
+fn redirected(e: &RedisError) -> bool {
+    e.is_cluster_error()
+}
+
+/// What the first round trip of a claim decided.
+enum Step {
+    /// Answered.
+    Reply(Result<ClaimReply, Error>),
+    /// A pending record is there: the claim script decides.
+    Script,
+    /// Sent again alone (redirected, or refused for lack of memory, where
+    /// the single call reads the record to answer what needs no write).
+    Alone,
+}
+
+/// Reads the `SET NX GET` (and `PTTL`) replies of one claim.
+fn first_step(claim: &Claim<'_>, replies: ItemReplies) -> Step {
+    let mut replies = match replies {
+        Ok(replies) => replies.into_iter(),
+        Err(e) if redirected(&e) => return Step::Alone,
+        Err(e) => {
+            let e = classify_claim(e);
+            return if is_oom(&e) {
+                Step::Alone
+            } else {
+                Step::Reply(Err(e))
+            };
+        }
+    };
+    let found = replies.next().unwrap_or(Value::Nil);
+    let pttl = as_int(replies.next().as_ref()).unwrap_or(-1);
+    let found = match found {
+        Value::Nil => return Step::Reply(Ok(ClaimReply::Acquired { attempt: 1 })),
+        Value::BulkString(found) => found,
+        other => return Step::Reply(Err(protocol("claim", &other))),
+    };
+    match record::decode(found, pttl) {
+        Ok(Record::Pending(_)) => Step::Script,
+        Ok(completed) => Step::Reply(
+            answer_found(completed, claim, pttl).ok_or_else(|| protocol("claim", &Value::Nil)),
+        ),
+        Err(corrupt) => Step::Reply(Err(corrupt)),
+    }
+}
+
+impl RedisStore {
+    /// Sends each item's commands, as few round trips as the topology
+    /// allows, and answers each item's replies in order.
+    async fn pipelined(&self, items: Vec<(&str, Vec<Cmd>)>) -> Vec<ItemReplies> {
+        match &self.conn {
+            Conn::Single(c) => send_group(&mut c.clone(), items).await,
+            Conn::Cluster(c) => {
+                // redis-rs routes a pipeline to its first key's slot and
+                // refuses one that spans slots: one pipeline per slot.
+                let mut groups: HashMap<Slot, Vec<usize>> = HashMap::new();
+                for (i, (key, _)) in items.iter().enumerate() {
+                    groups.entry(Slot::for_key(key)).or_default().push(i);
+                }
+                let n = items.len();
+                let mut items: Vec<Option<(&str, Vec<Cmd>)>> =
+                    items.into_iter().map(Some).collect();
+                let sends: Vec<_> = groups
+                    .into_values()
+                    .map(|indices| {
+                        let group: Vec<(&str, Vec<Cmd>)> = indices
+                            .iter()
+                            .filter_map(|&i| items.get_mut(i).and_then(Option::take))
+                            .collect();
+                        let mut conn = c.clone();
+                        async move { (indices, send_group(&mut conn, group).await) }
+                    })
+                    .collect();
+                let mut out: Vec<Option<ItemReplies>> = (0..n).map(|_| None).collect();
+                for (indices, replies) in join_all(sends).await {
+                    for (i, reply) in indices.into_iter().zip(replies) {
+                        if let Some(slot) = out.get_mut(i) {
+                            *slot = Some(reply);
+                        }
+                    }
+                }
+                out.into_iter()
+                    .map(|r| r.unwrap_or_else(|| Err(short_reply())))
+                    .collect()
+            }
+        }
+    }
+
+    /// `Store::claim_batch`: wave by wave, one pipelined `SET NX GET` per
+    /// claim, then one pipelined claim script per claim that found a
+    /// pending record.
+    pub(super) async fn claim_many(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        let mut out: Vec<Option<Result<ClaimReply, Error>>> =
+            (0..claims.len()).map(|_| None).collect();
+        for wave in key_waves(claims.iter().map(|c| c.key)) {
+            let batch: Vec<&Claim<'_>> = wave.iter().filter_map(|&i| claims.get(i)).collect();
+            let replies = self.claim_wave(&batch).await;
+            for (i, reply) in wave.into_iter().zip(replies) {
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = Some(reply);
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(protocol("claim", &Value::Nil))))
+            .collect()
+    }
+
+    /// The claims of one wave (distinct keys).
+    async fn claim_wave(&self, claims: &[&Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        let plans: Vec<(PendingRecord<'_>, u64)> =
+            claims.iter().map(|c| pending_record(c)).collect();
+        let items = claims
+            .iter()
+            .zip(&plans)
+            .map(|(c, (record, ttl))| {
+                let mut cmds = vec![set_nx_get_cmd(c.key, record, *ttl)];
+                if c.want_ttl_left {
+                    let mut pttl = redis::cmd("PTTL");
+                    pttl.arg(c.key);
+                    cmds.push(pttl);
+                }
+                (c.key, cmds)
+            })
+            .collect();
+        let steps: Vec<Step> = claims
+            .iter()
+            .zip(self.pipelined(items).await)
+            .map(|(c, replies)| first_step(c, replies))
+            .collect();
+        let contended: Vec<usize> = (0..steps.len())
+            .filter(|&i| matches!(steps.get(i), Some(Step::Script)))
+            .collect();
+        let scripted = contended
+            .iter()
+            .filter_map(|&i| Some((claims.get(i)?, plans.get(i)?)))
+            .map(|(c, (record, ttl))| (c.key, vec![claim_script_cmd(c, record, *ttl)]))
+            .collect();
+        let mut scripted = contended
+            .into_iter()
+            .zip(self.pipelined(scripted).await)
+            .collect::<HashMap<usize, ItemReplies>>();
+        let mut out = Vec::with_capacity(claims.len());
+        for (i, (step, claim)) in steps.into_iter().zip(claims).enumerate() {
+            out.push(match step {
+                Step::Reply(reply) => reply,
+                Step::Alone => self.claim(**claim).await,
+                Step::Script => match scripted.remove(&i).map(only_reply) {
+                    Some(Ok(v)) => parse_claim(v),
+                    Some(Err(e)) if !is_noscript(&e) && !redirected(&e) => {
+                        Err(classify("claim", e))
+                    }
+                    // The single script path loads the script where it
+                    // is gone and follows a redirect.
+                    _ => {
+                        let (record, ttl) = pending_record(claim);
+                        self.claim_contended(claim, record, ttl).await
+                    }
+                },
+            });
+        }
+        out
+    }
+
+    /// `Store::finish_batch`: wave by wave, one pipelined script call per
+    /// complete or release.
+    pub(super) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        let mut out: Vec<Option<Result<WriteReply, Error>>> =
+            (0..ops.len()).map(|_| None).collect();
+        for wave in key_waves(ops.iter().map(Finish::key)) {
+            let items = wave
+                .iter()
+                .filter_map(|&i| ops.get(i))
+                .map(|op| (op.key(), vec![finish_cmd(op)]))
+                .collect();
+            let replies = self.pipelined(items).await;
+            for (i, replies) in wave.into_iter().zip(replies) {
+                let Some(op) = ops.get(i) else { continue };
+                let op_name = finish_name(op);
+                let reply = match only_reply(replies) {
+                    Ok(v) => parse_write(op_name, v),
+                    Err(e) if !is_noscript(&e) && !redirected(&e) => Err(classify(op_name, e)),
+                    Err(_) => op.run_on(self).await,
+                };
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = Some(reply);
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(protocol("complete", &Value::Nil))))
+            .collect()
+    }
+}
+
+/// The command of one complete or release.
+fn finish_cmd(op: &Finish<'_>) -> Cmd {
+    match *op {
+        Finish::Complete {
+            key,
+            token,
+            fingerprint,
+            kind,
+            value,
+        } => complete_cmd(key, token, fingerprint, kind, value),
+        Finish::Release { key, token } => release_cmd(key, token),
+    }
+}
+
+/// The operation's name in errors and metrics.
+fn finish_name(op: &Finish<'_>) -> &'static str {
+    match op {
+        Finish::Complete { .. } => "complete",
+        Finish::Release { .. } => "release",
+    }
+}
+
+/// The one reply of a one-command item.
+fn only_reply(replies: ItemReplies) -> Result<Value, RedisError> {
+    replies?.into_iter().next().ok_or_else(short_reply)
+}
+
+/// A pipeline that answered fewer replies than it was sent commands.
+fn short_reply() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "Redis answered a pipeline with fewer replies than commands; the connection is reset on the next call",
+    ))
+}
+
+/// Sends the items' commands as one pipeline on `conn` and splits the
+/// replies per item. A failed pipeline fails each of its items.
+async fn send_group(
+    conn: &mut impl redis::aio::ConnectionLike,
+    items: Vec<(&str, Vec<Cmd>)>,
+) -> Vec<ItemReplies> {
+    if items.is_empty() {
+        return Vec::new();
+    }
+    let mut pipe = redis::pipe();
+    // Each command's error stays in its place, for its own item.
+    pipe.ignore_errors();
+    let counts: Vec<usize> = items.iter().map(|(_, cmds)| cmds.len()).collect();
+    for cmd in items.into_iter().flat_map(|(_, cmds)| cmds) {
+        pipe.add_command(cmd);
+    }
+    let replies: Vec<Value> = match pipe.query_async(conn).await {
+        Ok(replies) => replies,
+        Err(e) => return counts.iter().map(|_| Err(e.clone())).collect(),
+    };
+    let mut replies = replies.into_iter();
+    counts
+        .into_iter()
+        .map(|n| {
+            let item: Vec<Value> = replies.by_ref().take(n).collect();
+            match item.first() {
+                None => Err(short_reply()),
+                Some(Value::ServerError(e)) => Err(e.clone().into()),
+                Some(_) => Ok(item),
+            }
+        })
+        .collect()
+}

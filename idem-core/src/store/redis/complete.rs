@@ -1,0 +1,345 @@
+//! `complete` as one plain `SET … IFEQ` where the server has it (Valkey
+//! 8.1+, Redis 8.4+), the `complete` script elsewhere.
+//!
+//! A fresh claim writes a pending record the client built itself, so the
+//! client knows its exact bytes; `SET key completed IFEQ pending KEEPTTL`
+//! is then the same compare-and-set as the script, without Lua. The bytes
+//! are remembered per owner token from the claim to its complete, release
+//! or extend. Whatever the cache holds, the outcome stays exact: an `IFEQ`
+//! that matches proves the record is the caller's own pending one, and any
+//! other answer (no match, an error reply) falls back to the script, which
+//! tells Missing / OtherOwner / AlreadyCompleted (or a re-sent complete)
+//! apart.
+
+use super::record::{CompletedRecord, PendingRecord};
+use super::reply::classify;
+use super::{Conn, RedisStore};
+use crate::error::Error;
+use crate::store::{ValueKind, WriteReply};
+use crate::token::Token;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, ToRedisArgs, Value};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use tokio::sync::OnceCell;
+
+/// The channel message waiters get on a completed key (as `notify(key,
+/// 'completed')` in `lua/complete.lua`).
+const COMPLETED: &str = "completed";
+
+/// Remembered pending records at most; past this the cache starts over
+/// (claims abandoned without a complete or release would otherwise stay).
+/// Forgetting costs only a script call, never an outcome.
+const MAX_REMEMBERED: usize = 32_768;
+
+/// How a store completes a record: the name shown by
+/// [`RedisStore::complete_path`], the `tracing` field at connect and
+/// `idem inspect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CompletePath {
+    /// The `complete` Lua script (Redis 7, unknown servers).
+    Script,
+    /// `SET … IFEQ … KEEPTTL` and `SPUBLISH`, pipelined (Valkey 8.1+,
+    /// Redis 8.4+); the script only when that does not match.
+    SetIfEq,
+}
+
+impl CompletePath {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            CompletePath::Script => "script",
+            CompletePath::SetIfEq => "set-ifeq",
+        }
+    }
+}
+
+/// What the server said it is (`HELLO`), and the complete path that follows.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Kind {
+    /// `name version` as `HELLO` reported it, or `unknown`.
+    pub(super) describe: String,
+    pub(super) complete: CompletePath,
+}
+
+impl Kind {
+    fn unknown() -> Kind {
+        Kind {
+            describe: "unknown".to_owned(),
+            complete: CompletePath::Script,
+        }
+    }
+
+    /// The server from a `HELLO` reply (a map in RESP3, a flat list of
+    /// pairs in RESP2).
+    pub(super) fn from_hello(reply: &Value) -> Kind {
+        let field = |name: &str| hello_field(reply, name);
+        let (Some(server), Some(version)) = (field("server"), field("version")) else {
+            return Kind::unknown();
+        };
+        let complete = if has_set_ifeq(&server, &version) {
+            CompletePath::SetIfEq
+        } else {
+            CompletePath::Script
+        };
+        Kind {
+            describe: format!("{server} {version}"),
+            complete,
+        }
+    }
+}
+
+/// The server's kind, once known, and the pending records this process
+/// wrote there.
+pub(super) struct Server {
+    /// Set at connect; for a store made from a connection, at its first
+    /// complete (until then, and for that complete, the script).
+    kind: OnceCell<Kind>,
+    /// Pending records this process wrote, by owner token.
+    pending: Mutex<HashMap<Token, Box<[u8]>>>,
+}
+
+impl Server {
+    /// A server not asked yet.
+    pub(super) fn unknown() -> Server {
+        Server {
+            kind: OnceCell::new(),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn known(kind: Kind) -> Server {
+        Server {
+            kind: OnceCell::new_with(Some(kind)),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn path(&self) -> CompletePath {
+        self.kind.get().map_or(CompletePath::Script, |k| k.complete)
+    }
+
+    /// Keeps the pending record a fresh claim wrote, for its complete.
+    pub(super) fn remember(&self, record: &PendingRecord<'_>) {
+        if self.path() != CompletePath::SetIfEq {
+            return;
+        }
+        let Some(bytes) = record.to_redis_args().pop() else {
+            return;
+        };
+        let mut pending = self.lock();
+        if pending.len() >= MAX_REMEMBERED {
+            tracing::debug!(
+                remembered = pending.len(),
+                "pending-record cache full (claims never completed nor released?): starting over; those completes use the script"
+            );
+            pending.clear();
+        }
+        pending.insert(*record.token, bytes.into_boxed_slice());
+    }
+
+    /// Drops what is remembered of `token`'s record: released, or its
+    /// lease extended (the record's lease end changed on the server).
+    pub(super) fn forget(&self, token: &Token) {
+        if self.path() == CompletePath::SetIfEq {
+            self.lock().remove(token);
+        }
+    }
+
+    fn take(&self, token: &Token) -> Option<Box<[u8]>> {
+        self.lock().remove(token)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Box<[u8]>>> {
+        // A panic elsewhere cannot leave the map half-written: use it.
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// `SET … IFEQ` exists from Valkey 8.1 and Redis 8.4.
+fn has_set_ifeq(server: &str, version: &str) -> bool {
+    let min = match server {
+        "valkey" => (8, 1),
+        "redis" => (8, 4),
+        _ => return false,
+    };
+    let mut parts = version.split('.').map(str::parse::<u32>);
+    match (parts.next(), parts.next()) {
+        (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= min,
+        _ => false,
+    }
+}
+
+fn hello_field(reply: &Value, name: &str) -> Option<String> {
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) | Value::VerbatimString { text: s, .. } => Some(s.clone()),
+        _ => None,
+    };
+    let pairs: Vec<(&Value, &Value)> = match reply {
+        Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
+        Value::Array(items) => items.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
+        _ => return None,
+    };
+    pairs
+        .into_iter()
+        .find(|(k, _)| text(k).as_deref() == Some(name))
+        .and_then(|(_, v)| text(v))
+}
+
+impl RedisStore {
+    /// How this store completes records: `"set-ifeq"` (one plain `SET …
+    /// IFEQ`, on Valkey 8.1+ and Redis 8.4+) or `"script"` (the Lua
+    /// script: Redis 7, unknown servers, and a store made from a
+    /// connection until its first complete has asked the server).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// println!("complete: {} on {}", store.complete_path(), store.server());
+    /// # Ok(()) }
+    /// ```
+    pub fn complete_path(&self) -> &'static str {
+        self.server.path().as_str()
+    }
+
+    /// The server's name and version as it reported them at connect
+    /// (`HELLO`), e.g. `valkey 8.1.8`; `unknown` for a store made from a
+    /// connection until its first complete.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// assert!(store.server().starts_with("redis") || store.server().starts_with("valkey"));
+    /// # Ok(()) }
+    /// ```
+    pub fn server(&self) -> &str {
+        self.server.kind.get().map_or("unknown", |k| &k.describe)
+    }
+
+    /// Asks the server what it is (`HELLO` without a version: it changes
+    /// nothing on the connection, and every ACL user may send it). On a
+    /// cluster, one node answers for all. No answer: scripts only.
+    pub(super) async fn detect_server(&self) -> Server {
+        Server::known(self.ask_server().await)
+    }
+
+    async fn ask_server(&self) -> Kind {
+        let hello = redis::cmd("HELLO");
+        let reply = match &self.conn {
+            Conn::Single(c) => c.clone().send_packed_command(&hello).await,
+            Conn::Cluster(c) => {
+                let random = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+                c.clone().route_command(hello, random).await
+            }
+        };
+        let kind = match reply {
+            Ok(v) => Kind::from_hello(&v),
+            Err(e) => {
+                tracing::debug!(error = %e, "HELLO failed: completing with the script");
+                Kind::unknown()
+            }
+        };
+        tracing::info!(
+            server = %kind.describe,
+            complete_path = kind.complete.as_str(),
+            "connected to Redis"
+        );
+        kind
+    }
+
+    /// The complete as `SET key completed IFEQ pending KEEPTTL`, with the
+    /// script's `SPUBLISH` pipelined behind it (one round trip). `None`
+    /// when the script must answer: nothing remembered of this token, the
+    /// record is not the pending one this process wrote, or the server
+    /// refused the `SET` (out of memory: the script may still write;
+    /// another type under the key).
+    pub(super) async fn complete_plain(
+        &self,
+        key: &str,
+        token: &Token,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Option<Result<WriteReply, Error>> {
+        if self.server.kind.get().is_none() {
+            // A store made from a connection: ask once, here, off the
+            // claim's path; this complete and earlier claims use the script.
+            self.server.kind.get_or_init(|| self.ask_server()).await;
+            return None;
+        }
+        let pending = self.server.take(token)?;
+        // The completed record keeps the claim's fingerprint, as the
+        // script does: the one inside the pending record.
+        let fplen = usize::from(*pending.get(2)?);
+        let record = CompletedRecord {
+            kind,
+            fingerprint: pending.get(3..3 + fplen)?,
+            value,
+        };
+        let mut set = Cmd::with_capacity(6, 3 + key.len() + 3 + fplen + value.len() + 4 + 80);
+        set.arg("SET")
+            .arg(key)
+            .arg(record)
+            .arg("IFEQ")
+            .arg(&*pending)
+            .arg("KEEPTTL");
+        let mut pipe = redis::pipe();
+        // Sent even when the SET does not match: a waiter woken for
+        // nothing reads the record again and waits on; the script that
+        // then runs publishes again if it writes. A refused SPUBLISH (ACL)
+        // leaves the write done, as the script's `pcall` does.
+        pipe.ignore_errors()
+            .add_command(set)
+            .cmd("SPUBLISH")
+            .arg(key)
+            .arg(COMPLETED);
+        let replies: redis::RedisResult<Vec<Value>> = match &self.conn {
+            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+        };
+        match replies {
+            Ok(replies) => match replies.first() {
+                Some(Value::Okay) => Some(Ok(WriteReply::Done)),
+                Some(Value::SimpleString(s)) if s == "OK" => Some(Ok(WriteReply::Done)),
+                _ => None,
+            },
+            Err(e) => Some(Err(classify("complete", e))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(server: &str, version: &str) -> Value {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        Value::Array(vec![s("server"), s(server), s("version"), s(version)])
+    }
+
+    #[test]
+    fn set_ifeq_from_valkey_8_1_and_redis_8_4() {
+        let path = |server, version| Kind::from_hello(&hello(server, version)).complete;
+        assert_eq!(path("valkey", "8.1.8"), CompletePath::SetIfEq);
+        assert_eq!(path("valkey", "9.0.0"), CompletePath::SetIfEq);
+        assert_eq!(path("valkey", "8.0.2"), CompletePath::Script);
+        assert_eq!(path("redis", "7.0.15"), CompletePath::Script);
+        assert_eq!(path("redis", "8.2.1"), CompletePath::Script);
+        assert_eq!(path("redis", "8.4.0"), CompletePath::SetIfEq);
+        assert_eq!(path("keydb", "9.9.9"), CompletePath::Script);
+        assert_eq!(path("valkey", "eight"), CompletePath::Script);
+        assert_eq!(Kind::from_hello(&Value::Nil).complete, CompletePath::Script);
+    }
+
+    #[test]
+    fn resp3_map_reply_is_read() {
+        let s = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let map = Value::Map(vec![
+            (s("server"), s("valkey")),
+            (s("version"), s("8.1.8")),
+            (s("proto"), Value::Int(3)),
+        ]);
+        let server = Kind::from_hello(&map);
+        assert_eq!(server.complete, CompletePath::SetIfEq);
+        assert_eq!(server.describe, "valkey 8.1.8");
+    }
+}

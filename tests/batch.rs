@@ -1,0 +1,229 @@
+//! `Store::claim_batch` and `Store::finish_batch` on Redis past the happy
+//! path the model (`tests/model.rs`) drives: scripts flushed between
+//! batches, a key that holds another Redis type, and a cluster, where a
+//! batch spans every master and a slot moved under a batch is followed key
+//! by key.
+
+use idem::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem::{Error, RedisStore};
+use idem_testkit::{TestContext, claim, key_slot};
+use std::collections::BTreeSet;
+
+const LEASE_MS: u64 = 30_000;
+const TTL_MS: u64 = 60_000;
+
+fn complete<'a>(key: &'a str, token: &'a Token, value: &'a [u8]) -> Finish<'a> {
+    Finish::Complete {
+        key,
+        token,
+        fingerprint: None,
+        kind: ValueKind::Json,
+        value,
+    }
+}
+
+/// Claims `keys` one batch, each by its own token of `tokens`.
+async fn claim_all(
+    store: &dyn Store,
+    keys: &[String],
+    tokens: &[Token],
+) -> Vec<Result<ClaimReply, Error>> {
+    let claims: Vec<_> = keys
+        .iter()
+        .zip(tokens)
+        .map(|(k, t)| claim(k, t, LEASE_MS, TTL_MS, None))
+        .collect();
+    store.claim_batch(&claims).await
+}
+
+fn replays(replies: &[Result<ClaimReply, Error>]) -> Vec<Vec<u8>> {
+    replies
+        .iter()
+        .map(|r| match r {
+            Ok(ClaimReply::Completed(c)) => c.value.to_vec(),
+            other => panic!("expected a replay, got {other:?}"),
+        })
+        .collect()
+}
+
+/// After `SCRIPT FLUSH` with only the release script loaded again, a batch
+/// of `complete` then `release` of one key must still answer them in that
+/// order (the complete is retried alone, before the release is sent), and
+/// a contended claim must load the claim script again.
+#[tokio::test]
+async fn flushed_scripts_keep_each_keys_batch_order() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.store();
+    let (t1, t2) = (Token::random(), Token::random());
+    let keys = ["batch:flush:a", "batch:flush:b", "batch:flush:c"];
+    for key in keys {
+        let reply = store.claim(claim(key, &t1, LEASE_MS, TTL_MS, None)).await;
+        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    }
+    assert_eq!(ctx.server().cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    // Loads the release script alone.
+    let missing = store.release("batch:flush:none", &t1).await.unwrap();
+    assert_eq!(missing, WriteReply::Missing);
+
+    let replies = store
+        .finish_batch(&[
+            complete(keys[0], &t1, b"1"),
+            Finish::Release {
+                key: keys[0],
+                token: &t1,
+            },
+            complete(keys[1], &t1, b"2"),
+        ])
+        .await;
+    let replies: Vec<WriteReply> = replies.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        replies,
+        [
+            WriteReply::Done,
+            WriteReply::AlreadyCompleted,
+            WriteReply::Done
+        ]
+    );
+
+    assert_eq!(ctx.server().cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    let replies = store
+        .claim_batch(&[
+            claim(keys[2], &t2, LEASE_MS, TTL_MS, None),
+            claim(keys[0], &t2, LEASE_MS, TTL_MS, None),
+        ])
+        .await;
+    assert!(
+        matches!(replies[0], Ok(ClaimReply::InProgress { .. })),
+        "{replies:?}"
+    );
+    assert!(
+        matches!(&replies[1], Ok(ClaimReply::Completed(c)) if &c.value[..] == b"1"),
+        "{replies:?}"
+    );
+}
+
+/// A key holding another Redis type answers its own item with a typed
+/// error; the other items of the batch are answered normally.
+#[tokio::test]
+async fn a_bad_item_fails_alone() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.store();
+    let token = Token::random();
+    ctx.server().cli(&["LPUSH", "batch:bad:list", "x"]);
+    let replies = store
+        .claim_batch(&[
+            claim("batch:bad:ok", &token, LEASE_MS, TTL_MS, None),
+            claim("batch:bad:list", &token, LEASE_MS, TTL_MS, None),
+            claim("batch:bad:ok2", &token, LEASE_MS, TTL_MS, None),
+        ])
+        .await;
+    assert_eq!(replies.len(), 3);
+    assert_eq!(
+        replies[0].as_ref().unwrap(),
+        &ClaimReply::Acquired { attempt: 1 }
+    );
+    assert!(
+        matches!(replies[1], Err(Error::Corrupt { .. })),
+        "{replies:?}"
+    );
+    assert_eq!(
+        replies[2].as_ref().unwrap(),
+        &ClaimReply::Acquired { attempt: 1 }
+    );
+    let replies = store
+        .finish_batch(&[
+            complete("batch:bad:list", &token, b"1"),
+            complete("batch:bad:ok", &token, b"2"),
+        ])
+        .await;
+    assert!(
+        matches!(replies[0], Err(Error::Corrupt { .. })),
+        "{replies:?}"
+    );
+    assert_eq!(replies[1].as_ref().unwrap(), &WriteReply::Done);
+}
+
+/// Keys on every master in one batch, one of them twice: each item is
+/// answered as its single call would be, and the batch after a completes
+/// batch replays every value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_batch_spans_every_master() {
+    let ctx = TestContext::redis_cluster().await;
+    let cluster = ctx.cluster();
+    let store = ctx.store();
+    let mut keys: Vec<String> = (0..12).map(|i| format!("batch:spread:{i}")).collect();
+    let owners: BTreeSet<usize> = keys.iter().map(|k| cluster.slot_owner(k)).collect();
+    assert_eq!(
+        owners,
+        BTreeSet::from([0, 1, 2]),
+        "keys must span 3 masters"
+    );
+    keys.push(keys[3].clone());
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::random()).collect();
+
+    let replies = claim_all(store, &keys, &tokens).await;
+    for (i, reply) in replies.iter().enumerate() {
+        match (i, reply) {
+            (12, Ok(ClaimReply::InProgress { .. })) => {}
+            (0..12, Ok(ClaimReply::Acquired { attempt: 1 })) => {}
+            _ => panic!("item {i} ({}): {reply:?}", keys[i]),
+        }
+    }
+    let values: Vec<Vec<u8>> = (0..keys.len())
+        .map(|i| i.to_string().into_bytes())
+        .collect();
+    let ops: Vec<Finish<'_>> = keys
+        .iter()
+        .zip(&tokens)
+        .zip(&values)
+        .map(|((k, t), v)| complete(k, t, v))
+        .collect();
+    let done: Vec<WriteReply> = store
+        .finish_batch(&ops)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut expected = vec![WriteReply::Done; 12];
+    expected.push(WriteReply::AlreadyCompleted);
+    assert_eq!(done, expected);
+
+    let again = claim_all(store, &keys, &tokens).await;
+    let mut want: Vec<Vec<u8>> = values[..12].to_vec();
+    want.push(values[3].clone());
+    assert_eq!(replays(&again), want);
+}
+
+/// A slot moved to another master after the store learnt the slot map:
+/// the batch's items on it are redirected (`MOVED`) and each is sent again
+/// alone; every other item is answered from its pipeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_slot_is_followed_key_by_key() {
+    let ctx = TestContext::redis_cluster().await;
+    let cluster = ctx.cluster();
+    let store: &RedisStore = ctx.redis_store();
+    let keys: Vec<String> = (0..9).map(|i| format!("batch:moved:{i}")).collect();
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::random()).collect();
+    // The store learns the current map.
+    let warm = claim_all(store, &keys[..1], &tokens[..1]).await;
+    assert_eq!(
+        warm[0].as_ref().unwrap(),
+        &ClaimReply::Acquired { attempt: 1 }
+    );
+
+    let moved = &keys[1];
+    let slot = key_slot(moved);
+    let to = (cluster.slot_owner(moved) + 1) % 3;
+    tokio::task::block_in_place(|| cluster.migrate_slot(slot, to));
+    assert_eq!(cluster.slot_owner(moved), to);
+
+    let replies = claim_all(store, &keys[1..], &tokens[1..]).await;
+    for (key, reply) in keys[1..].iter().zip(&replies) {
+        assert_eq!(
+            reply.as_ref().ok(),
+            Some(&ClaimReply::Acquired { attempt: 1 }),
+            "{key}: {reply:?}"
+        );
+    }
+    assert!(ctx.record_state(moved).is_some(), "{moved} was written");
+}

@@ -1,0 +1,228 @@
+//! How `complete` runs on the server under test: one plain `SET … IFEQ`
+//! where the server has it (Valkey 8.1+, Redis 8.4+), the Lua script on
+//! Redis 7; and that a plain complete that does not match answers exactly
+//! as the script would. Run on Redis 7 by `cargo test`, and on Valkey by
+//! `.ci/run`'s second pass (`IDEM_REDIS_SERVER=…/valkey-server`).
+
+use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem::{Error, Fingerprint, RedisStore};
+use idem_testkit::RedisServer;
+use std::time::Duration;
+
+const TTL: Duration = Duration::from_secs(60);
+
+fn claim<'a>(key: &'a str, token: &'a Token, fp: Option<&'a Fingerprint>) -> Claim<'a> {
+    Claim {
+        key,
+        token,
+        lease: Duration::from_millis(100),
+        ttl: TTL,
+        fingerprint: fp,
+        want_ttl_left: false,
+    }
+}
+
+/// `field:value` of `INFO <section>`.
+fn info_field(server: &RedisServer, section: &str, field: &str) -> Option<String> {
+    let info = server.cli(&["INFO", section]);
+    info.lines().find_map(|l| {
+        l.trim()
+            .strip_prefix(&format!("{field}:"))
+            .map(str::to_owned)
+    })
+}
+
+/// The path a server of this name and version must take.
+fn expected_path(server: &RedisServer) -> &'static str {
+    let (name, version) = match info_field(server, "server", "valkey_version") {
+        Some(v) => ("valkey", v),
+        None => (
+            "redis",
+            info_field(server, "server", "redis_version").unwrap_or_default(),
+        ),
+    };
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let at = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let min = if name == "valkey" { (8, 1) } else { (8, 4) };
+    if at >= min { "set-ifeq" } else { "script" }
+}
+
+/// How many `EVALSHA` calls the server has run since its last reset.
+fn evalsha_calls(server: &RedisServer) -> u64 {
+    info_field(server, "commandstats", "cmdstat_evalsha")
+        .and_then(|s| {
+            s.split(',')
+                .find_map(|kv| kv.strip_prefix("calls=").map(str::to_owned))
+        })
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn connect(server: &RedisServer) -> RedisStore {
+    RedisStore::connect(&server.url())
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to the test server {}: {e}", server.url()))
+}
+
+#[tokio::test]
+async fn complete_takes_the_servers_path_and_keeps_ttl_and_fingerprint() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let path = expected_path(&server);
+    assert_eq!(store.complete_path(), path, "server {}", store.server());
+
+    let (token, fp) = (Token::random(), Fingerprint::of_bytes(b"payload"));
+    let other_fp = Fingerprint::of_bytes(b"other");
+    assert_eq!(
+        store.claim(claim("k:1", &token, Some(&fp))).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
+    let mut watch = store
+        .watch("k:1")
+        .await
+        .expect("a store from a URL watches keys");
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let reply = store
+        .complete("k:1", &token, Some(&other_fp), ValueKind::Json, b"42")
+        .await
+        .unwrap();
+    assert_eq!(reply, WriteReply::Done);
+    let scripts = evalsha_calls(&server);
+    match path {
+        "set-ifeq" => assert_eq!(scripts, 0, "the plain SET path ran a script"),
+        _ => assert_eq!(scripts, 1, "the script path ran {scripts} scripts"),
+    }
+    // Waiters are woken as the script would wake them.
+    tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("no notification for the completed key");
+
+    // The claim's fingerprint and the claim's TTL stay.
+    let left: i64 = server.cli(&["PTTL", "k:1"]).parse().unwrap();
+    assert!(left > 0 && left <= 60_000, "PTTL {left}");
+    match store
+        .claim(claim("k:1", &Token::random(), Some(&fp)))
+        .await
+        .unwrap()
+    {
+        ClaimReply::Completed(c) => {
+            assert_eq!(&c.value[..], b"42");
+            assert_eq!(c.fingerprint, Some(fp));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let (old, new) = (Token::random(), Token::random());
+
+    // Lease lost, taken over: OtherOwner; then completed by the new owner:
+    // AlreadyCompleted.
+    store.claim(claim("k:late", &old, None)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        store.claim(claim("k:late", &new, None)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 2 }
+    );
+    let complete = |token| store.complete("k:late", token, None, ValueKind::Json, b"1");
+    assert_eq!(complete(&old).await.unwrap(), WriteReply::OtherOwner);
+    store.claim(claim("k:late2", &old, None)).await.unwrap();
+    assert_eq!(complete(&new).await.unwrap(), WriteReply::Done);
+    // Re-sent after its reply was lost: the same result, done.
+    assert_eq!(complete(&new).await.unwrap(), WriteReply::Done);
+    let complete2 = |token, value: &'static [u8]| {
+        store.complete("k:late2", token, None, ValueKind::Json, value)
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.claim(claim("k:late2", &new, None)).await.unwrap();
+    assert_eq!(complete2(&new, b"1").await.unwrap(), WriteReply::Done);
+    assert_eq!(
+        complete2(&old, b"2").await.unwrap(),
+        WriteReply::AlreadyCompleted
+    );
+
+    // The record vanished (expired, deleted): Missing.
+    let t = Token::random();
+    store.claim(claim("k:gone", &t, None)).await.unwrap();
+    assert_eq!(server.cli(&["DEL", "k:gone"]), "1");
+    assert_eq!(
+        store
+            .complete("k:gone", &t, None, ValueKind::Json, b"1")
+            .await
+            .unwrap(),
+        WriteReply::Missing
+    );
+
+    // Another Redis type under the key: the typed error, nothing written.
+    store.claim(claim("k:list", &t, None)).await.unwrap();
+    assert_eq!(server.cli(&["DEL", "k:list"]), "1");
+    assert_eq!(server.cli(&["RPUSH", "k:list", "x"]), "1");
+    match store
+        .complete("k:list", &t, None, ValueKind::Json, b"1")
+        .await
+    {
+        Err(Error::Corrupt { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(server.cli(&["LLEN", "k:list"]), "1");
+
+    // Extended: the record's lease end changed; still done.
+    let t = Token::random();
+    store.claim(claim("k:ext", &t, None)).await.unwrap();
+    assert_eq!(
+        store
+            .extend("k:ext", &t, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store
+            .complete("k:ext", &t, None, ValueKind::Json, b"7")
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+}
+
+#[tokio::test]
+async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
+    let server = RedisServer::start();
+    let manager = redis::aio::ConnectionManager::new(server.client())
+        .await
+        .expect("connect to the test server");
+    let store = RedisStore::from_manager(manager);
+    assert_eq!(store.complete_path(), "script");
+    assert_eq!(store.server(), "unknown");
+    let first = Token::random();
+    store.claim(claim("k:first", &first, None)).await.unwrap();
+    assert_eq!(
+        store
+            .complete("k:first", &first, None, ValueKind::Json, b"1")
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    let path = expected_path(&server);
+    assert_eq!(store.complete_path(), path, "server {}", store.server());
+
+    let next = Token::random();
+    store.claim(claim("k:next", &next, None)).await.unwrap();
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    assert_eq!(
+        store
+            .complete("k:next", &next, None, ValueKind::Json, b"2")
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    let scripts = evalsha_calls(&server);
+    assert_eq!(
+        scripts,
+        u64::from(path == "script"),
+        "{path}: {scripts} scripts"
+    );
+}
