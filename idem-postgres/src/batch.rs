@@ -1,5 +1,5 @@
 //! Batches on PostgreSQL (`Store::claim_batch`, `Store::finish_batch`):
-//! one statement per wave of distinct keys (`idem_core::store::key_waves`),
+//! one statement per wave of distinct keys (`idem_core::store::in_waves`),
 //! its arrays `unnest`ed into one row per key. Each key runs exactly the
 //! single call's statement logic (`sql.rs`); an item the batch statement
 //! cannot answer (a race, a refused write whose reason must be read) goes
@@ -13,7 +13,7 @@ use crate::store::PgStore;
 use crate::time::{lease_ms, ms_i64, record_ttl_ms};
 use crate::tx;
 use idem_core::Error;
-use idem_core::store::{Claim, ClaimReply, Finish, Store, WriteReply, key_waves};
+use idem_core::store::{Claim, ClaimReply, Finish, Store, WriteReply, in_waves};
 use sqlx::{AssertSqlSafe, Row};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -24,20 +24,13 @@ impl PgStore {
         if tx::current().is_some() {
             return self.claim_each(claims.iter()).await;
         }
-        let mut out: Vec<Option<Result<ClaimReply, Error>>> =
-            (0..claims.len()).map(|_| None).collect();
-        for wave in key_waves(claims.iter().map(|c| c.key)) {
-            let batch: Vec<&Claim<'_>> = wave.iter().filter_map(|&i| claims.get(i)).collect();
-            let replies = self.claim_wave(&batch).await;
-            for (i, reply) in wave.into_iter().zip(replies) {
-                if let Some(slot) = out.get_mut(i) {
-                    *slot = Some(reply);
-                }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(lost("claim"))))
-            .collect()
+        in_waves(
+            claims,
+            |c| c.key,
+            |batch| async move { self.claim_wave(&batch).await },
+            || lost("claim"),
+        )
+        .await
     }
 
     /// The claims of one wave (distinct keys) as one statement.
@@ -102,30 +95,29 @@ impl PgStore {
 
     /// `Store::finish_batch`.
     pub(crate) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
-        let mut out: Vec<Option<Result<WriteReply, Error>>> =
-            (0..ops.len()).map(|_| None).collect();
         let in_tx = tx::current().is_some();
-        for wave in key_waves(ops.iter().map(Finish::key)) {
-            let batch: Vec<&Finish<'_>> = wave.iter().filter_map(|&i| ops.get(i)).collect();
-            let done = if in_tx {
-                HashSet::new()
-            } else {
-                self.finish_wave(&batch).await
-            };
-            for (i, op) in wave.into_iter().zip(batch) {
-                let reply = if done.contains(op.key()) {
-                    Ok(WriteReply::Done)
+        in_waves(
+            ops,
+            Finish::key,
+            |batch| async move {
+                let done = if in_tx {
+                    HashSet::new()
                 } else {
-                    op.run_on(self).await
+                    self.finish_wave(&batch).await
                 };
-                if let Some(slot) = out.get_mut(i) {
-                    *slot = Some(reply);
+                let mut out = Vec::with_capacity(batch.len());
+                for op in batch {
+                    out.push(if done.contains(op.key()) {
+                        Ok(WriteReply::Done)
+                    } else {
+                        op.run_on(self).await
+                    });
                 }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(lost("complete"))))
-            .collect()
+                out
+            },
+            || lost("complete"),
+        )
+        .await
     }
 
     /// The completes and releases of one wave (distinct keys) as one

@@ -284,6 +284,45 @@ pub fn key_waves<'k>(keys: impl IntoIterator<Item = &'k str>) -> Vec<Vec<usize>>
     waves
 }
 
+/// Answers a batch wave by wave ([`key_waves`]), for a store that sends
+/// each wave as one statement or pipeline: `send` gets one wave's items (no
+/// key twice, in batch order) and returns their replies in that order. An
+/// item its wave left unanswered gets `missing()`.
+///
+/// ```
+/// use idem_core::{Error, store::in_waves};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let items = ["a", "b", "a"];
+/// let replies = in_waves(&items, |k| *k, |wave: Vec<&&str>| async move {
+///     wave.iter().map(|k| Ok::<_, Error>(k.len())).collect()
+/// }, || Error::corrupt("no reply")).await;
+/// assert_eq!(replies.len(), 3);
+/// # });
+/// ```
+pub async fn in_waves<'i, I, R, F, Fut>(
+    items: &'i [I],
+    key: impl Fn(&'i I) -> &'i str,
+    mut send: F,
+    missing: impl Fn() -> Error,
+) -> Vec<Result<R, Error>>
+where
+    F: FnMut(Vec<&'i I>) -> Fut,
+    Fut: std::future::Future<Output = Vec<Result<R, Error>>>,
+{
+    let mut out: Vec<Option<Result<R, Error>>> = (0..items.len()).map(|_| None).collect();
+    for wave in key_waves(items.iter().map(&key)) {
+        let batch: Vec<&I> = wave.iter().filter_map(|&i| items.get(i)).collect();
+        for (i, reply) in wave.into_iter().zip(send(batch).await) {
+            if let Some(slot) = out.get_mut(i) {
+                *slot = Some(reply);
+            }
+        }
+    }
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(missing())))
+        .collect()
+}
+
 /// A backend that keeps idempotency records.
 ///
 /// Implementations must be atomic per key: each method is one indivisible

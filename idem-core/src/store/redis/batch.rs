@@ -6,7 +6,7 @@
 //!
 //! A batch is a transport: every key gets exactly the commands its single
 //! call would send. A key that comes more than once is split into waves
-//! ([`key_waves`]), so each wave holds a key at most once and the waves run
+//! ([`key_waves`](crate::store::key_waves)), so each wave holds a key at most once and the waves run
 //! in order: a key's items see each other's effects
 //! in batch order, whatever is retried inside a wave. An item redirected
 //! (`MOVED`/`ASK`, a cluster resharding) or whose script is gone
@@ -23,7 +23,7 @@ use super::{Conn, RedisStore};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis, record_ttl};
-use crate::store::{Store, key_waves, store_lease};
+use crate::store::{Store, in_waves, store_lease};
 use crate::token::Token;
 use futures_util::future::join_all;
 use redis::cluster_routing::Slot;
@@ -197,20 +197,13 @@ impl RedisStore {
     /// claim, then one pipelined claim script per claim that found a
     /// pending record.
     pub(super) async fn claim_many(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
-        let mut out: Vec<Option<Result<ClaimReply, Error>>> =
-            (0..claims.len()).map(|_| None).collect();
-        for wave in key_waves(claims.iter().map(|c| c.key)) {
-            let batch: Vec<&Claim<'_>> = wave.iter().filter_map(|&i| claims.get(i)).collect();
-            let replies = self.claim_wave(&batch).await;
-            for (i, reply) in wave.into_iter().zip(replies) {
-                if let Some(slot) = out.get_mut(i) {
-                    *slot = Some(reply);
-                }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(protocol("claim", &Value::Nil))))
-            .collect()
+        in_waves(
+            claims,
+            |c| c.key,
+            |batch| async move { self.claim_wave(&batch).await },
+            || protocol("claim", &Value::Nil),
+        )
+        .await
     }
 
     /// The claims of one wave (distinct keys).
@@ -272,31 +265,29 @@ impl RedisStore {
     /// `Store::finish_batch`: wave by wave, one pipelined script call per
     /// complete or release.
     pub(super) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
-        let mut out: Vec<Option<Result<WriteReply, Error>>> =
-            (0..ops.len()).map(|_| None).collect();
-        for wave in key_waves(ops.iter().map(Finish::key)) {
-            let items = wave
-                .iter()
-                .filter_map(|&i| ops.get(i))
-                .map(|op| (op.key(), vec![finish_cmd(op)]))
-                .collect();
-            let replies = self.pipelined(items).await;
-            for (i, replies) in wave.into_iter().zip(replies) {
-                let Some(op) = ops.get(i) else { continue };
-                let op_name = finish_name(op);
-                let reply = match only_reply(replies) {
-                    Ok(v) => parse_write(op_name, v),
-                    Err(e) if !is_noscript(&e) && !redirected(&e) => Err(classify(op_name, e)),
-                    Err(_) => op.run_on(self).await,
-                };
-                if let Some(slot) = out.get_mut(i) {
-                    *slot = Some(reply);
+        in_waves(
+            ops,
+            Finish::key,
+            |batch| async move {
+                let items = batch
+                    .iter()
+                    .map(|op| (op.key(), vec![finish_cmd(op)]))
+                    .collect();
+                let replies = self.pipelined(items).await;
+                let mut out = Vec::with_capacity(batch.len());
+                for (op, replies) in batch.into_iter().zip(replies) {
+                    let op_name = finish_name(op);
+                    out.push(match only_reply(replies) {
+                        Ok(v) => parse_write(op_name, v),
+                        Err(e) if !is_noscript(&e) && !redirected(&e) => Err(classify(op_name, e)),
+                        Err(_) => op.run_on(self).await,
+                    });
                 }
-            }
-        }
-        out.into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(protocol("complete", &Value::Nil))))
-            .collect()
+                out
+            },
+            || protocol("complete", &Value::Nil),
+        )
+        .await
     }
 }
 
