@@ -1,58 +1,15 @@
 //! Storing a finished body's result, even when the call is dropped
 //! meanwhile.
 
-use super::exec::Exec;
 use super::is_unavailable;
-use crate::codec::{encode, marker_error};
 use crate::fingerprint::Fingerprint;
-use crate::store::{Completed, Store, ValueKind, WriteReply};
+use crate::store::{Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
-use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
-
-impl Exec<'_> {
-    /// Stores the result, re-trying within the lease. The work has happened
-    /// either way, so this never turns a success into an error; and if this
-    /// future is dropped meanwhile (the caller gave up), the completion
-    /// goes on in a task of its own rather than leave the key to run again.
-    pub(super) async fn complete<T: Serialize>(&self, value: &T) -> Stored {
-        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
-        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
-            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
-        }
-        let value: Bytes = encoded.bytes.into();
-        let completion = Completion {
-            store: self.store,
-            key: &self.key,
-            token: self.token,
-            fingerprint: self.fingerprint,
-            kind: encoded.kind,
-            value: &value,
-            lease: self.lease,
-        };
-        let mut detach = DetachOnDrop(Some(&completion));
-        let stored = completion.run().await;
-        detach.0 = None;
-        drop(detach);
-        if stored == Stored::Yes {
-            if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
-                let record = Completed {
-                    kind: encoded.kind,
-                    value: value.clone(),
-                    fingerprint: self.fingerprint,
-                    // The record's TTL runs from the claim, sent after this.
-                    ttl_left: Some(self.ttl),
-                };
-                cache.insert(&self.key, record, started, self.seen);
-            }
-        }
-        stored
-    }
-}
 
 /// Whether a finished body's result made it into the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,17 +23,27 @@ pub(super) enum Stored {
 
 /// Everything a `complete` needs, borrowed from the call; `to_owned` for a
 /// completion that outlives it.
-struct Completion<'a> {
-    store: &'a Arc<dyn Store>,
-    key: &'a str,
-    token: Token,
-    fingerprint: Option<Fingerprint>,
-    kind: ValueKind,
-    value: &'a Bytes,
-    lease: Duration,
+pub(super) struct Completion<'a> {
+    pub(super) store: &'a Arc<dyn Store>,
+    pub(super) key: &'a str,
+    pub(super) token: Token,
+    pub(super) fingerprint: Option<Fingerprint>,
+    pub(super) kind: ValueKind,
+    pub(super) value: &'a Bytes,
+    pub(super) lease: Duration,
 }
 
 impl Completion<'_> {
+    /// [`run`](Completion::run), going on in a task of its own if this
+    /// future is dropped meanwhile: the body has succeeded, so dropping the
+    /// caller must neither release the key nor leave it to run again.
+    pub(super) async fn run_to_the_end(&self) -> Stored {
+        let mut detach = DetachOnDrop(Some(self));
+        let stored = self.run().await;
+        detach.0 = None;
+        stored
+    }
+
     /// Sends `complete`, re-sending while the store is unreachable, for at
     /// most half a lease: past the lease the key may be taken over anyway.
     /// A re-sent complete that finds its own result stored is `Done`.

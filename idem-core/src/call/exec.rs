@@ -1,11 +1,11 @@
 //! The prepared call: claim (waiting out another holder), execute the
 //! body, or replay the stored result.
 
-use super::completion::Stored;
-use super::guard::KeptOnDrop;
+use super::completion::{Completion, Stored};
+use super::guard::{KeptOnDrop, ReleaseGuard, release};
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
-use crate::codec::decode;
+use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, Report};
@@ -15,6 +15,7 @@ use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
+use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -316,4 +317,49 @@ fn store_backoff(retries: usize) -> ExponentialBuilder {
         .with_max_delay(Duration::from_millis(200))
         .with_jitter()
         .with_max_times(retries)
+}
+
+impl Exec<'_> {
+    /// Stores the result, re-trying within the lease. The work has happened
+    /// either way, so this never turns a success into an error; and if this
+    /// future is dropped meanwhile (the caller gave up), the completion
+    /// goes on in a task of its own rather than leave the key to run again.
+    pub(super) async fn complete<T: Serialize>(&self, value: &T) -> Stored {
+        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
+        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
+            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
+        }
+        let value: Bytes = encoded.bytes.into();
+        let completion = Completion {
+            store: self.store,
+            key: &self.key,
+            token: self.token,
+            fingerprint: self.fingerprint,
+            kind: encoded.kind,
+            value: &value,
+            lease: self.lease,
+        };
+        let stored = completion.run_to_the_end().await;
+        if stored == Stored::Yes {
+            if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
+                let record = Completed {
+                    kind: encoded.kind,
+                    value: value.clone(),
+                    fingerprint: self.fingerprint,
+                    // The record's TTL runs from the claim, sent after this.
+                    ttl_left: Some(self.ttl),
+                };
+                cache.insert(&self.key, record, started, self.seen);
+            }
+        }
+        stored
+    }
+
+    fn guard(&self) -> ReleaseGuard<'_> {
+        ReleaseGuard::new(self.store, &self.key, &self.token)
+    }
+
+    async fn release(&self, why: &str) {
+        release(self.store.as_ref(), &self.key, &self.token, why).await
+    }
 }

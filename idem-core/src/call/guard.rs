@@ -1,28 +1,30 @@
 //! Releasing the key: on purpose after a failed body, or on drop when
 //! the call's future is cancelled.
 
-use super::exec::Exec;
 use crate::store::{Store, WriteReply};
 use crate::token::Token;
 use std::sync::Arc;
 
-impl Exec<'_> {
-    pub(super) fn guard(&self) -> ReleaseGuard<'_> {
+impl<'a> ReleaseGuard<'a> {
+    /// Armed: dropped as it is, it releases `key` for `token`.
+    pub(super) fn new(store: &'a Arc<dyn Store>, key: &'a str, token: &'a Token) -> Self {
         ReleaseGuard {
-            store: self.store,
-            key: &self.key,
-            token: &self.token,
+            store,
+            key,
+            token,
             armed: true,
         }
     }
+}
 
-    pub(super) async fn release(&self, why: &str) {
-        match self.store.release(&self.key, &self.token).await {
-            Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
-            Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
-            Err(e) => {
-                tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires")
-            }
+/// Releases `key` for `token` on purpose (`why` says for the log); a key
+/// that could not be released frees itself when its lease runs out.
+pub(super) async fn release(store: &dyn Store, key: &str, token: &Token, why: &str) {
+    match store.release(key, token).await {
+        Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
+        Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
+        Err(e) => {
+            tracing::warn!(error = %e, "{why}, and the key could not be released: it frees itself when the lease expires")
         }
     }
 }
