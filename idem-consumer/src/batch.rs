@@ -1,23 +1,37 @@
 //! A fetched batch: bounded concurrency, one decision per message, and
 //! copies of one message inside the batch run once.
 
-use crate::consumer::{Consumer, Handled};
+use crate::consumer::{Consumer, Handled, message_span, report, run_handler};
 use crate::decision::{Classify, Decision};
 use crate::message::Message;
-use futures_util::StreamExt;
-use futures_util::stream;
+use futures_util::future::join_all;
+use idem_core::Batch;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
+use tracing::Instrument;
+
+/// A message of the batch that goes to idem.
+struct Run {
+    index: usize,
+    key: String,
+    over_valve: bool,
+    span: tracing::Span,
+}
 
 impl<C> Consumer<C> {
     /// Handles a batch with at most [`concurrency`](Consumer::concurrency)
     /// handlers at once and returns one [`Handled`] per message, in order.
     /// One message failing does not affect the others (partial batch
     /// failure).
+    ///
+    /// The batch costs idem's store two round trips, not two per message:
+    /// every claim goes in one ([`idem_core::Batch`]), the handlers that
+    /// won their key run, and their results and releases go in one more.
+    /// Each message keeps exactly the decision it would get alone.
     ///
     /// A message whose key and payload equal those of an earlier one in the
     /// batch is not run: it gets the first copy's decision, with
@@ -69,23 +83,49 @@ impl<C> Consumer<C> {
             }
             keys.push(key);
         }
-        // Collected first: iterator adapters with closures over references
-        // inside a future make it lose `Send` (higher-ranked lifetimes).
-        let todo: Vec<(usize, &Message, Result<String, crate::ConsumerError>)> = msgs
-            .iter()
-            .zip(keys)
-            .enumerate()
-            .filter_map(|(i, (msg, key))| duplicate_of[i].is_none().then_some((i, msg, key)))
-            .collect();
-        let mut work = Vec::with_capacity(todo.len());
-        for (i, msg, key) in todo {
-            let fp = fps.get(i).copied();
-            work.push(async move { (i, self.handle_keyed(msg, key, fp, handler).await) });
-        }
+        // The messages that run, each with its span; those without a key
+        // are decided at once.
         let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();
-        let mut results = stream::iter(work).buffer_unordered(self.batch_concurrency());
-        while let Some((i, handled)) = results.next().await {
-            done[i] = Some(handled);
+        let mut runs: Vec<Run> = Vec::with_capacity(msgs.len());
+        let mut calls = Batch::new();
+        for (i, key) in keys.into_iter().enumerate() {
+            if duplicate_of[i].is_some() {
+                continue;
+            }
+            let msg = &msgs[i];
+            let span = message_span(msg);
+            match self.call_of(msg, key, fps.get(i).copied()) {
+                Err(refused) => {
+                    report(&span, &refused);
+                    done[i] = Some(refused);
+                }
+                Ok((key, call)) => {
+                    calls.push(call);
+                    runs.push(Run {
+                        index: i,
+                        key,
+                        over_valve: self.over_valve(msg),
+                        span,
+                    });
+                }
+            }
+        }
+        // One claims round trip, the handlers that won, one round trip of
+        // completes and releases.
+        let results = calls
+            .concurrency(self.batch_concurrency())
+            .run_outcome(|j| {
+                let run = &runs[j];
+                run_handler(handler, &msgs[run.index], run.over_valve).instrument(run.span.clone())
+            })
+            .await;
+        let judged = runs.iter().zip(results).map(|(run, result)| {
+            self.judge(&msgs[run.index], run.key.clone(), result)
+                .instrument(run.span.clone())
+        });
+        for (run, handled) in runs.iter().zip(join_all(judged).await) {
+            report(&run.span, &handled);
+            done[run.index] = Some(handled);
         }
         // A copy's first copy comes earlier in the batch, so its decision
         // is known when the copy is reached.

@@ -40,7 +40,7 @@ pub struct Handled<T> {
 }
 
 impl<T> Handled<T> {
-    fn decided(decision: Decision, key: Option<String>) -> Handled<T> {
+    pub(crate) fn decided(decision: Decision, key: Option<String>) -> Handled<T> {
         Handled {
             decision,
             outcome: None,
@@ -52,7 +52,7 @@ impl<T> Handled<T> {
 }
 
 /// Why the body of an idem call did not return a value.
-enum Failure<E> {
+pub(crate) enum Failure<E> {
     Idem(Error),
     Handler(E),
     /// The broker-delivery valve was passed: the body declines to run, so
@@ -365,7 +365,7 @@ impl<C> Consumer<C> {
         C: Classify<E>,
     {
         let key = self.keys.key(msg);
-        self.handle_keyed(msg, key, None, handler).await
+        self.handle_keyed(msg, key, None, None, handler).await
     }
 
     pub(crate) async fn handle_keyed<T, E, H, Fut>(
@@ -373,6 +373,7 @@ impl<C> Consumer<C> {
         msg: &Message,
         key: Result<String, crate::ConsumerError>,
         fingerprint: Option<idem_core::Fingerprint>,
+        group: Option<&idem_core::CallGroup>,
         handler: &H,
     ) -> Handled<T>
     where
@@ -382,60 +383,44 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let span = tracing::info_span!(
-            "idem.consume",
-            broker = msg.broker(),
-            source = msg.source(),
-            position = msg.position(),
-            id = msg.id(),
-            delivery = msg.delivery_count(),
-            outcome = Empty,
-            decision = Empty,
-        );
-        let handled = self
-            .decide(msg, key, fingerprint, handler)
-            .instrument(span.clone())
-            .await;
-        if let Some(o) = handled.outcome {
-            span.record("outcome", o.as_str());
-        }
-        span.record("decision", handled.decision.as_str());
-        let _enter = span.enter();
-        match &handled.decision {
-            Decision::Ack => tracing::debug!("message acked"),
-            Decision::Nack { delay } => {
-                tracing::info!(delay_ms = delay.as_millis() as u64, "message nacked")
-            }
-            Decision::DeadLetter { reason } => {
-                tracing::warn!(reason = %reason, kind = reason.kind(), "message dead-lettered")
+        let span = message_span(msg);
+        let handled = async {
+            match self.call_of(msg, key, fingerprint) {
+                Err(refused) => refused,
+                Ok((key, call)) => {
+                    let call = match group {
+                        Some(g) => call.in_group(g),
+                        None => call,
+                    };
+                    let over_valve = self.over_valve(msg);
+                    let result = call
+                        .run_outcome(|| run_handler(handler, msg, over_valve))
+                        .await;
+                    self.judge(msg, key, result).await
+                }
             }
         }
+        .instrument(span.clone())
+        .await;
+        report(&span, &handled);
         handled
     }
 
-    async fn decide<T, E, H, Fut>(
+    /// The idem call of `msg`, or the decision for a message that cannot
+    /// have one (no key: dead-lettered unrun).
+    pub(crate) fn call_of<T>(
         &self,
         msg: &Message,
         key: Result<String, crate::ConsumerError>,
         fingerprint: Option<idem_core::Fingerprint>,
-        handler: &H,
-    ) -> Handled<T>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
+    ) -> Result<(String, idem_core::Call<'_>), Handled<T>> {
         let key = match key {
             Ok(k) => k,
             Err(e) => {
                 let reason = DeadLetterReason::BadMessage(e.to_string());
-                return Handled::decided(Decision::DeadLetter { reason }, None);
+                return Err(Handled::decided(Decision::DeadLetter { reason }, None));
             }
         };
-        let deliveries = msg.delivery_count();
-        let over_valve = deliveries > self.max_deliveries;
         let mut call = self.idem.call(&self.scope, &key);
         if self.fingerprint {
             // A batch has hashed the payload already.
@@ -448,14 +433,26 @@ impl<C> Consumer<C> {
         if let Some(ttl) = self.ttl {
             call = call.ttl(ttl);
         }
-        let result = call
-            .run_outcome(|| async {
-                if over_valve {
-                    return Err(Failure::OverValve);
-                }
-                handler(msg.clone()).await.map_err(Failure::Handler)
-            })
-            .await;
+        Ok((key, call))
+    }
+
+    /// Whether `msg` is past the delivery valve: its handler must not run.
+    pub(crate) fn over_valve(&self, msg: &Message) -> bool {
+        msg.delivery_count() > self.max_deliveries
+    }
+
+    /// The decision for `msg` once its idem call returned `result`.
+    pub(crate) async fn judge<T, E>(
+        &self,
+        msg: &Message,
+        key: String,
+        result: Result<(T, Outcome), Failure<E>>,
+    ) -> Handled<T>
+    where
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let deliveries = msg.delivery_count();
         let decision = match result {
             Ok((value, outcome)) => {
                 if outcome.result_not_stored() {
@@ -557,6 +554,55 @@ impl<C> Consumer<C> {
                     delay: self.backoff_for(deliveries),
                 }
             }
+        }
+    }
+}
+
+/// The span every message's handling runs in.
+pub(crate) fn message_span(msg: &Message) -> tracing::Span {
+    tracing::info_span!(
+        "idem.consume",
+        broker = msg.broker(),
+        source = msg.source(),
+        position = msg.position(),
+        id = msg.id(),
+        delivery = msg.delivery_count(),
+        outcome = Empty,
+        decision = Empty,
+    )
+}
+
+/// The body of a message's idem call: the handler, unless the message is
+/// past the delivery valve.
+pub(crate) async fn run_handler<T, E, H, Fut>(
+    handler: &H,
+    msg: &Message,
+    over_valve: bool,
+) -> Result<T, Failure<E>>
+where
+    H: Fn(Message) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    if over_valve {
+        return Err(Failure::OverValve);
+    }
+    handler(msg.clone()).await.map_err(Failure::Handler)
+}
+
+/// Records what happened to a message in its span, and logs it there.
+pub(crate) fn report<T>(span: &tracing::Span, handled: &Handled<T>) {
+    if let Some(o) = handled.outcome {
+        span.record("outcome", o.as_str());
+    }
+    span.record("decision", handled.decision.as_str());
+    let _enter = span.enter();
+    match &handled.decision {
+        Decision::Ack => tracing::debug!("message acked"),
+        Decision::Nack { delay } => {
+            tracing::info!(delay_ms = delay.as_millis() as u64, "message nacked")
+        }
+        Decision::DeadLetter { reason } => {
+            tracing::warn!(reason = %reason, kind = reason.kind(), "message dead-lettered")
         }
     }
 }

@@ -286,6 +286,9 @@ impl KafkaConsumer {
             ConsumerError::Config("KafkaConsumer::run is already running on this consumer".into())
         })?;
         let mut shutdown = pin!(shutdown);
+        // Records handled in the same turn, of any partition, share their
+        // round trips to idem's store; none waits for another.
+        let group = idem_core::CallGroup::unbounded(consumer.idem());
         let mut report = KafkaReport::default();
         let mut running = FuturesUnordered::new();
         let mut waiting: StartQueue<Waiting> = StartQueue::default();
@@ -312,7 +315,7 @@ impl KafkaConsumer {
                 if w.taken.msg.delivery_count() > 1 {
                     report.redelivered += 1;
                 }
-                running.push(self.process(consumer, handler, w));
+                running.push(self.process(consumer, handler, w, &group));
             }
             let room = !closed && waiting.len() < self.cfg.buffer;
             tokio::select! {
@@ -475,6 +478,7 @@ impl KafkaConsumer {
         consumer: &Consumer<C>,
         handler: &H,
         w: Waiting,
+        group: &idem_core::CallGroup,
     ) -> Done
     where
         H: Fn(Message) -> Fut,
@@ -509,7 +513,13 @@ impl KafkaConsumer {
         let dest = loop {
             ran.store(false, Ordering::Relaxed);
             let handled = consumer
-                .handle_keyed(&taken.msg, key.clone(), Some(fingerprint), &watched)
+                .handle_keyed(
+                    &taken.msg,
+                    key.clone(),
+                    Some(fingerprint),
+                    Some(group),
+                    &watched,
+                )
                 .await;
             let step = attempts.next(
                 handled.decision,

@@ -467,3 +467,32 @@ async fn store_down_nacks_and_runs_nothing_then_the_redelivery_runs_once() {
     assert_eq!(again.outcome, Some(Outcome::Executed));
     assert_eq!(ledger.count("o"), 1);
 }
+
+/// Issue 22 section 2: a fetched batch costs idem's store one claims round
+/// trip and one round trip of results, whatever its size; the redelivered
+/// batch replays in one more. Handlers that finish together are stored
+/// together (no handler waits here).
+#[tokio::test]
+async fn a_batch_costs_the_store_two_round_trips_not_two_per_message() {
+    let server = RedisServer::start();
+    let store = idem_testkit::CountingStore::new(RedisStore::connect(&server.url()).await.unwrap());
+    let counts = store.counts();
+    let idem = Idempotency::builder(store).namespace("t").build();
+    let c = Consumer::new(idem, "orders").concurrency(64);
+    let ledger = Ledger::new();
+    let h = async |m: Message| -> Result<(), AppError> {
+        ledger.record(m.id().unwrap_or("-"));
+        Ok(())
+    };
+    let batch: Vec<Message> = (0..64)
+        .map(|i| Message::new(format!("{i}")).with_id(format!("m{i}")))
+        .collect();
+    let out = c.handle_batch(&batch, &h).await;
+    assert!(out.iter().all(|h| h.outcome == Some(Outcome::Executed)));
+    assert_eq!((counts.claim_batches(), counts.finish_batches()), (1, 1));
+    let again = c.handle_batch(&batch, &h).await;
+    assert!(again.iter().all(|h| h.outcome == Some(Outcome::Replayed)));
+    assert_eq!((counts.claim_batches(), counts.finish_batches()), (2, 1));
+    assert_eq!(counts.singles(), 0);
+    assert_eq!(ledger.total(), 64);
+}

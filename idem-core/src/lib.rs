@@ -43,7 +43,7 @@ mod settings;
 pub mod store;
 mod token;
 
-pub use call::Call;
+pub use call::{Batch, Call, CallGroup};
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{BoxError, Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;

@@ -68,6 +68,7 @@
 mod claims;
 mod cluster;
 mod context;
+mod counting;
 mod errors;
 mod kafka;
 mod ledger;
@@ -87,6 +88,7 @@ mod worker;
 pub use claims::claim;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;
+pub use counting::{CountingStore, StoreCounts};
 pub use errors::{BodyError, is_typed_store_error, is_unavailable};
 pub use kafka::{KafkaBroker, TANSU_INSTALL, require_tansu};
 pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};

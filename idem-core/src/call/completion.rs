@@ -65,6 +65,11 @@ impl Completion<'_> {
         .retry(retries)
         .when(is_unavailable)
         .await;
+        Completion::judge(result)
+    }
+
+    /// What a `complete`'s reply means for the call.
+    pub(super) fn judge(result: Result<WriteReply, crate::error::Error>) -> Stored {
         match result {
             Ok(WriteReply::Done) => Stored::Yes,
             Ok(other) => {

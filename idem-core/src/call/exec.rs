@@ -1,8 +1,10 @@
 //! The prepared call: claim (waiting out another holder), execute the
 //! body, or replay the stored result.
 
+use super::batch::Tickets;
 use super::completion::{Completion, Stored};
-use super::guard::{KeptOnDrop, ReleaseGuard, release};
+use super::gather::{ClaimOp, FinishOp};
+use super::guard::{KeptOnDrop, ReleaseGuard, log_release, release};
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
 use crate::codec::{decode, encode, marker_error};
@@ -49,6 +51,8 @@ pub(super) struct Exec<'a> {
     /// Whether a call dropped mid-body releases its key (see
     /// [`Call::release_on_cancel`](super::Call::release_on_cancel)).
     pub(super) release_on_cancel: bool,
+    /// The call's places in its [`Batch`](super::Batch), if it is in one.
+    pub(super) tickets: Option<Tickets>,
 }
 
 impl Exec<'_> {
@@ -91,7 +95,13 @@ impl Exec<'_> {
         let mut asked = false;
         loop {
             let sent = Instant::now();
-            let reply = match self.claim().await {
+            let reply = self.claim().await;
+            if !matches!(reply, Ok(ClaimReply::Acquired { .. })) {
+                // Whatever comes next, this call stores nothing with its
+                // batch (a later takeover completes on its own).
+                self.leave_batch();
+            }
+            let reply = match reply {
                 Ok(reply) => reply,
                 Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
                     return self.run_unprotected(body, e).await;
@@ -196,11 +206,33 @@ impl Exec<'_> {
         // Dropped while a claim is in flight: the claim may land anyway, so
         // release by token rather than leave the key to the lease.
         let mut guard = self.guard();
-        let result = (|| self.store.claim(claim))
-            .retry(store_backoff(self.inner.store_retries))
-            .when(is_unavailable)
-            .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
-            .await;
+        let batched = match self.tickets.as_ref().and_then(Tickets::take_claim) {
+            Some(ticket) => {
+                let op = ClaimOp {
+                    key: self.key.clone(),
+                    token: self.token,
+                    lease: self.lease,
+                    ttl: self.ttl,
+                    fingerprint: self.fingerprint,
+                    want_ttl_left: claim.want_ttl_left,
+                };
+                ticket.submit(op).await
+            }
+            None => None,
+        };
+        let result = match batched {
+            Some(Ok(reply)) => Ok(reply),
+            Some(Err(e)) if !is_unavailable(&e) => Err(e),
+            // Not answered, or the store was not reached: on its own, with
+            // the same token, as a single call re-sends.
+            _ => {
+                (|| self.store.claim(claim))
+                    .retry(store_backoff(self.inner.store_retries))
+                    .when(is_unavailable)
+                    .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
+                    .await
+            }
+        };
         guard.armed = false;
         if result.is_err() {
             // The last attempt may have landed after all: free the key now
@@ -339,7 +371,26 @@ impl Exec<'_> {
             value: &value,
             lease: self.lease,
         };
-        let stored = completion.run_to_the_end().await;
+        let batched = match self.tickets.as_ref().and_then(Tickets::take_finish) {
+            Some(ticket) => {
+                let op = FinishOp::Complete {
+                    key: self.key.clone(),
+                    token: self.token,
+                    fingerprint: self.fingerprint,
+                    kind: encoded.kind,
+                    value: value.clone(),
+                };
+                ticket.submit(op).await
+            }
+            None => None,
+        };
+        let stored = match batched {
+            Some(Ok(reply)) => Completion::judge(Ok(reply)),
+            Some(Err(e)) if !is_unavailable(&e) => Completion::judge(Err(e)),
+            // Not answered, or the store was not reached: on its own, with
+            // re-sends (a re-sent complete that finds its result is `Done`).
+            _ => completion.run_to_the_end().await,
+        };
         if stored == Stored::Yes {
             if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
                 let record = Completed {
@@ -360,6 +411,25 @@ impl Exec<'_> {
     }
 
     async fn release(&self, why: &str) {
+        if let Some(ticket) = self.tickets.as_ref().and_then(Tickets::take_finish) {
+            let op = FinishOp::Release {
+                key: self.key.clone(),
+                token: self.token,
+            };
+            match ticket.submit(op).await {
+                Some(Err(e)) if is_unavailable(&e) => {}
+                Some(result) => return log_release(why, result),
+                None => {}
+            }
+        }
         release(self.store.as_ref(), &self.key, &self.token, why).await
+    }
+
+    /// Leaves the batch's finish phase: this call will write nothing more
+    /// with it.
+    pub(super) fn leave_batch(&self) {
+        if let Some(tickets) = &self.tickets {
+            tickets.leave_finish();
+        }
     }
 }

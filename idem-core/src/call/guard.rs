@@ -20,7 +20,12 @@ impl<'a> ReleaseGuard<'a> {
 /// Releases `key` for `token` on purpose (`why` says for the log); a key
 /// that could not be released frees itself when its lease runs out.
 pub(super) async fn release(store: &dyn Store, key: &str, token: &Token, why: &str) {
-    match store.release(key, token).await {
+    log_release(why, store.release(key, token).await)
+}
+
+/// Says what a release on purpose did.
+pub(super) fn log_release(why: &str, result: Result<WriteReply, crate::error::Error>) {
+    match result {
         Ok(WriteReply::Done) => tracing::debug!("{why}: key released"),
         Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours to release"),
         Err(e) => {

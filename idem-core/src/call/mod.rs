@@ -1,10 +1,14 @@
 //! One idempotent call: claim, run the body under a kept-alive lease, then
 //! store the result or release the key.
 
+mod batch;
 mod completion;
 mod exec;
+mod gather;
 mod guard;
 mod keep_alive;
+
+pub use batch::{Batch, CallGroup};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -55,6 +59,8 @@ pub struct Call<'a> {
     fingerprint: Result<Option<Fingerprint>, Error>,
     /// The body undoes its effects when dropped: a cancelled call releases.
     release_on_cancel: bool,
+    /// Its places in a [`CallGroup`], if it is in one.
+    tickets: Option<batch::Tickets>,
 }
 
 impl<'a> Call<'a> {
@@ -68,6 +74,7 @@ impl<'a> Call<'a> {
             wait: inner.wait,
             fingerprint: Ok(None),
             release_on_cancel: false,
+            tickets: None,
         }
     }
 
@@ -283,6 +290,7 @@ impl<'a> Call<'a> {
             wait: self.wait,
             fingerprint,
             release_on_cancel: self.release_on_cancel,
+            tickets: self.tickets,
         })
     }
 }

@@ -1,0 +1,334 @@
+//! Several calls run together, sharing their store round trips.
+
+use super::Call;
+use super::gather::{ClaimOp, FinishOp, Gather, Ticket};
+use crate::error::Error;
+use crate::idempotency::Idempotency;
+use crate::outcome::Outcome;
+use crate::store::Store;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::Semaphore;
+
+/// Several [`Call`]s run together: their claims go to the store as one
+/// batch ([`Store::claim_batch`](crate::store::Store::claim_batch): one
+/// round trip on Redis, one statement on PostgreSQL), the bodies that won
+/// their key run concurrently, and their results are stored as one batch
+/// ([`Store::finish_batch`](crate::store::Store::finish_batch)).
+///
+/// A batch is a transport, never a transaction: every call keeps exactly
+/// the meaning it has alone ([`Outcome`], fingerprints, waiting, leases
+/// kept alive while its body runs, release on `Err`, fail-open), answers
+/// its own errors, and a key that comes twice is answered as two calls in
+/// that order would be. This is what `idem-consumer` does with each batch
+/// a broker hands over.
+///
+/// Results are never held back for a slower body: those of the bodies
+/// that finish together are stored together.
+///
+/// ```
+/// use idem_core::{Batch, Idempotency, MemoryStore, Outcome};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let orders = ["o-1", "o-2", "o-1"];
+/// let batch: Batch = orders.iter().map(|o| idem.call("orders.charge", o)).collect();
+/// let results = batch
+///     .run_outcome(|i| async move { Ok::<_, idem_core::Error>(i * 10) })
+///     .await;
+/// assert_eq!(results[0].as_ref().ok(), Some(&(0, Outcome::Executed)));
+/// assert_eq!(results[1].as_ref().ok(), Some(&(10, Outcome::Executed)));
+/// // The second "o-1" found the first one's claim: in flight, not run.
+/// assert!(matches!(results[2], Err(idem_core::Error::InProgress { .. })));
+/// # });
+/// ```
+#[must_use = "a Batch does nothing until `.run_outcome(..)` is awaited"]
+#[derive(Default)]
+pub struct Batch<'a> {
+    calls: Vec<Call<'a>>,
+    concurrency: Option<usize>,
+}
+
+impl<'a> FromIterator<Call<'a>> for Batch<'a> {
+    fn from_iter<I: IntoIterator<Item = Call<'a>>>(iter: I) -> Self {
+        Batch {
+            calls: iter.into_iter().collect(),
+            concurrency: None,
+        }
+    }
+}
+
+impl<'a> Batch<'a> {
+    /// An empty batch.
+    ///
+    /// ```
+    /// let batch = idem_core::Batch::new();
+    /// assert!(batch.is_empty());
+    /// ```
+    pub fn new() -> Batch<'a> {
+        Batch::default()
+    }
+
+    /// Adds a call; its index in the replies is the number of calls before it.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let mut batch = idem_core::Batch::new();
+    /// batch.push(idem.call("s", "k"));
+    /// assert_eq!(batch.len(), 1);
+    /// ```
+    pub fn push(&mut self, call: Call<'a>) {
+        self.calls.push(call);
+    }
+
+    /// The number of calls.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// True when there is no call.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// At most `n` bodies run at once (at least 1); by default all of them.
+    /// A body waiting for its turn holds its key, its lease kept alive.
+    ///
+    /// ```
+    /// let batch = idem_core::Batch::new().concurrency(16);
+    /// ```
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n.max(1));
+        self
+    }
+
+    /// Runs the calls, `body(i)` being the body of the `i`-th, and returns
+    /// what each call's [`Call::run_outcome`] would: one result per call, in
+    /// order.
+    pub async fn run_outcome<F, Fut, T, E>(self, body: F) -> Vec<Result<(T, Outcome), E>>
+    where
+        F: Fn(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let Some(first) = self.calls.first() else {
+            return Vec::new();
+        };
+        let group = CallGroup::for_store(Arc::clone(&first.inner.store), self.calls.len());
+        let gate = self.concurrency.map(Semaphore::new);
+        let (body, gate) = (&body, gate.as_ref());
+        let calls: Vec<Call<'a>> = self.calls.into_iter().map(|c| c.in_group(&group)).collect();
+        drop(group);
+        let runs = calls.into_iter().enumerate().map(|(i, call)| {
+            async move {
+                let body = || async move {
+                    // Closed only if dropped, which it is not while in use.
+                    let _turn = match gate {
+                        Some(g) => g.acquire().await.ok(),
+                        None => None,
+                    };
+                    body(i).await
+                };
+                call.run_outcome(body).await
+            }
+        });
+        futures_util::future::join_all(runs).await
+    }
+
+    /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let batch: idem_core::Batch = (0..3).map(|k| idem.call("s", k)).collect();
+    /// let values = batch.run(|i| async move { Ok::<_, idem_core::Error>(i) }).await;
+    /// assert_eq!(values.into_iter().flatten().collect::<Vec<_>>(), [0, 1, 2]);
+    /// # });
+    /// ```
+    pub async fn run<F, Fut, T, E>(self, body: F) -> Vec<Result<T, E>>
+    where
+        F: Fn(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        self.run_outcome(body)
+            .await
+            .into_iter()
+            .map(|r| r.map(|(value, _)| value))
+            .collect()
+    }
+}
+
+/// Calls started apart that share their store round trips, for a loop
+/// that starts its calls one by one (each a future of its own) rather than
+/// as a [`Batch`].
+///
+/// Made for `n` calls; each [`Call::in_group`] takes one of the places.
+/// The first claims of the calls go to the store together, as one
+/// [`Store::claim_batch`](crate::store::Store::claim_batch): those queued
+/// by the time all `n` have claimed or given up their place, or by the next
+/// scheduler turn; their first completes and releases go together the same
+/// way. Places never taken
+/// are given up when the group (its last clone) is dropped.
+/// A call never waits for a slower one: what is queued goes at the next
+/// scheduler turn, so calls ready together are sent together.
+///
+/// ```
+/// use idem_core::{CallGroup, Idempotency, MemoryStore, Outcome};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let group = CallGroup::new(&idem, 2);
+/// let a = idem.call("s", "a").in_group(&group);
+/// let b = idem.call("s", "b").in_group(&group);
+/// drop(group);
+/// // Polled apart (as a loop's FuturesUnordered would), claimed together.
+/// let (a, b) = tokio::join!(
+///     a.run_outcome(|| async { Ok::<_, idem_core::Error>(1) }),
+///     b.run_outcome(|| async { Ok::<_, idem_core::Error>(2) }),
+/// );
+/// assert_eq!((a.unwrap(), b.unwrap()), ((1, Outcome::Executed), (2, Outcome::Executed)));
+/// # });
+/// ```
+///
+/// Clones are the same group: hand one to each future that makes a call.
+#[derive(Clone)]
+pub struct CallGroup {
+    inner: Arc<Places>,
+}
+
+struct Places {
+    store: Arc<dyn Store>,
+    claims: Arc<Gather<ClaimOp>>,
+    finishes: Arc<Gather<FinishOp>>,
+    /// Places not yet taken.
+    left: Mutex<usize>,
+}
+
+impl std::fmt::Debug for CallGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let left = *self
+            .inner
+            .left
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("CallGroup")
+            .field("places_left", &left)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CallGroup {
+    /// A group of `n` calls of `idem`.
+    pub fn new(idem: &Idempotency, n: usize) -> CallGroup {
+        CallGroup::for_store(Arc::clone(&idem.inner.store), n)
+    }
+
+    /// A group that any number of calls of `idem` may join, for a loop
+    /// that runs for as long as its service: the calls ready in the same
+    /// scheduler turn go to the store together.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let group = idem_core::CallGroup::unbounded(&idem);
+    /// let calls = (0..3).map(|k| idem.call("s", k).in_group(&group).run(move || async move { Ok::<_, idem_core::Error>(k) }));
+    /// let values = futures_util::future::join_all(calls).await;
+    /// assert_eq!(values.into_iter().flatten().sum::<i32>(), 3);
+    /// # });
+    /// ```
+    pub fn unbounded(idem: &Idempotency) -> CallGroup {
+        CallGroup::for_store(Arc::clone(&idem.inner.store), usize::MAX)
+    }
+
+    fn for_store(store: Arc<dyn Store>, n: usize) -> CallGroup {
+        CallGroup {
+            inner: Arc::new(Places {
+                claims: Arc::new(Gather::new(Arc::clone(&store), n)),
+                finishes: Arc::new(Gather::new(Arc::clone(&store), n)),
+                store,
+                left: Mutex::new(n),
+            }),
+        }
+    }
+
+    /// A place for a call to `store`, if one is left.
+    fn take(&self, store: &Arc<dyn Store>) -> Option<Tickets> {
+        let places = &self.inner;
+        // A call of a runtime over another store goes on its own.
+        if !Arc::ptr_eq(store, &places.store) {
+            return None;
+        }
+        let mut left = places.left.lock().unwrap_or_else(PoisonError::into_inner);
+        *left = left.checked_sub(1)?;
+        Some(Tickets::new(
+            places.claims.ticket(),
+            places.finishes.ticket(),
+        ))
+    }
+}
+
+impl Drop for Places {
+    fn drop(&mut self) {
+        let left = std::mem::take(self.left.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if left > usize::MAX / 2 {
+            // Unbounded: nothing ever waits for its open places.
+            return;
+        }
+        for _ in 0..left {
+            self.claims.leave();
+            self.finishes.leave();
+        }
+    }
+}
+
+impl<'a> Call<'a> {
+    /// Makes this call a member of `group`: its first claim and its first
+    /// complete or release go to the store with those of the group's other
+    /// calls. It keeps its meaning exactly. A group with no place left, or
+    /// of another store, leaves the call on its own.
+    pub fn in_group(mut self, group: &CallGroup) -> Call<'a> {
+        if self.tickets.is_none() {
+            self.tickets = group.take(&self.inner.store);
+        }
+        self
+    }
+}
+
+/// A call's places in its group's two phases.
+pub(super) struct Tickets {
+    claim: Mutex<Option<Ticket<ClaimOp>>>,
+    finish: Mutex<Option<Ticket<FinishOp>>>,
+}
+
+impl Tickets {
+    fn new(claim: Ticket<ClaimOp>, finish: Ticket<FinishOp>) -> Self {
+        Tickets {
+            claim: Mutex::new(Some(claim)),
+            finish: Mutex::new(Some(finish)),
+        }
+    }
+
+    /// The claim ticket, the first time only.
+    pub(super) fn take_claim(&self) -> Option<Ticket<ClaimOp>> {
+        self.claim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// The finish ticket, the first time only.
+    pub(super) fn take_finish(&self) -> Option<Ticket<FinishOp>> {
+        self.finish
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Leaves the finish phase: this call will store nothing with its group.
+    pub(super) fn leave_finish(&self) {
+        drop(self.take_finish());
+    }
+}

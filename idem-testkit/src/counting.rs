@@ -1,0 +1,128 @@
+//! A real store that counts the round trips it is asked for, to prove
+//! what a batch costs.
+
+use async_trait::async_trait;
+use idem_core::store::{
+    Claim, ClaimReply, Finish, RecordInfo, Store, Token, ValueKind, WriteReply,
+};
+use idem_core::{Error, Fingerprint};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// Wraps a store and counts its calls by kind; every call goes through to
+/// the real store.
+///
+/// ```
+/// use idem_core::{Batch, Idempotency, MemoryStore};
+/// use idem_testkit::CountingStore;
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let store = CountingStore::new(MemoryStore::new());
+/// let counts = store.counts();
+/// let idem = Idempotency::builder(store).build();
+/// let batch: Batch = (0..8).map(|k| idem.call("s", k)).collect();
+/// batch.run(|i| async move { Ok::<_, idem_core::Error>(i) }).await;
+/// assert_eq!((counts.claim_batches(), counts.finish_batches(), counts.singles()), (1, 1, 0));
+/// # });
+/// ```
+pub struct CountingStore<S> {
+    inner: S,
+    counts: Arc<StoreCounts>,
+}
+
+/// What a [`CountingStore`] was asked, shared with the test.
+#[derive(Debug, Default)]
+pub struct StoreCounts {
+    singles: AtomicUsize,
+    claim_batches: AtomicUsize,
+    finish_batches: AtomicUsize,
+}
+
+impl StoreCounts {
+    /// Single `claim`, `complete` and `release` calls.
+    pub fn singles(&self) -> usize {
+        self.singles.load(Ordering::SeqCst)
+    }
+
+    /// `claim_batch` calls.
+    pub fn claim_batches(&self) -> usize {
+        self.claim_batches.load(Ordering::SeqCst)
+    }
+
+    /// `finish_batch` calls.
+    pub fn finish_batches(&self) -> usize {
+        self.finish_batches.load(Ordering::SeqCst)
+    }
+
+    fn add(n: &AtomicUsize) {
+        n.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl<S: Store> CountingStore<S> {
+    /// Counts the calls made to `inner`.
+    pub fn new(inner: S) -> CountingStore<S> {
+        CountingStore {
+            inner,
+            counts: Arc::default(),
+        }
+    }
+
+    /// The counts, to read after the store has moved into a runtime.
+    pub fn counts(&self) -> Arc<StoreCounts> {
+        Arc::clone(&self.counts)
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for CountingStore<S> {
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner.claim(claim).await
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner
+            .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        self.inner.extend(key, token, lease).await
+    }
+
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        StoreCounts::add(&self.counts.claim_batches);
+        self.inner.claim_batch(claims).await
+    }
+
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        StoreCounts::add(&self.counts.finish_batches);
+        self.inner.finish_batch(ops).await
+    }
+
+    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
+        self.inner.count_failure(key, ttl).await
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inner.inspect(key, with_value).await
+    }
+}
