@@ -226,3 +226,60 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
         "{path}: {scripts} scripts"
     );
 }
+
+/// A batch takes the same path as single calls: claims made fresh in a
+/// batch are completed in a batch with plain `SET … IFEQ`s (no script on
+/// Valkey 8.1+), and an item whose record was taken over meanwhile is
+/// answered as the script answers it.
+#[tokio::test]
+async fn a_batch_completes_on_the_servers_path() {
+    use idem::store::Finish;
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    let path = expected_path(&server);
+    let tokens: Vec<Token> = (0..8).map(|_| Token::random()).collect();
+    let keys: Vec<String> = (0..8).map(|i| format!("b:{i}")).collect();
+    let claims: Vec<Claim<'_>> = keys
+        .iter()
+        .zip(&tokens)
+        .map(|(k, t)| claim(k, t, None))
+        .collect();
+    for reply in store.claim_batch(&claims).await {
+        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    }
+    // b:7 is taken over by another owner after its lease (100 ms).
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let thief = Token::random();
+    assert_eq!(
+        store.claim(claim("b:7", &thief, None)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 2 }
+    );
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let ops: Vec<Finish<'_>> = keys
+        .iter()
+        .zip(&tokens)
+        .map(|(key, token)| Finish::Complete {
+            key,
+            token,
+            fingerprint: None,
+            kind: ValueKind::Json,
+            value: b"1",
+        })
+        .collect();
+    let replies: Vec<WriteReply> = store
+        .finish_batch(&ops)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    // The first seven completed. The lease of 100 ms has run out for all
+    // of them, but a record no one took over is still its owner's.
+    assert_eq!(&replies[..7], &[WriteReply::Done; 7]);
+    assert_eq!(replies[7], WriteReply::OtherOwner);
+    let scripts = evalsha_calls(&server);
+    match path {
+        // Only the one that did not match asks the script.
+        "set-ifeq" => assert_eq!(scripts, 1, "the plain SET path ran {scripts} scripts"),
+        _ => assert_eq!(scripts, 8, "the script path ran {scripts} scripts"),
+    }
+}

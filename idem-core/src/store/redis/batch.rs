@@ -13,6 +13,7 @@
 //! (`NOSCRIPT`) is sent again alone through the single call, which follows
 //! redirects and loads scripts.
 
+use super::complete::is_ok;
 use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
@@ -228,6 +229,13 @@ impl RedisStore {
             .zip(self.pipelined(items).await)
             .map(|(c, replies)| first_step(c, replies))
             .collect();
+        // Fresh claims keep the record they wrote, for a complete without
+        // the script (Valkey 8.1+, Redis 8.4+), as a single claim does.
+        for (step, (record, _)) in steps.iter().zip(&plans) {
+            if matches!(step, Step::Reply(Ok(ClaimReply::Acquired { attempt: 1 }))) {
+                self.server.remember(record);
+            }
+        }
         let contended: Vec<usize> = (0..steps.len())
             .filter(|&i| matches!(steps.get(i), Some(Step::Script)))
             .collect();
@@ -263,24 +271,57 @@ impl RedisStore {
     }
 
     /// `Store::finish_batch`: wave by wave, one pipelined script call per
-    /// complete or release.
+    /// complete or release; on Valkey 8.1+ and Redis 8.4+, a complete of a
+    /// claim this process made fresh is a plain `SET … IFEQ` instead (and
+    /// the script, alone, when that does not match).
     pub(super) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
         in_waves(
             ops,
             Finish::key,
             |batch| async move {
+                let mut plain = Vec::with_capacity(batch.len());
                 let items = batch
                     .iter()
-                    .map(|op| (op.key(), vec![finish_cmd(op)]))
+                    .map(|op| {
+                        let cmds = match **op {
+                            Finish::Complete {
+                                key,
+                                token,
+                                kind,
+                                value,
+                                ..
+                            } => self.server.complete_plain_cmds(key, token, kind, value),
+                            Finish::Release { token, .. } => {
+                                self.server.forget(token);
+                                None
+                            }
+                        };
+                        plain.push(cmds.is_some());
+                        let cmds = cmds.map_or_else(|| vec![finish_cmd(op)], Vec::from);
+                        (op.key(), cmds)
+                    })
                     .collect();
                 let replies = self.pipelined(items).await;
                 let mut out = Vec::with_capacity(batch.len());
-                for (op, replies) in batch.into_iter().zip(replies) {
+                for ((op, replies), plain) in batch.into_iter().zip(replies).zip(plain) {
                     let op_name = finish_name(op);
-                    out.push(match only_reply(replies) {
-                        Ok(v) => parse_write(op_name, v),
-                        Err(e) if !is_noscript(&e) && !redirected(&e) => Err(classify(op_name, e)),
-                        Err(_) => op.run_on(self).await,
+                    out.push(match replies {
+                        Ok(r) if plain && is_ok(r.first()) => Ok(WriteReply::Done),
+                        // Not the record this process wrote (or refused):
+                        // the script says what is there.
+                        Ok(_) if plain => op.run_on(self).await,
+                        // The connection failed: as the single complete.
+                        Err(e) if plain && unreached(&e) => Err(classify(op_name, e)),
+                        // Refused (out of memory, another type): the
+                        // script may still write, or says what is there.
+                        Err(_) if plain => op.run_on(self).await,
+                        replies => match only_reply(replies) {
+                            Ok(v) => parse_write(op_name, v),
+                            Err(e) if !is_noscript(&e) && !redirected(&e) => {
+                                Err(classify(op_name, e))
+                            }
+                            Err(_) => op.run_on(self).await,
+                        },
                     });
                 }
                 out
@@ -289,6 +330,11 @@ impl RedisStore {
         )
         .await
     }
+}
+
+/// Whether a pipeline failed on the way rather than a command being refused.
+fn unreached(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
 }
 
 /// The command of one complete or release.

@@ -149,9 +149,54 @@ impl Server {
         self.lock().remove(token)
     }
 
+    /// The commands of a complete without the script: `SET key completed
+    /// IFEQ pending KEEPTTL`, then the `SPUBLISH` the script would send.
+    /// `None` when nothing is remembered of `token`'s pending record (the
+    /// script must answer). The reply of the `SET` is `OK` when it wrote.
+    pub(super) fn complete_plain_cmds(
+        &self,
+        key: &str,
+        token: &Token,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Option<[Cmd; 2]> {
+        let pending = self.take(token)?;
+        // The completed record keeps the claim's fingerprint, as the
+        // script does: the one inside the pending record.
+        let fplen = usize::from(*pending.get(2)?);
+        let record = CompletedRecord {
+            kind,
+            fingerprint: pending.get(3..3 + fplen)?,
+            value,
+        };
+        let mut set = Cmd::with_capacity(6, 3 + key.len() + 3 + fplen + value.len() + 4 + 80);
+        set.arg("SET")
+            .arg(key)
+            .arg(record)
+            .arg("IFEQ")
+            .arg(&*pending)
+            .arg("KEEPTTL");
+        // Sent even when the SET does not match: a waiter woken for
+        // nothing reads the record again and waits on; the script that
+        // then runs publishes again if it writes. A refused SPUBLISH (ACL)
+        // leaves the write done, as the script's `pcall` does.
+        let mut publish = redis::cmd("SPUBLISH");
+        publish.arg(key).arg(COMPLETED);
+        Some([set, publish])
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Box<[u8]>>> {
         // A panic elsewhere cannot leave the map half-written: use it.
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether a `SET` wrote (`OK`).
+pub(super) fn is_ok(reply: Option<&Value>) -> bool {
+    match reply {
+        Some(Value::Okay) => true,
+        Some(Value::SimpleString(s)) => s == "OK",
+        _ => false,
     }
 }
 
@@ -266,42 +311,17 @@ impl RedisStore {
             self.server.kind.get_or_init(|| self.ask_server()).await;
             return None;
         }
-        let pending = self.server.take(token)?;
-        // The completed record keeps the claim's fingerprint, as the
-        // script does: the one inside the pending record.
-        let fplen = usize::from(*pending.get(2)?);
-        let record = CompletedRecord {
-            kind,
-            fingerprint: pending.get(3..3 + fplen)?,
-            value,
-        };
-        let mut set = Cmd::with_capacity(6, 3 + key.len() + 3 + fplen + value.len() + 4 + 80);
-        set.arg("SET")
-            .arg(key)
-            .arg(record)
-            .arg("IFEQ")
-            .arg(&*pending)
-            .arg("KEEPTTL");
         let mut pipe = redis::pipe();
-        // Sent even when the SET does not match: a waiter woken for
-        // nothing reads the record again and waits on; the script that
-        // then runs publishes again if it writes. A refused SPUBLISH (ACL)
-        // leaves the write done, as the script's `pcall` does.
-        pipe.ignore_errors()
-            .add_command(set)
-            .cmd("SPUBLISH")
-            .arg(key)
-            .arg(COMPLETED);
+        pipe.ignore_errors();
+        for cmd in self.server.complete_plain_cmds(key, token, kind, value)? {
+            pipe.add_command(cmd);
+        }
         let replies: redis::RedisResult<Vec<Value>> = match &self.conn {
             Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
             Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
         };
         match replies {
-            Ok(replies) => match replies.first() {
-                Some(Value::Okay) => Some(Ok(WriteReply::Done)),
-                Some(Value::SimpleString(s)) if s == "OK" => Some(Ok(WriteReply::Done)),
-                _ => None,
-            },
+            Ok(replies) => is_ok(replies.first()).then_some(Ok(WriteReply::Done)),
             Err(e) => Some(Err(classify("complete", e))),
         }
     }
