@@ -8,7 +8,8 @@ use crate::outcome::Outcome;
 use crate::store::Store;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::future::Future;
+use std::future::{Future, poll_fn};
+use std::pin::pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::Semaphore;
 
@@ -116,7 +117,8 @@ impl<'a> Batch<'a> {
         let Some(first) = self.calls.first() else {
             return Vec::new();
         };
-        let group = CallGroup::for_store(Arc::clone(&first.inner.store), self.calls.len());
+        let group = CallGroup::for_store(Arc::clone(&first.inner.store), self.calls.len(), false);
+        let driver = Arc::clone(&group.inner);
         let gate = self.concurrency.map(Semaphore::new);
         let (body, gate) = (&body, gate.as_ref());
         let calls: Vec<Call<'a>> = self.calls.into_iter().map(|c| c.in_group(&group)).collect();
@@ -134,7 +136,16 @@ impl<'a> Batch<'a> {
                 call.run_outcome(body).await
             }
         });
-        futures_util::future::join_all(runs).await
+        // One future: what its calls queued during a poll pass goes out at
+        // the end of that pass, in one round trip per phase.
+        let mut all = pin!(futures_util::future::join_all(runs));
+        poll_fn(|cx| {
+            let polled = all.as_mut().poll(cx);
+            driver.claims.send_queued();
+            driver.finishes.send_queued();
+            polled
+        })
+        .await
     }
 
     /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.
@@ -223,7 +234,7 @@ impl std::fmt::Debug for CallGroup {
 impl CallGroup {
     /// A group of `n` calls of `idem`.
     pub fn new(idem: &Idempotency, n: usize) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&idem.inner.store), n)
+        CallGroup::for_store(Arc::clone(&idem.inner.store), n, true)
     }
 
     /// A group that any number of calls of `idem` may join, for a loop
@@ -240,14 +251,14 @@ impl CallGroup {
     /// # });
     /// ```
     pub fn unbounded(idem: &Idempotency) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&idem.inner.store), usize::MAX)
+        CallGroup::for_store(Arc::clone(&idem.inner.store), usize::MAX, true)
     }
 
-    fn for_store(store: Arc<dyn Store>, n: usize) -> CallGroup {
+    fn for_store(store: Arc<dyn Store>, n: usize, self_timed: bool) -> CallGroup {
         CallGroup {
             inner: Arc::new(Places {
-                claims: Arc::new(Gather::new(Arc::clone(&store), n)),
-                finishes: Arc::new(Gather::new(Arc::clone(&store), n)),
+                claims: Arc::new(Gather::new(Arc::clone(&store), n, self_timed)),
+                finishes: Arc::new(Gather::new(Arc::clone(&store), n, self_timed)),
                 store,
                 left: Mutex::new(n),
             }),

@@ -6,11 +6,14 @@
 //! Every call holds one ticket per phase. A call that submits an operation
 //! spends its ticket; a call that will not (a cache hit, a refusal, a body
 //! that failed before the phase) drops it. Once no ticket is left open, the
-//! queued operations are sent at once. Otherwise they are sent one
-//! scheduler turn after the first was queued: the calls ready in the same
-//! turn (bodies that finished together) go together, and a result is never
-//! held back for a slower sibling body, so a crash between a body's end and
-//! its stored result costs no more runs than it does for a single call.
+//! queued operations are sent at once. Otherwise they are sent at the end
+//! of the poll pass in which they were queued (a [`Batch`](super::Batch)
+//! is one future: after each time it is polled), or, for a group of calls
+//! polled apart, one scheduler turn after the first was queued. The calls
+//! ready together (bodies that finished together) go together, and a result
+//! is never held back for a slower sibling body, so a crash between a
+//! body's end and its stored result costs no more runs than it does for a
+//! single call.
 //!
 //! The send itself runs in a task of its own: a call dropped while its
 //! operation is queued or in flight (the batch cancelled at shutdown) still
@@ -134,16 +137,20 @@ struct State<Op: BatchOp> {
     queued: Vec<(Op, oneshot::Sender<Op::Reply>)>,
     /// A send of what is queued is due at the next scheduler turn.
     due: bool,
+    /// Whether a queued op schedules that send itself; off when the
+    /// group's driver sends after each of its poll passes.
+    self_timed: bool,
 }
 
 impl<Op: BatchOp> Gather<Op> {
-    pub(super) fn new(store: Arc<dyn Store>, tickets: usize) -> Gather<Op> {
+    pub(super) fn new(store: Arc<dyn Store>, tickets: usize, self_timed: bool) -> Gather<Op> {
         Gather {
             store,
             state: Mutex::new(State {
                 open: tickets,
                 queued: Vec::new(),
                 due: false,
+                self_timed,
             }),
         }
     }
@@ -177,7 +184,7 @@ impl<Op: BatchOp> Gather<Op> {
     }
 
     /// Sends every queued operation, if any, in a task of its own.
-    fn send_queued(&self) {
+    pub(super) fn send_queued(&self) {
         let queued = {
             let mut state = self.lock();
             state.due = false;
@@ -228,7 +235,7 @@ impl<Op: BatchOp> Ticket<Op> {
             let mut state = self.gather.lock();
             state.queued.push((op, to));
             state.open = state.open.saturating_sub(1);
-            let first = !state.due;
+            let first = state.self_timed && !state.due;
             state.due = true;
             (state.open == 0, first)
         };
@@ -269,7 +276,8 @@ mod tests {
 
     #[tokio::test]
     async fn sends_once_every_ticket_is_spent_or_dropped() {
-        let gather: Arc<Gather<FinishOp>> = Arc::new(Gather::new(Arc::new(MemoryStore::new()), 3));
+        let gather: Arc<Gather<FinishOp>> =
+            Arc::new(Gather::new(Arc::new(MemoryStore::new()), 3, true));
         let (a, b, c) = (gather.ticket(), gather.ticket(), gather.ticket());
         drop(c);
         let (ra, rb) = tokio::join!(a.submit(release("a")), b.submit(release("b")));
@@ -279,7 +287,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_queued_call_never_waits_for_a_ticket_still_held() {
-        let gather: Arc<Gather<FinishOp>> = Arc::new(Gather::new(Arc::new(MemoryStore::new()), 2));
+        let gather: Arc<Gather<FinishOp>> =
+            Arc::new(Gather::new(Arc::new(MemoryStore::new()), 2, true));
         let (a, _held) = (gather.ticket(), gather.ticket());
         let r = a.submit(release("a")).await;
         assert!(matches!(r, Some(Ok(WriteReply::Missing))));
