@@ -261,8 +261,10 @@ impl KafkaConsumer {
     /// offsets every [`KafkaConfig::commit_interval`]; returns what it did.
     /// On shutdown it drains: it starts nothing more (a record waiting
     /// between in-process attempts is abandoned at once, undecided), lets
-    /// running handlers finish (up to [`KafkaConfig::revoke_deadline`])
-    /// and commits what is decided. A handler still running at the
+    /// running handlers finish (up to the consumer's
+    /// [`drain_timeout`](Consumer::drain_timeout), as every adapter's `run`
+    /// does; [`KafkaConfig::revoke_deadline`] is for rebalances) and
+    /// commits what is decided. A handler still running at the
     /// deadline is dropped: its offset stays uncommitted and its idem key
     /// keeps its lease, so the next owner waits and replays, or takes over
     /// after the lease (`Recovered`).
@@ -345,12 +347,12 @@ impl KafkaConsumer {
         }
         // Shutdown drains: nothing new starts, not even another attempt of
         // a record in flight (a paused one is abandoned at once); running
-        // handlers get the revocation deadline; then whatever is decided is
+        // handlers get the consumer's drain deadline; then whatever is decided is
         // committed. A handler dropped at the deadline keeps its idem lease
         // (the next owner replays it, or takes over after the lease) and
         // its offset stays uncommitted.
         self.shared.set_closing(true);
-        let end = Instant::now() + self.cfg.revoke_deadline;
+        let end = Instant::now() + consumer.drain_deadline();
         while !running.is_empty() {
             match tokio::time::timeout_at(end, running.next()).await {
                 Ok(Some(done)) => self.finish(done, &mut waiting, &mut in_flight, &mut report),

@@ -143,7 +143,9 @@ impl KafkaConfig {
 
     /// How long in-flight handlers of a revoked partition may run before it
     /// is given up anyway (default 10 s). Keep it below the group's
-    /// rebalance timeout (`max.poll.interval.ms`).
+    /// rebalance timeout (`max.poll.interval.ms`). `run`'s shutdown drains
+    /// for the consumer's [`drain_timeout`](crate::Consumer::drain_timeout)
+    /// instead, as every adapter's does.
     pub fn revoke_deadline(mut self, d: Duration) -> Self {
         self.revoke_deadline = d;
         self
