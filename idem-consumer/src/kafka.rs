@@ -290,7 +290,7 @@ impl KafkaConsumer {
         let mut shutdown = pin!(shutdown);
         // Records handled in the same turn, of any partition, share their
         // round trips to idem's store; none waits for another.
-        let group = idem_core::CallGroup::unbounded(consumer.idem());
+        let group = consumer.idem().group_unbounded();
         let mut report = KafkaReport::default();
         let mut running = FuturesUnordered::new();
         let mut waiting: StartQueue<Waiting> = StartQueue::default();

@@ -1,7 +1,7 @@
 //! `Idempotency`: the configured runtime, its builder and the process default.
 
 use crate::cache::ReplayCache;
-use crate::call::Call;
+use crate::call::{Call, CallGroup};
 use crate::error::{Error, KeyPart};
 use crate::hook::{Hook, OutcomeEvent};
 use crate::key::{push_escaped, storage_key, validate_key_part};
@@ -97,6 +97,35 @@ impl Idempotency {
             scope,
             storage_key(&inner.prefix, scope, key).map_err(Error::from),
         )
+    }
+
+    /// A group for `n` calls started apart (each its own future) that share
+    /// their store round trips: see [`CallGroup`].
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let group = idem.group(16);
+    /// let call = idem.call("s", "k").in_group(&group);
+    /// ```
+    pub fn group(&self, n: usize) -> CallGroup {
+        CallGroup::for_store(Arc::clone(&self.inner.store), n, true)
+    }
+
+    /// A group that any number of calls may join, for a loop that runs as
+    /// long as its service: the calls ready in the same scheduler turn go
+    /// to the store together ([`CallGroup`]).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let group = idem.group_unbounded();
+    /// let calls = (0..3).map(|k| idem.call("s", k).in_group(&group).run(move || async move { Ok::<_, idem_core::Error>(k) }));
+    /// let values = futures_util::future::join_all(calls).await;
+    /// assert_eq!(values.into_iter().flatten().sum::<i32>(), 3);
+    /// # });
+    /// ```
+    pub fn group_unbounded(&self) -> CallGroup {
+        CallGroup::for_store(Arc::clone(&self.inner.store), usize::MAX, true)
     }
 
     /// Counts one more failed run of `(scope, key)` and returns the count so

@@ -1,9 +1,8 @@
 //! Several calls run together, sharing their store round trips.
 
 use super::Call;
-use super::gather::{ClaimOp, FinishOp, Gather, Ticket};
+use super::gather::{ClaimOp, FinishOp, Gather, Tickets};
 use crate::error::Error;
-use crate::idempotency::Idempotency;
 use crate::outcome::Outcome;
 use crate::store::Store;
 use serde::Serialize;
@@ -177,7 +176,9 @@ impl<'a> Batch<'a> {
 /// that starts its calls one by one (each a future of its own) rather than
 /// as a [`Batch`].
 ///
-/// Made for `n` calls; each [`Call::in_group`] takes one of the places.
+/// Made by [`Idempotency::group`](crate::Idempotency::group) for `n`
+/// calls (or [`Idempotency::group_unbounded`](crate::Idempotency::group_unbounded));
+/// each [`Call::in_group`] takes one of the places.
 /// The first claims of the calls go to the store together, as one
 /// [`Store::claim_batch`](crate::store::Store::claim_batch): those queued
 /// by the time all `n` have claimed or given up their place, or by the next
@@ -188,10 +189,10 @@ impl<'a> Batch<'a> {
 /// scheduler turn, so calls ready together are sent together.
 ///
 /// ```
-/// use idem_core::{CallGroup, Idempotency, MemoryStore, Outcome};
+/// use idem_core::{Idempotency, MemoryStore, Outcome};
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let idem = Idempotency::builder(MemoryStore::new()).build();
-/// let group = CallGroup::new(&idem, 2);
+/// let group = idem.group(2);
 /// let a = idem.call("s", "a").in_group(&group);
 /// let b = idem.call("s", "b").in_group(&group);
 /// drop(group);
@@ -232,29 +233,9 @@ impl std::fmt::Debug for CallGroup {
 }
 
 impl CallGroup {
-    /// A group of `n` calls of `idem`.
-    pub fn new(idem: &Idempotency, n: usize) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&idem.inner.store), n, true)
-    }
-
-    /// A group that any number of calls of `idem` may join, for a loop
-    /// that runs for as long as its service: the calls ready in the same
-    /// scheduler turn go to the store together.
-    ///
-    /// ```
-    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
-    /// let group = idem_core::CallGroup::unbounded(&idem);
-    /// let calls = (0..3).map(|k| idem.call("s", k).in_group(&group).run(move || async move { Ok::<_, idem_core::Error>(k) }));
-    /// let values = futures_util::future::join_all(calls).await;
-    /// assert_eq!(values.into_iter().flatten().sum::<i32>(), 3);
-    /// # });
-    /// ```
-    pub fn unbounded(idem: &Idempotency) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&idem.inner.store), usize::MAX, true)
-    }
-
-    fn for_store(store: Arc<dyn Store>, n: usize, self_timed: bool) -> CallGroup {
+    /// A group of calls to `store`: `n` places (`usize::MAX`: unbounded),
+    /// sent by the scheduler turn when `self_timed`, else by the driver.
+    pub(crate) fn for_store(store: Arc<dyn Store>, n: usize, self_timed: bool) -> CallGroup {
         CallGroup {
             inner: Arc::new(Places {
                 claims: Arc::new(Gather::new(Arc::clone(&store), n, self_timed)),
@@ -305,41 +286,5 @@ impl<'a> Call<'a> {
             self.tickets = group.take(&self.inner.store);
         }
         self
-    }
-}
-
-/// A call's places in its group's two phases.
-pub(super) struct Tickets {
-    claim: Mutex<Option<Ticket<ClaimOp>>>,
-    finish: Mutex<Option<Ticket<FinishOp>>>,
-}
-
-impl Tickets {
-    fn new(claim: Ticket<ClaimOp>, finish: Ticket<FinishOp>) -> Self {
-        Tickets {
-            claim: Mutex::new(Some(claim)),
-            finish: Mutex::new(Some(finish)),
-        }
-    }
-
-    /// The claim ticket, the first time only.
-    pub(super) fn take_claim(&self) -> Option<Ticket<ClaimOp>> {
-        self.claim
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-    }
-
-    /// The finish ticket, the first time only.
-    pub(super) fn take_finish(&self) -> Option<Ticket<FinishOp>> {
-        self.finish
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-    }
-
-    /// Leaves the finish phase: this call will store nothing with its group.
-    pub(super) fn leave_finish(&self) {
-        drop(self.take_finish());
     }
 }

@@ -1,8 +1,8 @@
 //! The prepared call: claim (waiting out another holder), execute the
 //! body, or replay the stored result.
 
-use super::batch::Tickets;
 use super::completion::{Completion, Stored};
+use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
 use super::guard::{KeptOnDrop, ReleaseGuard, log_release, release};
 use super::{is_unavailable, observe};

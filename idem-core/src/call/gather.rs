@@ -262,6 +262,42 @@ impl<Op: BatchOp> Drop for Ticket<Op> {
     }
 }
 
+/// A call's places in its group's two phases.
+pub(super) struct Tickets {
+    claim: Mutex<Option<Ticket<ClaimOp>>>,
+    finish: Mutex<Option<Ticket<FinishOp>>>,
+}
+
+impl Tickets {
+    pub(super) fn new(claim: Ticket<ClaimOp>, finish: Ticket<FinishOp>) -> Self {
+        Tickets {
+            claim: Mutex::new(Some(claim)),
+            finish: Mutex::new(Some(finish)),
+        }
+    }
+
+    /// The claim ticket, the first time only.
+    pub(super) fn take_claim(&self) -> Option<Ticket<ClaimOp>> {
+        self.claim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// The finish ticket, the first time only.
+    pub(super) fn take_finish(&self) -> Option<Ticket<FinishOp>> {
+        self.finish
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Leaves the finish phase: this call will store nothing with its group.
+    pub(super) fn leave_finish(&self) {
+        drop(self.take_finish());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -60,7 +60,7 @@ pub struct Call<'a> {
     /// The body undoes its effects when dropped: a cancelled call releases.
     release_on_cancel: bool,
     /// Its places in a [`CallGroup`], if it is in one.
-    tickets: Option<batch::Tickets>,
+    tickets: Option<gather::Tickets>,
 }
 
 impl<'a> Call<'a> {
