@@ -9,7 +9,13 @@
 //! cargo bench --bench throughput -- --profile idem_fresh --ops 20000   # one phase, for callgrind
 //! ```
 //!
+//! cargo bench --bench throughput -- --server both    # Redis 7 then Valkey 8.1, each against its own floors
+//! ```
+//!
 //! Options: `--redis URL` (default: start a private redis-server),
+//! `--server redis|valkey|both` (`servers.rs`: the Redis phases on a private
+//! redis-server, valkey-server, or one after the other, each run a process
+//! of its own with its own floors),
 //! `--concurrency N` (64), `--seconds S` (5, per phase in total),
 //! `--rounds R` (25), `--threads T` (Tokio workers, default 1: on a 2-core
 //! machine that leaves Redis a core of its own, as it would have on its own
@@ -49,6 +55,7 @@ mod phases;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod report;
+mod servers;
 mod wait;
 
 use crate::cpu::{client_cpu, redis_cpu};
@@ -65,6 +72,11 @@ use std::time::{Duration, Instant};
 
 fn main() {
     let opts = parse_opts();
+    if let Some(server) = &opts.server
+        && servers::run_each(server)
+    {
+        return;
+    }
     let mut rt = if opts.threads == 0 {
         tokio::runtime::Builder::new_current_thread()
     } else {
@@ -265,6 +277,13 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
     }
     let wall = wall.elapsed().as_secs_f64();
     let mem = measure_memory(&ctx).await;
+    // Which server, and which complete the store chose on it (plain
+    // `SET … IFEQ` on Valkey 8.1+ / Redis 8.4+, else the script).
+    println!(
+        "server: {} (complete: {})",
+        fresh_store.server(),
+        fresh_store.complete_path()
+    );
     report(
         &opts,
         &mut totals,

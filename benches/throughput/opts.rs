@@ -4,6 +4,9 @@ use crate::phases::PHASES;
 
 pub(crate) struct Opts {
     pub(crate) redis: Option<String>,
+    /// `--server redis|valkey|both`: which server binaries to run the Redis
+    /// phases on (`servers.rs`); `None` = this process on redis-server.
+    pub(crate) server: Option<String>,
     pub(crate) concurrency: usize,
     pub(crate) seconds: f64,
     pub(crate) rounds: usize,
@@ -25,7 +28,7 @@ pub(crate) struct Opts {
 
 pub(crate) fn usage() -> ! {
     eprintln!(
-        "usage: cargo bench --bench throughput -- [--redis URL] [--concurrency N] [--seconds S] \
+        "usage: cargo bench --bench throughput -- [--redis URL | --server redis|valkey|both] [--concurrency N] [--seconds S] \
          [--rounds R] [--threads T] [--replay-keys K] [--only PHASE,..] [--json] \
          [--profile PHASE --ops N] [--pg-url URL] [--pg-concurrency N] [--pg-only]\nphases: {}",
         PHASES.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
@@ -36,6 +39,7 @@ pub(crate) fn usage() -> ! {
 pub(crate) fn parse_opts() -> Opts {
     let mut o = Opts {
         redis: None,
+        server: None,
         concurrency: 64,
         seconds: 5.0,
         rounds: 25,
@@ -65,6 +69,14 @@ pub(crate) fn parse_opts() -> Opts {
         }
         match a.as_str() {
             "--redis" => o.redis = Some(value("--redis")),
+            "--server" => {
+                let v = value("--server");
+                if !["redis", "valkey", "both"].contains(&v.as_str()) {
+                    eprintln!("--server: redis, valkey or both, not {v}");
+                    usage()
+                }
+                o.server = Some(v)
+            }
             "--concurrency" | "-c" => o.concurrency = num("--concurrency", value("--concurrency")),
             "--seconds" | "-s" => o.seconds = num("--seconds", value("--seconds")),
             "--rounds" => o.rounds = num("--rounds", value("--rounds")),

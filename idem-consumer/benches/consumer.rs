@@ -2,16 +2,21 @@
 //! loop, in the same run, on the same broker.
 //!
 //! ```sh
-//! cargo bench -p idem-consumer --bench consumer            # all three brokers
-//! cargo bench -p idem-consumer --bench consumer -- redis   # or: nats, rabbitmq, kafka
+//! cargo bench -p idem-consumer --bench consumer            # every phase
+//! cargo bench -p idem-consumer --bench consumer -- redis   # or: core, nats, rabbitmq, kafka, postgres
 //! ```
 //!
 //! Every phase pre-publishes `MESSAGES` messages (not timed), then times
-//! consuming and acking all of them with batches of 64. The idem phase runs
-//! each message through `Consumer` (claim, no-op handler, stored result) on
-//! a private redis-server; phases alternate over `ROUNDS` rounds and the
-//! best round of each is reported. NATS and RabbitMQ are taken from
-//! `NATS_URL` / `AMQP_URL` or their default local ports.
+//! consuming and acking all of them with batches of 64, three ways on the
+//! same broker: the bare consume+ack loop; the dedup floor (`floor.rs`: the
+//! bare loop plus the two writes per message any deduplication needs,
+//! pipelined per batch, without idem's code); and idem, each message
+//! through `Consumer` (claim, no-op handler, stored result) on a private
+//! redis-server. The `core-*` phases take ready messages (no broker) on
+//! Redis and on PostgreSQL (`PgStore`, a database of its own). Loops
+//! alternate over `ROUNDS` rounds and the best round of each is reported.
+//! NATS and RabbitMQ are taken from `NATS_URL` / `AMQP_URL` or their
+//! default local ports; PostgreSQL as idem-testkit finds it.
 
 use futures_util::StreamExt;
 use idem_consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
@@ -22,8 +27,12 @@ use idem_core::{Idempotency, RedisStore};
 use idem_testkit::RedisServer;
 use std::time::{Duration, Instant};
 
+#[path = "consumer/floor.rs"]
+mod floor;
 #[path = "consumer/kafka.rs"]
 mod kafka;
+
+use floor::{PgFloor, RedisFloor};
 
 const MESSAGES: usize = 5_000;
 const ROUNDS: usize = 3;
@@ -71,13 +80,13 @@ async fn redis_publish(c: &mut redis::aio::MultiplexedConnection, stream: &str, 
         .await;
 }
 
-async fn redis_bare(url: &str, run: usize) -> f64 {
+async fn redis_bare(url: &str, run: usize, floor: Option<&RedisFloor>) -> f64 {
     let mut c = redis::Client::open(url)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let stream = format!("bare{run}");
+    let stream = format!("{}{run}", if floor.is_some() { "floor" } else { "bare" });
     redis_publish(&mut c, &stream, run).await;
     let start = Instant::now();
     let mut done = 0;
@@ -101,6 +110,9 @@ async fn redis_bare(url: &str, run: usize) -> f64 {
             .map(|i| i.id)
             .collect();
         done += ids.len();
+        if let Some(floor) = floor {
+            floor.dedup(&ids).await;
+        }
         let _: usize = redis::cmd("XACK")
             .arg(&stream)
             .arg("g")
@@ -171,20 +183,49 @@ async fn nats_setup(
     (name, pull)
 }
 
-async fn nats_bare(js: &async_nats::jetstream::Context, run: usize) -> f64 {
-    let (name, pull) = nats_setup(js, run, "BARE").await;
+async fn nats_bare(
+    js: &async_nats::jetstream::Context,
+    run: usize,
+    floor: Option<&RedisFloor>,
+) -> f64 {
+    let tag = if floor.is_some() { "FLOOR" } else { "BARE" };
+    let (name, pull) = nats_setup(js, run, tag).await;
     let start = Instant::now();
-    let mut msgs = pull
+    let msgs = pull
         .stream()
         .max_messages_per_batch(BATCH)
         .messages()
         .await
         .unwrap();
     let mut done = 0;
-    while done < MESSAGES {
-        let m = msgs.next().await.unwrap().unwrap();
-        m.ack().await.unwrap();
-        done += 1;
+    match floor {
+        None => {
+            let mut msgs = msgs;
+            while done < MESSAGES {
+                let m = msgs.next().await.unwrap().unwrap();
+                m.ack().await.unwrap();
+                done += 1;
+            }
+        }
+        // What the stream has ready, up to a batch: deduplicated, then acked.
+        Some(floor) => {
+            let mut batches = msgs.ready_chunks(BATCH);
+            while done < MESSAGES {
+                let batch: Vec<_> = batches
+                    .next()
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|m| m.unwrap())
+                    .collect();
+                let keys: Vec<&[u8]> = batch.iter().map(|m| &m.payload[..]).collect();
+                floor.dedup(&keys).await;
+                for m in &batch {
+                    m.ack().await.unwrap();
+                }
+                done += batch.len();
+            }
+        }
     }
     let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
     js.delete_stream(&name).await.unwrap();
@@ -261,8 +302,8 @@ async fn rabbit_cleanup(ch: &lapin::Channel, q: &str) {
         .await;
 }
 
-async fn rabbit_bare(conn: &lapin::Connection, run: usize) -> f64 {
-    let (ch, q) = rabbit_setup(conn, run, "bare").await;
+async fn rabbit_bare(conn: &lapin::Connection, run: usize, floor: Option<&RedisFloor>) -> f64 {
+    let (ch, q) = rabbit_setup(conn, run, if floor.is_some() { "floor" } else { "bare" }).await;
     let c = conn.create_channel().await.unwrap();
     c.basic_qos(BATCH as u16, Default::default()).await.unwrap();
     let mut deliveries = c
@@ -275,9 +316,33 @@ async fn rabbit_bare(conn: &lapin::Connection, run: usize) -> f64 {
         .await
         .unwrap();
     let start = Instant::now();
-    for _ in 0..MESSAGES {
-        let d = deliveries.next().await.unwrap().unwrap();
-        d.acker.ack(Default::default()).await.unwrap();
+    match floor {
+        None => {
+            for _ in 0..MESSAGES {
+                let d = deliveries.next().await.unwrap().unwrap();
+                d.acker.ack(Default::default()).await.unwrap();
+            }
+        }
+        // What the channel has ready, up to a batch: deduplicated, then acked.
+        Some(floor) => {
+            let mut batches = deliveries.ready_chunks(BATCH);
+            let mut done = 0;
+            while done < MESSAGES {
+                let batch: Vec<_> = batches
+                    .next()
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|d| d.unwrap())
+                    .collect();
+                let keys: Vec<&[u8]> = batch.iter().map(|d| &d.data[..]).collect();
+                floor.dedup(&keys).await;
+                for d in &batch {
+                    d.acker.ack(Default::default()).await.unwrap();
+                }
+                done += batch.len();
+            }
+        }
     }
     let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
     rabbit_cleanup(&ch, &q).await;
@@ -309,45 +374,55 @@ async fn rabbit_idem(conn: &lapin::Connection, redis_url: &str, run: usize) -> f
 
 // ------------------------------------------------------------- core alone
 
-/// The core with no broker: batches of ready messages through idem, and
-/// the same calls through idem's own `Call` API as the floor.
-async fn core_only(url: &str, run: usize) -> (f64, f64) {
-    let consumer = consumer(url, run).await;
-    let msgs: Vec<Message> = (0..MESSAGES)
+fn ready_messages(run: usize) -> Vec<Message> {
+    (0..MESSAGES)
         .map(|i| Message::new(payload(run, i)).with_id(format!("m{i}")))
-        .collect();
+        .collect()
+}
+
+/// The core with no broker: batches of ready messages through idem.
+async fn core_idem(consumer: &Consumer, run: usize) -> f64 {
+    let msgs = ready_messages(run);
     let start = Instant::now();
     for chunk in msgs.chunks(BATCH) {
         let out = consumer.handle_batch(chunk, &noop).await;
         assert!(out.iter().all(|h| h.decision.is_ack()));
     }
-    let core = MESSAGES as f64 / start.elapsed().as_secs_f64();
-    let idem = consumer.idem().clone();
+    MESSAGES as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The core's floor: the same batches, deduplicated without idem.
+async fn core_floor<F, Fut>(run: usize, dedup: F) -> f64
+where
+    F: Fn(Vec<String>) -> Fut,
+    Fut: std::future::Future<Output = usize>,
+{
+    let msgs = ready_messages(run);
     let start = Instant::now();
-    for chunk in (0..MESSAGES).collect::<Vec<_>>().chunks(BATCH) {
-        let calls = chunk.iter().map(|i| {
-            let idem = &idem;
-            async move {
-                idem.call("raw", format!("r{run}-{i}"))
-                    .run(|| async { Ok::<(), idem_core::Error>(()) })
-                    .await
-            }
-        });
-        for r in futures_util::future::join_all(calls).await {
-            r.unwrap();
-        }
+    for chunk in msgs.chunks(BATCH) {
+        let keys = chunk
+            .iter()
+            .map(|m| String::from_utf8_lossy(m.payload()).into_owned())
+            .collect();
+        assert_eq!(dedup(keys).await, chunk.len());
     }
-    (core, MESSAGES as f64 / start.elapsed().as_secs_f64())
+    MESSAGES as f64 / start.elapsed().as_secs_f64()
 }
 
 // ------------------------------------------------------------------- main
 
-fn report(broker: &str, bare: &[f64], idem: &[f64]) {
+/// One line per phase, in the form earlier versions printed plus the floor:
+/// `ratio` is idem against the bare loop, `of-floor` idem against the floor.
+fn report(phase: &str, bare: Option<&[f64]>, floor: &[f64], idem: &[f64]) {
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (b, i) = (best(bare), best(idem));
+    let (f, i) = (best(floor), best(idem));
+    let (bare, ratio) = match bare {
+        Some(b) => (format!("{:>8.0}", best(b)), format!("{:.2}", i / best(b))),
+        None => (format!("{:>8}", "-"), "-".to_owned()),
+    };
     println!(
-        "{broker:<14} bare {b:>10.0} msg/s   idem {i:>10.0} msg/s   ratio {:.2}",
-        i / b
+        "{phase:<14} bare {bare} msg/s  floor {f:>8.0} msg/s  idem {i:>8.0} msg/s  ratio {ratio}  of-floor {:.2}",
+        i / f
     );
 }
 
@@ -365,28 +440,53 @@ fn main() {
     let server = RedisServer::start();
     let url = server.url();
     println!(
-        "{MESSAGES} messages per phase, batches of {BATCH}, best of {ROUNDS} alternating rounds"
+        "{MESSAGES} messages per phase, batches of {BATCH}, best of {ROUNDS} alternating rounds; \
+         floor = the bare loop + one pipelined SET NX and one SET per message (benches/consumer/floor.rs)"
     );
     rt.block_on(async {
         let mut run = 0;
-        if wanted("core") {
-            let (mut raw, mut core) = (Vec::new(), Vec::new());
+        if wanted("core-redis") {
+            let (mut floor, mut idem) = (Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 run += 1;
-                let (c, r) = core_only(&url, run).await;
-                core.push(c);
-                raw.push(r);
+                let f = RedisFloor::connect(&url, run).await;
+                floor.push(
+                    core_floor(run, |keys| {
+                        let f = f.clone();
+                        async move { f.dedup(&keys).await }
+                    })
+                    .await,
+                );
+                idem.push(core_idem(&consumer(&url, run).await, run).await);
             }
-            report("core vs Call", &raw, &core);
+            report("core-redis", None, &floor, &idem);
+        }
+        if wanted("core-postgres") {
+            let ctx = idem_testkit::TestContext::postgres().await;
+            let pg = PgFloor::new(ctx.pg_db().pool.clone()).await;
+            let (mut floor, mut idem) = (Vec::new(), Vec::new());
+            for _ in 0..ROUNDS {
+                run += 1;
+                floor.push(core_floor(run, |keys| pg.dedup_owned(keys)).await);
+                let c = Consumer::new(
+                    ctx.idem_with(|b| b.namespace(format!("bench{run}"))),
+                    "bench",
+                )
+                .concurrency(BATCH);
+                idem.push(core_idem(&c, run).await);
+            }
+            report("core-postgres", None, &floor, &idem);
         }
         if wanted("redis-streams") {
-            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 run += 1;
-                bare.push(redis_bare(&url, run).await);
+                bare.push(redis_bare(&url, run, None).await);
+                let f = RedisFloor::connect(&url, run).await;
+                floor.push(redis_bare(&url, run, Some(&f)).await);
                 idem.push(redis_idem(&url, run).await);
             }
-            report("redis-streams", &bare, &idem);
+            report("redis-streams", Some(&bare), &floor, &idem);
         }
         if wanted("nats") {
             let nats_url =
@@ -396,13 +496,15 @@ fn main() {
                     .await
                     .unwrap_or_else(|e| panic!("NATS at {nats_url}: {e}")),
             );
-            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 run += 1;
-                bare.push(nats_bare(&js, run).await);
+                bare.push(nats_bare(&js, run, None).await);
+                let f = RedisFloor::connect(&url, run).await;
+                floor.push(nats_bare(&js, run, Some(&f)).await);
                 idem.push(nats_idem(&js, &url, run).await);
             }
-            report("nats", &bare, &idem);
+            report("nats", Some(&bare), &floor, &idem);
         }
         if wanted("rabbitmq") {
             let amqp = std::env::var("AMQP_URL")
@@ -410,24 +512,27 @@ fn main() {
             let conn = lapin::Connection::connect(&amqp, Default::default())
                 .await
                 .unwrap_or_else(|e| panic!("RabbitMQ at {amqp}: {e}"));
-            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 run += 1;
-                bare.push(rabbit_bare(&conn, run).await);
+                bare.push(rabbit_bare(&conn, run, None).await);
+                let f = RedisFloor::connect(&url, run).await;
+                floor.push(rabbit_bare(&conn, run, Some(&f)).await);
                 idem.push(rabbit_idem(&conn, &url, run).await);
             }
-            report("rabbitmq", &bare, &idem);
+            report("rabbitmq", Some(&bare), &floor, &idem);
         }
         if wanted("kafka") {
             let broker = idem_testkit::KafkaBroker::start();
-            let (mut bare, mut idem) = (Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 run += 1;
-                let (b, i) = kafka::round(&broker, &url, run).await;
+                let (b, f, i) = kafka::round(&broker, &url, run).await;
                 bare.push(b);
+                floor.push(f);
                 idem.push(i);
             }
-            report("kafka", &bare, &idem);
+            report("kafka", Some(&bare), &floor, &idem);
         }
     });
 }

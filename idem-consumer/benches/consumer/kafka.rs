@@ -5,13 +5,14 @@
 //! group join is not timed) and stops once the group's offsets cover every
 //! record.
 
+use super::floor::RedisFloor;
 use super::{BATCH, MESSAGES, consumer, noop, payload};
 use idem_consumer::Message;
 use idem_consumer::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idem_consumer::kafka::rdkafka::client::DefaultClientContext;
 use idem_consumer::kafka::rdkafka::config::ClientConfig;
 use idem_consumer::kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
-use idem_consumer::kafka::rdkafka::message::{Header, OwnedHeaders};
+use idem_consumer::kafka::rdkafka::message::{Header, Message as _, OwnedHeaders};
 use idem_consumer::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_consumer::kafka::{KafkaConfig, KafkaConsumer, header_names};
 use idem_testkit::KafkaBroker;
@@ -75,25 +76,42 @@ fn client(bootstrap: &str, group: &str) -> ClientConfig {
 }
 
 /// rdkafka alone: poll, commit every batch (async), a final sync commit.
-fn bare(bootstrap: &str, topic: &str, run: usize) -> f64 {
-    let c: BaseConsumer = client(bootstrap, &format!("bare-{run}"))
-        .create()
-        .expect("consumer");
+/// With a floor, each batch (or what a poll gap leaves) is deduplicated
+/// before its commit.
+fn bare(bootstrap: &str, topic: &str, run: usize, floor: Option<RedisFloor>) -> f64 {
+    let group = format!("{}-{run}", if floor.is_some() { "floor" } else { "bare" });
+    let c: BaseConsumer = client(bootstrap, &group).create().expect("consumer");
     c.subscribe(&[topic]).expect("subscribe");
+    let rt = tokio::runtime::Handle::current();
+    let mut keys: Vec<Vec<u8>> = Vec::with_capacity(BATCH);
+    let flush = |keys: &mut Vec<Vec<u8>>| {
+        if let Some(f) = &floor
+            && !keys.is_empty()
+        {
+            rt.block_on(f.dedup(keys));
+            keys.clear();
+        }
+    };
     let mut start = None;
     let mut seen = 0usize;
     while seen < MESSAGES {
         let Some(m) = c.poll(Duration::from_millis(100)) else {
+            flush(&mut keys);
             continue;
         };
         let m = m.expect("poll");
         start.get_or_insert_with(Instant::now);
         seen += 1;
+        if floor.is_some() {
+            keys.push(m.payload().unwrap_or_default().to_vec());
+        }
         if seen % BATCH == 0 {
+            flush(&mut keys);
             c.commit_message(&m, CommitMode::Async).expect("commit");
         }
         drop(m);
     }
+    flush(&mut keys);
     c.commit_consumer_state(CommitMode::Sync)
         .expect("final commit");
     MESSAGES as f64 / start.map_or(f64::MAX, |s| s.elapsed().as_secs_f64())
@@ -140,17 +158,24 @@ async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 
     MESSAGES as f64 / e.duration_since(*s).as_secs_f64()
 }
 
-/// One round: a fresh topic each for the bare loop and the adapter.
-pub async fn round(kafka: &KafkaBroker, redis_url: &str, run: usize) -> (f64, f64) {
+/// One round: a fresh topic each for the bare loop, the floor and the
+/// adapter. Returns (bare, floor, idem).
+pub async fn round(kafka: &KafkaBroker, redis_url: &str, run: usize) -> (f64, f64, f64) {
     let bootstrap = kafka.bootstrap();
-    let t = setup(&bootstrap, run).await;
-    let b = {
-        let (bs, t) = (bootstrap.clone(), t.clone());
-        tokio::task::spawn_blocking(move || bare(&bs, &t, run))
-            .await
-            .expect("bare loop")
-    };
+    let mut rates = Vec::new();
+    for (offset, floor) in [
+        (0, None),
+        (200_000, Some(RedisFloor::connect(redis_url, run).await)),
+    ] {
+        let t = setup(&bootstrap, run + offset).await;
+        let bs = bootstrap.clone();
+        rates.push(
+            tokio::task::spawn_blocking(move || bare(&bs, &t, run, floor))
+                .await
+                .expect("bare loop"),
+        );
+    }
     let t = setup(&bootstrap, run + 100_000).await;
     let i = idem(&bootstrap, redis_url, &t, run).await;
-    (b, i)
+    (rates[0], rates[1], i)
 }
