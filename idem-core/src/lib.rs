@@ -43,7 +43,7 @@ mod settings;
 pub mod store;
 mod token;
 
-pub use call::{Batch, Call, CallGroup};
+pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, Steps};
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{BoxError, Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
@@ -62,8 +62,8 @@ pub use store::{RedisStore, RedisStoreConfig};
 // against them keep compiling; documented (and to be named) in `store`.
 #[doc(hidden)]
 pub use store::{
-    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, Store, Token,
-    ValueKind, WriteReply, failure_key,
+    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, StepRecord,
+    Store, Token, ValueKind, WriteReply, failure_key,
 };
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may
