@@ -173,7 +173,7 @@ async fn a_crash_between_steps_resumes_after_the_finished_ones(b: TestContext) {
         .run_steps_outcome(async |s| {
             let v = checkout(s, &ledger).await?;
             assert_eq!(s.replayed(), 2);
-            Ok(v)
+            Res::Ok(v)
         })
         .await
         .unwrap();
