@@ -73,12 +73,7 @@ struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
 
 impl Ledger {
     fn hit(&self, what: &str) {
-        *self
-            .0
-            .lock()
-            .unwrap()
-            .entry(what.to_owned())
-            .or_default() += 1;
+        *self.0.lock().unwrap().entry(what.to_owned()).or_default() += 1;
     }
     fn count(&self, what: &str) -> usize {
         self.0.lock().unwrap().get(what).copied().unwrap_or(0)
@@ -285,7 +280,10 @@ async fn duplicate_and_invalid_names_are_typed_errors(b: TestContext) {
             Ok(())
         })
         .await;
-    assert!(matches!(r, Err(Error::DuplicateStep { ref name }) if name == "a"), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::DuplicateStep { ref name }) if name == "a"),
+        "{r:?}"
+    );
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     for bad in ["", "new\nline", &"x".repeat(129)] {
         let r: Res<()> = idem
@@ -359,7 +357,10 @@ async fn old_owner_cannot_record_a_step(b: TestContext) {
         .await
         .unwrap();
     assert_eq!((v, o), (2, Outcome::Replayed));
-    assert_eq!((ledger.count("old charge"), ledger.count("new charge")), (1, 1));
+    assert_eq!(
+        (ledger.count("old charge"), ledger.count("new charge")),
+        (1, 1)
+    );
 }
 
 /// The store methods themselves: only the owner records; a re-sent step
@@ -369,26 +370,59 @@ async fn store_records_steps_for_the_owner_only(b: TestContext) {
     let store = b.store();
     let key = "steps:store:k1";
     let (a, c) = (Token::random(), Token::random());
-    store.claim(claim(key, &a, 60_000, 120_000, None)).await.unwrap();
-    assert_eq!(store.save_step(key, &a, "one", b"1").await.unwrap(), WriteReply::Done);
-    assert_eq!(store.save_step(key, &a, "one", b"9").await.unwrap(), WriteReply::Done);
-    assert_eq!(store.save_step(key, &a, "two", b"\"x|1:y\"").await.unwrap(), WriteReply::Done);
-    assert_eq!(store.save_step(key, &c, "three", b"3").await.unwrap(), WriteReply::OtherOwner);
+    store
+        .claim(claim(key, &a, 60_000, 120_000, None))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.save_step(key, &a, "one", b"1").await.unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store.save_step(key, &a, "one", b"9").await.unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store.save_step(key, &a, "two", b"\"x|1:y\"").await.unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store.save_step(key, &c, "three", b"3").await.unwrap(),
+        WriteReply::OtherOwner
+    );
     let steps = store.steps(key, &a).await.unwrap().unwrap();
-    let got: Vec<(&str, &[u8])> = steps.iter().map(|s| (s.name.as_str(), &s.value[..])).collect();
+    let got: Vec<(&str, &[u8])> = steps
+        .iter()
+        .map(|s| (s.name.as_str(), &s.value[..]))
+        .collect();
     assert_eq!(got, [("one", &b"1"[..]), ("two", &b"\"x|1:y\""[..])]);
     assert_eq!(store.steps(key, &c).await.unwrap(), None);
     // A lease renewal keeps the steps.
-    assert_eq!(store.extend(key, &a, Duration::from_secs(60)).await.unwrap(), WriteReply::Done);
+    assert_eq!(
+        store
+            .extend(key, &a, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
     assert_eq!(store.steps(key, &a).await.unwrap().unwrap().len(), 2);
     // Suspended: the lease is over at once, the steps stay; a takeover gets them.
     assert_eq!(store.suspend(key, &a).await.unwrap(), WriteReply::Done);
-    let took = store.claim(claim(key, &c, 60_000, 120_000, None)).await.unwrap();
+    let took = store
+        .claim(claim(key, &c, 60_000, 120_000, None))
+        .await
+        .unwrap();
     assert_eq!(took, idem::store::ClaimReply::Acquired { attempt: 2 });
     assert_eq!(store.steps(key, &c).await.unwrap().unwrap().len(), 2);
-    assert_eq!(store.save_step(key, &a, "late", b"0").await.unwrap(), WriteReply::OtherOwner);
+    assert_eq!(
+        store.save_step(key, &a, "late", b"0").await.unwrap(),
+        WriteReply::OtherOwner
+    );
     // The same token re-sending its claim keeps them too.
-    store.claim(claim(key, &c, 60_000, 120_000, None)).await.unwrap();
+    store
+        .claim(claim(key, &c, 60_000, 120_000, None))
+        .await
+        .unwrap();
     assert_eq!(store.steps(key, &c).await.unwrap().unwrap().len(), 2);
     let done = store
         .complete(key, &c, None, idem::store::ValueKind::Json, b"42")
@@ -396,15 +430,24 @@ async fn store_records_steps_for_the_owner_only(b: TestContext) {
         .unwrap();
     assert_eq!(done, WriteReply::Done);
     assert_eq!(store.steps(key, &c).await.unwrap(), None);
-    assert_eq!(store.save_step(key, &c, "after", b"0").await.unwrap(), WriteReply::AlreadyCompleted);
+    assert_eq!(
+        store.save_step(key, &c, "after", b"0").await.unwrap(),
+        WriteReply::AlreadyCompleted
+    );
 
     // Suspend without steps is a release: the key is gone.
     let key2 = "steps:store:k2";
-    store.claim(claim(key2, &a, 60_000, 120_000, None)).await.unwrap();
+    store
+        .claim(claim(key2, &a, 60_000, 120_000, None))
+        .await
+        .unwrap();
     assert_eq!(store.suspend(key2, &a).await.unwrap(), WriteReply::Done);
     assert!(store.inspect(key2, false).await.unwrap().is_none());
     // Release drops steps with the record.
-    store.claim(claim(key2, &a, 60_000, 120_000, None)).await.unwrap();
+    store
+        .claim(claim(key2, &a, 60_000, 120_000, None))
+        .await
+        .unwrap();
     store.save_step(key2, &a, "one", b"1").await.unwrap();
     let info = store.inspect(key2, false).await.unwrap().unwrap();
     assert_eq!(info.steps, ["one"]);
@@ -490,7 +533,10 @@ async fn fingerprint_mismatch_keeps_its_meaning(b: TestContext) {
         .fingerprint(&2)
         .run_steps(async |s| s.step("reserve", async || Res::Ok(2u8)).await)
         .await;
-    assert!(matches!(other, Err(Error::FingerprintMismatch)), "{other:?}");
+    assert!(
+        matches!(other, Err(Error::FingerprintMismatch)),
+        "{other:?}"
+    );
     let same: Res<u8> = idem
         .call("orders", "fp")
         .fingerprint(&1)

@@ -292,7 +292,10 @@ impl Exec<'_> {
         };
         self.report.attempt(attempt);
         if let Some(steps) = &self.steps {
-            if let Err(e) = steps.attach(self.store, &self.key, self.token, attempt).await {
+            if let Err(e) = steps
+                .attach(self.store, &self.key, self.token, attempt)
+                .await
+            {
                 self.leave_batch();
                 if !matches!(e, Error::LeaseLost) {
                     // Keep what earlier holders recorded for the next call.

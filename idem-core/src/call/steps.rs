@@ -129,10 +129,7 @@ impl Steps {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // No code path panics while holding the lock; recover anyway.
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs `effect` once for this call's key and returns its value, or
@@ -172,7 +169,10 @@ impl Steps {
     {
         let (mode, stored) = self.begin(name).map_err(E::from)?;
         if let Some(bytes) = stored {
-            tracing::info!(step = name, "step finished before: its recorded value is returned, it does not run again");
+            tracing::info!(
+                step = name,
+                "step finished before: its recorded value is returned, it does not run again"
+            );
             #[cfg(feature = "metrics")]
             metrics::counter!("idem_step_replays_total", "scope" => self.shared.scope.clone())
                 .increment(1);
@@ -219,7 +219,12 @@ impl Steps {
         Ok((state.mode.clone(), stored))
     }
 
-    async fn record<V: Serialize>(&self, holder: &Holder, name: &str, value: &V) -> Result<(), Error> {
+    async fn record<V: Serialize>(
+        &self,
+        holder: &Holder,
+        name: &str,
+        value: &V,
+    ) -> Result<(), Error> {
         let bytes = serde_json::to_vec(value).map_err(|e| {
             Error::codec(format!(
                 "the value of step `{name}` cannot be serialized, so it was not recorded"
@@ -244,7 +249,11 @@ impl Steps {
                 Ok(())
             }
             other => {
-                tracing::warn!(step = name, ?other, "step ran but this call no longer holds the key: not recorded");
+                tracing::warn!(
+                    step = name,
+                    ?other,
+                    "step ran but this call no longer holds the key: not recorded"
+                );
                 Err(Error::StepLeaseLost {
                     name: name.to_owned(),
                 })

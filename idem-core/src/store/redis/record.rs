@@ -304,8 +304,18 @@ mod tests {
         let Ok(Record::Pending(p)) = decode(with_steps, 2000) else {
             panic!("pending record with steps not read");
         };
-        let steps: Vec<(&str, &[u8])> = p.steps.iter().map(|s| (s.name.as_str(), &s.value[..])).collect();
-        assert_eq!(steps, [("reserve", &b"{\"n\":1}"[..]), ("charge", &b"\"ch|1:x\""[..])]);
+        let steps: Vec<(&str, &[u8])> = p
+            .steps
+            .iter()
+            .map(|s| (s.name.as_str(), &s.value[..]))
+            .collect();
+        assert_eq!(
+            steps,
+            [
+                ("reserve", &b"{\"n\":1}"[..]),
+                ("charge", &b"\"ch|1:x\""[..])
+            ]
+        );
         for bad in [&b"x:1"[..], b"15:", b":1", b"1e+14:1", b"15"] {
             let mut r = b"1P\x00".to_vec();
             r.extend_from_slice(&token);
