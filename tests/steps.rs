@@ -63,6 +63,7 @@ every_store!(
     store_records_steps_for_the_owner_only,
     racing_calls_run_each_step_once,
     fingerprint_mismatch_keeps_its_meaning,
+    a_consumer_redelivery_resumes_after_the_finished_steps,
 );
 
 type Res<T> = Result<T, Error>;
@@ -543,4 +544,43 @@ async fn fingerprint_mismatch_keeps_its_meaning(b: TestContext) {
         .run_steps(async |s| s.step("reserve", async || Res::Ok(3u8)).await)
         .await;
     assert_eq!(same.unwrap(), 1);
+}
+
+/// A consumer handler made of steps: the first delivery fails at its
+/// second step (retryable: nacked), the redelivery replays the first step
+/// and runs the second; a duplicate after that is acked from the stored
+/// result. The decision table is the one `handle` uses.
+async fn a_consumer_redelivery_resumes_after_the_finished_steps(b: TestContext) {
+    use idem::consumer::{Consumer, Message};
+    let consumer = Consumer::new(b.idem(), "orders.ship");
+    let ledger = Ledger::default();
+    let label_down = AtomicUsize::new(1);
+    let handler = async |m: Message, s: &Steps| -> Res<String> {
+        let parcel = s
+            .step("parcel", async || {
+                ledger.hit("parcel");
+                Res::Ok(format!("parcel-{}", m.id().unwrap_or("?")))
+            })
+            .await?;
+        s.step("label", async || {
+            ledger.hit("label");
+            if label_down.fetch_sub(1, Ordering::SeqCst) > 0 {
+                Err(Error::unavailable("claim", "label printer offline"))
+            } else {
+                Ok(())
+            }
+        })
+        .await?;
+        Ok(parcel)
+    };
+    let msg = Message::new("{}").with_id("m-1");
+    let first = consumer.handle_steps(&msg, &handler).await;
+    assert!(first.decision.is_nack(), "{:?}", first.decision);
+    let again = consumer.handle_steps(&msg, &handler).await;
+    assert!(again.decision.is_ack(), "{:?}", again.decision);
+    assert_eq!(again.outcome, Some(Outcome::Recovered));
+    assert_eq!(again.value.as_deref(), Some("parcel-m-1"));
+    let dup = consumer.handle_steps(&msg, &handler).await;
+    assert_eq!(dup.outcome, Some(Outcome::Replayed));
+    assert_eq!((ledger.count("parcel"), ledger.count("label")), (1, 2));
 }
