@@ -4,7 +4,7 @@
 //! (atomic counters), and counted exactly.
 
 use idem::store::{Token, WriteReply};
-use idem::{Error, Idempotency, KeyState, Outcome, Steps};
+use idem::{CallOutcome, Error, Idempotency, KeyState, Outcome, Steps};
 use idem_testkit::{TestContext, claim};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -185,7 +185,12 @@ async fn a_crash_between_steps_resumes_after_the_finished_ones(b: TestContext) {
 }
 
 async fn a_failed_step_resumes_at_that_step(b: TestContext) {
-    let idem = b.idem();
+    // The hook hears how many steps each call replayed.
+    let replays = Arc::new(Mutex::new(Vec::new()));
+    let heard = replays.clone();
+    let idem = b.idem_with(|x| {
+        x.on_outcome(move |e| heard.lock().unwrap().push((e.outcome, e.steps_replayed)))
+    });
     let ledger = Ledger::default();
     let smtp_up = AtomicUsize::new(0);
     let attempt = async || {
@@ -219,6 +224,10 @@ async fn a_failed_step_resumes_at_that_step(b: TestContext) {
     let (v, o) = attempt().await.unwrap();
     assert_eq!((v, o), (7, Outcome::Recovered));
     assert_eq!((ledger.count("reserve"), ledger.count("email")), (1, 2));
+    assert_eq!(
+        *replays.lock().unwrap(),
+        [(CallOutcome::BodyError, 0), (CallOutcome::Recovered, 1)]
+    );
 }
 
 async fn a_failure_before_any_step_releases(b: TestContext) {

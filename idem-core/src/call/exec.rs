@@ -73,6 +73,7 @@ impl Exec<'_> {
             self.report.get_attempt(),
             start,
             self.report.get_body(),
+            self.steps.as_ref().map_or(0, Steps::replayed),
         );
     }
 

@@ -317,6 +317,7 @@ impl<'a> Call<'a> {
                         None,
                         start,
                         None,
+                        0,
                     );
                 }
                 return Err(E::from(e));
@@ -397,6 +398,7 @@ fn key_digest(key: &str) -> String {
 }
 
 /// Reports a finished call to the hook and the metrics.
+#[allow(clippy::too_many_arguments)]
 fn observe(
     inner: &Inner,
     scope: &str,
@@ -405,6 +407,7 @@ fn observe(
     attempt: Option<u32>,
     start: Instant,
     body: Option<Duration>,
+    steps_replayed: usize,
 ) {
     #[cfg(feature = "metrics")]
     inner
@@ -420,6 +423,7 @@ fn observe(
             attempt,
             elapsed: start.elapsed(),
             body,
+            steps_replayed,
         };
         fire(hook, &event);
     }
