@@ -593,3 +593,109 @@ async fn a_consumer_redelivery_resumes_after_the_finished_steps(b: TestContext) 
     assert_eq!(dup.outcome, Some(Outcome::Replayed));
     assert_eq!((ledger.count("parcel"), ledger.count("label")), (1, 2));
 }
+
+/// PostgreSQL's `step_in_tx`: a step's rows and its recorded value commit
+/// together. A resumed call replays the step (no second row); a step whose
+/// body fails rolls its rows back and records nothing; a step of a call
+/// that lost its lease rolls back too (`StepLeaseLost`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_in_tx_commits_the_rows_with_the_step() {
+    use idem_postgres::StepInTx;
+    let b = postgres().await;
+    let db = b.pg_db();
+    db.exec("CREATE TABLE shipments (id bigserial PRIMARY KEY, tag text NOT NULL)")
+        .await;
+    let store = b.pg_store().clone();
+    let lease = Duration::from_millis(300);
+    let idem = b.idem_with(|x| x.lease(lease));
+    let insert = async |tx: &mut idem_postgres::sqlx::PgConnection, tag: &str| {
+        idem_postgres::sqlx::query_scalar::<_, i64>(
+            "INSERT INTO shipments (tag) VALUES ($1) RETURNING id",
+        )
+        .bind(tag)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| Error::unavailable("claim", e.to_string()))
+    };
+    let email_up = AtomicUsize::new(0);
+    let place = async || {
+        idem.call("ship", "o-1")
+            .run_steps_outcome(async |s| {
+                let id = s
+                    .step_in_tx(&store, "insert", async |tx| insert(tx, "o-1").await)
+                    .await?;
+                s.step("email", async || {
+                    if email_up.fetch_add(1, Ordering::SeqCst) == 0 {
+                        Err(Error::codec("smtp down"))
+                    } else {
+                        Ok(())
+                    }
+                })
+                .await?;
+                Res::Ok(id)
+            })
+            .await
+    };
+    assert!(place().await.is_err());
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 1);
+    let info = idem.inspect("ship", "o-1").await.unwrap().unwrap();
+    assert_eq!(info.steps, ["insert"]);
+    let (id, o) = place().await.unwrap();
+    assert_eq!(o, Outcome::Recovered);
+    assert_eq!(db.count("SELECT count(*) FROM shipments").await, 1);
+    assert_eq!(
+        db.count(&format!("SELECT count(*) FROM shipments WHERE id = {id}"))
+            .await,
+        1
+    );
+
+    // A step whose body fails after its INSERT: rolled back, not recorded.
+    let r: Res<i64> = idem
+        .call("ship", "o-2")
+        .run_steps(async |s| {
+            s.step_in_tx(&store, "insert", async |tx| {
+                insert(tx, "o-2").await?;
+                Res::<i64>::Err(Error::codec("invalid address"))
+            })
+            .await
+        })
+        .await;
+    assert!(r.is_err());
+    assert_eq!(
+        db.count("SELECT count(*) FROM shipments WHERE tag = 'o-2'")
+            .await,
+        0
+    );
+    assert!(idem.inspect("ship", "o-2").await.unwrap().is_none());
+
+    // A frozen holder that lost the key: its step's rows roll back.
+    let gate = Arc::new(Notify::new());
+    let mut old = Box::pin(idem.call("ship", "o-3").run_steps(async |s| {
+        gate.notified().await;
+        s.step_in_tx(&store, "insert", async |tx| insert(tx, "o-3 old").await)
+            .await
+    }));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut old)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(lease * 2).await;
+    let (_, o) = idem
+        .call("ship", "o-3")
+        .run_steps_outcome(async |s| {
+            s.step_in_tx(&store, "insert", async |tx| insert(tx, "o-3 new").await)
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Recovered);
+    gate.notify_one();
+    let late = old.await;
+    assert!(matches!(late, Err(Error::StepLeaseLost { .. })), "{late:?}");
+    assert_eq!(
+        db.count("SELECT count(*) FROM shipments WHERE tag LIKE 'o-3%'")
+            .await,
+        1
+    );
+}

@@ -43,7 +43,7 @@ mod settings;
 pub mod store;
 mod token;
 
-pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, Steps};
+pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, StepStart, Steps};
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{BoxError, Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;

@@ -10,7 +10,7 @@ mod keep_alive;
 mod steps;
 
 pub use batch::{Batch, CallGroup};
-pub use steps::{MAX_STEP_NAME, Steps};
+pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;

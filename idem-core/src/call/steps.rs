@@ -20,6 +20,29 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// The longest step name, in bytes.
 pub const MAX_STEP_NAME: usize = 128;
 
+/// What [`Steps::begin_step`] found for a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StepStart {
+    /// An earlier holder finished the step: its recorded value (serde_json
+    /// bytes). Do not run it.
+    Recorded(Bytes),
+    /// Run the step and record its value in the pending record of `key`
+    /// for owner `token` (the store's `save_step`, or its equivalent in the
+    /// same transaction as the step's effects).
+    Run {
+        /// The stored key.
+        key: String,
+        /// The owner token of this call.
+        token: Token,
+        /// The largest value to record, in bytes (`max_value_size`).
+        max_value_size: usize,
+    },
+    /// The call runs unprotected (`FailMode::Open`): run the step, record
+    /// nothing.
+    Unrecorded,
+}
+
 /// The steps of one [`run_steps`](super::Call::run_steps) call: run each
 /// side effect of the body through [`step`](Steps::step), and its `Ok`
 /// value is recorded under the key before the next step starts.
@@ -259,6 +282,52 @@ impl Steps {
                 })
             }
         }
+    }
+
+    /// For a store crate whose steps record together with their effects
+    /// (idem-postgres's `step_in_tx`, which records a step in the body's
+    /// own transaction): checks and claims `name` for this run, as
+    /// [`step`](Steps::step) does first, and says what to do. After a
+    /// [`StepStart::Run`] whose record committed, call
+    /// [`step_recorded`](Steps::step_recorded).
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore, StepStart};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let r: Result<bool, Error> = idem.call("s", "k").run_steps(async |s| {
+    ///     Ok(matches!(s.begin_step("x")?, StepStart::Run { .. }))
+    /// }).await;
+    /// assert!(r.unwrap());
+    /// # });
+    /// ```
+    pub fn begin_step(&self, name: &str) -> Result<StepStart, Error> {
+        let (mode, stored) = self.begin(name)?;
+        if let Some(bytes) = stored {
+            tracing::info!(
+                step = name,
+                "step finished before: its recorded value is returned, it does not run again"
+            );
+            #[cfg(feature = "metrics")]
+            metrics::counter!("idem_step_replays_total", "scope" => self.shared.scope.clone())
+                .increment(1);
+            return Ok(StepStart::Recorded(bytes));
+        }
+        Ok(match mode {
+            Mode::Held(h) => StepStart::Run {
+                key: h.key.clone(),
+                token: h.token,
+                max_value_size: self.shared.max_value_size,
+            },
+            _ => StepStart::Unrecorded,
+        })
+    }
+
+    /// Counts a step that a store crate recorded itself after
+    /// [`begin_step`](Steps::begin_step) answered [`StepStart::Run`].
+    pub fn step_recorded(&self, name: &str) {
+        tracing::debug!(step = name, "step recorded");
+        self.lock().recorded += 1;
     }
 
     /// A stable idempotency key for step `name` of this call, derived from
