@@ -64,6 +64,7 @@ every_store!(
     racing_calls_run_each_step_once,
     fingerprint_mismatch_keeps_its_meaning,
     a_consumer_redelivery_resumes_after_the_finished_steps,
+    a_cancelled_call_with_release_on_cancel_keeps_its_steps,
 );
 
 type Res<T> = Result<T, Error>;
@@ -698,4 +699,58 @@ async fn step_in_tx_commits_the_rows_with_the_step() {
             .await,
         1
     );
+}
+
+/// `release_on_cancel` frees the key at once when the call is dropped, but
+/// a `run_steps` call keeps the steps it recorded (a suspend, not a
+/// release): the next call resumes at once, without waiting for a lease.
+async fn a_cancelled_call_with_release_on_cancel_keeps_its_steps(b: TestContext) {
+    let idem = b.idem_with(|x| x.lease(Duration::from_secs(60)));
+    let ledger = Ledger::default();
+    let (recorded, seen) = oneshot::channel();
+    let (i2, l2) = (idem.clone(), ledger.clone());
+    let task = tokio::spawn(async move {
+        let mut recorded = Some(recorded);
+        i2.call("orders", "cancel")
+            .release_on_cancel()
+            .run_steps(async |s| {
+                s.step("reserve", async || {
+                    l2.hit("reserve");
+                    Res::Ok(1u8)
+                })
+                .await?;
+                if let Some(tx) = recorded.take() {
+                    let _ = tx.send(());
+                }
+                std::future::pending::<Res<u8>>().await
+            })
+            .await
+    });
+    seen.await.unwrap();
+    task.abort();
+    let _ = task.await;
+    // The suspend runs in a task of its own: wait for the lease to be free.
+    idem_testkit::eventually(
+        "the cancelled call's suspend",
+        Duration::from_secs(10),
+        || async {
+            idem.inspect("orders", "cancel")
+                .await
+                .unwrap()
+                .filter(|i| !i.is_held() && i.steps == ["reserve"])
+        },
+    )
+    .await;
+    let (v, o) = idem
+        .call("orders", "cancel")
+        .run_steps_outcome(async |s| {
+            s.step("reserve", async || {
+                ledger.hit("reserve");
+                Res::Ok(2u8)
+            })
+            .await
+        })
+        .await
+        .unwrap();
+    assert_eq!((v, o, ledger.count("reserve")), (1, Outcome::Recovered, 1));
 }

@@ -241,7 +241,13 @@ impl Exec<'_> {
         if result.is_err() {
             // The last attempt may have landed after all: free the key now
             // rather than leaving it to the lease. Best effort.
-            let _ = self.store.release(&self.key, &self.token).await;
+            // A run_steps call suspends: a takeover that landed must not
+            // delete the steps earlier holders recorded.
+            let _ = if self.steps.is_some() {
+                self.store.suspend(&self.key, &self.token).await
+            } else {
+                self.store.release(&self.key, &self.token).await
+            };
         }
         result
     }
@@ -433,7 +439,7 @@ impl Exec<'_> {
     }
 
     fn guard(&self) -> ReleaseGuard<'_> {
-        ReleaseGuard::new(self.store, &self.key, &self.token)
+        ReleaseGuard::new(self.store, &self.key, &self.token, self.steps.is_some())
     }
 
     async fn release(&self, why: &str) {
