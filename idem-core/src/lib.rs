@@ -19,6 +19,10 @@
 //! # Ok::<(), Error>(()) }).unwrap();
 //! ```
 //!
+//! A handler with several side effects runs them as durable steps
+//! ([`Call::run_steps`], [`Steps`]): after a crash, the call that takes the
+//! key over replays the finished steps and runs only the rest.
+//!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`Store`](store::Store) for the state machine both
 //! stores implement.
