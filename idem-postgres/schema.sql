@@ -12,8 +12,11 @@ CREATE TABLE IF NOT EXISTS "idem_keys" (
     key         text        COLLATE "C" PRIMARY KEY,
     token       bytea,
     fingerprint bytea,
-    value       bytea
+    value       bytea,
+    steps       jsonb
 ) WITH (fillfactor = 75);
+
+ALTER TABLE "idem_keys" ADD COLUMN IF NOT EXISTS steps jsonb;
 
 CREATE INDEX IF NOT EXISTS "idem_keys_expires_idx" ON "idem_keys" USING brin (expires_at);
 
@@ -49,7 +52,8 @@ BEGIN
                            WHEN r.token = EXCLUDED.token THEN r.fingerprint
                            ELSE COALESCE(EXCLUDED.fingerprint, r.fingerprint) END,
         lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,
-        state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx
+        state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx,
+        steps = CASE WHEN r.expires_at <= n THEN NULL ELSE r.steps END
     WHERE r.expires_at <= n
        OR (r.state = 'P' AND octet_length(r.token) = 16
            AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL
@@ -67,7 +71,7 @@ RETURNS void LANGUAGE plpgsql VOLATILE AS $idem$
 #variable_conflict use_column
 BEGIN
     UPDATE "idem_keys" SET state = tag, value = v, attempt = NULL, lease_until = NULL,
-                       token = NULL, in_tx = false
+                       token = NULL, in_tx = false, steps = NULL
     WHERE key = k AND state = 'P' AND token = tok AND in_tx
       AND expires_at > clock_timestamp();
     IF NOT FOUND THEN

@@ -56,7 +56,7 @@ if found ~= PENDING then
   return {COMPLETED, rec}
 end
 
-local owner, held_end, attempt = pending(rec, fplen)
+local owner, held_end, attempt, steps = pending(rec, fplen)
 if not owner then
   return {UNREADABLE, rec}
 end
@@ -82,8 +82,9 @@ else
   -- claim, so the same fingerprint.
   fp = stored_fp
 end
--- Either way the lease starts now: our record, with this attempt number.
+-- Either way the lease starts now: our record, with this attempt number,
+-- and the steps earlier holders finished (run_steps), kept as they are.
 -- '%d': a Lua number past 1e14 would print as "1e+14".
 redis.call('SET', key, '1P' .. string.char(#fp) .. fp .. token
-  .. string.format('%s:%d', lease_end, attempt), 'PX', ARGV[2])
+  .. string.format('%s:%d', lease_end, attempt) .. steps, 'PX', ARGV[2])
 return {DONE, attempt}

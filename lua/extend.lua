@@ -5,7 +5,7 @@ local key, token, lease = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if #KEYS ~= 1 or #ARGV ~= 2 or #token ~= 32 or not lease or lease < 1 or lease % 1 ~= 0 then
   return redis.error_reply('ERR idem extend: expected 1 key, a token (32 bytes) and lease ms >= 1')
 end
-local rec, n, _, attempt = owned(key, token)
+local rec, n, _, attempt, steps = owned(key, token)
 if not rec then
   return n
 end
@@ -18,5 +18,5 @@ if pttl < 2 * lease then
   redis.call('PEXPIRE', key, pttl)
 end
 redis.call('SET', key, string.sub(rec, 1, 35 + n)
-  .. string.format('%d:%s', pttl - lease, attempt), 'KEEPTTL')
+  .. string.format('%d:%s', pttl - lease, attempt) .. steps, 'KEEPTTL')
 return DONE

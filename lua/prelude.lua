@@ -23,15 +23,43 @@ local function header(rec)
   return state, n
 end
 
--- A pending record's owner token, lease end and attempt (both digit
--- strings), or nil when the body is malformed.
-local function pending(rec, n)
-  local owner = string.sub(rec, 4 + n, 35 + n)
-  local lease_end, attempt = string.match(rec, '^(%d+):(%d+)$', 36 + n)
-  if #owner ~= 32 or not lease_end then
+-- Walks the finished steps of a pending record (run_steps), from pos to the
+-- end: each is "|" NAMELEN ":" NAME VALUELEN ":" VALUE, lengths decimal.
+-- Returns nil when they are malformed; else true, and whether one of them
+-- is named `name` (when given).
+local function steps_find(rec, pos, name)
+  local found = false
+  while pos <= #rec do
+    local nl, p = string.match(rec, '^|(%d+):()', pos)
+    if not nl or #nl > 9 then
+      return nil
+    end
+    nl = tonumber(nl)
+    local vl, q = string.match(rec, '^(%d+):()', p + nl)
+    if not vl or #vl > 9 then
+      return nil
+    end
+    if name and string.sub(rec, p, p + nl - 1) == name then
+      found = true
+    end
+    pos = q + tonumber(vl)
+  end
+  if pos ~= #rec + 1 then
     return nil
   end
-  return owner, lease_end, attempt
+  return true, found
+end
+
+-- A pending record's owner token, lease end and attempt (both digit
+-- strings) and its steps (the tail after ATTEMPT, '' when none), or nil
+-- when the body is malformed.
+local function pending(rec, n)
+  local owner = string.sub(rec, 4 + n, 35 + n)
+  local lease_end, attempt, at = string.match(rec, '^(%d+):(%d+)()', 36 + n)
+  if #owner ~= 32 or not lease_end or not steps_find(rec, at) then
+    return nil
+  end
+  return owner, lease_end, attempt, string.sub(rec, at)
 end
 
 -- An error reply from redis.pcall: WRONGTYPE as its code (not our key),
@@ -43,7 +71,7 @@ local function failed(reply)
   return reply
 end
 
--- The caller's pending record at key: rec, fplen, lease end, attempt. Or
+-- The caller's pending record at key: rec, fplen, lease end, attempt, steps. Or
 -- nil and the reply code that says why not (or the error to pass back),
 -- then the record itself when it is completed.
 local function owned(key, token)
@@ -61,14 +89,14 @@ local function owned(key, token)
   if state ~= PENDING then
     return nil, COMPLETED, rec, n
   end
-  local owner, lease_end, attempt = pending(rec, n)
+  local owner, lease_end, attempt, steps = pending(rec, n)
   if not owner then
     return nil, UNREADABLE
   end
   if owner ~= token then
     return nil, OTHER_OWNER
   end
-  return rec, n, lease_end, attempt
+  return rec, n, lease_end, attempt, steps
 end
 
 

@@ -1,7 +1,8 @@
 //! `MemoryStore`, `RedisStore` and `PgStore` are one state machine.
 //!
 //! A proptest property drives random sequences of claim / complete / release
-//! / extend / clock advance against the three stores side by side, through the
+//! / extend / clock advance, and the durable steps' save_step / steps /
+//! suspend, against the three stores side by side, through the
 //! public [`Store`] trait, and asserts that they give identical replies.
 //! Only the two clock-derived durations (`InProgress.retry_after` and
 //! `Completed.ttl_left`) are compared coarsely: Redis counts with its own
@@ -14,7 +15,7 @@
 //! TTLs) outlive a whole sequence.
 
 use idem::store::Finish;
-use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem::store::{Claim, ClaimReply, StepRecord, Store, Token, ValueKind, WriteReply};
 use idem::{Fingerprint, MemoryStore};
 use idem_postgres::PgStore;
 use idem_testkit::{PgTestDb, TestContext};
@@ -51,6 +52,11 @@ const VALUES: [&[u8]; 6] = [
     &[b'z'; 3000],
 ];
 
+/// Step values (serde_json text, as `Steps::step` records), some of them
+/// with the Redis step tail's own separators inside.
+const STEP_VALUES: [&[u8]; 4] = [b"0", b"\"|3:abc1:x\"", b"{\"hold\":\"h-1\"}", b"\"\""];
+const STEP_NAMES: [&str; 3] = ["reserve", "charge", "e|1:x"];
+
 #[derive(Debug, Clone, Copy)]
 enum Op {
     Claim {
@@ -77,6 +83,20 @@ enum Op {
         long_lease: bool,
     },
     Advance,
+    SaveStep {
+        key: usize,
+        token: u8,
+        name: usize,
+        value: usize,
+    },
+    Steps {
+        key: usize,
+        token: u8,
+    },
+    Suspend {
+        key: usize,
+        token: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -88,6 +108,10 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (key, tok, any::<bool>())
             .prop_map(|(key, token, long_lease)| Op::Extend { key, token, long_lease }),
         1 => Just(Op::Advance),
+        3 => (0..KEYS.len(), 0u8..3, 0..STEP_NAMES.len(), 0..STEP_VALUES.len())
+            .prop_map(|(key, token, name, value)| Op::SaveStep { key, token, name, value }),
+        1 => (0..KEYS.len(), 0u8..3).prop_map(|(key, token)| Op::Steps { key, token }),
+        1 => (0..KEYS.len(), 0u8..3).prop_map(|(key, token)| Op::Suspend { key, token }),
     ]
 }
 
@@ -159,6 +183,7 @@ enum Reply {
     Claim(ClaimReply),
     Write(WriteReply),
     Slept,
+    Steps(Option<Vec<StepRecord>>),
 }
 
 async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
@@ -206,6 +231,18 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
                 .await?,
         ),
         Op::Advance => Reply::Slept,
+        Op::SaveStep {
+            key,
+            token: t,
+            name,
+            value,
+        } => Reply::Write(
+            store
+                .save_step(KEYS[key], &token(t), STEP_NAMES[name], STEP_VALUES[value])
+                .await?,
+        ),
+        Op::Steps { key, token: t } => Reply::Steps(store.steps(KEYS[key], &token(t)).await?),
+        Op::Suspend { key, token: t } => Reply::Write(store.suspend(KEYS[key], &token(t)).await?),
     })
 }
 
@@ -238,7 +275,11 @@ async fn batch(store: &dyn Store, ops: &[Op]) -> Vec<Result<Reply, idem::Error>>
             Op::Complete {
                 token: t, fp_hint, ..
             } => (token(t), fp_hint.then(|| fingerprint(1))),
-            Op::Release { token: t, .. } | Op::Extend { token: t, .. } => (token(t), None),
+            Op::Release { token: t, .. }
+            | Op::Extend { token: t, .. }
+            | Op::SaveStep { token: t, .. }
+            | Op::Steps { token: t, .. }
+            | Op::Suspend { token: t, .. } => (token(t), None),
             Op::Advance => (token(0), None),
         })
         .collect();
@@ -307,6 +348,7 @@ fn same(mem: &Reply, red: &Reply) -> bool {
         (Reply::Claim(a), Reply::Claim(b)) => a == b,
         (Reply::Write(a), Reply::Write(b)) => a == b,
         (Reply::Slept, Reply::Slept) => true,
+        (Reply::Steps(a), Reply::Steps(b)) => a == b,
         _ => false,
     }
 }

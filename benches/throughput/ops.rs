@@ -136,6 +136,27 @@ impl Ctx {
         }
     }
 
+    /// `run_steps` of `steps` no-op steps, then the complete: each step is
+    /// one more round trip (the `step` script) against `hand_fresh`.
+    pub(crate) async fn steps_fresh(&self, key: FreshKey, steps: usize) {
+        const NAMES: [&str; 3] = ["reserve", "charge", "email"];
+        let r: Result<String, idem::Error> = self
+            .idem
+            .call(SCOPE, key)
+            .ttl(Duration::from_secs(3600))
+            .run_steps(async |s| {
+                for name in &NAMES[..steps] {
+                    s.step(name, async || Ok::<_, idem::Error>("r-1".to_owned()))
+                        .await?;
+                }
+                Ok(VALUE.to_owned())
+            })
+            .await;
+        if let Err(e) = r {
+            self.error("idem run_steps", &e);
+        }
+    }
+
     /// The big records are fewer: each is 16 KiB.
     pub(crate) fn big_keys(&self) -> u64 {
         self.replay_keys.min(100)

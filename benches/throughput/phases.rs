@@ -11,6 +11,8 @@ pub(crate) enum Op {
     FloorSets,
     IdemFresh,
     HandFresh,
+    Steps1,
+    Steps3,
     FloorReplay,
     IdemReplay,
     CachedReplay,
@@ -53,6 +55,18 @@ pub(crate) const PHASES: &[PhaseDef] = &[
         op: Op::HandFresh,
         concurrency: None,
         what: "idem.call(..).run(..) no-op body, fresh key",
+    },
+    PhaseDef {
+        name: "steps1_fresh",
+        op: Op::Steps1,
+        concurrency: None,
+        what: "run_steps: 1 no-op step + complete, fresh key",
+    },
+    PhaseDef {
+        name: "steps3_fresh",
+        op: Op::Steps3,
+        concurrency: None,
+        what: "run_steps: 3 no-op steps + complete, fresh key",
     },
     PhaseDef {
         name: "floor_replay",
@@ -165,6 +179,8 @@ pub(crate) async fn one_call(c: &Ctx, phase: usize, task: u16, seq: u64) {
         Op::FloorSets => c.floor_sets(fresh).await,
         Op::IdemFresh => c.idem_fresh(fresh).await,
         Op::HandFresh => c.hand_fresh(fresh).await,
+        Op::Steps1 => c.steps_fresh(fresh, 1).await,
+        Op::Steps3 => c.steps_fresh(fresh, 3).await,
         Op::FloorReplay => c.floor_replay(c.replay_key(0, task, seq)).await,
         Op::IdemReplay => {
             c.idem_replay(&c.replayer, c.replay_key(0, task, seq), "idem replay")

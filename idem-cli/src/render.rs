@@ -46,6 +46,9 @@ pub(crate) fn json(scope: &str, key: &str, info: &RecordInfo) -> Value {
     if info.value.is_some() {
         v["value"] = value(info);
     }
+    if !info.steps.is_empty() {
+        v["steps"] = json!(info.steps);
+    }
     v
 }
 
@@ -88,6 +91,14 @@ pub(crate) fn human_record(store: &str, scope: &str, key: &str, info: &RecordInf
             "none"
         }
     );
+    if !info.steps.is_empty() {
+        // A run_steps call's finished steps: the next holder replays them.
+        out.push_str(&format!(
+            "steps:       {} finished ({})\n",
+            info.steps.len(),
+            info.steps.join(", ")
+        ));
+    }
     if info.value.is_some() {
         out.push_str(&format!("value:       {}\n", value(info)));
     }

@@ -91,6 +91,24 @@ async fn inspect_forget_scan_and_exit_codes() {
         "{}",
         out(&o)
     );
+    // A pending run_steps record shows its finished steps.
+    store
+        .save_step("svc:charge:held", &token, "reserve", b"1")
+        .await
+        .unwrap();
+    store
+        .save_step("svc:charge:held", &token, "charge", b"\"ch_1\"")
+        .await
+        .unwrap();
+    let o = idem(url, &with(&["inspect", "charge", "held"]));
+    assert!(
+        out(&o).contains("steps:       2 finished (reserve, charge)"),
+        "{}",
+        out(&o)
+    );
+    let o = idem(url, &with(&["--json", "inspect", "charge", "held"]));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!(v["steps"], serde_json::json!(["reserve", "charge"]));
 
     // scan: by state and by age.
     let o = idem(url, &with(&["scan", "charge", "--state", "pending"]));

@@ -3,7 +3,7 @@
 
 use crate::decision::{AllRetryable, Classify, DeadLetterReason, Decision, ErrorClass};
 use crate::message::{KeySource, Message};
-use idem_core::{Error, Idempotency, Outcome};
+use idem_core::{Error, Idempotency, Outcome, Steps};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt;
@@ -366,6 +366,59 @@ impl<C> Consumer<C> {
     {
         let key = self.keys.key(msg);
         self.handle_keyed(msg, key, None, None, handler).await
+    }
+
+    /// Like [`handle`](Consumer::handle), for a handler made of durable
+    /// steps: it runs under [`Call::run_steps`](idem_core::Call::run_steps),
+    /// so a redelivery after a crash, or after a step failed, replays the
+    /// steps that finished and runs the rest. The decision table is
+    /// unchanged: the handler's `Err` is classified as `handle` classifies
+    /// it (a step's error is the handler's error when it returns it).
+    ///
+    /// ```
+    /// use idem_consumer::{Consumer, Message};
+    /// use idem_core::{Error, Idempotency, MemoryStore, Steps};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders.ship");
+    /// let handler = async |m: Message, s: &Steps| -> Result<String, Error> {
+    ///     let label = s.step("label", async || Ok::<_, Error>(format!("label-{}", m.id().unwrap_or("?")))).await?;
+    ///     s.step("notify", async || Ok::<_, Error>(())).await?;
+    ///     Ok(label)
+    /// };
+    /// let msg = Message::new("{}").with_id("m-1");
+    /// let handled = consumer.handle_steps(&msg, &handler).await;
+    /// assert!(handled.decision.is_ack());
+    /// # });
+    /// ```
+    pub async fn handle_steps<T, E, H>(&self, msg: &Message, handler: &H) -> Handled<T>
+    where
+        H: AsyncFn(Message, &Steps) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let span = message_span(msg);
+        let handled = async {
+            match self.call_of(msg, self.keys.key(msg), None) {
+                Err(refused) => refused,
+                Ok((key, call)) => {
+                    let over_valve = self.over_valve(msg);
+                    let result = call
+                        .run_steps_outcome(async |s| {
+                            if over_valve {
+                                return Err(Failure::OverValve);
+                            }
+                            handler(msg.clone(), s).await.map_err(Failure::Handler)
+                        })
+                        .await;
+                    self.judge(msg, key, result).await
+                }
+            }
+        }
+        .instrument(span.clone())
+        .await;
+        report(&span, &handled);
+        handled
     }
 
     pub(crate) async fn handle_keyed<T, E, H, Fut>(

@@ -163,6 +163,54 @@ pub enum Error {
         op: &'static str,
     },
 
+    /// A step name was used twice in one [`run_steps`](crate::Call::run_steps)
+    /// body: a step's stored result is found by its name, so two steps of
+    /// one call must be named apart. The step did not run.
+    #[error(
+        "step `{name}` was already run in this call; give each step of a `run_steps` body its \
+         own name (add a suffix such as an index for a step run in a loop)"
+    )]
+    DuplicateStep {
+        /// The repeated name.
+        name: String,
+    },
+
+    /// A step name that cannot be stored: empty, over 128 bytes, or with
+    /// control characters. The step did not run.
+    #[error("invalid step name {name:?}: step names are 1 to 128 bytes without control characters")]
+    InvalidStepName {
+        /// The refused name.
+        name: String,
+    },
+
+    /// A step was called on a [`Steps`](crate::Steps) whose
+    /// [`run_steps`](crate::Call::run_steps) body has already returned (a
+    /// task spawned from the body and left running, say). The step did not
+    /// run.
+    #[error(
+        "step `{name}` was called after its `run_steps` body returned; await every step inside \
+         the body"
+    )]
+    StepOutsideRun {
+        /// The step's name.
+        name: String,
+    },
+
+    /// A step ran, but its result could not be recorded because this call
+    /// no longer holds the key (its lease ran out and another call took it
+    /// over, or the record expired). That other call runs this step again
+    /// (pass [`Steps::key`](crate::Steps::key) downstream to make it
+    /// harmless); this body must stop, and does when it returns this error.
+    #[error(
+        "step `{name}` ran but its result was not recorded: this call lost its lease on the key \
+         (another call took it over and runs the step again); stop this body, keep steps shorter \
+         than the lease or raise it with `.lease(..)`"
+    )]
+    StepLeaseLost {
+        /// The step's name.
+        name: String,
+    },
+
     /// `#[idempotent]` without `using` found no installed default.
     #[error(
         "no default Idempotency is installed; call `idem.install()` at startup \
@@ -188,6 +236,7 @@ impl Error {
             Error::InProgress { .. }
                 | Error::Unavailable { .. }
                 | Error::LeaseLost
+                | Error::StepLeaseLost { .. }
                 | Error::Conflict { .. }
         )
     }

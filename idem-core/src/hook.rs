@@ -173,6 +173,10 @@ pub struct OutcomeEvent<'a> {
     pub elapsed: Duration,
     /// How long the body ran, when it ran.
     pub body: Option<Duration>,
+    /// How many steps of a `run_steps` body were answered from the record
+    /// instead of running (a call that resumed after a crash or a failed
+    /// step); 0 for other calls.
+    pub steps_replayed: usize,
 }
 
 /// The user's hook, shared by every call of a runtime.

@@ -19,6 +19,10 @@
 //! # Ok::<(), Error>(()) }).unwrap();
 //! ```
 //!
+//! A handler with several side effects runs them as durable steps
+//! ([`Call::run_steps`], [`Steps`]): after a crash, the call that takes the
+//! key over replays the finished steps and runs only the rest.
+//!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`Store`](store::Store) for the state machine both
 //! stores implement.
@@ -43,7 +47,7 @@ mod settings;
 pub mod store;
 mod token;
 
-pub use call::{Batch, Call, CallGroup};
+pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, StepStart, Steps};
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{BoxError, Error, KeyError, KeyPart};
 pub use fingerprint::Fingerprint;
@@ -62,8 +66,8 @@ pub use store::{RedisStore, RedisStoreConfig};
 // against them keep compiling; documented (and to be named) in `store`.
 #[doc(hidden)]
 pub use store::{
-    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, Store, Token,
-    ValueKind, WriteReply, failure_key,
+    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, StepRecord,
+    Store, Token, ValueKind, WriteReply, failure_key,
 };
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may

@@ -56,6 +56,7 @@ mod reaper;
 mod row;
 mod schema;
 mod sql;
+mod steps;
 mod store;
 mod store_impl;
 mod time;
@@ -64,6 +65,7 @@ mod write;
 
 pub use config::{DEFAULT_TABLE, PgStoreConfig};
 pub use reaper::Reaper;
+pub use steps::StepInTx;
 pub use store::PgStore;
 pub use tx::RunInTx;
 

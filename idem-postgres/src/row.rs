@@ -88,12 +88,16 @@ pub(crate) fn row_info(row: &PgRow, with_value: bool) -> Result<RecordInfo, Erro
                 .and_then(|a| u32::try_from(a).ok())
                 .filter(|a| *a >= 1);
             match (token.map(|t| t.len()), attempt, lease_ms) {
-                (Some(16), Some(attempt), Some(lease)) => Ok(RecordInfo::pending(
-                    attempt,
-                    ttl_left,
-                    duration_ms(Some(lease)),
-                    fingerprint,
-                )),
+                (Some(16), Some(attempt), Some(lease)) => {
+                    let steps: Option<Vec<String>> = get(row, "step_names")?;
+                    Ok(RecordInfo::pending(
+                        attempt,
+                        ttl_left,
+                        duration_ms(Some(lease)),
+                        fingerprint,
+                    )
+                    .with_steps(steps.unwrap_or_default()))
+                }
                 _ => Err(corrupt(
                     "a pending record with a bad owner token, attempt or lease",
                 )),

@@ -13,6 +13,7 @@
 //! | `fingerprint` | 16 bytes or NULL | kept from the claim |
 //! | `value` | NULL | the stored bytes |
 //! | `in_tx` | claimed by `run_in_tx`: completes only inside the body's transaction | false |
+//! | `steps` | a `run_steps` call's finished steps, `[{"n": name, "v": value JSON as text}, …]` in order, or NULL; kept by a takeover | NULL |
 //!
 //! Beside it, `<table>_failures` keeps each key's count of failed runs
 //! (`key`, `failures`, `expires_at`), created by the same migration.
@@ -53,9 +54,13 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
              \x20   key         text        COLLATE \"C\" PRIMARY KEY,\n\
              \x20   token       bytea,\n\
              \x20   fingerprint bytea,\n\
-             \x20   value       bytea\n\
+             \x20   value       bytea,\n\
+             \x20   steps       jsonb\n\
              ) WITH (fillfactor = 75)"
         ),
+        // Tables made before durable steps gain the column (no rewrite:
+        // a NULL default is metadata only).
+        format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS steps jsonb"),
         format!(
             "CREATE INDEX IF NOT EXISTS {index} ON {table} USING brin (expires_at)",
             index = table.index("expires_idx")
@@ -128,7 +133,8 @@ fn claim_function(table: &TableName) -> String {
          \x20                          WHEN r.token = EXCLUDED.token THEN r.fingerprint\n\
          \x20                          ELSE COALESCE(EXCLUDED.fingerprint, r.fingerprint) END,\n\
          \x20       lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,\n\
-         \x20       state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx\n\
+         \x20       state = 'P', token = EXCLUDED.token, value = NULL, in_tx = EXCLUDED.in_tx,\n\
+         \x20       steps = CASE WHEN r.expires_at <= n THEN NULL ELSE r.steps END\n\
          \x20   WHERE r.expires_at <= n\n\
          \x20      OR (r.state = 'P' AND octet_length(r.token) = 16\n\
          \x20          AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL\n\
@@ -156,7 +162,7 @@ fn complete_in_tx_function(table: &TableName) -> String {
          #variable_conflict use_column\n\
          BEGIN\n\
          \x20   UPDATE {table} SET state = tag, value = v, attempt = NULL, lease_until = NULL,\n\
-         \x20                      token = NULL, in_tx = false\n\
+         \x20                      token = NULL, in_tx = false, steps = NULL\n\
          \x20   WHERE key = k AND state = 'P' AND token = tok AND in_tx\n\
          \x20     AND expires_at > clock_timestamp();\n\
          \x20   IF NOT FOUND THEN\n\

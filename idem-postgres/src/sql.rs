@@ -52,6 +52,7 @@ pub(crate) mod claim_col {
 pub(crate) fn info_columns(with_value: &str) -> String {
     format!(
         "r.key, r.state, r.attempt, r.token, r.fingerprint, \
+         (SELECT array_agg(e->>'n') FROM jsonb_array_elements(r.steps) e) AS step_names, \
          CASE WHEN {with_value} THEN r.value END AS value, \
          octet_length(r.value)::bigint AS value_size, \
          ceil(extract(epoch FROM r.lease_until - c.now) * 1000)::bigint AS lease_ms, \
@@ -71,6 +72,12 @@ pub(crate) struct Statements {
     /// The completes and releases of a batch of distinct keys.
     pub finish_batch: Arc<str>,
     pub complete: Arc<str>,
+    /// `Store::save_step`: append a step to the owner's pending row.
+    pub save_step: Arc<str>,
+    /// `Store::steps`: the row's owner and steps.
+    pub steps: Arc<str>,
+    /// `Store::suspend` of a row with steps: its lease ends now.
+    pub suspend: Arc<str>,
     /// The quoted name of the `run_in_tx` completion function.
     complete_in_tx: String,
     pub resolve_in_tx: Arc<str>,
@@ -152,9 +159,27 @@ impl Statements {
         // read-back plan it never runs.
         let complete = format!(
             "UPDATE {t} SET state = $3, value = $4, attempt = NULL, lease_until = NULL, \
-                    token = NULL, in_tx = false \
+                    token = NULL, in_tx = false, steps = NULL \
              WHERE key = $1 AND state = 'P' AND token = $2 \
                AND expires_at > clock_timestamp() AND NOT in_tx"
+        );
+        // A step already recorded under this name is kept as it is (the
+        // same step re-sent): the row still counts as written, `Done`.
+        let save_step = format!(
+            "UPDATE {t} SET steps = CASE \
+                 WHEN COALESCE(steps, '[]') @> jsonb_build_array(jsonb_build_object('n', $3::text)) THEN steps \
+                 ELSE COALESCE(steps, '[]') || jsonb_build_array(jsonb_build_object('n', $3::text, 'v', $4::text)) END \
+             WHERE key = $1 AND state = 'P' AND token = $2 \
+               AND expires_at > clock_timestamp() AND NOT in_tx"
+        );
+        let steps = format!(
+            "SELECT state, token, steps::text AS steps FROM {t} \
+             WHERE key = $1 AND expires_at > clock_timestamp()"
+        );
+        let suspend = format!(
+            "UPDATE {t} SET lease_until = clock_timestamp() \
+             WHERE key = $1 AND state = 'P' AND token = $2 AND expires_at > clock_timestamp() \
+               AND jsonb_array_length(COALESCE(steps, '[]')) > 0"
         );
         // A `run_in_tx` claim completed outside its transaction: that
         // transaction did not commit (or the record would be completed), so
@@ -263,7 +288,7 @@ impl Statements {
                         AS b(key, token, state, value)), \
              c AS (SELECT clock_timestamp() AS now), \
              done AS (UPDATE {t} r SET state = b.state, value = b.value, attempt = NULL, \
-                             lease_until = NULL, token = NULL, in_tx = false \
+                             lease_until = NULL, token = NULL, in_tx = false, steps = NULL \
                       FROM b, c WHERE b.state IS NOT NULL AND r.key = b.key AND r.state = 'P' \
                         AND r.token = b.token AND r.expires_at > c.now AND NOT r.in_tx \
                       RETURNING r.key), \
@@ -289,6 +314,9 @@ impl Statements {
             claim_insert_tx: claim_insert_tx.into(),
             claim_read: claim_read.into(),
             complete: complete.into(),
+            save_step: save_step.into(),
+            steps: steps.into(),
+            suspend: suspend.into(),
             complete_in_tx: t.routine(COMPLETE_IN_TX_FN),
             resolve_in_tx: resolve_in_tx.into(),
             release: release.into(),

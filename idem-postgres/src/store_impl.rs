@@ -3,14 +3,16 @@
 
 use crate::claim_path::ClaimPath;
 use crate::errors;
-use crate::row::{ClaimRead, WriteState, corrupt, read_claim, read_insert};
+use crate::row::{ClaimRead, WriteState, corrupt, get, read_claim, read_insert};
 use crate::store::PgStore;
 use crate::time::{lease_ms, millis, ms_i64, record_ttl_ms};
 use crate::tx;
 use crate::write::{MAX_RACES, WriteKind};
 use async_trait::async_trait;
 use idem_core::store::Finish;
-use idem_core::store::{Claim, ClaimReply, ScanPage, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{
+    Claim, ClaimReply, ScanPage, StepRecord, Store, Token, ValueKind, WriteReply,
+};
 use idem_core::{Error, Fingerprint, RecordInfo};
 use sqlx::{AssertSqlSafe, Row};
 use std::sync::Arc;
@@ -143,6 +145,64 @@ impl Store for PgStore {
         }
     }
 
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let token = *token.as_raw();
+        // Kept as the JSON's text in a jsonb string, so its bytes come back
+        // exactly (a jsonb value would be normalised).
+        let value = std::str::from_utf8(value)
+            .map_err(|_| Error::codec("a step value that is not UTF-8 JSON"))?;
+        match self
+            .write(key, &token, WriteKind::Step { name, value })
+            .await?
+        {
+            WriteState::Reply(r) => Ok(r),
+            // A `run_in_tx` claim: its steps are not recorded (no steps
+            // inside a store transaction).
+            WriteState::Ours | WriteState::TxBound => Err(Error::Unsupported {
+                op: "save_step inside run_in_tx",
+            }),
+        }
+    }
+
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        let row = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.steps)))
+            .bind(key)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(self.fail("steps"))?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let state: i8 = get(&row, "state")?;
+        let owner: Option<Vec<u8>> = get(&row, "token")?;
+        if state as u8 != b'P' || owner.as_deref() != Some(&token.as_raw()[..]) {
+            return Ok(None);
+        }
+        let steps: Option<String> = get(&row, "steps")?;
+        decode_steps(steps.as_deref()).map(Some)
+    }
+
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let done = sqlx::query(AssertSqlSafe(Arc::clone(&self.inner.sql.suspend)))
+            .bind(key)
+            .bind(&token.as_raw()[..])
+            .execute(&self.inner.pool)
+            .await
+            .map_err(self.fail("suspend"))?
+            .rows_affected();
+        if done > 0 {
+            return Ok(WriteReply::Done);
+        }
+        // No steps (or not ours): a release deletes it, or says why not.
+        self.release(key, token).await
+    }
+
     async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
         self.claim_many(claims).await
     }
@@ -187,4 +247,27 @@ impl Store for PgStore {
     ) -> Result<ScanPage, Error> {
         self.scan_page(prefix, cursor, count).await
     }
+}
+
+/// One step as the `steps` column keeps it.
+#[derive(serde::Deserialize)]
+struct StoredStep {
+    n: String,
+    v: String,
+}
+
+/// The `steps` column's text: `[{"n": name, "v": value JSON}, …]` or NULL.
+fn decode_steps(text: Option<&str>) -> Result<Vec<StepRecord>, Error> {
+    let Some(text) = text else {
+        return Ok(Vec::new());
+    };
+    let steps: Vec<StoredStep> = serde_json::from_str(text)
+        .map_err(|e| corrupt(&format!("a steps column that is not a list of steps: {e}")))?;
+    Ok(steps
+        .into_iter()
+        .map(|s| StepRecord {
+            name: s.n,
+            value: s.v.into_bytes().into(),
+        })
+        .collect())
 }

@@ -27,6 +27,8 @@ pub(crate) enum WriteKind<'a> {
     Release,
     /// Moves the lease on by `lease_ms` (`$3`).
     Extend { lease_ms: i64 },
+    /// Appends a finished step: its name (`$3`) and value's JSON (`$4`).
+    Step { name: &'a str, value: &'a str },
 }
 
 impl WriteKind<'_> {
@@ -36,6 +38,7 @@ impl WriteKind<'_> {
             WriteKind::Complete { .. } => "complete",
             WriteKind::Release => "release",
             WriteKind::Extend { .. } => "extend",
+            WriteKind::Step { .. } => "save_step",
         }
     }
 }
@@ -57,6 +60,7 @@ impl PgStore {
             WriteKind::Complete { .. } => &sql.complete,
             WriteKind::Release => &sql.release,
             WriteKind::Extend { .. } => &sql.extend,
+            WriteKind::Step { .. } => &sql.save_step,
         };
         for _ in 0..MAX_RACES {
             let q = sqlx::query(AssertSqlSafe(Arc::clone(sql)))
@@ -66,6 +70,7 @@ impl PgStore {
                 WriteKind::Complete { tag, value } => q.bind(tag).bind(value),
                 WriteKind::Release => q,
                 WriteKind::Extend { lease_ms } => q.bind(lease_ms),
+                WriteKind::Step { name, value } => q.bind(name).bind(value),
             };
             let done = q
                 .execute(&self.inner.pool)
@@ -79,7 +84,9 @@ impl PgStore {
             // only a `complete` has.
             let (kind, value) = match write {
                 WriteKind::Complete { tag, value } => (tag, value),
-                WriteKind::Release | WriteKind::Extend { .. } => (0, &[][..]),
+                WriteKind::Release | WriteKind::Extend { .. } | WriteKind::Step { .. } => {
+                    (0, &[][..])
+                }
             };
             match self.classify(op, key, token, kind, value).await? {
                 WriteState::Ours => continue,

@@ -5,6 +5,7 @@ use super::completion::{Completion, Stored};
 use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
 use super::guard::{KeptOnDrop, ReleaseGuard, log_release, release};
+use super::steps::Steps;
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
 use crate::codec::{decode, encode, marker_error};
@@ -14,7 +15,7 @@ use crate::hook::{CallOutcome, Report};
 use crate::lease::Lease;
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
-use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store};
+use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
@@ -53,6 +54,8 @@ pub(super) struct Exec<'a> {
     pub(super) release_on_cancel: bool,
     /// The call's places in its [`Batch`](super::Batch), if it is in one.
     pub(super) tickets: Option<Tickets>,
+    /// A `run_steps` call's steps.
+    pub(super) steps: Option<Steps>,
 }
 
 impl Exec<'_> {
@@ -70,6 +73,7 @@ impl Exec<'_> {
             self.report.get_attempt(),
             start,
             self.report.get_body(),
+            self.steps.as_ref().map_or(0, Steps::replayed),
         );
     }
 
@@ -237,7 +241,13 @@ impl Exec<'_> {
         if result.is_err() {
             // The last attempt may have landed after all: free the key now
             // rather than leaving it to the lease. Best effort.
-            let _ = self.store.release(&self.key, &self.token).await;
+            // A run_steps call suspends: a takeover that landed must not
+            // delete the steps earlier holders recorded.
+            let _ = if self.steps.is_some() {
+                self.store.suspend(&self.key, &self.token).await
+            } else {
+                self.store.release(&self.key, &self.token).await
+            };
         }
         result
     }
@@ -249,7 +259,13 @@ impl Exec<'_> {
     {
         tracing::warn!(error = %cause, "store unavailable and FailMode::Open: running the body WITHOUT idempotency protection");
         tracing::Span::current().record("outcome", "unprotected");
+        if let Some(steps) = &self.steps {
+            steps.unprotected();
+        }
         let result = body().await;
+        if let Some(steps) = &self.steps {
+            steps.close();
+        }
         self.report.outcome(match result {
             Ok(_) => CallOutcome::Unprotected,
             Err(_) => CallOutcome::BodyError,
@@ -282,6 +298,19 @@ impl Exec<'_> {
             Outcome::Executed
         };
         self.report.attempt(attempt);
+        if let Some(steps) = &self.steps {
+            if let Err(e) = steps
+                .attach(self.store, &self.key, self.token, attempt)
+                .await
+            {
+                self.leave_batch();
+                if !matches!(e, Error::LeaseLost) {
+                    // Keep what earlier holders recorded for the next call.
+                    self.suspend("the recorded steps could not be read").await;
+                }
+                return Err(self.fail(e));
+            }
+        }
         // Dropped mid-body, the call keeps its key (no longer renewed) until
         // the lease ends: the body may have made effects, and releasing would
         // let a redelivery run them again as `Executed`. Only a body declared
@@ -309,16 +338,19 @@ impl Exec<'_> {
         // future, the key is never released on the way out.
         guard.armed = false;
         kept.armed = false;
+        if let Some(steps) = &self.steps {
+            steps.close();
+        }
         match result {
             Err(panic) => {
-                self.release("the body panicked").await;
+                self.release_or_suspend("the body panicked").await;
                 self.report.outcome(CallOutcome::BodyError);
                 self.finish();
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(e)) => {
                 span.record("outcome", "released");
-                self.release("the body returned an error").await;
+                self.release_or_suspend("the body returned an error").await;
                 self.report.outcome(CallOutcome::BodyError);
                 Err(e)
             }
@@ -343,7 +375,7 @@ impl Exec<'_> {
 const NOTIFIED_POLL: Duration = Duration::from_millis(500);
 const NOTIFIED_POLL_MAX: Duration = Duration::from_secs(2);
 
-fn store_backoff(retries: usize) -> ExponentialBuilder {
+pub(super) fn store_backoff(retries: usize) -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(10))
         .with_max_delay(Duration::from_millis(200))
@@ -407,7 +439,7 @@ impl Exec<'_> {
     }
 
     fn guard(&self) -> ReleaseGuard<'_> {
-        ReleaseGuard::new(self.store, &self.key, &self.token)
+        ReleaseGuard::new(self.store, &self.key, &self.token, self.steps.is_some())
     }
 
     async fn release(&self, why: &str) {
@@ -423,6 +455,30 @@ impl Exec<'_> {
             }
         }
         release(self.store.as_ref(), &self.key, &self.token, why).await
+    }
+
+    /// After a failed body: a `run_steps` call that recorded steps keeps
+    /// them and frees its lease at once (the next call resumes); anything
+    /// else releases.
+    async fn release_or_suspend(&self, why: &str) {
+        match &self.steps {
+            Some(steps) if steps.keep_on_failure() => self.suspend(why).await,
+            _ => self.release(why).await,
+        }
+    }
+
+    /// Frees the lease at once but keeps the recorded steps.
+    async fn suspend(&self, why: &str) {
+        self.leave_batch();
+        match self.store.suspend(&self.key, &self.token).await {
+            Ok(WriteReply::Done) => {
+                tracing::debug!("{why}: lease freed, finished steps kept for the next call")
+            }
+            Ok(other) => tracing::warn!(?other, "{why}, but the key was no longer ours"),
+            Err(e) => {
+                tracing::warn!(error = %e, "{why}, and the lease could not be freed: the next call resumes when it expires")
+            }
+        }
     }
 
     /// Leaves the batch's finish phase: this call will write nothing more

@@ -6,12 +6,20 @@ use crate::token::Token;
 use std::sync::Arc;
 
 impl<'a> ReleaseGuard<'a> {
-    /// Armed: dropped as it is, it releases `key` for `token`.
-    pub(super) fn new(store: &'a Arc<dyn Store>, key: &'a str, token: &'a Token) -> Self {
+    /// Armed: dropped as it is, it releases `key` for `token` (suspends it,
+    /// keeping any recorded steps, when `keep_steps`: a `run_steps` call
+    /// that may have taken over a record holding earlier holders' steps).
+    pub(super) fn new(
+        store: &'a Arc<dyn Store>,
+        key: &'a str,
+        token: &'a Token,
+        keep_steps: bool,
+    ) -> Self {
         ReleaseGuard {
             store,
             key,
             token,
+            keep_steps,
             armed: true,
         }
     }
@@ -57,6 +65,7 @@ pub(super) struct ReleaseGuard<'a> {
     store: &'a Arc<dyn Store>,
     key: &'a str,
     token: &'a Token,
+    keep_steps: bool,
     pub(super) armed: bool,
 }
 
@@ -66,10 +75,16 @@ impl Drop for ReleaseGuard<'_> {
             return;
         }
         let (store, key, token) = (Arc::clone(self.store), self.key.to_owned(), *self.token);
+        let keep_steps = self.keep_steps;
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    match store.release(&key, &token).await {
+                    let freed = if keep_steps {
+                        store.suspend(&key, &token).await
+                    } else {
+                        store.release(&key, &token).await
+                    };
+                    match freed {
                         Ok(_) => tracing::debug!("call cancelled: key released"),
                         Err(e) => tracing::warn!(error = %e, "call cancelled and the key could not be released: it frees itself when the lease expires"),
                     }

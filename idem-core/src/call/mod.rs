@@ -7,8 +7,10 @@ mod exec;
 mod gather;
 mod guard;
 mod keep_alive;
+mod steps;
 
 pub use batch::{Batch, CallGroup};
+pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -210,6 +212,82 @@ impl<'a> Call<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
+        self.run_with(None, body).await
+    }
+
+    /// Runs a body made of durable steps: like [`run`](Call::run), and
+    /// each [`Steps::step`] of the body records its `Ok` value under the
+    /// key before the next one starts. A call that takes the key over
+    /// after a crash ([`Outcome::Recovered`]) gets every finished step's
+    /// value back without running it and runs the rest; a body that
+    /// returns `Err` keeps its finished steps and frees the key at once,
+    /// so the next call resumes at the failed step (unless the body called
+    /// [`Steps::abandon`]). The final `Ok` completes the key as `run` does
+    /// (the steps are dropped), and replays return it.
+    ///
+    /// Named beside `run` for what it takes: `run` runs one body once,
+    /// `run_steps` runs a body of steps, each at most once.
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let mut fail_email = true;
+    /// for _ in 0..2 {
+    ///     let r: Result<String, Error> = idem.call("orders.place", "o-7").run_steps(async |s| {
+    ///         let charge = s.step("charge", async || Ok::<_, Error>("ch_1".to_owned())).await?;
+    ///         s.step("email", async || {
+    ///             if std::mem::take(&mut fail_email) { Err(Error::codec("smtp down")) } else { Ok(()) }
+    ///         }).await?;
+    ///         Ok(charge)
+    ///     }).await;
+    ///     // First pass: the e-mail fails, the charge stays recorded. Second
+    ///     // pass: the charge is replayed, the e-mail runs, the key completes.
+    ///     if let Ok(charge) = r { assert_eq!(charge, "ch_1"); }
+    /// }
+    /// # });
+    /// ```
+    pub async fn run_steps<F, T, E>(self, body: F) -> Result<T, E>
+    where
+        F: AsyncFnOnce(&Steps) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        self.run_steps_outcome(body).await.map(|(value, _)| value)
+    }
+
+    /// Like [`run_steps`](Call::run_steps), also saying what happened
+    /// ([`Outcome::Recovered`] for a call that resumed).
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore, Outcome};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let (v, o) = idem.call("s", "k").run_steps_outcome(async |s| {
+    ///     s.step("one", async || Ok::<_, Error>(1)).await
+    /// }).await?;
+    /// assert_eq!((v, o), (1, Outcome::Executed));
+    /// # Ok::<(), Error>(()) }).unwrap();
+    /// ```
+    pub async fn run_steps_outcome<F, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    where
+        F: AsyncFnOnce(&Steps) -> Result<T, E>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        let steps = Steps::new(self.inner, self.scope, self.key.as_deref().ok());
+        let result = self.run_with(Some(steps.clone()), || body(&steps)).await;
+        steps.close();
+        result
+    }
+
+    async fn run_with<F, Fut, T, E>(self, steps: Option<Steps>, body: F) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
         let span = tracing::info_span!(
             "idem.call",
             scope = self.scope,
@@ -222,7 +300,10 @@ impl<'a> Call<'a> {
         let (inner, scope) = (self.inner, self.scope);
         let call_start = inner.observing().then(Instant::now);
         let exec = match self.prepare(&span, call_start) {
-            Ok(exec) => exec,
+            Ok(mut exec) => {
+                exec.steps = steps;
+                exec
+            }
             Err(e) => {
                 span.record("outcome", "refused");
                 let _enter = span.enter();
@@ -236,6 +317,7 @@ impl<'a> Call<'a> {
                         None,
                         start,
                         None,
+                        0,
                     );
                 }
                 return Err(E::from(e));
@@ -291,6 +373,7 @@ impl<'a> Call<'a> {
             fingerprint,
             release_on_cancel: self.release_on_cancel,
             tickets: self.tickets,
+            steps: None,
         })
     }
 }
@@ -315,6 +398,7 @@ fn key_digest(key: &str) -> String {
 }
 
 /// Reports a finished call to the hook and the metrics.
+#[allow(clippy::too_many_arguments)]
 fn observe(
     inner: &Inner,
     scope: &str,
@@ -323,6 +407,7 @@ fn observe(
     attempt: Option<u32>,
     start: Instant,
     body: Option<Duration>,
+    steps_replayed: usize,
 ) {
     #[cfg(feature = "metrics")]
     inner
@@ -338,6 +423,7 @@ fn observe(
             attempt,
             elapsed: start.elapsed(),
             body,
+            steps_replayed,
         };
         fire(hook, &event);
     }

@@ -121,6 +121,9 @@ pub struct RecordInfo {
     /// result (decompressed), or the marker text of a too-large or
     /// unserializable one.
     pub value: Option<Bytes>,
+    /// The names of the steps a pending `run_steps` record holds, in the
+    /// order they finished; empty otherwise.
+    pub steps: Vec<String>,
 }
 
 impl RecordInfo {
@@ -145,6 +148,7 @@ impl RecordInfo {
             fingerprint,
             value_size: None,
             value: None,
+            steps: Vec::new(),
         }
     }
 
@@ -172,7 +176,20 @@ impl RecordInfo {
             fingerprint,
             value_size: Some(value.len()),
             value: with_value.then_some(value),
+            steps: Vec::new(),
         }
+    }
+
+    /// The same record, holding these finished steps (by name).
+    ///
+    /// ```
+    /// let info = idem_core::RecordInfo::pending(2, None, std::time::Duration::ZERO, None)
+    ///     .with_steps(vec!["reserve".to_owned()]);
+    /// assert_eq!(info.steps, ["reserve"]);
+    /// ```
+    pub fn with_steps(mut self, steps: Vec<String>) -> RecordInfo {
+        self.steps = steps;
+        self
     }
 
     /// True for a pending record whose holder's lease is live: a call now

@@ -2,8 +2,8 @@
 
 use super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, namespace_prefix};
 use super::{
-    Claim, ClaimReply, Completed, Finish, RecordInfo, ScanPage, Store, ValueKind, WriteReply,
-    record_ttl, store_duration, store_lease,
+    Claim, ClaimReply, Completed, Finish, RecordInfo, ScanPage, StepRecord, Store, ValueKind,
+    WriteReply, record_ttl, store_duration, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -31,6 +31,9 @@ enum State {
 #[derive(Debug)]
 struct Entry {
     state: State,
+    /// The finished steps of a pending `run_steps` record, in order; kept
+    /// across takeovers, dropped on completion.
+    steps: Vec<StepRecord>,
     fingerprint: Option<Fingerprint>,
     expires_at: Instant,
 }
@@ -182,6 +185,7 @@ impl Map {
                 c.key.to_owned(),
                 Entry {
                     state: pending(1),
+                    steps: Vec::new(),
                     fingerprint: c.fingerprint.copied(),
                     expires_at: now + ttl,
                 },
@@ -256,6 +260,7 @@ impl Map {
             kind,
             value: Bytes::copy_from_slice(value),
         };
+        entry.steps = Vec::new();
         // The expiry stays: the result TTL counts from the claim.
         self.note_write(now);
         WriteReply::Done
@@ -267,6 +272,45 @@ impl Map {
             return reply;
         }
         self.entries.remove(key);
+        WriteReply::Done
+    }
+
+    /// `Store::save_step` at `now`, under the caller's lock.
+    fn save_step(
+        &mut self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+        now: Instant,
+    ) -> WriteReply {
+        let entry = match self.owned(key, token, now) {
+            Ok(e) => e,
+            Err(reply) => return reply,
+        };
+        // Recorded already: this same write re-sent; the first one stays.
+        if !entry.steps.iter().any(|s| s.name == name) {
+            entry.steps.push(StepRecord {
+                name: name.to_owned(),
+                value: Bytes::copy_from_slice(value),
+            });
+        }
+        self.note_write(now);
+        WriteReply::Done
+    }
+
+    /// `Store::suspend` at `now`, under the caller's lock.
+    fn suspend(&mut self, key: &str, token: &Token, now: Instant) -> WriteReply {
+        let entry = match self.owned(key, token, now) {
+            Ok(e) => e,
+            Err(reply) => return reply,
+        };
+        if entry.steps.is_empty() {
+            self.entries.remove(key);
+        } else if let State::Pending { deadline, .. } = &mut entry.state {
+            // The lease has run out: the next claim takes over and resumes.
+            *deadline = now;
+        }
         WriteReply::Done
     }
 
@@ -298,7 +342,8 @@ impl Entry {
                 ttl_left,
                 deadline.saturating_duration_since(now),
                 self.fingerprint,
-            ),
+            )
+            .with_steps(self.steps.iter().map(|s| s.name.clone()).collect()),
             State::Completed { kind, value } => {
                 let mut info =
                     RecordInfo::completed(*kind, value.clone(), self.fingerprint, ttl_left, false);
@@ -379,6 +424,33 @@ impl Store for MemoryStore {
                 Ok(reply)
             })
             .collect()
+    }
+
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        Ok(self
+            .lock()
+            .save_step(key, token, name, value, Instant::now()))
+    }
+
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        let now = Instant::now();
+        Ok(self
+            .lock()
+            .owned(key, token, now)
+            .ok()
+            .map(|e| e.steps.clone()))
+    }
+
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let reply = self.lock().suspend(key, token, Instant::now());
+        self.notify_if_done(key, reply);
+        Ok(reply)
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {

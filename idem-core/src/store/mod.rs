@@ -323,6 +323,20 @@ where
         .collect()
 }
 
+/// One finished step of a `run_steps` call, as the pending record keeps it.
+///
+/// ```
+/// let s = idem_core::store::StepRecord { name: "charge".into(), value: bytes::Bytes::from_static(b"\"ch_1\"") };
+/// assert_eq!(s.name, "charge");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepRecord {
+    /// The step's name, unique in its call.
+    pub name: String,
+    /// The step's `Ok` value, serde_json bytes.
+    pub value: Bytes,
+}
+
 /// A backend that keeps idempotency records.
 ///
 /// Implementations must be atomic per key: each method is one indivisible
@@ -422,6 +436,65 @@ pub trait Store: Send + Sync + 'static {
             replies.push(op.run_on(self).await);
         }
         replies
+    }
+
+    /// Records one finished step of a [`run_steps`](crate::Call::run_steps)
+    /// call in the caller's pending record: `value` (serde_json bytes)
+    /// under `name`, by the owner only (the same owner-token check as
+    /// [`complete`](Store::complete)). The record keeps its expiry. A step
+    /// already recorded under `name` is left as it is and answers
+    /// [`WriteReply::Done`]: it is this same write re-sent after its reply
+    /// was lost. A completed record replaces the steps (completion drops
+    /// them); [`release`](Store::release) deletes them with the record.
+    ///
+    /// The default answers [`Error::Unsupported`]: `run_steps` then fails
+    /// at its first step, before anything is recorded.
+    ///
+    /// ```
+    /// use idem_core::store::{Claim, MemoryStore, Store, Token, WriteReply};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let token = Token::random();
+    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// store.claim(claim).await?;
+    /// assert_eq!(store.save_step("k", &token, "reserve", b"7").await?, WriteReply::Done);
+    /// let steps = store.steps("k", &token).await?.unwrap_or_default();
+    /// assert_eq!((steps[0].name.as_str(), &steps[0].value[..]), ("reserve", &b"7"[..]));
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let _ = (key, token, name, value);
+        Err(Error::Unsupported { op: "save_step" })
+    }
+
+    /// The steps recorded in the caller's pending record, in the order they
+    /// were recorded; `None` when the caller does not hold the pending
+    /// record (another owner, completed, or no record). Read by a call that
+    /// took the key over (attempt > 1), before its body runs.
+    ///
+    /// The default answers no steps: a store that cannot record steps has
+    /// none to give back.
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        let _ = (key, token);
+        Ok(Some(Vec::new()))
+    }
+
+    /// Ends the caller's lease at once but keeps the recorded steps, so the
+    /// next call takes the key over (attempt + 1, `Outcome::Recovered`) and
+    /// resumes after them: what a failed `run_steps` body does. A record
+    /// without steps is deleted, exactly as [`release`](Store::release)
+    /// does. Wakes waiters as `release` does.
+    ///
+    /// The default is `release`.
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.release(key, token).await
     }
 
     /// The backend's short name, the `store` label of idem's metrics

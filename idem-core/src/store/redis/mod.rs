@@ -21,8 +21,8 @@ use self::reply::{
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
 use super::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
-    WriteReply, millis, store_lease,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
+    ValueKind, WriteReply, millis, store_lease,
 };
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -224,7 +224,15 @@ impl RedisStore {
     /// round trip.
     async fn load_scripts(&self) -> Result<(), Error> {
         let s = &*SCRIPTS;
-        for lua in [&s.claim, &s.complete, &s.release, &s.extend, &s.failure] {
+        for lua in [
+            &s.claim,
+            &s.complete,
+            &s.release,
+            &s.extend,
+            &s.failure,
+            &s.step,
+            &s.suspend,
+        ] {
             let loaded = match &self.conn {
                 Conn::Single(c) => lua.script.load_async(&mut c.clone()).await,
                 Conn::Cluster(c) => lua.script.load_async(&mut c.clone()).await,
@@ -428,6 +436,45 @@ impl Store for RedisStore {
         cmd.arg(token.as_bytes().as_slice())
             .arg(millis(store_lease(lease)));
         parse_write("extend", self.eval("extend", lua, key, &cmd).await?)
+    }
+
+    /// The `step` script: one round trip, as a complete.
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        // The record changes: a plain `SET … IFEQ` complete could not match.
+        self.server.forget(token);
+        let lua = &SCRIPTS.step;
+        let mut cmd = invocation(lua.script.get_hash(), key, 3, 32 + name.len() + value.len());
+        cmd.arg(token.as_bytes().as_slice()).arg(name).arg(value);
+        parse_write("step", self.eval("step", lua, key, &cmd).await?)
+    }
+
+    /// A plain `GET`, decoded here: no script.
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        let mut get = redis::cmd("GET");
+        get.arg(key);
+        let found = match self.send(&get).await.map_err(|e| classify("steps", e))? {
+            Value::Nil => return Ok(None),
+            Value::BulkString(raw) => raw,
+            other => return Err(protocol("steps", &other)),
+        };
+        Ok(match record::decode(found, -1)? {
+            Record::Pending(p) if p.token == *token.as_bytes() => Some(p.steps),
+            _ => None,
+        })
+    }
+
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.server.forget(token);
+        let lua = &SCRIPTS.suspend;
+        let mut cmd = invocation(lua.script.get_hash(), key, 1, 32);
+        cmd.arg(token.as_bytes().as_slice());
+        parse_write("suspend", self.eval("suspend", lua, key, &cmd).await?)
     }
 
     async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {

@@ -34,6 +34,7 @@ pub(super) fn info(record: Record, pttl: i64, with_value: bool) -> RecordInfo {
                 Duration::from_millis(lease_left),
                 p.fingerprint,
             )
+            .with_steps(p.steps.into_iter().map(|s| s.name).collect())
         }
         Record::Completed(c) => {
             RecordInfo::completed(c.kind, c.value, c.fingerprint, ttl_left, with_value)

@@ -4,7 +4,7 @@
 
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::store::{Completed, ValueKind};
+use crate::store::{Completed, StepRecord, ValueKind};
 use crate::token::Token;
 use bytes::Bytes;
 use redis::{RedisWrite, ToRedisArgs};
@@ -120,7 +120,7 @@ pub(crate) fn decode_completed(record: Vec<u8>, ttl_left_ms: i64) -> Result<Comp
     })
 }
 
-/// A pending record's parts (lua/README.md: `TOKEN LEASE_END ":" ATTEMPT`).
+/// A pending record's parts (lua/README.md: `TOKEN LEASE_END ":" ATTEMPT STEPS`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pending {
     pub(crate) fingerprint: Option<Fingerprint>,
@@ -129,6 +129,8 @@ pub(crate) struct Pending {
     /// The key's remaining TTL (ms) at which the lease runs out.
     pub(crate) lease_end: u64,
     pub(crate) attempt: u32,
+    /// The finished steps of a `run_steps` call, in order.
+    pub(crate) steps: Vec<StepRecord>,
 }
 
 /// Any record, as a plain `GET` finds it.
@@ -151,7 +153,7 @@ pub(crate) fn decode(record: Vec<u8>, ttl_left_ms: i64) -> Result<Record, Error>
     }
 }
 
-/// `FP TOKEN LEASE_END ":" ATTEMPT`, all of it checked.
+/// `FP TOKEN LEASE_END ":" ATTEMPT STEPS`, all of it checked.
 fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
     if fplen > MAX_FP_LEN {
         return None;
@@ -161,19 +163,63 @@ fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
     if !token.iter().all(u8::is_ascii_hexdigit) {
         return None;
     }
-    let tail = std::str::from_utf8(tail).ok()?;
-    let (lease_end, attempt) = tail.split_once(':')?;
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if !digits(lease_end) || !digits(attempt) {
-        return None;
-    }
+    let (lease_end, tail) = digits(tail)?;
+    let (attempt, tail) = digits(tail.strip_prefix(b":")?)?;
     Some(Pending {
         fingerprint: Fingerprint::from_bytes(fp),
         token: token.try_into().ok()?,
-        lease_end: lease_end.parse().ok()?,
+        lease_end: std::str::from_utf8(lease_end).ok()?.parse().ok()?,
         // Saturating, as the scripts cap it.
-        attempt: attempt.parse::<u64>().ok()?.min(u64::from(u32::MAX)) as u32,
+        attempt: std::str::from_utf8(attempt)
+            .ok()?
+            .parse::<u64>()
+            .ok()?
+            .min(u64::from(u32::MAX)) as u32,
+        steps: decode_steps(tail)?,
     })
+}
+
+/// The leading decimal digits of `s` (at least one) and the rest.
+fn digits(s: &[u8]) -> Option<(&[u8], &[u8])> {
+    let n = s.iter().take_while(|b| b.is_ascii_digit()).count();
+    (n > 0).then(|| s.split_at(n))
+}
+
+/// A length written in decimal, at most 9 digits (as the scripts check).
+fn length(s: &[u8]) -> Option<(usize, &[u8])> {
+    let (n, rest) = digits(s)?;
+    if n.len() > 9 {
+        return None;
+    }
+    let n = std::str::from_utf8(n).ok()?.parse().ok()?;
+    Some((n, rest.strip_prefix(b":")?))
+}
+
+/// `STEPS = *("|" NAMELEN ":" NAME VALUELEN ":" VALUE)`, the whole tail.
+fn decode_steps(mut tail: &[u8]) -> Option<Vec<StepRecord>> {
+    let mut steps = Vec::new();
+    while !tail.is_empty() {
+        let (len, rest) = length(tail.strip_prefix(b"|")?)?;
+        let (name, rest) = rest.split_at_checked(len)?;
+        let (len, rest) = length(rest)?;
+        let (value, rest) = rest.split_at_checked(len)?;
+        steps.push(StepRecord {
+            name: String::from_utf8(name.to_vec()).ok()?,
+            value: Bytes::copy_from_slice(value),
+        });
+        tail = rest;
+    }
+    Some(steps)
+}
+
+/// One step as the `step` script appends it (for tests and tools).
+#[cfg(test)]
+pub(crate) fn encode_step(name: &str, value: &[u8]) -> Vec<u8> {
+    [
+        format!("|{}:{name}{}:", name.len(), value.len()).as_bytes(),
+        value,
+    ]
+    .concat()
 }
 
 /// Says what is wrong with a record the scripts could not read.
@@ -249,6 +295,27 @@ mod tests {
             panic!("pending record not read");
         };
         assert_eq!((p.token, p.lease_end, p.attempt), (token, 1500, u32::MAX));
+        assert!(p.steps.is_empty());
+        let mut with_steps = b"1P\x00".to_vec();
+        with_steps.extend_from_slice(&token);
+        with_steps.extend_from_slice(b"1500:2");
+        with_steps.extend_from_slice(&encode_step("reserve", b"{\"n\":1}"));
+        with_steps.extend_from_slice(&encode_step("charge", b"\"ch|1:x\""));
+        let Ok(Record::Pending(p)) = decode(with_steps, 2000) else {
+            panic!("pending record with steps not read");
+        };
+        let steps: Vec<(&str, &[u8])> = p
+            .steps
+            .iter()
+            .map(|s| (s.name.as_str(), &s.value[..]))
+            .collect();
+        assert_eq!(
+            steps,
+            [
+                ("reserve", &b"{\"n\":1}"[..]),
+                ("charge", &b"\"ch|1:x\""[..])
+            ]
+        );
         for bad in [&b"x:1"[..], b"15:", b":1", b"1e+14:1", b"15"] {
             let mut r = b"1P\x00".to_vec();
             r.extend_from_slice(&token);
@@ -281,6 +348,37 @@ mod tests {
                 "pending with fp",
                 with_fp(b"1P\x10", format!("{token}9:3").as_bytes()),
                 Some((b'P', 16)),
+            ),
+            (
+                "pending with steps",
+                [
+                    format!("1P\x00{token}1500:2").as_bytes(),
+                    &encode_step("reserve", b"7"),
+                    &encode_step("charge", b"\"|3:abc1:x\""),
+                    &encode_step("empty", b""),
+                ]
+                .concat(),
+                Some((b'P', 0)),
+            ),
+            (
+                "pending, step value longer than the record",
+                format!("1P\x00{token}1500:2|1:a9:xx").into_bytes(),
+                None,
+            ),
+            (
+                "pending, step without its value",
+                format!("1P\x00{token}1500:2|1:a").into_bytes(),
+                None,
+            ),
+            (
+                "pending, garbage after the attempt",
+                format!("1P\x00{token}1500:2x").into_bytes(),
+                None,
+            ),
+            (
+                "pending, step with bytes after it",
+                format!("1P\x00{token}1500:2|1:a1:xy").into_bytes(),
+                None,
             ),
             ("json", b"1C\x00{\"a\":1}".to_vec(), Some((b'C', 0))),
             ("json with fp", with_fp(b"1C\x10", b"42"), Some((b'C', 16))),

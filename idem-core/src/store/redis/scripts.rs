@@ -48,6 +48,10 @@ pub(super) struct Scripts {
     /// `Store::count_failure`: one more failed run of a key, in a counter
     /// key of its own. Not `allow-oom`: it may create that key.
     pub(super) failure: Lua,
+    /// `Store::save_step`: append a finished step to our pending record.
+    pub(super) step: Lua,
+    /// `Store::suspend`: end our lease now, keeping the steps.
+    pub(super) suspend: Lua,
 }
 
 // `claim` may write, so Redis refuses it when out of memory; the others
@@ -59,6 +63,8 @@ pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     extend: Lua::new(script!(" flags=allow-oom", "extend.lua")),
     forget: Lua::new(script!(" flags=allow-oom", "forget.lua")),
     failure: Lua::new(script!("", "failure.lua")),
+    step: Lua::new(script!(" flags=allow-oom", "step.lua")),
+    suspend: Lua::new(script!(" flags=allow-oom", "suspend.lua")),
 });
 
 /// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
