@@ -17,8 +17,8 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::CallOutcome;
 use crate::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, Store, ValueKind,
-    WriteReply,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
+    ValueKind, WriteReply,
 };
 use crate::token::Token;
 use async_trait::async_trait;
@@ -252,6 +252,35 @@ impl Store for Metered {
         let since = Instant::now();
         let reply = self.store.extend(key, token, lease).await;
         self.record("extend", since);
+        reply
+    }
+
+    // Every provided method is forwarded: a default here would answer for
+    // the wrapped store (a default `save_step` is `Unsupported`).
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self.store.save_step(key, token, name, value).await;
+        self.record("save_step", since);
+        reply
+    }
+
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        let since = Instant::now();
+        let reply = self.store.steps(key, token).await;
+        self.record("steps", since);
+        reply
+    }
+
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self.store.suspend(key, token).await;
+        self.record("suspend", since);
         reply
     }
 

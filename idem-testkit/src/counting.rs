@@ -3,7 +3,8 @@
 
 use async_trait::async_trait;
 use idem_core::store::{
-    Claim, ClaimReply, Finish, RecordInfo, Store, Token, ValueKind, WriteReply,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
+    Token, ValueKind, WriteReply,
 };
 use idem_core::{Error, Fingerprint};
 use std::sync::Arc;
@@ -122,7 +123,51 @@ impl<S: Store> Store for CountingStore<S> {
         self.inner.name()
     }
 
+    // Every provided method is forwarded (a default would answer for the
+    // wrapped store); the step writes are single round trips.
+    async fn save_step(
+        &self,
+        key: &str,
+        token: &Token,
+        name: &str,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner.save_step(key, token, name, value).await
+    }
+
+    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner.steps(key, token).await
+    }
+
+    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner.suspend(key, token).await
+    }
+
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
         self.inner.inspect(key, with_value).await
+    }
+
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
+        self.inner.forget(key, force).await
+    }
+
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        self.inner.watch(key).await
+    }
+
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        self.inner.watch_forgotten(prefix, sink).await
+    }
+
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        self.inner.scan(prefix, cursor, count).await
     }
 }
