@@ -81,7 +81,10 @@ fn assert_acl_error(e: &Error, op: &str, case: &str) {
                 reason.contains("Redis ACL denied the command"),
                 "{case}: {reason}"
             );
-            assert!(reason.contains("README's ACL section"), "{case}: {reason}");
+            assert!(
+                reason.contains("docs/operating.md, section Redis ACL"),
+                "{case}: {reason}"
+            );
         }
         other => panic!("{case}: expected Unavailable naming the ACL, got {other:?}"),
     }

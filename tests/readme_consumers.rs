@@ -1,6 +1,7 @@
-//! The README's broker consumers are complete programs: their texts are the
-//! files of `tests/readme/`, compiled here (the crate depends on itself with
-//! every broker feature), and the README prints exactly those.
+//! The consumer programs of the README and of the guides (`docs/consumers.md`,
+//! `docs/kafka.md`) are complete programs: their texts are the files of
+//! `tests/readme/`, compiled here (the crate depends on itself with every
+//! broker feature), and the documents print exactly those.
 
 // Compiled (type-checked), not run: each consumes until Ctrl-C.
 #[path = "readme/redis_streams_consumer.rs"]
@@ -19,14 +20,21 @@ mod rabbitmq;
 #[allow(dead_code)]
 mod kafka;
 
-const README: &str = include_str!("../README.md");
+/// The documents that print consumer programs.
+const DOCS: [(&str, &str); 3] = [
+    ("README.md", include_str!("../README.md")),
+    ("docs/consumers.md", include_str!("../docs/consumers.md")),
+    ("docs/kafka.md", include_str!("../docs/kafka.md")),
+];
 
-/// Fails unless the README holds `program` as a whole ```rust block.
+/// Fails unless a document holds `program` as a whole ```rust block.
 fn assert_readme_prints(file: &str, program: &str) {
+    let block = format!("```rust\n{program}```");
     assert!(
-        README.contains(&format!("```rust\n{program}```")),
-        "a README consumer snippet differs from tests/readme/{file}: \
-         copy the file into the README's code block (or the other way round)"
+        DOCS.iter().any(|(_, text)| text.contains(&block)),
+        "no document among {:?} prints tests/readme/{file} as it is: copy the file \
+         into its guide's code block (or the other way round)",
+        DOCS.map(|(name, _)| name)
     );
 }
 

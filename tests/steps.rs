@@ -1,4 +1,4 @@
-//! Durable steps (`Call::run_steps`): each row of the README's steps table,
+//! Durable steps (`Call::run_steps`): each row of docs/steps.md's semantics table,
 //! against a real redis-server, a Redis Cluster, PostgreSQL and
 //! MemoryStore. Side effects are counted in a ledger outside the store
 //! (atomic counters), and counted exactly.

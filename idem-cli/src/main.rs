@@ -9,7 +9,7 @@ use idem_core::{Error, Idempotency, KeyPart, RedisStore, RedisStoreConfig, valid
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// Exit codes, as `idem --help` and the README list them.
+/// Exit codes, as `idem --help` and docs/operating.md list them.
 mod exit {
     pub(crate) const NOT_FOUND: u8 = 1;
     pub(crate) const USAGE: u8 = 2;

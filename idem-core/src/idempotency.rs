@@ -323,7 +323,7 @@ impl IdempotencyBuilder {
     }
 
     /// Compresses results larger than `threshold` bytes with LZ4 (default
-    /// off). Pays off for large, repetitive JSON; see the README's measurements.
+    /// off). Pays off for large, repetitive JSON; see docs/performance.md.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())

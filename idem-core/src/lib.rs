@@ -24,7 +24,7 @@
 //! key over replays the finished steps and runs only the rest.
 //!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
-//! defaults, and [`Store`](store::Store) for the state machine both
+//! defaults, and [`store::Store`] for the state machine both
 //! stores implement.
 #![warn(missing_docs)]
 

@@ -25,7 +25,7 @@ const HEAR_RENEW: Duration = Duration::from_secs(5);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailMode {
-    /// Return [`Error::Unavailable`] and do not run the body (the default):
+    /// Return [`Error::Unavailable`](crate::Error::Unavailable) and do not run the body (the default):
     /// no duplicate can slip through, at the price of availability.
     #[default]
     Closed,

@@ -1,6 +1,7 @@
 //! The prepared call: claim (waiting out another holder), execute the
 //! body, or replay the stored result.
 
+use super::backoff::store_backoff;
 use super::completion::{Completion, Stored};
 use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
@@ -17,7 +18,7 @@ use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, WriteReply};
 use crate::token::Token;
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::Serialize;
@@ -374,14 +375,6 @@ impl Exec<'_> {
 /// 250 ms, as most bodies are short.
 const NOTIFIED_POLL: Duration = Duration::from_millis(500);
 const NOTIFIED_POLL_MAX: Duration = Duration::from_secs(2);
-
-pub(super) fn store_backoff(retries: usize) -> ExponentialBuilder {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(10))
-        .with_max_delay(Duration::from_millis(200))
-        .with_jitter()
-        .with_max_times(retries)
-}
 
 impl Exec<'_> {
     /// Stores the result, re-trying within the lease. The work has happened

@@ -1,6 +1,7 @@
 //! One idempotent call: claim, run the body under a kept-alive lease, then
 //! store the result or release the key.
 
+mod backoff;
 mod batch;
 mod completion;
 mod exec;

@@ -3,7 +3,7 @@
 //! takes the key over after a crash (or resumes after a failed step)
 //! replays the finished steps instead of running them again.
 
-use super::exec::store_backoff;
+use super::backoff::store_backoff;
 use super::is_unavailable;
 use crate::error::Error;
 use crate::settings::Inner;

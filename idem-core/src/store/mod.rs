@@ -564,7 +564,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Adds one to the count of failed runs kept beside the record of
     /// `key` (a counter of its own, stored under
-    /// [`failure_key`](crate::failure_key), which survives the record's
+    /// [`failure_key`], which survives the record's
     /// release), sets the counter to expire `ttl` from now, and returns the
     /// count after the addition. Atomic: N concurrent calls return 1..=N,
     /// each once. An expired counter starts again at 1. [`forget`] resets

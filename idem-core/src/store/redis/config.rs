@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-/// Timeouts and reconnection for [`RedisStore`].
+/// Timeouts and reconnection for [`RedisStore`](crate::RedisStore).
 ///
 /// ```
 /// use idem_core::RedisStoreConfig;

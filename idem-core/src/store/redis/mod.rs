@@ -133,7 +133,7 @@ impl RedisStore {
     /// Connects to a Redis Cluster given one or more of its nodes.
     ///
     /// Every script touches exactly one key, so any key works on any slot;
-    /// see the README for how keys map to slots and how to co-locate them.
+    /// see docs/operating.md (Redis Cluster) for how keys map to slots and how to co-locate them.
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {

@@ -142,7 +142,7 @@ impl Notifier {
         ) || e.code() == Some("ERR")
             || e.code() == Some("NOPERM");
         let retry = if refused {
-            tracing::warn!(error = %e, "Redis refused SSUBSCRIBE: waiters poll instead of being notified (grant SSUBSCRIBE and the key channels, see the README's ACL section)");
+            tracing::warn!(error = %e, "Redis refused SSUBSCRIBE: waiters poll instead of being notified (grant SSUBSCRIBE and the key channels, see docs/operating.md, section Redis ACL)");
             RETRY_REFUSED
         } else {
             tracing::debug!(error = %e, "no subscriber connection; waiters poll");

@@ -81,7 +81,7 @@ pub(super) fn classify(op: &'static str, e: RedisError) -> Error {
         || e.to_string().contains("ACL failure in script");
     let reason = match e.kind() {
         _ if denied => format!(
-            "Redis ACL denied the command ({e}); grant the commands listed in the README's ACL section"
+            "Redis ACL denied the command ({e}); grant the commands listed in docs/operating.md, section Redis ACL"
         ),
         _ if e.code() == Some("OOM") => {
             format!("{OOM_REASON} and refuses new records ({e}); raise maxmemory or free keys")
