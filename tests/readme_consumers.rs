@@ -20,11 +20,27 @@ mod rabbitmq;
 #[allow(dead_code)]
 mod kafka;
 
+// The guides' opening programs (docs/steps.md, docs/postgres.md, docs/http.md).
+#[path = "readme/steps_checkout.rs"]
+#[allow(dead_code)]
+mod steps;
+
+#[path = "readme/postgres_order.rs"]
+#[allow(dead_code)]
+mod postgres;
+
+#[path = "readme/http_server.rs"]
+#[allow(dead_code)]
+mod http;
+
 /// The documents that print consumer programs.
-const DOCS: [(&str, &str); 3] = [
+const DOCS: [(&str, &str); 6] = [
     ("README.md", include_str!("../README.md")),
     ("docs/consumers.md", include_str!("../docs/consumers.md")),
     ("docs/kafka.md", include_str!("../docs/kafka.md")),
+    ("docs/steps.md", include_str!("../docs/steps.md")),
+    ("docs/postgres.md", include_str!("../docs/postgres.md")),
+    ("docs/http.md", include_str!("../docs/http.md")),
 ];
 
 /// Fails unless a document holds `program` as a whole ```rust block.
@@ -65,4 +81,25 @@ fn the_readme_prints_the_kafka_program_compiled_here() {
         "kafka_consumer.rs",
         include_str!("readme/kafka_consumer.rs"),
     );
+}
+
+#[test]
+fn the_steps_guide_opens_with_the_program_compiled_here() {
+    assert_readme_prints(
+        "steps_checkout.rs",
+        include_str!("readme/steps_checkout.rs"),
+    );
+}
+
+#[test]
+fn the_postgres_guide_opens_with_the_program_compiled_here() {
+    assert_readme_prints(
+        "postgres_order.rs",
+        include_str!("readme/postgres_order.rs"),
+    );
+}
+
+#[test]
+fn the_http_guide_opens_with_the_program_compiled_here() {
+    assert_readme_prints("http_server.rs", include_str!("readme/http_server.rs"));
 }
