@@ -20,9 +20,10 @@
 //! `--rounds R` (25), `--threads T` (Tokio workers, default 1: on a 2-core
 //! machine that leaves Redis a core of its own, as it would have on its own
 //! host; 0 = a current-thread runtime),
-//! `--replay-keys K` (1000), `--only a,b,..`, `--json`; with the feature
-//! `postgres`, PostgreSQL phases first (`postgres.rs`: `--pg-url URL`,
-//! `--pg-concurrency N` (16), `--pg-only` to skip the Redis phases).
+//! `--replay-keys K` (1000), `--only a,b,..`, `--json`; PostgreSQL phases
+//! first when asked with `--pg` (`postgres.rs`, needs the feature
+//! `postgres`, which the crate's tests turn on: `--pg-url URL`,
+//! `--pg-concurrency N` (16), `--pg-only` = `--pg` without the Redis phases).
 //!
 //! All phases run in one process, interleaved: each of R rounds runs a short
 //! slice of every phase (rotating which goes first, odd rounds backwards), so
@@ -86,7 +87,7 @@ fn main() {
     };
     let rt = rt.enable_all().build().expect("tokio runtime");
     #[cfg(feature = "postgres")]
-    {
+    if opts.pg || opts.pg_only {
         rt.block_on(postgres::run(&opts));
         if opts.pg_only {
             return;

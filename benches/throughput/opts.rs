@@ -24,13 +24,16 @@ pub(crate) struct Opts {
     pub(crate) pg_concurrency: usize,
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) pg_only: bool,
+    /// `--pg`: run the PostgreSQL phases too (before the Redis ones).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) pg: bool,
 }
 
 pub(crate) fn usage() -> ! {
     eprintln!(
         "usage: cargo bench --bench throughput -- [--redis URL | --server redis|valkey|both] [--concurrency N] [--seconds S] \
          [--rounds R] [--threads T] [--replay-keys K] [--only PHASE,..] [--json] \
-         [--profile PHASE --ops N] [--pg-url URL] [--pg-concurrency N] [--pg-only]\nphases: {}",
+         [--profile PHASE --ops N] [--pg] [--pg-url URL] [--pg-concurrency N] [--pg-only]\nphases: {}",
         PHASES.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
     );
     std::process::exit(2)
@@ -52,6 +55,7 @@ pub(crate) fn parse_opts() -> Opts {
         pg_url: None,
         pg_concurrency: 16,
         pg_only: false,
+        pg: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -93,6 +97,7 @@ pub(crate) fn parse_opts() -> Opts {
                 o.pg_concurrency = num("--pg-concurrency", value("--pg-concurrency"))
             }
             "--pg-only" => o.pg_only = true,
+            "--pg" => o.pg = true,
             // What `cargo bench` passes to a harness = false target.
             "--bench" => {}
             "-h" | "--help" => usage(),
