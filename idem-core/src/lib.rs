@@ -42,6 +42,7 @@ mod lease;
 mod metrics;
 mod operate;
 mod outcome;
+pub mod outbox;
 mod private;
 mod settings;
 pub mod store;

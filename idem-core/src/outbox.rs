@@ -1,0 +1,218 @@
+//! The outbox's contract: what an outgoing message is, how its id is made,
+//! and what a [`Sink`] (a broker) promises the relay that drains it.
+//!
+//! A body that must tell the next system about its work writes the message
+//! in the same transaction as its stored result (idem-postgres's
+//! `outbox::publish`); a relay later publishes it through a `Sink` and
+//! deletes it only once the broker confirmed it. The relay publishes at
+//! least once, so every message carries a deterministic id
+//! ([`message_id`]) in the broker's own id field, and an idem consumer on
+//! the other side runs its effect once however often the relay re-sends.
+//!
+//! Sources live beside their stores (idem-postgres), sinks beside the
+//! consumer adapters (idem-consumer, feature `outbox`); this module is the
+//! one definition both sides share.
+
+use crate::BoxError;
+use async_trait::async_trait;
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+
+/// Longest message name (a topic plus its ordinal in the body) and message
+/// key, in bytes: both are written into broker headers and keys, where
+/// brokers cap far below what a database column would take.
+pub const MAX_OUTBOX_FIELD: usize = 512;
+
+/// One outgoing message, as a relay hands it to a [`Sink`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// Deterministic id ([`message_id`]): the same for every re-send, so the
+    /// consumer on the other side de-duplicates on it. Sinks put it in the
+    /// broker's own id field (`Nats-Msg-Id`, AMQP `message_id`, the Kafka
+    /// `idempotency-key` header, the stream entry's `id` field).
+    pub id: String,
+    /// Where it goes: a stream, subject, topic or routing key, as the sink
+    /// interprets it.
+    pub topic: String,
+    /// The ordering key: messages with one key are published in the order
+    /// they were committed, one at a time (a Kafka record key, say).
+    pub key: String,
+    /// The serialized message (JSON as written by `publish`).
+    pub payload: Bytes,
+    /// How many earlier attempts failed (0 on the first send).
+    pub attempts: u32,
+}
+
+/// The id of the message a call publishes: the first 16 bytes of
+/// SHA-256 over the call's record key (namespace, scope and key, as the
+/// store sees it) and the message's name (its topic, then `#1`, `#2`… for
+/// further messages to the same topic in one body), as 32 hex digits.
+///
+/// The same call publishing the same message always gets the same id, in
+/// any process, so a re-sent message is recognised downstream.
+///
+/// ```
+/// let a = idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created");
+/// assert_eq!(a.len(), 32);
+/// assert_eq!(a, idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created"));
+/// assert_ne!(a, idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created#1"));
+/// ```
+pub fn message_id(record_key: &str, name: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(record_key.as_bytes());
+    // A separator no key contains (keys refuse control characters), so
+    // ("a", "bc") and ("ab", "c") never meet.
+    h.update([0u8]);
+    h.update(name.as_bytes());
+    hex::encode(&h.finalize()[..16])
+}
+
+/// Why a [`Sink`] did not publish a message: the relay parks a refused
+/// message (with this reason, for an operator) and retries an unavailable
+/// one with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The broker refused this message and would refuse it again (too
+    /// large, no such topic or stream, not authorised). The relay parks it
+    /// and, to keep the key's order, the key's later messages behind it;
+    /// other keys go on. An operator lists, retries or drops parked messages
+    /// (`idem outbox list|retry|drop`).
+    #[error("the broker refused the message: {reason}")]
+    Refused {
+        /// What the broker said, and what to change.
+        reason: String,
+        /// The client's error, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+    /// The broker could not be reached or did not confirm in time. The
+    /// message stays and is sent again after a backoff (with the same id).
+    #[error("could not publish: {reason}")]
+    Unavailable {
+        /// What failed.
+        reason: String,
+        /// The client's error, when there is one.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+impl SinkError {
+    /// A refusal the relay parks.
+    ///
+    /// ```
+    /// let e = idem_core::outbox::SinkError::refused("message too large (2 MB over the 1 MB limit)");
+    /// assert!(!e.is_retryable());
+    /// ```
+    pub fn refused(reason: impl Into<String>) -> SinkError {
+        SinkError::Refused {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A failure the relay retries.
+    ///
+    /// ```
+    /// let e = idem_core::outbox::SinkError::unavailable("connection refused");
+    /// assert!(e.is_retryable());
+    /// ```
+    pub fn unavailable(reason: impl Into<String>) -> SinkError {
+        SinkError::Unavailable {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// Keeps the client's error as the source.
+    ///
+    /// ```
+    /// use std::error::Error as _;
+    /// let io = std::io::Error::other("reset");
+    /// let e = idem_core::outbox::SinkError::unavailable("publish").with_source(io);
+    /// assert!(e.source().is_some());
+    /// ```
+    pub fn with_source(mut self, err: impl Into<BoxError>) -> SinkError {
+        match &mut self {
+            SinkError::Refused { source, .. } | SinkError::Unavailable { source, .. } => {
+                *source = Some(err.into());
+            }
+        }
+        self
+    }
+
+    /// Whether the relay sends the message again (`Unavailable`) rather
+    /// than parking it (`Refused`).
+    ///
+    /// ```
+    /// assert!(idem_core::outbox::SinkError::unavailable("timeout").is_retryable());
+    /// ```
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, SinkError::Unavailable { .. })
+    }
+
+    /// The reason alone, as stored beside a parked message.
+    ///
+    /// ```
+    /// assert_eq!(idem_core::outbox::SinkError::refused("no such topic").reason(), "no such topic");
+    /// ```
+    pub fn reason(&self) -> &str {
+        match self {
+            SinkError::Refused { reason, .. } | SinkError::Unavailable { reason, .. } => reason,
+        }
+    }
+}
+
+/// A broker the relay publishes to.
+///
+/// `send` publishes every message and waits until the broker confirmed
+/// each (a stream entry written, a JetStream ack, a publisher confirm, a
+/// Kafka delivery report), answering one result per message, in order. The
+/// relay never puts two messages with the same key in one call, so a sink
+/// may publish them all at once; a key's next message waits for the
+/// previous one's confirmation. `Ok` means durable on the broker: the relay
+/// deletes the row on it.
+///
+/// ```
+/// use async_trait::async_trait;
+/// use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+/// use std::sync::Mutex;
+///
+/// /// Keeps what it was given (a sink for a test or an in-process hand-off).
+/// #[derive(Default)]
+/// struct Recorded(Mutex<Vec<OutboxMessage>>);
+///
+/// #[async_trait]
+/// impl Sink for Recorded {
+///     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+///         let mut kept = self.0.lock().unwrap();
+///         batch.iter().map(|m| {
+///             if m.payload.len() > 1024 {
+///                 return Err(SinkError::refused("over 1 KiB"));
+///             }
+///             kept.push(m.clone());
+///             Ok(())
+///         }).collect()
+///     }
+///     fn describe(&self) -> String { "memory".into() }
+/// }
+/// ```
+#[async_trait]
+pub trait Sink: Send + Sync {
+    /// Publishes `batch` (distinct keys) and waits for the broker's
+    /// confirmations: one result per message, in order.
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>>;
+
+    /// What the sink publishes to, for logs (`redis-streams 127.0.0.1:6379`).
+    fn describe(&self) -> String;
+}
+
+#[async_trait]
+impl<S: Sink + ?Sized> Sink for std::sync::Arc<S> {
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        (**self).send(batch).await
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
