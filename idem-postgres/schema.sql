@@ -88,3 +88,31 @@ CREATE TABLE IF NOT EXISTS "idem_keys_failures" (
 );
 
 CREATE INDEX IF NOT EXISTS "idem_keys_failures_expires_idx" ON "idem_keys_failures" USING brin (expires_at);
+
+CREATE TABLE IF NOT EXISTS "idem_keys_outbox" (
+    seq        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id         text        COLLATE "C" NOT NULL,
+    topic      text        NOT NULL,
+    msg_key    text        COLLATE "C" NOT NULL,
+    payload    bytea       NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    attempts   integer     NOT NULL DEFAULT 0,
+    last_error text,
+    retry_at   timestamptz,
+    parked_at  timestamptz
+);
+
+CREATE UNIQUE INDEX IF NOT EXISTS "idem_keys_outbox_id_idx" ON "idem_keys_outbox" (id);
+
+CREATE INDEX IF NOT EXISTS "idem_keys_outbox_key_idx" ON "idem_keys_outbox" (msg_key, seq);
+
+CREATE OR REPLACE FUNCTION "idem_keys_outbox_notify"() RETURNS trigger LANGUAGE plpgsql AS $idem$
+BEGIN
+    PERFORM pg_notify('idem_outbox:idem_keys', '');
+    RETURN NULL;
+END
+$idem$;
+
+DROP TRIGGER IF EXISTS "idem_keys_outbox_notify" ON "idem_keys_outbox";
+
+CREATE TRIGGER "idem_keys_outbox_notify" AFTER INSERT ON "idem_keys_outbox" FOR EACH STATEMENT EXECUTE FUNCTION "idem_keys_outbox_notify"();

@@ -52,6 +52,7 @@ mod claim_path;
 mod config;
 mod errors;
 mod operate;
+pub mod outbox;
 mod reaper;
 mod row;
 mod schema;

@@ -81,6 +81,9 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             failures = table.beside(FAILURES_TABLE)
         ),
     ]
+    .into_iter()
+    .chain(crate::outbox::table::ddl(table))
+    .collect()
 }
 
 /// The write half of a claim, called by the claim statement (`sql.rs`) only

@@ -5,6 +5,7 @@
 use crate::claim_path::Forecast;
 use crate::config::{PgStoreConfig, TableName};
 use crate::errors::map;
+use crate::outbox::table::OutboxSql;
 use crate::schema;
 use crate::sql::Statements;
 use idem_core::Error;
@@ -47,6 +48,7 @@ pub(crate) struct Inner {
     pub(crate) table: TableName,
     pub(crate) sql: Statements,
     pub(crate) forecast: Forecast,
+    pub(crate) outbox: Arc<OutboxSql>,
 }
 
 impl fmt::Debug for PgStore {
@@ -130,6 +132,7 @@ impl PgStore {
         let sql = Statements::new(&table);
         PgStore {
             inner: Arc::new(Inner {
+                outbox: Arc::new(OutboxSql::new(&table)),
                 pool,
                 table,
                 sql,

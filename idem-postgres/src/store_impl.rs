@@ -28,7 +28,7 @@ impl Store for PgStore {
         let token = *c.token.as_raw();
         let slot = tx::current();
         if let Some(slot) = &slot {
-            slot.note_claim(token);
+            slot.note_claim(token, c.key, &self.inner.outbox);
         }
         let lease = ms_i64(lease_ms(c.lease));
         let ttl = ms_i64(record_ttl_ms(c.ttl, c.lease));

@@ -29,6 +29,8 @@
 //! through the caller's transaction.
 
 use crate::errors;
+use crate::outbox::table::OutboxSql;
+use crate::outbox::{self, Publishing};
 use idem_core::{Call, Error, Outcome};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -71,6 +73,9 @@ struct SlotState {
     committed: bool,
     /// Why the body's writes were not committed.
     failure: Option<Error>,
+    /// What `outbox::publish` in the body derives its ids from and writes
+    /// to: the claimed key and the claiming store's outbox.
+    publishing: Option<Arc<Publishing>>,
 }
 
 impl TxSlot {
@@ -112,10 +117,16 @@ impl TxSlot {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn note_claim(&self, token: [u8; 16]) {
+    pub(crate) fn note_claim(&self, token: [u8; 16], key: &str, outbox: &Arc<OutboxSql>) {
         let mut s = self.lock();
         s.claimed_by_pg = true;
         s.token = Some(token);
+        if s.publishing.is_none() {
+            s.publishing = Some(Arc::new(Publishing::new(
+                key.to_owned(),
+                Arc::clone(outbox),
+            )));
+        }
     }
 
     /// The open transaction, for the holder of `token` only.
@@ -271,7 +282,14 @@ impl RunInTx for Call<'_> {
             };
             let mut txn = begun.map_err(|e| E::from(errors::map("begin", "", e)))?;
             // Hidden from the body: idem calls it makes are plain calls.
-            match SLOT.scope(None, body(&mut txn)).await {
+            // A fresh message count per run, so a re-run after a rollback
+            // publishes the same names, hence the same ids.
+            let publishing = in_body.lock().publishing.as_ref().map(|p| Arc::new(p.again()));
+            let ran = match publishing {
+                Some(p) => outbox::scope(p, SLOT.scope(None, body(&mut txn))).await,
+                None => SLOT.scope(None, body(&mut txn)).await,
+            };
+            match ran {
                 Ok(value) => {
                     in_body.lock().txn = Some(txn);
                     Ok(value)

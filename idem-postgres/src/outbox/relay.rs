@@ -1,0 +1,456 @@
+//! The relay: drains the outbox table into a [`Sink`], at least once, in
+//! order per key, with any number of relays running at once.
+//!
+//! One pass is one transaction: lock the heads of the oldest waiting keys
+//! (skipping keys another relay holds), read those keys' rows, send them in
+//! waves (a wave holds at most one message per key, so a key's next message
+//! goes only after the previous one was confirmed), then delete what the
+//! broker confirmed and mark what failed, and commit. A relay killed
+//! mid-pass leaves its rows in place, unlocked by the aborted transaction:
+//! the next pass re-sends them with the same ids.
+
+use super::Outbox;
+use crate::errors;
+use idem_core::Error;
+use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+use sqlx::postgres::PgListener;
+use sqlx::{AssertSqlSafe, Row};
+use std::collections::{HashMap, HashSet};
+use std::pin::pin;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Messages a pass takes by default.
+const DEFAULT_BATCH: usize = 256;
+/// How far past a pass's batch the heads query looks for keys (a window of
+/// `batch × WINDOW` oldest rows), so that a few long keys do not hide the
+/// others.
+const WINDOW: usize = 4;
+
+/// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
+/// (in one process or many) for throughput or availability; they never send
+/// one key's messages at once.
+///
+/// ```no_run
+/// use idem_core::outbox::Sink;
+/// use idem_postgres::{PgStore, outbox::Relay};
+/// use std::time::Duration;
+///
+/// # async fn demo(store: PgStore, sink: impl Sink + 'static) {
+/// let relay = Relay::new(&store, sink)
+///     .batch_size(500)
+///     .poll_interval(Duration::from_secs(10))
+///     .send_timeout(Duration::from_secs(15));
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let running = tokio::spawn(async move { relay.run(async { let _ = stopped.await; }).await });
+/// // … at shutdown: the pass under way finishes, then `run` returns.
+/// let _ = stop.send(());
+/// let report = running.await.unwrap();
+/// # }
+/// ```
+pub struct Relay<S> {
+    outbox: Outbox,
+    sink: S,
+    batch: usize,
+    poll: Duration,
+    send_timeout: Duration,
+    backoff: (Duration, Duration),
+}
+
+impl<S> std::fmt::Debug for Relay<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("table", &self.outbox.sql.table)
+            .field("batch", &self.batch)
+            .field("poll", &self.poll)
+            .field("send_timeout", &self.send_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a relay did: one pass ([`Relay::drain_once`]) or a whole run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelayReport {
+    /// Messages the broker confirmed (and the relay deleted).
+    pub sent: u64,
+    /// Messages the broker refused, now parked.
+    pub parked: u64,
+    /// Failed sends that will be retried.
+    pub failed: u64,
+    /// The earliest retry this pass scheduled.
+    pub retry_in: Option<Duration>,
+}
+
+impl RelayReport {
+    fn add(&mut self, other: RelayReport) {
+        self.sent += other.sent;
+        self.parked += other.parked;
+        self.failed += other.failed;
+        self.retry_in = match (self.retry_in, other.retry_in) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+
+    fn handled(&self) -> u64 {
+        self.sent + self.parked + self.failed
+    }
+}
+
+/// A row a pass owns: its `seq` and the message.
+struct Owned {
+    seq: i64,
+    message: Option<OutboxMessage>,
+}
+
+/// What a pass writes back for a failed send.
+#[derive(Default)]
+struct Failures {
+    seq: Vec<i64>,
+    reason: Vec<String>,
+    park: Vec<bool>,
+    retry_ms: Vec<i64>,
+}
+
+impl<S: Sink> Relay<S> {
+    /// A relay of `outbox` (a [`PgStore`](crate::PgStore)'s, or an
+    /// [`Outbox::new`]) into `sink`, with 256 messages a pass, a 5 s poll
+    /// behind `LISTEN`, a 30 s send timeout and retries backing off from
+    /// 200 ms to 30 s.
+    ///
+    /// ```no_run
+    /// # fn demo(store: idem_postgres::PgStore, sink: impl idem_core::outbox::Sink) {
+    /// let relay = idem_postgres::outbox::Relay::new(&store, sink);
+    /// # }
+    /// ```
+    pub fn new(outbox: impl Into<Outbox>, sink: S) -> Relay<S> {
+        Relay {
+            outbox: outbox.into(),
+            sink,
+            batch: DEFAULT_BATCH,
+            poll: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(30),
+            backoff: (Duration::from_millis(200), Duration::from_secs(30)),
+        }
+    }
+
+    /// Messages a pass takes (1 to 10,000; default 256).
+    ///
+    /// ```no_run
+    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// let r = r.batch_size(1000);
+    /// # }
+    /// ```
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch = n.clamp(1, 10_000);
+        self
+    }
+
+    /// How long the relay sleeps without a notification before looking
+    /// anyway (default 5 s): the insurance behind `LISTEN`/`NOTIFY`, which
+    /// loses notifications while its connection is down.
+    ///
+    /// ```no_run
+    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// let r = r.poll_interval(std::time::Duration::from_secs(1));
+    /// # }
+    /// ```
+    pub fn poll_interval(mut self, every: Duration) -> Self {
+        self.poll = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// How long one wave of sends may wait for the broker's confirmations
+    /// (default 30 s); unconfirmed messages are retried (the broker may have
+    /// them: their ids make the copies harmless).
+    ///
+    /// ```no_run
+    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// let r = r.send_timeout(std::time::Duration::from_secs(5));
+    /// # }
+    /// ```
+    pub fn send_timeout(mut self, limit: Duration) -> Self {
+        self.send_timeout = limit.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The retry delay after a failed send: `first`, doubling per attempt up
+    /// to `max` (default 200 ms to 30 s). The key's later messages wait.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// let r = r.retry_backoff(Duration::from_millis(50), Duration::from_secs(5));
+    /// # }
+    /// ```
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.backoff = (first, max.max(first));
+        self
+    }
+
+    fn backoff(&self, attempts: u32) -> Duration {
+        let (first, max) = self.backoff;
+        first.saturating_mul(1u32 << attempts.min(20)).min(max)
+    }
+
+    /// One pass: sends up to a batch of waiting messages and writes back the
+    /// outcome. Fails with [`Error::Unavailable`] when PostgreSQL cannot be
+    /// reached (nothing is lost: the rows stay); sink failures are not
+    /// errors, they are counted in the report.
+    ///
+    /// ```no_run
+    /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) -> Result<(), idem_core::Error> {
+    /// // Drain everything (a test, a one-shot job):
+    /// while relay.drain_once().await?.sent > 0 {}
+    /// # Ok(()) }
+    /// ```
+    pub async fn drain_once(&self) -> Result<RelayReport, Error> {
+        let sql = &self.outbox.sql;
+        let fail = self.outbox.fail("outbox relay");
+        let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
+        let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        let keys: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql.heads.as_str()))
+            .bind(limit.saturating_mul(WINDOW as i64))
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&fail)?;
+        if keys.is_empty() {
+            tx.rollback().await.map_err(&fail)?;
+            return Ok(RelayReport::default());
+        }
+        let rows = sqlx::query(AssertSqlSafe(sql.batch.as_str()))
+            .bind(&keys)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&fail)?;
+        let mut owned = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let attempts: i32 = r.try_get("attempts").map_err(&fail)?;
+            let payload: Vec<u8> = r.try_get("payload").map_err(&fail)?;
+            owned.push(Owned {
+                seq: r.try_get("seq").map_err(&fail)?,
+                message: Some(OutboxMessage {
+                    id: r.try_get("id").map_err(&fail)?,
+                    topic: r.try_get("topic").map_err(&fail)?,
+                    key: r.try_get("msg_key").map_err(&fail)?,
+                    payload: payload.into(),
+                    attempts: u32::try_from(attempts).unwrap_or(0),
+                }),
+            });
+        }
+        let (sent, failures, report) = self.send_waves(owned).await;
+        if !sent.is_empty() {
+            sqlx::query(AssertSqlSafe(sql.delete.as_str()))
+                .bind(&sent)
+                .execute(&mut *tx)
+                .await
+                .map_err(&fail)?;
+        }
+        if !failures.seq.is_empty() {
+            sqlx::query(AssertSqlSafe(sql.failed.as_str()))
+                .bind(&failures.seq)
+                .bind(&failures.reason)
+                .bind(&failures.park)
+                .bind(&failures.retry_ms)
+                .execute(&mut *tx)
+                .await
+                .map_err(&fail)?;
+        }
+        // Failing here after the broker confirmed: the rows stay and are
+        // sent again, with the same ids.
+        tx.commit().await.map_err(|e| {
+            let e = errors::map("outbox relay commit", &sql.table, e);
+            tracing::warn!(error = %e, sent = report.sent, "the relay could not record what the broker confirmed; those messages will be sent again (same ids)");
+            e
+        })?;
+        Ok(report)
+    }
+
+    /// Sends the owned rows wave by wave: wave `n` holds each key's `n`th
+    /// row, less the keys whose earlier row failed.
+    async fn send_waves(&self, mut owned: Vec<Owned>) -> (Vec<i64>, Failures, RelayReport) {
+        let mut depth: HashMap<&str, usize> = HashMap::new();
+        let mut waves: Vec<Vec<usize>> = Vec::new();
+        for (i, o) in owned.iter().enumerate() {
+            let Some(m) = &o.message else { continue };
+            let d = depth.entry(m.key.as_str()).or_insert(0);
+            if waves.len() <= *d {
+                waves.push(Vec::new());
+            }
+            waves[*d].push(i);
+            *d += 1;
+        }
+        drop(depth);
+        let mut stopped: HashSet<String> = HashSet::new();
+        let mut sent = Vec::new();
+        let mut failures = Failures::default();
+        let mut report = RelayReport::default();
+        for wave in waves {
+            let mut seqs = Vec::with_capacity(wave.len());
+            let mut batch = Vec::with_capacity(wave.len());
+            for i in wave {
+                let o = &mut owned[i];
+                match o.message.take() {
+                    Some(m) if !stopped.contains(&m.key) => {
+                        seqs.push(o.seq);
+                        batch.push(m);
+                    }
+                    _ => {}
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            let results = self.send(&batch).await;
+            for ((seq, m), result) in seqs.into_iter().zip(&batch).zip(results) {
+                match result {
+                    Ok(()) => {
+                        sent.push(seq);
+                        report.sent += 1;
+                    }
+                    Err(e) => {
+                        let park = !e.is_retryable();
+                        let wait = self.backoff(m.attempts);
+                        if park {
+                            report.parked += 1;
+                            tracing::warn!(id = %m.id, topic = %m.topic, key = %m.key, reason = %e.reason(), "outbox message parked: the broker refused it; the key's later messages wait (`idem outbox list|retry|drop`)");
+                        } else {
+                            report.failed += 1;
+                            report.retry_in = Some(report.retry_in.map_or(wait, |r| r.min(wait)));
+                            tracing::debug!(id = %m.id, topic = %m.topic, error = %e, retry_in = ?wait, "outbox send failed; retrying");
+                        }
+                        failures.seq.push(seq);
+                        failures.reason.push(e.to_string());
+                        failures.park.push(park);
+                        failures
+                            .retry_ms
+                            .push(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
+                        stopped.insert(m.key.clone());
+                    }
+                }
+            }
+        }
+        (sent, failures, report)
+    }
+
+    /// One wave, bounded by the send timeout; a sink that answers the
+    /// wrong number of results fails the messages it did not answer for.
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        // A timeout answers nothing: every message is then unconfirmed.
+        let mut results = tokio::time::timeout(self.send_timeout, self.sink.send(batch))
+            .await
+            .unwrap_or_default();
+        if results.len() > batch.len() {
+            results.truncate(batch.len());
+        }
+        while results.len() < batch.len() {
+            results.push(Err(SinkError::unavailable(format!(
+                "{} did not confirm within {:?}",
+                self.sink.describe(),
+                self.send_timeout
+            ))));
+        }
+        results
+    }
+
+    /// Runs passes until `shutdown` completes: at once while there is work,
+    /// else when an insert notifies, a retry falls due or the poll interval
+    /// ends. A pass under way when `shutdown` completes finishes first (it
+    /// is bounded by the send timeout), so nothing is sent twice because of
+    /// the stop. PostgreSQL or the broker being down is logged and retried,
+    /// never returned: the relay outlives outages.
+    ///
+    /// ```no_run
+    /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+    /// # }
+    /// ```
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> RelayReport {
+        let mut shutdown = pin!(shutdown);
+        let mut listener: Option<PgListener> = None;
+        let mut totals = RelayReport::default();
+        let mut next_retry: Option<Instant> = None;
+        let mut outages = 0u32;
+        tracing::info!(table = %self.outbox.sql.table, sink = %self.sink.describe(), "outbox relay started");
+        loop {
+            if listener.is_none() {
+                listener = self.listen().await;
+            }
+            // Notifications that arrived during the last pass are covered
+            // by the next one.
+            if let Some(l) = listener.as_mut() {
+                while l.next_buffered().is_some() {}
+            }
+            let now = Instant::now();
+            if next_retry.is_some_and(|at| at <= now) {
+                next_retry = None;
+            }
+            let wait = match self.drain_once().await {
+                Ok(pass) => {
+                    outages = 0;
+                    totals.add(pass);
+                    if let Some(d) = pass.retry_in {
+                        let at = now + d;
+                        next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
+                    }
+                    if pass.handled() >= self.batch as u64 {
+                        Duration::ZERO
+                    } else {
+                        next_retry.map_or(self.poll, |at| {
+                            at.saturating_duration_since(now).min(self.poll)
+                        })
+                    }
+                }
+                Err(e) => {
+                    outages = outages.saturating_add(1);
+                    let wait = self.backoff(outages);
+                    tracing::warn!(error = %e, retry_in = ?wait, "outbox relay pass failed; nothing is lost, retrying");
+                    wait
+                }
+            };
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = tokio::time::sleep(wait) => {}
+                woke = notified(&mut listener) => {
+                    if let Err(e) = woke {
+                        tracing::debug!(error = %e, "outbox LISTEN connection lost; polling until it is back");
+                        listener = None;
+                    }
+                }
+            }
+        }
+        tracing::info!(
+            sent = totals.sent,
+            parked = totals.parked,
+            failed = totals.failed,
+            "outbox relay stopped"
+        );
+        totals
+    }
+
+    async fn listen(&self) -> Option<PgListener> {
+        let listen = async {
+            let mut l = PgListener::connect_with(&self.outbox.pool).await?;
+            l.listen(&self.outbox.sql.channel).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        match listen.await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::debug!(error = %e, "outbox relay cannot LISTEN; polling every {:?}", self.poll);
+                None
+            }
+        }
+    }
+}
+
+/// The next notification, or never without a listener.
+async fn notified(listener: &mut Option<PgListener>) -> Result<(), sqlx::Error> {
+    match listener {
+        Some(l) => l.recv().await.map(|_| ()),
+        None => std::future::pending().await,
+    }
+}

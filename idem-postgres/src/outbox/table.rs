@@ -1,0 +1,171 @@
+//! The outbox table beside the records (`<table>_outbox`): its DDL, the
+//! channel its inserts notify, and its statements, rendered once per table.
+//!
+//! | column | meaning |
+//! | --- | --- |
+//! | `seq` | commit-ish order: the relay publishes a key's messages by `seq` |
+//! | `id` | the deterministic message id (`idem_core::outbox::message_id`), unique: publishing it twice keeps one row |
+//! | `topic`, `msg_key`, `payload` | where it goes, its ordering key, its bytes (JSON) |
+//! | `attempts`, `last_error` | failed sends so far, and the last reason |
+//! | `retry_at` | after a failed send: not before this time (the key waits behind it) |
+//! | `parked_at` | set when the broker refused it; the key waits until an operator retries or drops it |
+
+use crate::config::TableName;
+
+/// Suffix of the outbox table beside the records table.
+pub(crate) const OUTBOX_TABLE: &str = "outbox";
+/// Longest channel name PostgreSQL keeps (`NAMEDATALEN - 1`).
+const MAX_CHANNEL: usize = 63;
+
+/// The statements that create the outbox table, its indexes and its
+/// notifying trigger, each safe to run again (run by `PgStore::migrate`,
+/// under its advisory lock, after the records table).
+pub(crate) fn ddl(table: &TableName) -> Vec<String> {
+    let outbox = table.beside(OUTBOX_TABLE);
+    let notify = table.routine("outbox_notify");
+    let trigger = table.index("outbox_notify");
+    vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {outbox} (\n\
+             \x20   seq        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
+             \x20   id         text        COLLATE \"C\" NOT NULL,\n\
+             \x20   topic      text        NOT NULL,\n\
+             \x20   msg_key    text        COLLATE \"C\" NOT NULL,\n\
+             \x20   payload    bytea       NOT NULL,\n\
+             \x20   created_at timestamptz NOT NULL DEFAULT now(),\n\
+             \x20   attempts   integer     NOT NULL DEFAULT 0,\n\
+             \x20   last_error text,\n\
+             \x20   retry_at   timestamptz,\n\
+             \x20   parked_at  timestamptz\n\
+             )"
+        ),
+        format!(
+            "CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {outbox} (id)",
+            index = table.index("outbox_id_idx")
+        ),
+        // A key's older rows, for the relay's "is this the key's head" check.
+        format!(
+            "CREATE INDEX IF NOT EXISTS {index} ON {outbox} (msg_key, seq)",
+            index = table.index("outbox_key_idx")
+        ),
+        // One notification per inserting statement, not per row: the relay
+        // only needs to wake, and each NOTIFY costs the commit a queue entry.
+        format!(
+            "CREATE OR REPLACE FUNCTION {notify}() RETURNS trigger LANGUAGE plpgsql AS $idem$\n\
+             BEGIN\n\
+             \x20   PERFORM pg_notify('{channel}', '');\n\
+             \x20   RETURN NULL;\n\
+             END\n\
+             $idem$",
+            channel = channel(table)
+        ),
+        format!("DROP TRIGGER IF EXISTS {trigger} ON {outbox}"),
+        format!(
+            "CREATE TRIGGER {trigger} AFTER INSERT ON {outbox} \
+             FOR EACH STATEMENT EXECUTE FUNCTION {notify}()"
+        ),
+    ]
+}
+
+/// The `LISTEN` channel of a table's outbox: its (schema-qualified) name,
+/// shortened to what the server keeps. Two long names that shorten alike
+/// share a channel, which costs a spurious wake-up, nothing more.
+pub(crate) fn channel(table: &TableName) -> String {
+    let mut name = format!("idem_outbox:{table}").replace('"', "");
+    while name.len() > MAX_CHANNEL {
+        name.pop();
+    }
+    name
+}
+
+/// The outbox's statements for one table.
+#[derive(Debug)]
+pub(crate) struct OutboxSql {
+    pub(crate) table: String,
+    pub(crate) channel: String,
+    pub(crate) insert: String,
+    pub(crate) heads: String,
+    pub(crate) batch: String,
+    pub(crate) delete: String,
+    pub(crate) failed: String,
+    pub(crate) parked: String,
+    pub(crate) retry: String,
+    pub(crate) retry_all: String,
+    pub(crate) drop: String,
+    pub(crate) backlog: String,
+}
+
+/// What `parked`, `drop` and `list` read of a row.
+const PARKED_COLUMNS: &str = "id, topic, msg_key, octet_length(payload)::bigint AS size, attempts, \
+     last_error, (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
+     (extract(epoch FROM parked_at) * 1000)::bigint AS parked_ms";
+
+impl OutboxSql {
+    pub(crate) fn new(table: &TableName) -> OutboxSql {
+        let t = table.beside(OUTBOX_TABLE);
+        OutboxSql {
+            channel: channel(table),
+            insert: format!(
+                "INSERT INTO {t} (id, topic, msg_key, payload) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (id) DO NOTHING"
+            ),
+            // The heads of the oldest keys waiting: of a window of the oldest
+            // sendable rows, each key's first, kept only if no older row of
+            // the key exists at all (one parked, backing off, or being sent
+            // by another relay), and locked unless another relay holds it.
+            // A relay thus owns a key from its head, and no two relays ever
+            // send one key's messages at once.
+            heads: format!(
+                "WITH win AS MATERIALIZED (\n\
+                 \x20   SELECT seq, msg_key FROM {t}\n\
+                 \x20   WHERE parked_at IS NULL AND (retry_at IS NULL OR retry_at <= now())\n\
+                 \x20   ORDER BY seq LIMIT $1\n\
+                 ), heads AS (\n\
+                 \x20   SELECT DISTINCT ON (msg_key) seq FROM win ORDER BY msg_key, seq\n\
+                 )\n\
+                 SELECT o.msg_key FROM {t} o\n\
+                 WHERE o.seq IN (SELECT seq FROM heads)\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
+                 ORDER BY o.seq LIMIT $2\n\
+                 FOR UPDATE OF o SKIP LOCKED"
+            ),
+            // The owned keys' sendable rows, oldest first. Their heads are
+            // locked already; the rest are nobody else's (not heads).
+            batch: format!(
+                "SELECT seq, id, topic, msg_key, payload, attempts FROM {t}\n\
+                 WHERE msg_key = ANY($1) AND parked_at IS NULL\n\
+                 ORDER BY seq LIMIT $2 FOR UPDATE"
+            ),
+            delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
+            // A failed send: `park` says whether the broker refused it
+            // (parked) or could not take it now (retried after `retry_ms`).
+            failed: format!(
+                "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.reason,\n\
+                 \x20   retry_at = CASE WHEN f.park THEN NULL\n\
+                 \x20                   ELSE now() + f.retry_ms * interval '1 millisecond' END,\n\
+                 \x20   parked_at = CASE WHEN f.park THEN now() END\n\
+                 FROM unnest($1::bigint[], $2::text[], $3::boolean[], $4::bigint[]) AS f(seq, reason, park, retry_ms)\n\
+                 WHERE o.seq = f.seq"
+            ),
+            parked: format!(
+                "SELECT {PARKED_COLUMNS} FROM {t} WHERE parked_at IS NOT NULL ORDER BY seq LIMIT $1"
+            ),
+            retry: format!(
+                "UPDATE {t} SET parked_at = NULL, retry_at = NULL WHERE id = $1 AND parked_at IS NOT NULL"
+            ),
+            retry_all: format!(
+                "UPDATE {t} SET parked_at = NULL, retry_at = NULL WHERE parked_at IS NOT NULL"
+            ),
+            drop: format!(
+                "DELETE FROM {t} WHERE id = $1 AND parked_at IS NOT NULL RETURNING {PARKED_COLUMNS}"
+            ),
+            backlog: format!(
+                "SELECT count(*) FILTER (WHERE parked_at IS NULL) AS pending,\n\
+                 \x20      count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked,\n\
+                 \x20      ceil(extract(epoch FROM now() - min(created_at) FILTER (WHERE parked_at IS NULL)) * 1000)::bigint AS oldest_ms\n\
+                 FROM {t}"
+            ),
+            table: t,
+        }
+    }
+}
