@@ -56,3 +56,23 @@ pub use idem_consumer as consumer;
 /// The PostgreSQL store and `run_in_tx` (feature `postgres`); see [`idem_postgres`].
 #[cfg(feature = "postgres")]
 pub use idem_postgres as postgres;
+
+/// The transactional outbox: messages for the next system committed with a
+/// call's result, and a relay that publishes them at least once, in order
+/// per key, with ids the consumer on the other side de-duplicates on.
+///
+/// - always: the contract ([`Sink`](outbox::Sink),
+///   [`OutboxMessage`](outbox::OutboxMessage), [`message_id`](outbox::message_id));
+/// - feature `postgres`: `publish` (in a `run_in_tx` body), `Outbox`,
+///   `Relay`;
+/// - features `redis-streams`, `nats`, `rabbitmq`, `kafka`: the brokers'
+///   sinks.
+///
+/// The guide is `docs/outbox.md`.
+pub mod outbox {
+    #[cfg(feature = "consumer")]
+    pub use idem_consumer::outbox::*;
+    pub use idem_core::outbox::*;
+    #[cfg(feature = "postgres")]
+    pub use idem_postgres::outbox::*;
+}

@@ -82,4 +82,35 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 1000)]
         limit: usize,
     },
+    /// The transactional outbox beside the PostgreSQL table (needs
+    /// --postgres): what waits, and the messages the broker refused.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum OutboxCommand {
+    /// Messages waiting and parked, and the age of the oldest waiting one.
+    Status,
+    /// The parked messages (refused by the broker), oldest first, with why.
+    List {
+        /// Print at most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Send a parked message again (after fixing its cause); its key's later
+    /// messages follow it.
+    Retry {
+        /// The message id, as `list` shows it.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<String>,
+        /// Every parked message.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete a parked message for good (its key's later messages go on).
+    Drop {
+        /// The message id, as `list` shows it.
+        id: String,
+    },
 }

@@ -1,6 +1,7 @@
 //! `idem`: inspect, forget and scan idempotency records (see `--help`).
 
 mod args;
+mod outbox;
 mod render;
 
 use args::{Cli, Command, Target};
@@ -85,8 +86,12 @@ async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
 }
 
 async fn run(cli: Cli) -> Result<u8, Error> {
-    let (idem, store) = connect(&cli.target).await?;
     let json = cli.target.json;
+    // The outbox commands need PostgreSQL only, not a records store.
+    let (idem, store) = match &cli.command {
+        Command::Outbox(command) => return outbox::run(&cli.target, command).await,
+        _ => connect(&cli.target).await?,
+    };
     match cli.command {
         Command::Inspect { scope, key, value } => {
             let info = if value {
@@ -190,5 +195,6 @@ async fn run(cli: Cli) -> Result<u8, Error> {
             }
             Ok(0)
         }
+        Command::Outbox(command) => outbox::run(&cli.target, &command).await,
     }
 }

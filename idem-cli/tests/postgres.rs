@@ -132,3 +132,69 @@ fn bad_postgres_urls_and_tables() {
     let o = idem(&["--table", "t", "inspect", "s", "k"]);
     assert_eq!(code(&o), 2, "--table needs --postgres: {}", err(&o));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_status_list_retry_drop() {
+    let ctx = TestContext::postgres().await;
+    let db = ctx.pg_db();
+    let outbox = idem_postgres::PgStore::from_pool(db.pool.clone()).outbox();
+    let mut tx = db.pool.begin().await.unwrap();
+    for (id, key) in [("m-refused", "order-1"), ("m-waiting", "order-1")] {
+        outbox
+            .publish_with_id(
+                &mut tx,
+                "orders.created",
+                key,
+                id,
+                &serde_json::json!({"n": 1}),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let park = "UPDATE idem_keys_outbox SET parked_at = now(), attempts = 1, \
+                last_error = 'the broker refused the message: no such topic' WHERE id = 'm-refused'";
+    db.exec(park).await;
+    let url = db.url.as_str();
+    let with = |rest: &[&'static str]| [&["--postgres", url][..], rest].concat();
+
+    let o = idem(&with(&["outbox", "status"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(out(&o).starts_with("pending 1\tparked 1"), "{}", out(&o));
+    let o = idem(&with(&["outbox", "list"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(
+        out(&o).contains("m-refused\torders.created\tkey order-1"),
+        "{}",
+        out(&o)
+    );
+    assert!(out(&o).contains("no such topic"), "{}", out(&o));
+    let o = idem(&with(&["--json", "outbox", "list"]));
+    let v: serde_json::Value = serde_json::from_str(out(&o).trim()).unwrap();
+    assert_eq!((&v["id"], &v["attempts"]), (&"m-refused".into(), &1.into()));
+
+    // Retry: no longer parked; an unknown id is exit 1.
+    let o = idem(&with(&["outbox", "retry", "m-refused"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(code(&idem(&with(&["outbox", "retry", "nope"]))), 1);
+    assert!(out(&idem(&with(&["outbox", "status"]))).starts_with("pending 2\tparked 0"));
+    // Drop: only a parked message, and only once.
+    let o = idem(&with(&["outbox", "drop", "m-waiting"]));
+    assert_eq!(
+        code(&o),
+        1,
+        "a waiting message is never dropped: {}",
+        err(&o)
+    );
+    db.exec(park).await;
+    let o = idem(&with(&["outbox", "drop", "m-refused"]));
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(out(&o).contains("dropped m-refused"), "{}", out(&o));
+    assert_eq!(code(&idem(&with(&["outbox", "drop", "m-refused"]))), 1);
+    assert_eq!(db.count("SELECT count(*) FROM idem_keys_outbox").await, 1);
+
+    // Without --postgres: a usage error that says what to pass.
+    let o = idem(&["outbox", "status"]);
+    assert_eq!(code(&o), 2, "{}", err(&o));
+    assert!(err(&o).contains("--postgres"), "{}", err(&o));
+}
