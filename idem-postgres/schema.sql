@@ -106,9 +106,15 @@ CREATE UNIQUE INDEX IF NOT EXISTS "idem_keys_outbox_id_idx" ON "idem_keys_outbox
 
 CREATE INDEX IF NOT EXISTS "idem_keys_outbox_key_idx" ON "idem_keys_outbox" (msg_key, seq);
 
+CREATE TABLE IF NOT EXISTS "idem_keys_outbox_wake" (idle boolean NOT NULL);
+
+INSERT INTO "idem_keys_outbox_wake" (idle) SELECT true WHERE NOT EXISTS (SELECT 1 FROM "idem_keys_outbox_wake");
+
 CREATE OR REPLACE FUNCTION "idem_keys_outbox_notify"() RETURNS trigger LANGUAGE plpgsql AS $idem$
 BEGIN
-    PERFORM pg_notify('idem_outbox:idem_keys', '');
+    IF EXISTS (SELECT 1 FROM "idem_keys_outbox_wake" WHERE idle) THEN
+        PERFORM pg_notify('idem_outbox:idem_keys', '');
+    END IF;
     RETURN NULL;
 END
 $idem$;

@@ -373,6 +373,9 @@ impl<S: Sink> Relay<S> {
         let mut totals = RelayReport::default();
         let mut next_retry: Option<Instant> = None;
         let mut outages = 0u32;
+        // Whether this relay asked inserts to notify (`<table>_outbox_wake`):
+        // only while it sleeps, since notifying commits run one at a time.
+        let mut idle = false;
         tracing::info!(table = %self.outbox.sql.table, sink = %self.sink.describe(), "outbox relay started");
         loop {
             if listener.is_none() {
@@ -395,7 +398,17 @@ impl<S: Sink> Relay<S> {
                         let at = now + d;
                         next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
                     }
-                    if pass.handled() >= self.batch as u64 {
+                    if pass.handled() > 0 {
+                        // Busy: straight to the next pass, and no wake-ups
+                        // needed meanwhile.
+                        if idle {
+                            idle = !self.set_idle(false).await;
+                        }
+                        Duration::ZERO
+                    } else if !idle && listener.is_some() {
+                        // About to sleep: inserts notify from now on; one
+                        // more pass covers a row committed before that.
+                        idle = self.set_idle(true).await;
                         Duration::ZERO
                     } else {
                         next_retry.map_or(self.poll, |at| {
@@ -422,6 +435,10 @@ impl<S: Sink> Relay<S> {
                 }
             }
         }
+        // Sleeping peers are woken by inserts again.
+        if !idle {
+            self.set_idle(true).await;
+        }
         tracing::info!(
             sent = totals.sent,
             parked = totals.parked,
@@ -429,6 +446,21 @@ impl<S: Sink> Relay<S> {
             "outbox relay stopped"
         );
         totals
+    }
+
+    /// Sets whether inserts notify; `true` when it was written.
+    async fn set_idle(&self, idle: bool) -> bool {
+        match sqlx::query(AssertSqlSafe(self.outbox.sql.idle.as_str()))
+            .bind(idle)
+            .execute(&self.outbox.pool)
+            .await
+        {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(error = %e, idle, "outbox relay could not record whether it sleeps; the poll covers it");
+                false
+            }
+        }
     }
 
     async fn listen(&self) -> Option<PgListener> {

@@ -1,0 +1,230 @@
+//! Sustained churn on PostgreSQL: what an hour of `run_in_tx` calls, each
+//! publishing one outbox message, does to the tables (dead tuples, size)
+//! and to the throughput, with the relay draining the outbox and the reaper
+//! deleting expired records, as in production.
+//!
+//! ```text
+//! cargo bench --bench outbox_churn --features postgres -- --minutes 60 --ttl 300
+//! ```
+//!
+//! `--minutes M` (10), `--ttl S` (300: records expire and are reaped),
+//! `--tasks N` (16), `--sample S` (60), `--pg-url URL` (default `IDEM_PG_URL`,
+//! then 127.0.0.1:5432; a database of its own is created and dropped). The
+//! relay's sink confirms at once: the broker is not what is measured here.
+
+use async_trait::async_trait;
+use idem::outbox::{self, OutboxMessage, Relay, Sink, SinkError};
+use idem::postgres::sqlx::{self, Connection, PgConnection};
+use idem::postgres::{PgStore, RunInTx};
+use idem::{Error, Idempotency};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+struct Confirms;
+
+#[async_trait]
+impl Sink for Confirms {
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        batch.iter().map(|_| Ok(())).collect()
+    }
+    fn describe(&self) -> String {
+        "confirms at once".into()
+    }
+}
+
+fn arg(name: &str, default: f64) -> f64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn arg_str(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+struct TableStats {
+    live: i64,
+    dead: i64,
+    bytes: i64,
+    autovacuums: i64,
+}
+
+async fn stats(pool: &sqlx::PgPool, table: &str) -> TableStats {
+    let (live, dead, bytes, autovacuums): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT n_live_tup AS live, n_dead_tup AS dead, pg_total_relation_size(relid) AS bytes, \
+         autovacuum_count AS autovacuums FROM pg_stat_user_tables WHERE relname = $1",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap_or_else(|e| panic!("stats of {table}: {e}"));
+    TableStats {
+        live,
+        dead,
+        bytes,
+        autovacuums,
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let minutes = arg("--minutes", 10.0);
+    let ttl = Duration::from_secs_f64(arg("--ttl", 300.0));
+    let tasks = arg("--tasks", 16.0) as usize;
+    let sample = Duration::from_secs_f64(arg("--sample", 60.0));
+    let admin = arg_str("--pg-url").unwrap_or_else(|| {
+        std::env::var("IDEM_PG_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    });
+    let db = format!("idem_churn_{}", std::process::id());
+    let mut conn = PgConnection::connect(&admin)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL not reachable at {admin}: {e}; give --pg-url"));
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&mut conn)
+        .await
+        .expect("create the bench database");
+    let base = admin.rfind('/').map_or(admin.as_str(), |i| &admin[..i]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(tasks as u32 + 8)
+        .connect(&format!("{base}/{db}"))
+        .await
+        .expect("connect");
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, req text NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("orders");
+    // Orders are the application's: it deletes old ones itself, here as
+    // soon as they are written, so the figures are idem's tables alone.
+    let idem = Arc::new(
+        Idempotency::builder(store.clone())
+            .result_ttl(ttl)
+            .namespace("churn")
+            .build(),
+    );
+    let reaper = store.spawn_reaper(Duration::from_secs(10), 10_000);
+    let relay = Relay::new(&store, Confirms).poll_interval(Duration::from_secs(1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let relay_task = {
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move {
+            relay
+                .run(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                })
+                .await
+        })
+    };
+    let calls = Arc::new(AtomicU64::new(0));
+    let workers: Vec<_> = (0..tasks)
+        .map(|t| {
+            let (idem, pool, stop, calls) = (
+                Arc::clone(&idem),
+                pool.clone(),
+                Arc::clone(&stop),
+                Arc::clone(&calls),
+            );
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let key = format!("{t}-{n}");
+                    let r: Result<i64, Error> = idem
+                        .call("orders.create", &key)
+                        .run_in_tx(&pool, async |tx| {
+                            let (id,): (i64,) =
+                                sqlx::query_as("INSERT INTO orders (req) VALUES ($1) RETURNING id")
+                                    .bind(&key)
+                                    .fetch_one(&mut *tx)
+                                    .await
+                                    .map_err(|e| Error::codec(e.to_string()))?;
+                            outbox::publish(tx, "orders.created", &key, &id).await?;
+                            Ok(id)
+                        })
+                        .await;
+                    if let Err(e) = r {
+                        eprintln!("call failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                    calls.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let orders_gc = {
+        let (pool, stop) = (pool.clone(), Arc::clone(&stop));
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = sqlx::query("DELETE FROM orders").execute(&pool).await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        })
+    };
+    println!(
+        "churn: {tasks} tasks of run_in_tx + one outbox message, result TTL {ttl:?}, reaper every 10 s, {minutes} min\n"
+    );
+    println!(
+        "| min | calls/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(minutes * 60.0);
+    let mut last = (Instant::now(), 0u64);
+    while Instant::now() < end {
+        tokio::time::sleep(sample.min(end.saturating_duration_since(Instant::now()))).await;
+        let now = (Instant::now(), calls.load(Ordering::Relaxed));
+        let rate = (now.1 - last.1) as f64 / (now.0 - last.0).as_secs_f64();
+        last = now;
+        let k = stats(&pool, "idem_keys").await;
+        let o = stats(&pool, "idem_keys_outbox").await;
+        let backlog = store
+            .outbox()
+            .backlog()
+            .await
+            .map(|b| b.pending)
+            .unwrap_or(0);
+        let mb = |b: i64| b as f64 / 1_048_576.0;
+        println!(
+            "| {:.0} | {rate:.0} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {} | {backlog} |",
+            start.elapsed().as_secs_f64() / 60.0,
+            k.live,
+            k.dead,
+            mb(k.bytes),
+            k.autovacuums,
+            o.live,
+            o.dead,
+            mb(o.bytes),
+            o.autovacuums
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.await;
+    }
+    let _ = orders_gc.await;
+    let report = relay_task.await.expect("relay");
+    drop(reaper);
+    println!(
+        "\n{} calls, {} messages relayed",
+        calls.load(Ordering::Relaxed),
+        report.sent
+    );
+    pool.close().await;
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {db} WITH (FORCE)"
+    )))
+    .execute(&mut conn)
+    .await;
+}
