@@ -41,8 +41,8 @@ mod lease;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod operate;
-mod outcome;
 pub mod outbox;
+mod outcome;
 mod private;
 mod settings;
 pub mod store;
