@@ -29,6 +29,11 @@
 //!   committed only up to the lowest record not yet decided, in-process
 //!   retries, retry and dead-letter topics, rebalances with a deadline.
 //!
+//! The other direction, for a transactional outbox: [`outbox`] has a
+//! [`Sink`](outbox::Sink) per broker (`RedisStreamsSink`, `NatsSink`,
+//! `RabbitSink`, `KafkaSink`, each behind its broker's feature) that puts
+//! each message's id where the adapter above reads it, so re-sends replay.
+//!
 //! ```
 //! use idem_consumer::{Consumer, Decision, Message};
 //! use idem_core::{Idempotency, MemoryStore};
@@ -59,6 +64,7 @@ mod message;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+pub mod outbox;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]

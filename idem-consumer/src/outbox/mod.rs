@@ -1,0 +1,97 @@
+//! Outbox sinks: the brokers an outbox relay publishes through, one per
+//! consumer adapter of this crate, each behind the adapter's feature.
+//!
+//! A body writes its outgoing messages in the transaction that stores its
+//! result; a relay (idem-postgres) later hands them to a [`Sink`] and
+//! deletes each only once the sink answered `Ok`, which here always means
+//! **the broker confirmed the message durable**: a stream entry written, a
+//! JetStream ack, a publisher confirm, a Kafka delivery report. A sink
+//! publishes a whole batch at once (the relay never puts two messages with
+//! one key in a batch) and answers one result per message, in order.
+//!
+//! Every message carries its [`OutboxMessage::id`] where the matching
+//! adapter of this crate reads the message id **by default**, so an idem
+//! [`Consumer`](crate::Consumer) on the other side runs its effect once
+//! however often the relay re-sends:
+//!
+//! | sink | feature | where the id goes | also |
+//! | --- | --- | --- | --- |
+//! | [`RedisStreamsSink`] | `redis-streams` | field `id` (`XADD <topic> * id … payload … key …`) | `MAXLEN ~` |
+//! | [`NatsSink`] | `nats` | header `Nats-Msg-Id` | header `Idem-Outbox-Key` |
+//! | [`RabbitSink`] | `rabbitmq` | property `message_id` | header `idem-outbox-key`, persistent, `mandatory` |
+//! | [`KafkaSink`] | `kafka` | header `idempotency-key` | record key = the message key |
+//!
+//! Failures are sorted for the relay: [`SinkError::Refused`] when the
+//! broker would refuse the message again (too large, no stream or topic
+//! for it, unroutable, not authorised), which the relay parks for an
+//! operator; [`SinkError::Unavailable`] for everything that may pass on
+//! its own (connection lost, timeout, a broker nack), which the relay
+//! retries with the same id. Each sink's documentation lists its cases.
+//!
+//! ```no_run
+//! # #[cfg(feature = "redis-streams")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink};
+//!
+//! let sink = RedisStreamsSink::connect("redis://127.0.0.1/").await?.max_len(100_000);
+//! let batch = [OutboxMessage {
+//!     id: idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created"),
+//!     topic: "orders.created".into(),
+//!     key: "o-1".into(),
+//!     payload: r#"{"order":"o-1"}"#.into(),
+//!     attempts: 0,
+//! }];
+//! for result in sink.send(&batch).await {
+//!     result?; // Refused: park it; Unavailable: try again later
+//! }
+//! # Ok(()) }
+//! ```
+
+pub use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+
+#[cfg(feature = "kafka")]
+mod kafka;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "rabbitmq")]
+mod rabbitmq;
+#[cfg(feature = "redis-streams")]
+mod redis_streams;
+
+#[cfg(feature = "kafka")]
+pub use kafka::KafkaSink;
+#[cfg(feature = "nats")]
+pub use nats::NatsSink;
+#[cfg(feature = "rabbitmq")]
+pub use rabbitmq::RabbitSink;
+#[cfg(feature = "redis-streams")]
+pub use redis_streams::RedisStreamsSink;
+
+/// The same failure for every message of a batch (a connection lost
+/// before any answer): `SinkError` is not `Clone`, so each gets its own,
+/// with the client's error as text.
+#[allow(dead_code)] // unused without any broker feature
+fn for_all(
+    n: usize,
+    refused: bool,
+    reason: &str,
+    source: &dyn std::fmt::Display,
+) -> Vec<Result<(), SinkError>> {
+    (0..n)
+        .map(|_| {
+            let e = if refused {
+                SinkError::refused(reason)
+            } else {
+                SinkError::unavailable(reason)
+            };
+            Err(e.with_source(source.to_string()))
+        })
+        .collect()
+}
+
+/// Whether `s` would break a header or protocol line: ids and keys come
+/// from the database, where nothing stops a newline.
+#[allow(dead_code)]
+fn has_control(s: &str) -> bool {
+    s.chars().any(char::is_control)
+}

@@ -1,0 +1,236 @@
+//! [`RedisStreamsSink`]: `XADD`s a batch in one pipelined round trip.
+
+use super::{OutboxMessage, Sink, SinkError, for_all};
+use crate::error::ConsumerError;
+use async_trait::async_trait;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, RedisResult, Value};
+use std::fmt;
+use std::time::Duration;
+
+const BROKER: &str = "redis-streams";
+
+/// Publishes outbox messages as stream entries: `XADD <topic> * id <id>
+/// payload <payload> key <key>` (with `MAXLEN ~ n` when
+/// [`max_len`](Self::max_len) is set), the fields a
+/// [`RedisStreamsConsumer`](crate::redis_streams::RedisStreamsConsumer)
+/// reads by default. A batch is one pipeline, one round trip; an entry is
+/// confirmed once Redis answered its `XADD` (as durable as the server's
+/// persistence settings make any write).
+///
+/// | what happened | result |
+/// | --- | --- |
+/// | `XADD` answered with an entry id | `Ok` |
+/// | the topic's key holds another type (`WRONGTYPE`) | `Refused`, that message only |
+/// | the ACL user may not write the key (`NOPERM`) | `Refused`, that message only |
+/// | any other error reply (`OOM`, `READONLY`, `LOADING`…) | `Unavailable`, that message only |
+/// | connection lost, no answer within [`timeout`](Self::timeout) | `Unavailable`, every message |
+///
+/// Any connection of redis-rs works (`ConnectionManager`, a cluster's
+/// `ClusterConnection`…); [`connect`](Self::connect) opens an
+/// auto-reconnecting `ConnectionManager`.
+///
+/// ```no_run
+/// use idem_consumer::outbox::RedisStreamsSink;
+/// use idem_consumer::redis_streams::redis;
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let conn = redis::aio::ConnectionManager::new(redis::Client::open("redis://127.0.0.1/")?).await?;
+/// let sink = RedisStreamsSink::new(conn).max_len(1_000_000);
+/// # let _ = sink;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStreamsSink<C = ConnectionManager> {
+    conn: C,
+    max_len: Option<usize>,
+    timeout: Duration,
+    describe: String,
+}
+
+impl<C> fmt::Debug for RedisStreamsSink<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStreamsSink")
+            .field("describe", &self.describe)
+            .field("max_len", &self.max_len)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStreamsSink<ConnectionManager> {
+    /// Connects to the Redis at `url` with an auto-reconnecting connection
+    /// (2 s to connect, 5 s per answer).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_consumer::ConsumerError> {
+    /// let sink = idem_consumer::outbox::RedisStreamsSink::connect("redis://127.0.0.1/").await?;
+    /// # let _ = sink;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect(url: &str) -> Result<Self, ConsumerError> {
+        let client = redis::Client::open(url).map_err(|e| {
+            ConsumerError::Config(format!(
+                "`{url}` is not a Redis URL ({e}); write it as redis://[user:password@]host[:port][/db]"
+            ))
+        })?;
+        let addr = client.get_connection_info().addr().to_string();
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_connection_timeout(Some(Duration::from_secs(2)));
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| {
+                ConsumerError::broker(
+                    BROKER,
+                    "connect",
+                    format!("{e} (is Redis running at {addr}?)"),
+                )
+            })?;
+        let mut sink = RedisStreamsSink::new(conn);
+        sink.describe = format!("{BROKER} {addr}");
+        Ok(sink)
+    }
+}
+
+impl<C> RedisStreamsSink<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Publishes through `conn` (cloned per batch, as redis-rs connections
+    /// are meant to be). Defaults: no trimming, 10 s per batch.
+    ///
+    /// ```no_run
+    /// use idem_consumer::outbox::RedisStreamsSink;
+    /// use idem_consumer::redis_streams::redis;
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let cluster = redis::cluster::ClusterClient::new(vec!["redis://127.0.0.1:7000/"])?;
+    /// let sink = RedisStreamsSink::new(cluster.get_async_connection().await?);
+    /// # let _ = sink;
+    /// # Ok(()) }
+    /// ```
+    pub fn new(conn: C) -> Self {
+        RedisStreamsSink {
+            conn,
+            max_len: None,
+            timeout: Duration::from_secs(10),
+            describe: BROKER.to_owned(),
+        }
+    }
+
+    /// Trims each stream to about `n` entries as it adds one (`MAXLEN ~
+    /// n`: whole macro nodes, so cheaply and never below `n`). Keep `n`
+    /// well above what consumers may lag behind: a trimmed entry that was
+    /// never read is lost to them.
+    ///
+    /// ```
+    /// # fn demo(conn: idem_consumer::redis_streams::redis::aio::ConnectionManager) {
+    /// let sink = idem_consumer::outbox::RedisStreamsSink::new(conn).max_len(100_000);
+    /// # let _ = sink; }
+    /// ```
+    pub fn max_len(mut self, n: usize) -> Self {
+        self.max_len = Some(n);
+        self
+    }
+
+    /// How long a batch may wait for Redis's answers before every message
+    /// of it is `Unavailable` (default 10 s). Entries may still have been
+    /// written: the relay sends them again, under the same ids, and the
+    /// consumer replays the copies.
+    ///
+    /// ```
+    /// # fn demo(conn: idem_consumer::redis_streams::redis::aio::ConnectionManager) {
+    /// use std::time::Duration;
+    /// let sink = idem_consumer::outbox::RedisStreamsSink::new(conn).timeout(Duration::from_secs(2));
+    /// # let _ = sink; }
+    /// ```
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = d;
+        self
+    }
+
+    fn pipeline(&self, batch: &[OutboxMessage]) -> redis::Pipeline {
+        let mut pipe = redis::pipe();
+        // Answers per command: one WRONGTYPE must not fail the others.
+        pipe.ignore_errors();
+        for m in batch {
+            let cmd = pipe.cmd("XADD").arg(&m.topic);
+            if let Some(n) = self.max_len {
+                cmd.arg("MAXLEN").arg("~").arg(n);
+            }
+            cmd.arg("*")
+                .arg("id")
+                .arg(&m.id)
+                .arg("payload")
+                .arg(m.payload.as_ref())
+                .arg("key")
+                .arg(&m.key);
+        }
+        pipe
+    }
+}
+
+/// What one `XADD`'s error reply means for its message.
+fn judge(m: &OutboxMessage, e: RedisError) -> SinkError {
+    match e.code() {
+        Some("WRONGTYPE") => SinkError::refused(format!(
+            "the key `{}` holds another type than a stream (WRONGTYPE); delete or rename it, or \
+             publish the message to another topic",
+            m.topic
+        ))
+        .with_source(e),
+        Some("NOPERM") => SinkError::refused(format!(
+            "the Redis user may not XADD to `{}` (NOPERM); grant it `+xadd` on the key (see \
+             docs/operating.md, Redis ACL)",
+            m.topic
+        ))
+        .with_source(e),
+        _ => SinkError::unavailable(format!("XADD to `{}` failed", m.topic)).with_source(e),
+    }
+}
+
+#[async_trait]
+impl<C> Sink for RedisStreamsSink<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        if batch.is_empty() {
+            return Vec::new();
+        }
+        let pipe = self.pipeline(batch);
+        let mut conn = self.conn.clone();
+        let replies = tokio::time::timeout(
+            self.timeout,
+            pipe.query_async::<Vec<RedisResult<Value>>>(&mut conn),
+        )
+        .await;
+        let replies = match replies {
+            Err(_) => {
+                let why = format!("Redis did not answer within {:?}", self.timeout);
+                tracing::warn!(sink = %self.describe, messages = batch.len(), "{why}");
+                return for_all(batch.len(), false, &why, &"timed out");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(sink = %self.describe, messages = batch.len(), error = %e, "XADD pipeline failed");
+                return for_all(batch.len(), false, "the XADD pipeline failed", &e);
+            }
+            Ok(Ok(r)) => r,
+        };
+        if replies.len() != batch.len() {
+            let why = format!("{} answers to {} XADDs", replies.len(), batch.len());
+            return for_all(batch.len(), false, &why, &"unexpected reply");
+        }
+        batch
+            .iter()
+            .zip(replies)
+            .map(|(m, r)| match r {
+                Ok(_) => Ok(()),
+                Err(e) => Err(judge(m, e)),
+            })
+            .collect()
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+}
