@@ -70,6 +70,8 @@ pub use idem_postgres as postgres;
 ///
 /// The guide is `docs/outbox.md`.
 pub mod outbox {
+    #[cfg(feature = "consumer")]
+    pub use idem_consumer::outbox::*;
     pub use idem_core::outbox::*;
     #[cfg(feature = "postgres")]
     pub use idem_postgres::outbox::*;

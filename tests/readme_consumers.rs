@@ -34,13 +34,14 @@ mod postgres;
 mod http;
 
 /// The documents that print consumer programs.
-const DOCS: [(&str, &str); 6] = [
+const DOCS: [(&str, &str); 7] = [
     ("README.md", include_str!("../README.md")),
     ("docs/consumers.md", include_str!("../docs/consumers.md")),
     ("docs/kafka.md", include_str!("../docs/kafka.md")),
     ("docs/steps.md", include_str!("../docs/steps.md")),
     ("docs/postgres.md", include_str!("../docs/postgres.md")),
     ("docs/http.md", include_str!("../docs/http.md")),
+    ("docs/outbox.md", include_str!("../docs/outbox.md")),
 ];
 
 /// Fails unless a document holds `program` as a whole ```rust block.
@@ -102,4 +103,13 @@ fn the_postgres_guide_opens_with_the_program_compiled_here() {
 #[test]
 fn the_http_guide_opens_with_the_program_compiled_here() {
     assert_readme_prints("http_server.rs", include_str!("readme/http_server.rs"));
+}
+
+#[path = "readme/outbox_orders.rs"]
+#[allow(dead_code)]
+mod outbox;
+
+#[test]
+fn the_outbox_guide_prints_its_program_compiled_here() {
+    assert_readme_prints("outbox_orders.rs", include_str!("readme/outbox_orders.rs"));
 }

@@ -522,7 +522,35 @@ async fn run_wakes_on_notify_and_finishes_its_pass_on_shutdown() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(sink.ids().len(), 1, "NOTIFY did not wake the relay");
+    // Asleep again, it asked inserts to notify; a second message wakes it too.
+    for _ in 0..300 {
+        if db
+            .count("SELECT count(*) FROM idem_keys_outbox_wake WHERE idle")
+            .await
+            == 1
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    idem.call("orders.create", "n2")
+        .run_in_tx(&pool, async |tx| {
+            outbox::publish(tx, "orders.created", "n2", &"again").await
+        })
+        .await
+        .unwrap();
+    for _ in 0..300 {
+        if sink.ids().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        sink.ids().len(),
+        2,
+        "the second NOTIFY did not wake the relay"
+    );
     stop.send(()).unwrap();
     let report = running.await.unwrap();
-    assert_eq!(report.sent, 1);
+    assert_eq!(report.sent, 2);
 }

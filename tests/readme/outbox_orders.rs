@@ -40,7 +40,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let store = PgStore::from_pool(pool.clone());
     store.migrate().await?; // idem's tables, the outbox among them
-    let idem = Idempotency::builder(store.clone()).namespace("shop").build();
+    let idem = Idempotency::builder(store.clone())
+        .namespace("shop")
+        .build();
 
     // request-7 arrives twice: one row, one message.
     for request in ["request-7", "request-8", "request-7"] {
