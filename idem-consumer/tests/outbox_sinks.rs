@@ -28,9 +28,9 @@ use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
 use idem_consumer::{Adapter, Consumer, Message};
 use idem_core::outbox::message_id;
 use idem_core::{Idempotency, MemoryStore, Outcome};
-use idem_testkit::{FaultProxy, KafkaBroker, Ledger, NatsServer, RedisServer};
+use idem_testkit::{FaultProxy, KafkaBroker, Ledger, NatsServer, RedisCluster, RedisServer};
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -276,6 +276,41 @@ async fn redis_streams_sink_with_redis_down_answers_unavailable_for_every_messag
     server.kill();
     let results = sink.send(&outbox("redis-down", "orders", 4)).await;
     assert_all_unavailable(&results, 4);
+}
+
+/// On a cluster the pipeline spans slots (each topic on its own node);
+/// answers still map per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_streams_sink_on_a_cluster_publishes_across_slots_and_refuses_per_message() {
+    let cluster = RedisCluster::start();
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+    let conn = client.get_async_connection().await.unwrap();
+    let sink = RedisStreamsSink::new(conn);
+    let mut batch: Vec<OutboxMessage> = (0..6)
+        .map(|i| {
+            message(
+                "cluster",
+                &format!("orders-{i}"),
+                i,
+                format!(r#"{{"i":{i}}}"#),
+            )
+        })
+        .collect();
+    let owners: std::collections::BTreeSet<usize> =
+        batch.iter().map(|m| cluster.slot_owner(&m.topic)).collect();
+    assert!(owners.len() > 1, "the topics span nodes: {owners:?}");
+    let mut plain = client.get_connection().unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("plain")
+        .arg("x")
+        .query(&mut plain)
+        .unwrap();
+    batch[3].topic = "plain".into();
+    assert_refused_only(&sink.send(&batch).await, 6, 3);
+    for m in batch.iter().filter(|m| m.topic != "plain") {
+        let len: usize = redis::cmd("XLEN").arg(&m.topic).query(&mut plain).unwrap();
+        assert_eq!(len, 1, "{}", m.topic);
+    }
 }
 
 // --------------------------------------------------------------------- NATS
@@ -566,6 +601,41 @@ async fn rabbit_sink_with_the_broker_gone_answers_unavailable_for_every_message(
     drop(proxy);
     let results = sink.send(&outbox("rabbit-down", &queue.name, 4)).await;
     assert_all_unavailable(&results, 4);
+}
+
+/// A queue that rejects publishes when full (`x-overflow: reject-publish`)
+/// nacks the one over its length: `Unavailable`, to be sent again once
+/// consumers made room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_sink_a_publisher_nack_is_unavailable_for_that_message() {
+    let queue = RabbitQueue::create("outbox.full").await;
+    let full = unique("outbox.full.one");
+    let conn = amqp_connect(&queue.url).await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    let sink = RabbitSink::new(conn).await.unwrap();
+    let mut batch = outbox("rabbit-nack", &queue.name, 3);
+    batch[0].topic = full.clone();
+    batch[1].topic = full.clone();
+    let results = sink.send(&batch).await;
+    let _ = channel
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert!(
+        matches!(&results[1], Err(SinkError::Unavailable { reason, .. }) if reason.contains("nack")),
+        "{results:?}"
+    );
+    assert!(results[2].is_ok(), "{results:?}");
 }
 
 // -------------------------------------------------------------------- Kafka
