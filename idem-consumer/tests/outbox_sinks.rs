@@ -338,12 +338,18 @@ impl NatsStream {
     /// A short duplicate window: a relay re-sends long after it in
     /// production, and JetStream would otherwise drop the copies itself.
     async fn create(url: &str, prefix: &str) -> NatsStream {
+        NatsStream::create_with(url, prefix, -1).await
+    }
+
+    /// With messages up to `max_message_size` bytes (-1: no limit).
+    async fn create_with(url: &str, prefix: &str, max_message_size: i32) -> NatsStream {
         let js = async_nats::jetstream::new(nats_client(url).await);
         let name = unique(prefix);
         js.create_stream(async_nats::jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![format!("{name}.>")],
             duplicate_window: Duration::from_millis(200),
+            max_message_size,
             ..Default::default()
         })
         .await
@@ -434,6 +440,21 @@ async fn nats_sink_refuses_a_subject_no_stream_captures_and_an_oversized_message
     assert_all_ok(
         &sink.send(&outbox("nats-after", &stream.subject(), 2)).await,
         2,
+    );
+
+    // The stream's own limit: JetStream refuses it in the ack.
+    let small = NatsStream::create_with(&nats_url(), "outbox_small", 300).await;
+    let mut batch = outbox("nats-small", &small.subject(), 3);
+    batch[0].payload = Bytes::from(vec![b'x'; 500]);
+    let results = sink.send(&batch).await;
+    assert_refused_only(&results, 3, 0);
+    assert!(
+        results[0]
+            .as_ref()
+            .unwrap_err()
+            .reason()
+            .contains("max_msg_size"),
+        "{results:?}"
     );
 }
 
@@ -797,6 +818,34 @@ async fn kafka_sink_refuses_a_record_over_message_max_bytes_and_only_that_one() 
             .unwrap_err()
             .reason()
             .contains("message.max.bytes"),
+        "{results:?}"
+    );
+}
+
+/// librdkafka gives up on a topic the cluster does not know after
+/// `topic.metadata.propagation.max.ms` (30 s by default, 1 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_sink_refuses_a_topic_the_broker_does_not_know_and_only_that_record() {
+    let kafka = KafkaBroker::start();
+    let topic = unique("outbox-known");
+    create_topic(&kafka.bootstrap(), &topic, 1).await;
+    let sink = KafkaSink::new(
+        ClientConfig::new()
+            .set("bootstrap.servers", kafka.bootstrap())
+            .set("message.timeout.ms", "10000")
+            .set("topic.metadata.propagation.max.ms", "1000"),
+    )
+    .unwrap();
+    let mut batch = outbox("kafka-unknown", &topic, 3);
+    batch[1].topic = unique("outbox-unknown");
+    let results = sink.send(&batch).await;
+    assert_refused_only(&results, 3, 1);
+    assert!(
+        results[1]
+            .as_ref()
+            .unwrap_err()
+            .reason()
+            .contains("does not exist"),
         "{results:?}"
     );
 }

@@ -116,7 +116,8 @@ fn judge(m: &OutboxMessage, e: PublishError) -> SinkError {
         .with_source(e),
         PublishErrorKind::Other => match jetstream_code(&e) {
             Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => SinkError::refused(format!(
-                "the stream capturing `{}` refuses messages of {} bytes (max_msg_size)",
+                "the stream capturing `{}` refuses the message ({} bytes of payload, plus \
+                 headers) as over its max_msg_size",
                 m.topic,
                 m.payload.len()
             ))
