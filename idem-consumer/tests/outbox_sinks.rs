@@ -28,9 +28,9 @@ use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
 use idem_consumer::{Adapter, Consumer, Message};
 use idem_core::outbox::message_id;
 use idem_core::{Idempotency, MemoryStore, Outcome};
-use idem_testkit::{FaultProxy, KafkaBroker, Ledger, NatsServer, RedisServer};
+use idem_testkit::{FaultProxy, KafkaBroker, Ledger, NatsServer, RedisCluster, RedisServer};
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -278,6 +278,41 @@ async fn redis_streams_sink_with_redis_down_answers_unavailable_for_every_messag
     assert_all_unavailable(&results, 4);
 }
 
+/// On a cluster the pipeline spans slots (each topic on its own node);
+/// answers still map per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_streams_sink_on_a_cluster_publishes_across_slots_and_refuses_per_message() {
+    let cluster = RedisCluster::start();
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+    let conn = client.get_async_connection().await.unwrap();
+    let sink = RedisStreamsSink::new(conn);
+    let mut batch: Vec<OutboxMessage> = (0..6)
+        .map(|i| {
+            message(
+                "cluster",
+                &format!("orders-{i}"),
+                i,
+                format!(r#"{{"i":{i}}}"#),
+            )
+        })
+        .collect();
+    let owners: std::collections::BTreeSet<usize> =
+        batch.iter().map(|m| cluster.slot_owner(&m.topic)).collect();
+    assert!(owners.len() > 1, "the topics span nodes: {owners:?}");
+    let mut plain = client.get_connection().unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("plain")
+        .arg("x")
+        .query(&mut plain)
+        .unwrap();
+    batch[3].topic = "plain".into();
+    assert_refused_only(&sink.send(&batch).await, 6, 3);
+    for m in batch.iter().filter(|m| m.topic != "plain") {
+        let len: usize = redis::cmd("XLEN").arg(&m.topic).query(&mut plain).unwrap();
+        assert_eq!(len, 1, "{}", m.topic);
+    }
+}
+
 // --------------------------------------------------------------------- NATS
 
 fn nats_url() -> String {
@@ -303,12 +338,18 @@ impl NatsStream {
     /// A short duplicate window: a relay re-sends long after it in
     /// production, and JetStream would otherwise drop the copies itself.
     async fn create(url: &str, prefix: &str) -> NatsStream {
+        NatsStream::create_with(url, prefix, -1).await
+    }
+
+    /// With messages up to `max_message_size` bytes (-1: no limit).
+    async fn create_with(url: &str, prefix: &str, max_message_size: i32) -> NatsStream {
         let js = async_nats::jetstream::new(nats_client(url).await);
         let name = unique(prefix);
         js.create_stream(async_nats::jetstream::stream::Config {
             name: name.clone(),
             subjects: vec![format!("{name}.>")],
             duplicate_window: Duration::from_millis(200),
+            max_message_size,
             ..Default::default()
         })
         .await
@@ -399,6 +440,21 @@ async fn nats_sink_refuses_a_subject_no_stream_captures_and_an_oversized_message
     assert_all_ok(
         &sink.send(&outbox("nats-after", &stream.subject(), 2)).await,
         2,
+    );
+
+    // The stream's own limit: JetStream refuses it in the ack.
+    let small = NatsStream::create_with(&nats_url(), "outbox_small", 300).await;
+    let mut batch = outbox("nats-small", &small.subject(), 3);
+    batch[0].payload = Bytes::from(vec![b'x'; 500]);
+    let results = sink.send(&batch).await;
+    assert_refused_only(&results, 3, 0);
+    assert!(
+        results[0]
+            .as_ref()
+            .unwrap_err()
+            .reason()
+            .contains("max_msg_size"),
+        "{results:?}"
     );
 }
 
@@ -568,6 +624,41 @@ async fn rabbit_sink_with_the_broker_gone_answers_unavailable_for_every_message(
     assert_all_unavailable(&results, 4);
 }
 
+/// A queue that rejects publishes when full (`x-overflow: reject-publish`)
+/// nacks the one over its length: `Unavailable`, to be sent again once
+/// consumers made room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_sink_a_publisher_nack_is_unavailable_for_that_message() {
+    let queue = RabbitQueue::create("outbox.full").await;
+    let full = unique("outbox.full.one");
+    let conn = amqp_connect(&queue.url).await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare(full.as_str().into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    let sink = RabbitSink::new(conn).await.unwrap();
+    let mut batch = outbox("rabbit-nack", &queue.name, 3);
+    batch[0].topic = full.clone();
+    batch[1].topic = full.clone();
+    let results = sink.send(&batch).await;
+    let _ = channel
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert!(
+        matches!(&results[1], Err(SinkError::Unavailable { reason, .. }) if reason.contains("nack")),
+        "{results:?}"
+    );
+    assert!(results[2].is_ok(), "{results:?}");
+}
+
 // -------------------------------------------------------------------- Kafka
 
 async fn create_topic(bootstrap: &str, name: &str, partitions: i32) {
@@ -594,8 +685,12 @@ fn kafka_sink(bootstrap: &str) -> KafkaSink {
     .unwrap()
 }
 
-/// Whether the group has committed the end of every partition.
-fn committed_to_the_end(bootstrap: &str, group: &str, topic: &str, partitions: i32) -> bool {
+/// The group's committed offsets, per partition (`None`: nothing yet).
+///
+/// Their sum is the records consumed: offsets start at 0 and the sink
+/// writes no transaction markers. (Not the high watermark: tansu 0.6
+/// reported 1 for a partition holding two records produced in one batch.)
+fn committed(bootstrap: &str, group: &str, topic: &str, partitions: i32) -> Vec<Option<i64>> {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("group.id", group)
@@ -606,23 +701,23 @@ fn committed_to_the_end(bootstrap: &str, group: &str, topic: &str, partitions: i
         tpl.add_partition(topic, p);
     }
     let Ok(got) = c.committed_offsets(tpl, Duration::from_secs(5)) else {
-        return false;
+        return Vec::new();
     };
-    (0..partitions).all(|p| {
-        let end = c
-            .fetch_watermarks(topic, p, Duration::from_secs(5))
-            .map(|w| w.1)
-            .unwrap_or(-1);
-        matches!(got.find_partition(topic, p).map(|e| e.offset()), Some(Offset::Offset(o)) if o == end)
-    })
+    (0..partitions)
+        .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => Some(o),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Runs a default `KafkaConsumer` (quicker polls aside) on `topic` until
-/// the group committed every partition to its end.
+/// the group committed `records` records.
 async fn kafka_consume(
     bootstrap: &str,
     topic: &str,
     partitions: i32,
+    records: i64,
     ledger: &Ledger,
 ) -> (Vec<Seen>, KafkaReport) {
     let group = unique("sinks");
@@ -644,16 +739,16 @@ async fn kafka_consume(
         let end = Instant::now() + Duration::from_secs(30);
         loop {
             let (b, g, t) = (bootstrap.to_owned(), group.clone(), topic.to_owned());
-            let done =
-                tokio::task::spawn_blocking(move || committed_to_the_end(&b, &g, &t, partitions))
-                    .await
-                    .unwrap();
-            if done && ledger.total() > 0 {
+            let at = tokio::task::spawn_blocking(move || committed(&b, &g, &t, partitions))
+                .await
+                .unwrap();
+            if at.iter().flatten().sum::<i64>() >= records {
                 break;
             }
             assert!(
                 Instant::now() < end,
-                "the consumer did not commit {topic} to its end within 30 s ({} handler runs)",
+                "the consumer did not commit {records} records of {topic} within 30 s ({} \
+                 handler runs, committed {at:?})",
                 ledger.total()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -679,7 +774,7 @@ async fn kafka_sink_records_carry_the_id_and_payload_the_consumer_reads() {
     );
     let batch = outbox("kafka-ids", &topic, 5);
     assert_all_ok(&sink.send(&batch).await, 5);
-    let (got, _) = kafka_consume(&kafka.bootstrap(), &topic, 3, &Ledger::new()).await;
+    let (got, _) = kafka_consume(&kafka.bootstrap(), &topic, 3, 5, &Ledger::new()).await;
     assert_carried(&batch, &got);
 }
 
@@ -693,7 +788,7 @@ async fn kafka_sink_a_resent_batch_runs_each_handler_once() {
     assert_all_ok(&sink.send(&batch).await, 5);
     assert_all_ok(&sink.send(&batch).await, 5);
     let ledger = Ledger::new();
-    let (_, report) = kafka_consume(&kafka.bootstrap(), &topic, 3, &ledger).await;
+    let (_, report) = kafka_consume(&kafka.bootstrap(), &topic, 3, 10, &ledger).await;
     for m in &batch {
         assert_eq!(ledger.count(&m.id), 1, "{} ran once", m.id);
     }
@@ -723,6 +818,34 @@ async fn kafka_sink_refuses_a_record_over_message_max_bytes_and_only_that_one() 
             .unwrap_err()
             .reason()
             .contains("message.max.bytes"),
+        "{results:?}"
+    );
+}
+
+/// librdkafka gives up on a topic the cluster does not know after
+/// `topic.metadata.propagation.max.ms` (30 s by default, 1 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_sink_refuses_a_topic_the_broker_does_not_know_and_only_that_record() {
+    let kafka = KafkaBroker::start();
+    let topic = unique("outbox-known");
+    create_topic(&kafka.bootstrap(), &topic, 1).await;
+    let sink = KafkaSink::new(
+        ClientConfig::new()
+            .set("bootstrap.servers", kafka.bootstrap())
+            .set("message.timeout.ms", "10000")
+            .set("topic.metadata.propagation.max.ms", "1000"),
+    )
+    .unwrap();
+    let mut batch = outbox("kafka-unknown", &topic, 3);
+    batch[1].topic = unique("outbox-unknown");
+    let results = sink.send(&batch).await;
+    assert_refused_only(&results, 3, 1);
+    assert!(
+        results[1]
+            .as_ref()
+            .unwrap_err()
+            .reason()
+            .contains("does not exist"),
         "{results:?}"
     );
 }

@@ -34,7 +34,10 @@ const BROKER: &str = "kafka";
 /// How long an unreachable broker takes to become `Unavailable` is
 /// librdkafka's `message.timeout.ms` (30 s from
 /// [`from_brokers`](Self::from_brokers); librdkafka's own default is
-/// 300 s). A producer that hit a fatal error (possible with idempotence,
+/// 300 s); an unknown topic is `Refused` once librdkafka gives up waiting
+/// for it to appear, `topic.metadata.propagation.max.ms` (30 s by default):
+/// keep that below `message.timeout.ms`, or the record times out as
+/// `Unavailable` first. A producer that hit a fatal error (possible with idempotence,
 /// say a broker that lost acknowledged records) is made again from the same
 /// configuration on the next `send`.
 ///
@@ -96,8 +99,9 @@ impl KafkaSink {
     }
 
     /// A producer for the brokers `brokers` (`host:port,…`), giving up on
-    /// a record after 30 s (`message.timeout.ms`) and batching for 5 ms
-    /// (`linger.ms`).
+    /// a record after 30 s (`message.timeout.ms`), on a topic that does
+    /// not exist after 10 s (`topic.metadata.propagation.max.ms`), and
+    /// batching for 5 ms (`linger.ms`).
     ///
     /// ```no_run
     /// # fn demo() -> Result<(), idem_consumer::ConsumerError> {
@@ -110,6 +114,7 @@ impl KafkaSink {
             ClientConfig::new()
                 .set("bootstrap.servers", brokers)
                 .set("message.timeout.ms", "30000")
+                .set("topic.metadata.propagation.max.ms", "10000")
                 .set("linger.ms", "5"),
         )
     }

@@ -116,7 +116,8 @@ fn judge(m: &OutboxMessage, e: PublishError) -> SinkError {
         .with_source(e),
         PublishErrorKind::Other => match jetstream_code(&e) {
             Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => SinkError::refused(format!(
-                "the stream capturing `{}` refuses messages of {} bytes (max_msg_size)",
+                "the stream capturing `{}` refuses the message ({} bytes of payload, plus \
+                 headers) as over its max_msg_size",
                 m.topic,
                 m.payload.len()
             ))
@@ -147,23 +148,17 @@ fn jetstream_code(e: &PublishError) -> Option<ErrorCode> {
 impl Sink for NatsSink {
     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
         let max_payload = self.js.client().server_info().max_payload;
-        let mut pending = Vec::with_capacity(batch.len());
-        for m in batch {
-            let published = match self.check(m, max_payload) {
-                Err(e) => Err(e),
-                Ok(headers) => self
-                    .js
-                    .publish_with_headers(m.topic.clone(), headers, m.payload.clone())
-                    .await
-                    .map_err(|e| judge(m, e)),
-            };
-            pending.push(published);
-        }
-        let acks = pending.into_iter().zip(batch).map(|(p, m)| async move {
-            match p {
-                Err(e) => Err(e),
-                Ok(ack) => ack.await.map(drop).map_err(|e| judge(m, e)),
-            }
+        // Each publish, not only each ack, runs at once: while the client
+        // is cut off its outgoing queue fills and a publish waits up to the
+        // context's timeout, which one after the other would add up.
+        let acks = batch.iter().map(|m| async move {
+            let headers = self.check(m, max_payload)?;
+            let ack = self
+                .js
+                .publish_with_headers(m.topic.clone(), headers, m.payload.clone())
+                .await
+                .map_err(|e| judge(m, e))?;
+            ack.await.map(drop).map_err(|e| judge(m, e))
         });
         let results = futures_util::future::join_all(acks).await;
         let failed = results.iter().filter(|r| r.is_err()).count();

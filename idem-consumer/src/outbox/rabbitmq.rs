@@ -252,28 +252,37 @@ impl RabbitSink {
             passive: true,
             ..ExchangeDeclareOptions::default()
         };
-        channel
-            .exchange_declare(name, ExchangeKind::Direct, passive, FieldTable::default())
+        let declare =
+            channel.exchange_declare(name, ExchangeKind::Direct, passive, FieldTable::default());
+        let answer = tokio::time::timeout(CONNECT_TIMEOUT, declare)
             .await
-            .map_err(|e| {
-                let missing = matches!(
-                    e.kind(),
-                    lapin::ErrorKind::ProtocolError(p)
-                        if *p.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
-                );
-                NoChannel {
-                    refused: missing,
-                    reason: if missing {
-                        format!(
-                            "the exchange `{}` does not exist; declare it or fix RabbitSink::exchange",
-                            self.exchange
-                        )
-                    } else {
-                        format!("cannot check the exchange `{}`", self.exchange)
-                    },
-                    source: e.to_string(),
-                }
-            })
+            .map_err(|_| NoChannel {
+                refused: false,
+                reason: format!(
+                    "RabbitMQ did not say within {CONNECT_TIMEOUT:?} whether the exchange `{}` exists",
+                    self.exchange
+                ),
+                source: "timed out".into(),
+            })?;
+        answer.map_err(|e| {
+            let missing = matches!(
+                e.kind(),
+                lapin::ErrorKind::ProtocolError(p)
+                    if *p.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+            );
+            NoChannel {
+                refused: missing,
+                reason: if missing {
+                    format!(
+                        "the exchange `{}` does not exist; declare it or fix RabbitSink::exchange",
+                        self.exchange
+                    )
+                } else {
+                    format!("cannot check the exchange `{}`", self.exchange)
+                },
+                source: e.to_string(),
+            }
+        })
     }
 
     async fn publish(

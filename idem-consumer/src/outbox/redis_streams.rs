@@ -28,7 +28,9 @@ const BROKER: &str = "redis-streams";
 ///
 /// Any connection of redis-rs works (`ConnectionManager`, a cluster's
 /// `ClusterConnection`…); [`connect`](Self::connect) opens an
-/// auto-reconnecting `ConnectionManager`.
+/// auto-reconnecting `ConnectionManager`. A cluster takes a pipeline only
+/// within one hash slot, so there a batch spanning topics of several slots
+/// goes as one pipeline per topic, all sent at once.
 ///
 /// ```no_run
 /// use idem_consumer::outbox::RedisStreamsSink;
@@ -148,7 +150,7 @@ where
         self
     }
 
-    fn pipeline(&self, batch: &[OutboxMessage]) -> redis::Pipeline {
+    fn pipeline(&self, batch: &[&OutboxMessage]) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         // Answers per command: one WRONGTYPE must not fail the others.
         pipe.ignore_errors();
@@ -188,6 +190,84 @@ fn judge(m: &OutboxMessage, e: RedisError) -> SinkError {
     }
 }
 
+/// Why a pipeline has no answers.
+enum Failed {
+    Timeout,
+    Error(RedisError),
+}
+
+impl<C> RedisStreamsSink<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn query(&self, msgs: &[&OutboxMessage]) -> Result<Vec<RedisResult<Value>>, Failed> {
+        let pipe = self.pipeline(msgs);
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(self.timeout, pipe.query_async(&mut conn)).await {
+            Err(_) => Err(Failed::Timeout),
+            Ok(r) => r.map_err(Failed::Error),
+        }
+    }
+
+    /// One result per message from its pipeline's answers.
+    fn answer(
+        &self,
+        msgs: &[&OutboxMessage],
+        replies: Result<Vec<RedisResult<Value>>, Failed>,
+    ) -> Vec<Result<(), SinkError>> {
+        let replies = match replies {
+            Err(Failed::Timeout) => {
+                let why = format!("Redis did not answer within {:?}", self.timeout);
+                tracing::warn!(sink = %self.describe, messages = msgs.len(), "{why}");
+                return for_all(msgs.len(), false, &why, &"timed out");
+            }
+            Err(Failed::Error(e)) => {
+                tracing::warn!(sink = %self.describe, messages = msgs.len(), error = %e, "XADD pipeline failed");
+                return for_all(msgs.len(), false, "the XADD pipeline failed", &e);
+            }
+            Ok(r) => r,
+        };
+        if replies.len() != msgs.len() {
+            let why = format!("{} answers to {} XADDs", replies.len(), msgs.len());
+            return for_all(msgs.len(), false, &why, &"unexpected reply");
+        }
+        msgs.iter()
+            .zip(replies)
+            .map(|(m, r)| match r {
+                Ok(_) => Ok(()),
+                Err(e) => Err(judge(m, e)),
+            })
+            .collect()
+    }
+
+    /// A cluster takes a pipeline whose keys share one slot: one pipeline
+    /// per topic, sent together, the answers put back in batch order.
+    async fn per_topic(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, m) in batch.iter().enumerate() {
+            match groups.iter_mut().find(|(t, _)| *t == m.topic) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((&m.topic, vec![i])),
+            }
+        }
+        let answers = futures_util::future::join_all(groups.iter().map(|(_, idx)| async move {
+            let msgs: Vec<&OutboxMessage> = idx.iter().map(|&i| &batch[i]).collect();
+            let replies = self.query(&msgs).await;
+            self.answer(&msgs, replies)
+        }))
+        .await;
+        let mut out: Vec<Option<Result<(), SinkError>>> = batch.iter().map(|_| None).collect();
+        for ((_, idx), results) in groups.iter().zip(answers) {
+            for (&i, r) in idx.iter().zip(results) {
+                out[i] = Some(r);
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(SinkError::unavailable("no answer for the message"))))
+            .collect()
+    }
+}
+
 #[async_trait]
 impl<C> Sink for RedisStreamsSink<C>
 where
@@ -197,37 +277,12 @@ where
         if batch.is_empty() {
             return Vec::new();
         }
-        let pipe = self.pipeline(batch);
-        let mut conn = self.conn.clone();
-        let replies = tokio::time::timeout(
-            self.timeout,
-            pipe.query_async::<Vec<RedisResult<Value>>>(&mut conn),
-        )
-        .await;
-        let replies = match replies {
-            Err(_) => {
-                let why = format!("Redis did not answer within {:?}", self.timeout);
-                tracing::warn!(sink = %self.describe, messages = batch.len(), "{why}");
-                return for_all(batch.len(), false, &why, &"timed out");
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(sink = %self.describe, messages = batch.len(), error = %e, "XADD pipeline failed");
-                return for_all(batch.len(), false, "the XADD pipeline failed", &e);
-            }
-            Ok(Ok(r)) => r,
-        };
-        if replies.len() != batch.len() {
-            let why = format!("{} answers to {} XADDs", replies.len(), batch.len());
-            return for_all(batch.len(), false, &why, &"unexpected reply");
+        let all: Vec<&OutboxMessage> = batch.iter().collect();
+        match self.query(&all).await {
+            // redis-rs refuses it before sending anything.
+            Err(Failed::Error(e)) if e.code() == Some("CROSSSLOT") => self.per_topic(batch).await,
+            replies => self.answer(&all, replies),
         }
-        batch
-            .iter()
-            .zip(replies)
-            .map(|(m, r)| match r {
-                Ok(_) => Ok(()),
-                Err(e) => Err(judge(m, e)),
-            })
-            .collect()
     }
 
     fn describe(&self) -> String {
