@@ -103,6 +103,22 @@ struct Owned {
     message: Option<OutboxMessage>,
 }
 
+/// A row the relay read, as the message it sends.
+fn owned_row(r: &sqlx::postgres::PgRow) -> Result<Owned, sqlx::Error> {
+    let attempts: i32 = r.try_get("attempts")?;
+    let payload: Vec<u8> = r.try_get("payload")?;
+    Ok(Owned {
+        seq: r.try_get("seq")?,
+        message: Some(OutboxMessage {
+            id: r.try_get("id")?,
+            topic: r.try_get("topic")?,
+            key: r.try_get("msg_key")?,
+            payload: payload.into(),
+            attempts: u32::try_from(attempts).unwrap_or(0),
+        }),
+    })
+}
+
 /// What a pass writes back for a failed send.
 #[derive(Default)]
 struct Failures {
@@ -209,36 +225,43 @@ impl<S: Sink> Relay<S> {
         let fail = self.outbox.fail("outbox relay");
         let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
-        let keys: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql.heads.as_str()))
+        let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
             .bind(limit.saturating_mul(WINDOW as i64))
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
             .map_err(&fail)?;
-        if keys.is_empty() {
+        if heads.is_empty() {
             tx.rollback().await.map_err(&fail)?;
             return Ok(RelayReport::default());
         }
-        let rows = sqlx::query(AssertSqlSafe(sql.batch.as_str()))
-            .bind(&keys)
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(&fail)?;
-        let mut owned = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let attempts: i32 = r.try_get("attempts").map_err(&fail)?;
-            let payload: Vec<u8> = r.try_get("payload").map_err(&fail)?;
-            owned.push(Owned {
-                seq: r.try_get("seq").map_err(&fail)?,
-                message: Some(OutboxMessage {
-                    id: r.try_get("id").map_err(&fail)?,
-                    topic: r.try_get("topic").map_err(&fail)?,
-                    key: r.try_get("msg_key").map_err(&fail)?,
-                    payload: payload.into(),
-                    attempts: u32::try_from(attempts).unwrap_or(0),
-                }),
-            });
+        let mut owned = Vec::with_capacity(heads.len());
+        let mut longer = Vec::new();
+        for r in &heads {
+            let row = owned_row(r).map_err(&fail)?;
+            if r.try_get::<bool, _>("more").map_err(&fail)?
+                && let Some(m) = &row.message
+            {
+                longer.push(m.key.clone());
+            }
+            owned.push(row);
+        }
+        // Keys with later rows (the common case of distinct keys has none):
+        // their next messages go in later waves of this pass.
+        let room = self.batch.saturating_sub(owned.len());
+        if !longer.is_empty() && room > 0 {
+            let seen: Vec<i64> = owned.iter().map(|o| o.seq).collect();
+            let rows = sqlx::query(AssertSqlSafe(sql.batch.as_str()))
+                .bind(&longer)
+                .bind(&seen)
+                .bind(i64::try_from(room).unwrap_or(i64::MAX))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(&fail)?;
+            for r in &rows {
+                owned.push(owned_row(r).map_err(&fail)?);
+            }
+            owned.sort_by_key(|o| o.seq);
         }
         let (sent, failures, report) = self.send_waves(owned).await;
         if !sent.is_empty() {

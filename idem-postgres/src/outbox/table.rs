@@ -109,6 +109,9 @@ pub(crate) struct OutboxSql {
     pub(crate) backlog: String,
 }
 
+/// What the relay reads of a row it sends.
+const ROW_COLUMNS: &str = "o.seq, o.id, o.topic, o.msg_key, o.payload, o.attempts";
+
 /// What `parked`, `drop` and `list` read of a row.
 const PARKED_COLUMNS: &str = "id, topic, msg_key, octet_length(payload)::bigint AS size, attempts, \
      last_error, (extract(epoch FROM created_at) * 1000)::bigint AS created_ms, \
@@ -132,27 +135,36 @@ impl OutboxSql {
             // the key exists at all (one parked, backing off, or being sent
             // by another relay), and locked unless another relay holds it.
             // A relay thus owns a key from its head, and no two relays ever
-            // send one key's messages at once.
+            // send one key's messages at once. `more` says whether the key
+            // has later rows (read by `batch`).
+            //
+            // The pass commits asynchronously (`cfg`): a commit lost in a
+            // server crash brings its deleted rows back, which are sent
+            // again under the same ids, as after a relay crash.
             heads: format!(
-                "WITH win AS MATERIALIZED (\n\
+                "WITH cfg AS MATERIALIZED (\n\
+                 \x20   SELECT set_config('synchronous_commit', 'off', true) AS c\n\
+                 ), win AS MATERIALIZED (\n\
                  \x20   SELECT seq, msg_key FROM {t}\n\
                  \x20   WHERE parked_at IS NULL AND (retry_at IS NULL OR retry_at <= now())\n\
                  \x20   ORDER BY seq LIMIT $1\n\
                  ), heads AS (\n\
                  \x20   SELECT DISTINCT ON (msg_key) seq FROM win ORDER BY msg_key, seq\n\
                  )\n\
-                 SELECT o.msg_key FROM {t} o\n\
+                 SELECT {ROW_COLUMNS},\n\
+                 \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq > o.seq) AS more\n\
+                 FROM {t} o CROSS JOIN cfg\n\
                  WHERE o.seq IN (SELECT seq FROM heads)\n\
                  \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
                  ORDER BY o.seq LIMIT $2\n\
                  FOR UPDATE OF o SKIP LOCKED"
             ),
-            // The owned keys' sendable rows, oldest first. Their heads are
-            // locked already; the rest are nobody else's (not heads).
+            // The later rows of owned keys, oldest first: nobody else's,
+            // since they are not heads.
             batch: format!(
-                "SELECT seq, id, topic, msg_key, payload, attempts FROM {t}\n\
-                 WHERE msg_key = ANY($1) AND parked_at IS NULL\n\
-                 ORDER BY seq LIMIT $2 FOR UPDATE"
+                "SELECT {ROW_COLUMNS} FROM {t} o\n\
+                 WHERE o.msg_key = ANY($1) AND o.seq <> ALL($2) AND o.parked_at IS NULL\n\
+                 ORDER BY o.seq LIMIT $3 FOR UPDATE"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             // A failed send: `park` says whether the broker refused it
