@@ -192,13 +192,7 @@ impl Steps {
     {
         let (mode, stored) = self.begin(name).map_err(E::from)?;
         if let Some(bytes) = stored {
-            tracing::info!(
-                step = name,
-                "step finished before: its recorded value is returned, it does not run again"
-            );
-            #[cfg(feature = "metrics")]
-            metrics::counter!("idem_step_replays_total", "scope" => self.shared.scope.clone())
-                .increment(1);
+            self.note_replay(name);
             return serde_json::from_slice(&bytes).map_err(|e| {
                 E::from(
                     Error::codec(format!(
@@ -284,6 +278,17 @@ impl Steps {
         }
     }
 
+    /// A step found recorded: logged and counted once, whichever API met it.
+    fn note_replay(&self, name: &str) {
+        tracing::info!(
+            step = name,
+            "step finished before: its recorded value is returned, it does not run again"
+        );
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idem_step_replays_total", "scope" => self.shared.scope.clone())
+            .increment(1);
+    }
+
     /// For a store crate whose steps record together with their effects
     /// (idem-postgres's `step_in_tx`, which records a step in the body's
     /// own transaction): checks and claims `name` for this run, as
@@ -304,13 +309,7 @@ impl Steps {
     pub fn begin_step(&self, name: &str) -> Result<StepStart, Error> {
         let (mode, stored) = self.begin(name)?;
         if let Some(bytes) = stored {
-            tracing::info!(
-                step = name,
-                "step finished before: its recorded value is returned, it does not run again"
-            );
-            #[cfg(feature = "metrics")]
-            metrics::counter!("idem_step_replays_total", "scope" => self.shared.scope.clone())
-                .increment(1);
+            self.note_replay(name);
             return Ok(StepStart::Recorded(bytes));
         }
         Ok(match mode {
