@@ -100,6 +100,17 @@ impl From<&PgStore> for Outbox {
     }
 }
 
+/// The outbox of the default table (`idem_keys_outbox`) on `pool`, so that
+/// `Relay::new(pool, sink)` works without a store.
+impl From<PgPool> for Outbox {
+    fn from(pool: PgPool) -> Outbox {
+        Outbox {
+            pool,
+            sql: Arc::new(OutboxSql::new(&crate::config::TableName::default_table())),
+        }
+    }
+}
+
 impl PgStore {
     /// The outbox beside this store's table, on its pool.
     ///

@@ -129,8 +129,8 @@ struct Failures {
 }
 
 impl<S: Sink> Relay<S> {
-    /// A relay of `outbox` (a [`PgStore`](crate::PgStore)'s, or an
-    /// [`Outbox::new`]) into `sink`, with 256 messages a pass, a 5 s poll
+    /// A relay of `outbox` (a [`PgStore`](crate::PgStore)'s, a pool's
+    /// default table, or an [`Outbox::new`]) into `sink`, with 256 messages a pass, a 5 s poll
     /// behind `LISTEN`, a 30 s send timeout and retries backing off from
     /// 200 ms to 30 s.
     ///
