@@ -28,11 +28,14 @@ struct Recorder {
     delay: Option<Duration>,
     in_flight: Mutex<HashSet<String>>,
     overlaps: AtomicUsize,
+    /// Signalled when a send starts.
+    entered: tokio::sync::Notify,
 }
 
 #[async_trait]
 impl Sink for Recorder {
     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        self.entered.notify_one();
         {
             let mut flying = self.in_flight.lock().unwrap();
             for m in batch {
@@ -553,4 +556,62 @@ async fn run_wakes_on_notify_and_finishes_its_pass_on_shutdown() {
     stop.send(()).unwrap();
     let report = running.await.unwrap();
     assert_eq!(report.sent, 2);
+}
+
+#[tokio::test]
+async fn a_blocked_key_with_a_long_backlog_hides_no_other_key() {
+    let (db, _idem) = setup().await;
+    // Key "a": a refused head and 300 messages behind it, all older than
+    // key "b"'s one message; passes of 8 messages.
+    let mut values = vec!["poison".to_owned()];
+    values.extend((0..300).map(|i| format!("{i}")));
+    let ob = db.store().await.outbox();
+    let mut tx = db.pool.begin().await.unwrap();
+    for v in &values {
+        ob.publish_with_id(&mut tx, "t.topic", "a", &format!("a/{v}"), v)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    publish_each(&db, "b", &["1".into()]).await;
+    let sink = Arc::new(Recorder::default());
+    let relay = Relay::new(&db.store().await, Arc::clone(&sink)).batch_size(8);
+    for _ in 0..5 {
+        relay.drain_once().await.unwrap();
+    }
+    let by_key = sink.by_key();
+    assert_eq!(
+        by_key.get("b").map(Vec::len),
+        Some(1),
+        "key b was starved: {by_key:?}"
+    );
+    assert!(!by_key.contains_key("a"));
+    // And a key another relay is busy with hides none either: one relay
+    // holds "c" (a long key) mid-send, another still sends "d", though all
+    // of "c"'s 40 rows are older.
+    let (db, _idem) = setup().await;
+    let long: Vec<String> = (0..300).map(|i| format!("{i}")).collect();
+    publish_each(&db, "c", &long[..40]).await;
+    publish_each(&db, "d", &["1".into()]).await;
+    let store = db.store().await;
+    let slow = Arc::new(Recorder {
+        delay: Some(Duration::from_secs(2)),
+        ..Recorder::default()
+    });
+    // One message a pass: it takes "c" (keys go by name) and holds it.
+    let busy = Relay::new(&store, Arc::clone(&slow)).batch_size(1);
+    let holding = tokio::spawn(async move { busy.drain_once().await });
+    slow.entered.notified().await;
+    let fast = Arc::new(Recorder::default());
+    let other = Relay::new(&store, Arc::clone(&fast)).batch_size(8);
+    other.drain_once().await.unwrap();
+    holding.await.unwrap().unwrap();
+    let sent: Vec<String> = fast
+        .sent
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|m| m.key.clone())
+        .collect();
+    assert!(sent.iter().all(|k| k == "d") && sent.len() == 1, "{sent:?}");
 }
