@@ -8,9 +8,10 @@
 //! ```
 //!
 //! `--minutes M` (10), `--ttl S` (300: records expire and are reaped),
-//! `--tasks N` (16), `--sample S` (60), `--pg-url URL` (default `IDEM_PG_URL`,
-//! then 127.0.0.1:5432; a database of its own is created and dropped). The
-//! relay's sink confirms at once: the broker is not what is measured here.
+//! `--tasks N` (16), `--sample S` (60), `--pg-url URL` (default: a private
+//! server started for the run with PostgreSQL's default settings, autovacuum
+//! on; a database of its own is created and dropped). The relay's sink
+//! confirms at once: the broker is not what is measured here.
 
 use async_trait::async_trait;
 use idem::outbox::{self, OutboxMessage, Relay, Sink, SinkError};
@@ -79,10 +80,13 @@ async fn main() {
     let ttl = Duration::from_secs_f64(arg("--ttl", 300.0));
     let tasks = arg("--tasks", 16.0) as usize;
     let sample = Duration::from_secs_f64(arg("--sample", 60.0));
-    let admin = arg_str("--pg-url").unwrap_or_else(|| {
-        std::env::var("IDEM_PG_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-    });
+    // A private server by default: its settings are PostgreSQL's defaults
+    // (autovacuum on; fsync off, as idem-testkit starts it), not whatever
+    // the local one was configured with.
+    let private = arg_str("--pg-url").is_none().then(idem_testkit::PgServer::start);
+    let admin = arg_str("--pg-url")
+        .or_else(|| private.as_ref().map(|s| s.url("postgres")))
+        .unwrap_or_default();
     let db = format!("idem_churn_{}", std::process::id());
     let mut conn = PgConnection::connect(&admin)
         .await
@@ -172,8 +176,13 @@ async fn main() {
             }
         })
     };
+    let (autovacuum,): (String,) = sqlx::query_as("SHOW autovacuum")
+        .fetch_one(&pool)
+        .await
+        .expect("SHOW autovacuum");
     println!(
-        "churn: {tasks} tasks of run_in_tx + one outbox message, result TTL {ttl:?}, reaper every 10 s, {minutes} min\n"
+        "churn: {tasks} tasks of run_in_tx + one outbox message, result TTL {ttl:?}, reaper every 10 s, \
+         {minutes} min, autovacuum {autovacuum}\n"
     );
     println!(
         "| min | calls/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog |"
