@@ -83,7 +83,9 @@ async fn main() {
     // A private server by default: its settings are PostgreSQL's defaults
     // (autovacuum on; fsync off, as idem-testkit starts it), not whatever
     // the local one was configured with.
-    let private = arg_str("--pg-url").is_none().then(idem_testkit::PgServer::start);
+    let private = arg_str("--pg-url")
+        .is_none()
+        .then(idem_testkit::PgServer::start);
     let admin = arg_str("--pg-url")
         .or_else(|| private.as_ref().map(|s| s.url("postgres")))
         .unwrap_or_default();
