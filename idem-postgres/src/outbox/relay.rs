@@ -22,8 +22,8 @@ use tokio::time::Instant;
 
 /// Messages a pass takes by default.
 const DEFAULT_BATCH: usize = 256;
-/// How many keys a pass visits per message it may take: keys parked,
-/// backing off or held by another relay are visited and passed over.
+/// How many key heads a pass looks at per message it may take: heads
+/// another relay holds are passed over.
 const VISIT: usize = 4;
 
 /// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
@@ -54,8 +54,6 @@ pub struct Relay<S> {
     poll: Duration,
     send_timeout: Duration,
     backoff: (Duration, Duration),
-    /// The last key the previous full pass took: the next starts after it.
-    cursor: std::sync::Mutex<String>,
 }
 
 impl<S> std::fmt::Debug for Relay<S> {
@@ -148,7 +146,6 @@ impl<S: Sink> Relay<S> {
             poll: Duration::from_secs(5),
             send_timeout: Duration::from_secs(30),
             backoff: (Duration::from_millis(200), Duration::from_secs(30)),
-            cursor: std::sync::Mutex::default(),
         }
     }
 
@@ -227,33 +224,12 @@ impl<S: Sink> Relay<S> {
         let fail = self.outbox.fail("outbox relay");
         let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
-        // From the cursor to the last key, then (when that did not fill the
-        // batch) from the first key: every key is visited in turn.
-        let from = self
-            .cursor
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let mut heads = self.heads(&mut tx, &from, limit).await.map_err(&fail)?;
-        let full = heads.len() >= self.batch;
-        if !full && !from.is_empty() {
-            let room = limit - i64::try_from(heads.len()).unwrap_or(0);
-            let mut again = self.heads(&mut tx, "", room).await.map_err(&fail)?;
-            let first_pass: std::collections::HashSet<i64> = heads
-                .iter()
-                .filter_map(|r| r.try_get::<i64, _>("seq").ok())
-                .collect();
-            again.retain(|r| {
-                r.try_get::<i64, _>("seq")
-                    .is_ok_and(|s| !first_pass.contains(&s))
-            });
-            heads.append(&mut again);
-        }
-        let next = match heads.last() {
-            Some(r) if full => r.try_get::<String, _>("msg_key").map_err(&fail)?,
-            _ => String::new(),
-        };
-        *self.cursor.lock().unwrap_or_else(|p| p.into_inner()) = next;
+        let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
+            .bind(limit.saturating_mul(VISIT as i64))
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&fail)?;
         if heads.is_empty() {
             tx.rollback().await.map_err(&fail)?;
             return Ok(RelayReport::default());
@@ -312,21 +288,6 @@ impl<S: Sink> Relay<S> {
             e
         })?;
         Ok(report)
-    }
-
-    /// Locks up to `limit` key heads after `from` (see `table.rs`).
-    async fn heads(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        from: &str,
-        limit: i64,
-    ) -> Result<Vec<sqlx::postgres::PgRow>, sqlx::Error> {
-        sqlx::query(AssertSqlSafe(self.outbox.sql.heads.as_str()))
-            .bind(from)
-            .bind(limit.saturating_mul(VISIT as i64))
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
     }
 
     /// Sends the owned rows wave by wave: wave `n` holds each key's `n`th
