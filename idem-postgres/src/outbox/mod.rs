@@ -19,7 +19,8 @@
 //! # async fn demo(store: PgStore, sink: impl Sink + 'static) -> Result<(), idem_core::Error> {
 //! store.migrate().await?; // creates idem_keys_outbox too
 //! let relay = Relay::new(&store, sink);
-//! let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
+//! let report = relay.run(async { let _ = stopped.await; }).await;
 //! tracing::info!(sent = report.sent, parked = report.parked, "relay stopped");
 //! # Ok(()) }
 //! ```

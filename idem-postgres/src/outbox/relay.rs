@@ -386,7 +386,8 @@ impl<S: Sink> Relay<S> {
     ///
     /// ```no_run
     /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+    /// let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
+    /// let report = relay.run(async { let _ = stopped.await; }).await;
     /// # }
     /// ```
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> RelayReport {
