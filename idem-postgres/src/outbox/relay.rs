@@ -68,6 +68,19 @@ impl<S> std::fmt::Debug for Relay<S> {
 }
 
 /// What a relay did: one pass ([`Relay::drain_once`]) or a whole run.
+///
+/// ```no_run
+/// use idem_core::outbox::Sink;
+/// use idem_postgres::outbox::{Relay, RelayReport};
+/// # async fn demo(relay: Relay<std::sync::Arc<dyn Sink>>) -> Result<(), idem_core::Error> {
+/// let report: RelayReport = relay.drain_once().await?;
+/// println!("{} sent, {} parked, {} to retry", report.sent, report.parked, report.failed);
+/// if let Some(wait) = report.retry_in {
+///     tokio::time::sleep(wait).await; // the earliest retry is due
+///     relay.drain_once().await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RelayReport {
     /// Messages the broker confirmed (and the relay deleted).
