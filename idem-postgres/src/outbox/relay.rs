@@ -22,9 +22,18 @@ use tokio::time::Instant;
 
 /// Messages a pass takes by default.
 const DEFAULT_BATCH: usize = 256;
-/// How many key heads a pass looks at per message it may take: heads
-/// another relay holds are passed over.
-const VISIT: usize = 4;
+/// How often a pass scans the table from its start rather than from where
+/// the previous pass began: the deleted rows at the table's old end cost a
+/// scan one visit each until vacuum removes them (longer while any long
+/// transaction runs in the database), and only a row that was blocked,
+/// backing off, held by another relay or committed late waits there.
+const RESCAN: Duration = Duration::from_secs(1);
+
+/// Where the next pass starts scanning.
+struct Scan {
+    from: i64,
+    rescanned: Instant,
+}
 
 /// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
 /// (in one process or many) for throughput or availability; they never send
@@ -54,6 +63,7 @@ pub struct Relay<S> {
     poll: Duration,
     send_timeout: Duration,
     backoff: (Duration, Duration),
+    scan: std::sync::Mutex<Scan>,
 }
 
 impl<S> std::fmt::Debug for Relay<S> {
@@ -159,6 +169,10 @@ impl<S: Sink> Relay<S> {
             poll: Duration::from_secs(5),
             send_timeout: Duration::from_secs(30),
             backoff: (Duration::from_millis(200), Duration::from_secs(30)),
+            scan: std::sync::Mutex::new(Scan {
+                from: 0,
+                rescanned: Instant::now(),
+            }),
         }
     }
 
@@ -216,6 +230,17 @@ impl<S: Sink> Relay<S> {
         self
     }
 
+    /// The `seq` this pass scans after: where the last pass began, or the
+    /// table's start once per [`RESCAN`].
+    fn scan_from(&self) -> i64 {
+        let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
+        if scan.rescanned.elapsed() >= RESCAN {
+            scan.rescanned = Instant::now();
+            scan.from = 0;
+        }
+        scan.from
+    }
+
     fn backoff(&self, attempts: u32) -> Duration {
         let (first, max) = self.backoff;
         first.saturating_mul(1u32 << attempts.min(20)).min(max)
@@ -237,12 +262,20 @@ impl<S: Sink> Relay<S> {
         let fail = self.outbox.fail("outbox relay");
         let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        let from = self.scan_from();
         let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
-            .bind(limit.saturating_mul(VISIT as i64))
+            .bind(from)
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
             .map_err(&fail)?;
+        if let Some(first) = heads.first() {
+            // Everything before this pass's first head was sent, or waits
+            // (blocked, backing off, another relay's): the next passes start
+            // here, and a rescan from the start picks the waiting ones up.
+            let seq: i64 = first.try_get("seq").map_err(&fail)?;
+            self.scan.lock().unwrap_or_else(|p| p.into_inner()).from = seq - 1;
+        }
         if heads.is_empty() {
             tx.rollback().await.map_err(&fail)?;
             return Ok(RelayReport::default());

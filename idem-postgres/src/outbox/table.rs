@@ -130,32 +130,26 @@ impl OutboxSql {
                 "INSERT INTO {t} (id, topic, msg_key, payload) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT (id) DO NOTHING"
             ),
-            // The heads of the oldest keys waiting: the oldest sendable rows
-            // that have no older row of their key at all (one parked, backing
-            // off, or being sent by another relay), up to `$1` of them, then
-            // locked unless another relay holds them, up to `$2`. A relay
-            // thus owns a key from its head, and no two relays ever send one
-            // key's messages at once. Only heads count towards the limits,
-            // so a blocked or busy key's backlog hides no other key (it
-            // costs the scan an index probe per row passed over).
-            // `more` says whether the key has later rows (read by `batch`).
+            // The heads of the oldest keys waiting: in commit-ish order from
+            // just past `$1`, the sendable rows with no older row of their
+            // key at all (one parked, backing off, or being sent by another
+            // relay), locked unless another relay holds them, up to `$2`.
+            // Rows skipped do not count, so a blocked or busy key's backlog
+            // hides no other key (it costs the scan an index probe per row
+            // passed over). A relay thus owns a key from its head, and no two
+            // relays ever send one key's messages at once. `more` says
+            // whether the key has later rows (read by `batch`).
             //
             // The pass commits asynchronously (`cfg`): a commit lost in a
             // server crash brings its deleted rows back, which are sent
             // again under the same ids, as after a relay crash.
             heads: format!(
-                "WITH cfg AS MATERIALIZED (\n\
-                 \x20   SELECT set_config('synchronous_commit', 'off', true) AS c\n\
-                 ), heads AS MATERIALIZED (\n\
-                 \x20   SELECT h.seq FROM {t} h\n\
-                 \x20   WHERE h.parked_at IS NULL AND (h.retry_at IS NULL OR h.retry_at <= now())\n\
-                 \x20     AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = h.msg_key AND p.seq < h.seq)\n\
-                 \x20   ORDER BY h.seq LIMIT $1\n\
-                 )\n\
-                 SELECT {ROW_COLUMNS},\n\
+                "SELECT {ROW_COLUMNS},\n\
                  \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq > o.seq) AS more\n\
-                 FROM {t} o CROSS JOIN cfg\n\
-                 WHERE o.seq IN (SELECT seq FROM heads)\n\
+                 FROM {t} o\n\
+                 CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS cfg\n\
+                 WHERE o.seq > $1 AND o.parked_at IS NULL AND (o.retry_at IS NULL OR o.retry_at <= now())\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
                  ORDER BY o.seq LIMIT $2\n\
                  FOR UPDATE OF o SKIP LOCKED"
             ),
