@@ -619,15 +619,22 @@ async fn a_blocked_key_with_a_long_backlog_hides_no_other_key() {
 #[tokio::test]
 async fn a_message_committed_after_later_ones_were_relayed_is_still_sent() {
     let (db, _idem) = setup().await;
-    let ob = db.store().await.outbox();
+    let store = db.store().await;
+    let ob = store.outbox();
     // An early insert (lower seq) whose transaction commits last.
     let mut slow = db.pool.begin().await.unwrap();
     ob.publish_with_id(&mut slow, "t.topic", "late", "late/1", &"1")
         .await
         .unwrap();
-    publish_each(&db, "b", &["1".into(), "2".into()]).await;
+    for v in ["1", "2"] {
+        let mut tx = db.pool.begin().await.unwrap();
+        ob.publish_with_id(&mut tx, "t.topic", "b", &format!("b/{v}"), &v)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
     let sink = Arc::new(Recorder::default());
-    let relay = Relay::new(&db.store().await, Arc::clone(&sink));
+    let relay = Relay::new(&store, Arc::clone(&sink));
     drain(&relay).await;
     assert_eq!(sink.ids(), vec!["b/1", "b/2"]);
     slow.commit().await.unwrap();
