@@ -22,8 +22,8 @@ use tokio::time::Instant;
 
 /// Messages a pass takes by default.
 const DEFAULT_BATCH: usize = 256;
-/// How often a pass scans the table from its start rather than from where
-/// the previous pass began: the deleted rows at the table's old end cost a
+/// How often (at least) a pass scans the table from its start rather than
+/// from where the previous pass began: the deleted rows at the table's old end cost a
 /// scan one visit each until vacuum removes them (longer while any long
 /// transaction runs in the database), and only a row that was blocked,
 /// backing off, held by another relay or committed late waits there.
@@ -33,6 +33,10 @@ const RESCAN: Duration = Duration::from_secs(1);
 struct Scan {
     from: i64,
     rescanned: Instant,
+    /// Until the next rescan: [`RESCAN`], or ten times what the last one
+    /// took when the dead rows make it slow (the relay then mostly sends
+    /// instead of scanning), at most a minute.
+    every: Duration,
 }
 
 /// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
@@ -172,6 +176,7 @@ impl<S: Sink> Relay<S> {
             scan: std::sync::Mutex::new(Scan {
                 from: 0,
                 rescanned: Instant::now(),
+                every: RESCAN,
             }),
         }
     }
@@ -232,13 +237,15 @@ impl<S: Sink> Relay<S> {
 
     /// The `seq` this pass scans after: where the last pass began, or the
     /// table's start once per [`RESCAN`].
-    fn scan_from(&self) -> i64 {
+    /// Also says whether this pass rescans.
+    fn scan_from(&self) -> (i64, bool) {
         let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
-        if scan.rescanned.elapsed() >= RESCAN {
+        if scan.rescanned.elapsed() >= scan.every {
             scan.rescanned = Instant::now();
             scan.from = 0;
+            return (0, true);
         }
-        scan.from
+        (scan.from, false)
     }
 
     fn backoff(&self, attempts: u32) -> Duration {
@@ -262,13 +269,19 @@ impl<S: Sink> Relay<S> {
         let fail = self.outbox.fail("outbox relay");
         let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
-        let from = self.scan_from();
+        let (from, rescan) = self.scan_from();
+        let started = Instant::now();
         let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
             .bind(from)
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
             .map_err(&fail)?;
+        if rescan {
+            let took = started.elapsed().saturating_mul(10);
+            self.scan.lock().unwrap_or_else(|p| p.into_inner()).every =
+                took.clamp(RESCAN, Duration::from_secs(60));
+        }
         if let Some(first) = heads.first() {
             // Everything before this pass's first head was sent, or waits
             // (blocked, backing off, another relay's): the next passes start
