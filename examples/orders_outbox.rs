@@ -754,7 +754,6 @@ async fn apply(ledger: &Ledger, delay: Duration, m: Message) -> Result<bool, Shi
     {
         return Err(ShipError::Invalid(format!("{e:?}")));
     }
-    tokio::time::sleep(delay).await;
     let ledger = ledger.clone();
     let (order, event) = (e.order.clone(), e.event.clone());
     let applied = tokio::task::spawn_blocking(move || {
@@ -770,6 +769,9 @@ async fn apply(ledger: &Ledger, delay: Duration, m: Message) -> Result<bool, Shi
     .await
     .map_err(|e| ShipError::Ledger(e.to_string()))?
     .map_err(|e| ShipError::Ledger(e.to_string()))?;
+    // A slow step after the effect (telling the carrier): a kill here
+    // leaves the effect done and idem's record not written.
+    tokio::time::sleep(delay).await;
     println!(
         "ship  {:<20} {} {:<8} -> {}",
         &m.id().unwrap_or("(no id)")[..m.id().map_or(7, |i| i.len().min(20))],
