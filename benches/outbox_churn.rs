@@ -22,11 +22,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-struct Confirms;
+/// Confirms at once, counting what it was given.
+#[derive(Default)]
+struct Confirms(AtomicU64);
 
 #[async_trait]
 impl Sink for Confirms {
     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        self.0.fetch_add(batch.len() as u64, Ordering::Relaxed);
         batch.iter().map(|_| Ok(())).collect()
     }
     fn describe(&self) -> String {
@@ -76,6 +79,14 @@ async fn stats(pool: &sqlx::PgPool, table: &str) -> TableStats {
 
 #[tokio::main]
 async fn main() {
+    // The relay's and the reaper's warnings, on stderr.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let minutes = arg("--minutes", 10.0);
     let ttl = Duration::from_secs_f64(arg("--ttl", 300.0));
     let tasks = arg("--tasks", 16.0) as usize;
@@ -83,7 +94,9 @@ async fn main() {
     // A private server by default: its settings are PostgreSQL's defaults
     // (autovacuum on; fsync off, as idem-testkit starts it), not whatever
     // the local one was configured with.
-    let private = arg_str("--pg-url").is_none().then(idem_testkit::PgServer::start);
+    let private = arg_str("--pg-url")
+        .is_none()
+        .then(idem_testkit::PgServer::start);
     let admin = arg_str("--pg-url")
         .or_else(|| private.as_ref().map(|s| s.url("postgres")))
         .unwrap_or_default();
@@ -116,7 +129,8 @@ async fn main() {
             .build(),
     );
     let reaper = store.spawn_reaper(Duration::from_secs(10), 10_000);
-    let relay = Relay::new(&store, Confirms).poll_interval(Duration::from_secs(1));
+    let sink = Arc::new(Confirms::default());
+    let relay = Relay::new(&store, Arc::clone(&sink)).poll_interval(Duration::from_secs(1));
     let stop = Arc::new(AtomicBool::new(false));
     let relay_task = {
         let stop = Arc::clone(&stop);
@@ -185,16 +199,24 @@ async fn main() {
          {minutes} min, autovacuum {autovacuum}\n"
     );
     println!(
-        "| min | calls/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog |"
+        "| min | calls/s | relayed/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog |"
     );
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(minutes * 60.0);
-    let mut last = (Instant::now(), 0u64);
+    let mut last = (Instant::now(), 0u64, 0u64);
     while Instant::now() < end {
         tokio::time::sleep(sample.min(end.saturating_duration_since(Instant::now()))).await;
-        let now = (Instant::now(), calls.load(Ordering::Relaxed));
-        let rate = (now.1 - last.1) as f64 / (now.0 - last.0).as_secs_f64();
+        let now = (
+            Instant::now(),
+            calls.load(Ordering::Relaxed),
+            sink.0.load(Ordering::Relaxed),
+        );
+        let secs = (now.0 - last.0).as_secs_f64();
+        let rate = (now.1 - last.1) as f64 / secs;
+        let relayed = (now.2 - last.2) as f64 / secs;
         last = now;
         let k = stats(&pool, "idem_keys").await;
         let o = stats(&pool, "idem_keys_outbox").await;
@@ -206,7 +228,7 @@ async fn main() {
             .unwrap_or(0);
         let mb = |b: i64| b as f64 / 1_048_576.0;
         println!(
-            "| {:.0} | {rate:.0} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {} | {backlog} |",
+            "| {:.0} | {rate:.0} | {relayed:.0} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {} | {backlog} |",
             start.elapsed().as_secs_f64() / 60.0,
             k.live,
             k.dead,

@@ -10,47 +10,8 @@ use std::time::Duration;
 
 const DAY: Duration = Duration::from_secs(86_400);
 
-async fn redis() -> TestContext {
-    TestContext::redis().await.with_namespace("fail")
-}
-
-async fn cluster() -> TestContext {
-    TestContext::redis_cluster().await.with_namespace("fail")
-}
-
-async fn postgres() -> TestContext {
-    TestContext::postgres().await.with_namespace("fail")
-}
-
-fn memory() -> TestContext {
-    TestContext::memory().with_namespace("fail")
-}
-
-/// Runs each listed test against every store.
-macro_rules! every_store {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                super::$name(super::redis().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn cluster() {
-                super::$name(super::cluster().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$name(super::postgres().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$name(super::memory()).await;
-            }
-        }
-    )*};
-}
-
-every_store!(
+idem_testkit::every_store!(
+    namespace = "fail", stores = [redis, cluster, postgres, memory];
     counts_survive_releases,
     concurrent_counts_are_exact,
     ttl_expires_the_count,
@@ -235,7 +196,7 @@ async fn counters_never_meet_records_nor_scans(ctx: TestContext) {
 /// reported as corrupt and left as it is.
 #[tokio::test]
 async fn redis_counter_of_another_program_is_corrupt_and_kept() {
-    let ctx = redis().await;
+    let ctx = TestContext::redis().await.with_namespace("fail");
     let idem = ctx.idem();
     let server = ctx.server();
     let counter = failure_key("fail:charge:text");

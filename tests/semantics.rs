@@ -13,43 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
-/// The store under test: a private Redis, every key in namespace `test`.
-async fn redis() -> TestContext {
-    TestContext::redis().await.with_namespace("test")
-}
-
-/// The store under test: an empty `MemoryStore`, namespace `test`.
-fn memory() -> TestContext {
-    TestContext::memory().with_namespace("test")
-}
-
-/// The store under test: a `PgStore` on a fresh database of its own,
-/// namespace `test`.
-async fn postgres() -> TestContext {
-    TestContext::postgres().await.with_namespace("test")
-}
-
-/// Runs each listed test against Redis, PostgreSQL and MemoryStore.
-macro_rules! both_stores {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                super::$name(super::redis().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$name(super::postgres().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$name(super::memory()).await;
-            }
-        }
-    )*};
-}
-
-both_stores!(
+idem_testkit::every_store!(
+    namespace = "test", stores = [redis, postgres, memory];
     exactly_once_64_tasks,
     replays_every_value,
     err_releases,
@@ -782,7 +747,7 @@ fn exactly_once_across_16_runtimes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_records_and_wrong_types_are_corrupt() {
-    let b = redis().await;
+    let b = TestContext::redis().await.with_namespace("test");
     let server = b.server();
     let idem = b.idem();
     let runs = AtomicUsize::new(0);
@@ -819,7 +784,7 @@ async fn corrupt_records_and_wrong_types_are_corrupt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_fails_closed_then_recovers() {
-    let mut b = redis().await;
+    let mut b = TestContext::redis().await.with_namespace("test");
     let idem = b.idem();
     let runs = Arc::new(AtomicUsize::new(0));
     let body = |runs: Arc<AtomicUsize>| {
@@ -863,7 +828,7 @@ async fn redis_down_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_runs_unprotected_when_redis_is_down() {
-    let mut b = redis().await;
+    let mut b = TestContext::redis().await.with_namespace("test");
     let idem = b.idem_with(|x| x.fail_mode(FailMode::Open));
     b.server_mut().kill();
     let (v, o) = idem
@@ -876,7 +841,7 @@ async fn fail_open_runs_unprotected_when_redis_is_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_script_flush() {
-    let b = redis().await;
+    let b = TestContext::redis().await.with_namespace("test");
     let server = b.server();
     let idem = b.idem();
     let run = |key: &'static str, n: u8| {
@@ -899,7 +864,7 @@ async fn survives_script_flush() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completed_record_is_compact() {
-    let b = redis().await;
+    let b = TestContext::redis().await.with_namespace("test");
     let server = b.server();
     let idem = b.idem();
     idem.call("s", "k")
@@ -915,7 +880,7 @@ async fn completed_record_is_compact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_cache_replays_without_redis_and_expires_with_the_record() {
-    let mut b = redis().await;
+    let mut b = TestContext::redis().await.with_namespace("test");
     let idem = b.idem_with(|x| {
         x.local_cache(1000)
             .result_ttl(Duration::from_millis(1500))

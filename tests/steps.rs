@@ -12,47 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
-async fn redis() -> TestContext {
-    TestContext::redis().await.with_namespace("steps")
-}
-
-async fn cluster() -> TestContext {
-    TestContext::redis_cluster().await.with_namespace("steps")
-}
-
-async fn postgres() -> TestContext {
-    TestContext::postgres().await.with_namespace("steps")
-}
-
-fn memory() -> TestContext {
-    TestContext::memory().with_namespace("steps")
-}
-
-/// Runs each listed test against every store.
-macro_rules! every_store {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                super::$name(super::redis().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn cluster() {
-                super::$name(super::cluster().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$name(super::postgres().await).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$name(super::memory()).await;
-            }
-        }
-    )*};
-}
-
-every_store!(
+idem_testkit::every_store!(
+    namespace = "steps", stores = [redis, cluster, postgres, memory];
     steps_run_once_then_the_result_replays,
     a_crash_between_steps_resumes_after_the_finished_ones,
     a_failed_step_resumes_at_that_step,
@@ -602,7 +563,7 @@ async fn a_consumer_redelivery_resumes_after_the_finished_steps(b: TestContext) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn step_in_tx_commits_the_rows_with_the_step() {
     use idem_postgres::StepInTx;
-    let b = postgres().await;
+    let b = TestContext::postgres().await.with_namespace("steps");
     let db = b.pg_db();
     db.exec("CREATE TABLE shipments (id bigserial PRIMARY KEY, tag text NOT NULL)")
         .await;

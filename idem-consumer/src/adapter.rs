@@ -20,6 +20,27 @@ use std::pin::{Pin, pin};
 use std::time::Duration;
 
 /// What one poll did, for every broker.
+///
+/// ```
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Decision, Message, PollReport};
+/// use idem_core::{Idempotency, MemoryStore};
+/// /// Hands out the same two deliveries on every fetch.
+/// struct Twice;
+/// impl Adapter for Twice {
+///     type Delivery = &'static str;
+///     async fn fetch(&self) -> Result<Vec<&'static str>, ConsumerError> { Ok(vec!["o-1", "o-2"]) }
+///     fn message_of(&self, id: &&'static str) -> Result<Message, ConsumerError> { Ok(Message::new("{}").with_id(*id)) }
+///     async fn apply(&self, _: &&'static str, _: &Decision) -> Result<(), ConsumerError> { Ok(()) }
+/// }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders");
+/// let mut total = PollReport::default();
+/// for _ in 0..2 {
+///     total.add(Twice.poll(&consumer, &|_m: Message| async { Ok::<u8, String>(1) }).await?);
+/// }
+/// assert_eq!((total.fetched, total.acked, total.dead_lettered), (4, 4, 0)); // duplicates are acked
+/// # Ok::<(), ConsumerError>(()) }).unwrap();
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PollReport {
@@ -62,6 +83,25 @@ impl PollReport {
 }
 
 /// What [`Adapter::run`] does after a failed poll.
+///
+/// ```
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Decision, Message, Recovery};
+/// use idem_core::{Idempotency, MemoryStore};
+/// /// A channel the broker closed: polling again cannot help.
+/// struct Closed;
+/// impl Adapter for Closed {
+///     type Delivery = ();
+///     async fn fetch(&self) -> Result<Vec<()>, ConsumerError> { Err(ConsumerError::broker("amqp", "fetch", "channel closed")) }
+///     fn message_of(&self, _: &()) -> Result<Message, ConsumerError> { unreachable!() }
+///     async fn apply(&self, _: &(), _: &Decision) -> Result<(), ConsumerError> { Ok(()) }
+///     async fn recover(&self, _: &ConsumerError) -> Recovery { Recovery::Stop }
+/// }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders");
+/// let ran = Closed.run(&consumer, &|_m: Message| async { Ok::<u8, String>(1) }, std::future::pending::<()>()).await;
+/// assert!(ran.unwrap_err().to_string().contains("channel closed")); // `run` returned instead of retrying
+/// # });
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Recovery {

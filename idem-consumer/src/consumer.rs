@@ -22,6 +22,21 @@ const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// What happened to one message: the decision for the broker, and what idem
 /// did.
+///
+/// ```
+/// use idem_consumer::{Consumer, Message};
+/// use idem_core::{Error, Idempotency, MemoryStore, Outcome};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders.charge");
+/// let charge = |m: Message| async move { Ok::<_, Error>(m.payload().len()) };
+/// let msg = Message::new(r#"{"amount":500}"#).with_id("m-1");
+/// let first = consumer.handle(&msg, &charge).await;
+/// let again = consumer.handle(&msg, &charge).await; // a redelivery
+/// assert_eq!(first.outcome, Some(Outcome::Executed));
+/// assert_eq!(again.outcome, Some(Outcome::Replayed));
+/// assert_eq!((again.value, again.decision.is_ack()), (Some(14), true));
+/// # });
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Handled<T> {

@@ -276,6 +276,19 @@ where
 /// The default classifier: every handler error is retryable, so nothing is
 /// dead-lettered before `max_deliveries` (a transient failure mistaken for
 /// a permanent one would lose the message to the dead-letter queue at once).
+///
+/// ```
+/// use idem_consumer::{AllRetryable, Classify, Consumer, ErrorClass, Message};
+/// use idem_core::{Idempotency, MemoryStore};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// assert_eq!(AllRetryable.classify(&"card declined"), ErrorClass::Retryable);
+/// // A new consumer classifies this way until `.classify(..)` says otherwise.
+/// let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "orders.charge");
+/// let msg = Message::new("{}").with_id("m-1");
+/// let handled = consumer.handle(&msg, &|_m: Message| async { Err::<(), _>("card declined") }).await;
+/// assert!(handled.decision.is_nack()); // delivered again, not dead-lettered
+/// # });
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AllRetryable;
 
@@ -304,6 +317,26 @@ pub trait ClassifyError {
 }
 
 /// Classifier that asks the error itself, through [`ClassifyError`].
+///
+/// ```
+/// use idem_consumer::{ByTrait, ClassifyError, Consumer, ErrorClass, Message};
+/// use idem_core::{Idempotency, MemoryStore};
+/// #[derive(Debug)]
+/// enum PayError { Declined, Timeout }
+/// impl std::fmt::Display for PayError {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { write!(f, "{self:?}") }
+/// }
+/// impl ClassifyError for PayError {
+///     fn class(&self) -> ErrorClass { ErrorClass::from_retryable(matches!(self, PayError::Timeout)) }
+/// }
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let consumer = Consumer::new(idem, "orders.charge").classify(ByTrait);
+/// let msg = Message::new("{}").with_id("m-1");
+/// let handled = consumer.handle(&msg, &|_m: Message| async { Err::<(), _>(PayError::Declined) }).await;
+/// assert!(handled.decision.is_dead_letter()); // permanent: no second delivery
+/// # });
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ByTrait;
 

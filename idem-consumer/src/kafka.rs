@@ -138,6 +138,21 @@ impl Gated for Waiting {
 /// [`connect`](Self::connect) joins the group on a polling thread of its
 /// own; [`run`](Self::run) handles records until its shutdown future
 /// completes. Dropping it leaves the group.
+///
+/// ```no_run
+/// use idem_consumer::kafka::{KafkaConfig, KafkaConsumer};
+/// use idem_consumer::{Consumer, ConsumerError, Message};
+/// use idem_core::Idempotency;
+///
+/// # async fn demo(idem: Idempotency) -> Result<(), ConsumerError> {
+/// let consumer = Consumer::new(idem, "orders.charge");
+/// let kafka = KafkaConsumer::connect(KafkaConfig::new("127.0.0.1:9092", "billing", ["orders"]))?;
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let shutdown = tokio::time::sleep(std::time::Duration::from_secs(60));
+/// kafka.run(&consumer, &charge, shutdown).await?; // drains and commits, then returns
+/// println!("{} commits, partition 0 at {:?}", kafka.commits(), kafka.last_committed("orders", 0));
+/// # Ok(()) }
+/// ```
 pub struct KafkaConsumer {
     consumer: Arc<BaseConsumer<Ctx>>,
     producer: FutureProducer,

@@ -147,6 +147,21 @@ impl NatsConfig {
 }
 
 /// A JetStream pull consumer run through idem.
+///
+/// ```no_run
+/// use idem_consumer::nats::async_nats::jetstream::consumer::PullConsumer;
+/// use idem_consumer::nats::{NatsConfig, NatsConsumer};
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Message};
+/// use idem_core::Idempotency;
+///
+/// # async fn demo(pull: PullConsumer, idem: Idempotency) -> Result<(), ConsumerError> {
+/// let consumer = Consumer::new(idem, "orders.charge");
+/// let nats = NatsConsumer::new(pull, NatsConfig::new().batch(64)).await?;
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// nats.run(&consumer, &charge, stopped).await?; // `stop.send(())` drains and returns
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct NatsConsumer {
     consumer: PullConsumer,

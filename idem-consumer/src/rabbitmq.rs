@@ -255,6 +255,20 @@ impl RabbitConfig {
 }
 
 /// A RabbitMQ queue consumer run through idem.
+///
+/// ```no_run
+/// use idem_consumer::rabbitmq::{lapin::Channel, RabbitConfig, RabbitConsumer};
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Message};
+/// use idem_core::Idempotency;
+///
+/// # async fn demo(channel: Channel, idem: Idempotency) -> Result<(), ConsumerError> {
+/// let consumer = Consumer::new(idem, "orders.charge");
+/// let rabbit = RabbitConsumer::new(channel, RabbitConfig::new("orders").prefetch(64)).await?;
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let report = rabbit.poll(&consumer, &charge).await?; // one batch, settled
+/// println!("{} acked, {} nacked", report.acked, report.nacked);
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RabbitConsumer {
     deliveries: Arc<Mutex<lapin::Consumer>>,

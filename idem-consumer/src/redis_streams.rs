@@ -196,6 +196,22 @@ impl StreamsConfig {
 
 /// One fetched entry: its stream id and the message made of it (or why
 /// no message could be made: such entries are dead-lettered).
+///
+/// ```no_run
+/// use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamEntry};
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Message};
+///
+/// # async fn demo(stream: RedisStreamsConsumer, consumer: Consumer) -> Result<(), ConsumerError> {
+/// let entries: Vec<StreamEntry> = stream.fetch().await?;
+/// for e in &entries {
+///     let id = e.message.as_ref().ok().and_then(|m| m.id());
+///     println!("{} (delivery {}): message id {id:?}", e.id, e.deliveries);
+/// }
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let decided = stream.handle(&consumer, &charge, entries).await;
+/// stream.settle(decided).await?; // one XACK/XADD script for the batch
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct StreamEntry {
@@ -241,6 +257,23 @@ impl Scan {
 }
 
 /// A consumer of one stream in one consumer group.
+///
+/// ```no_run
+/// use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
+/// use idem_consumer::{Adapter, Consumer, ConsumerError, Message};
+/// use idem_core::Idempotency;
+///
+/// # async fn demo(idem: Idempotency) -> Result<(), ConsumerError> {
+/// let cfg = StreamsConfig::new("orders", "billing", "billing-1");
+/// let stream = RedisStreamsConsumer::connect("redis://127.0.0.1/", cfg).await?;
+/// stream.ensure_group().await?;
+/// assert_eq!(stream.config().dead_letter(), "orders:dead");
+/// let consumer = Consumer::new(idem, "orders.charge");
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let report = stream.poll(&consumer, &charge).await?;
+/// println!("{} fetched, {} redelivered", report.fetched, report.redelivered);
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisStreamsConsumer {
     /// Commands that answer at once: acks, claims, dead letters.

@@ -10,6 +10,15 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// Why a key could not be derived from a payload.
+///
+/// ```
+/// use idem_core::{DeriveError, KeyDeriver};
+///
+/// let bad = KeyDeriver::new().exclude("sent_at"); // no leading '/'
+/// assert_eq!(bad, Err(DeriveError::BadPointer("sent_at".into())));
+/// let err = KeyDeriver::new().derive(b"not json").unwrap_err();
+/// assert!(matches!(err, DeriveError::NotJson(_)));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DeriveError {

@@ -327,6 +327,16 @@ impl Error {
 }
 
 /// Which part of the stored key was refused.
+///
+/// ```
+/// use idem_core::{Error, Idempotency, KeyError, KeyPart, MemoryStore};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let err = idem.call("charge", "").run(|| async { Ok::<u8, Error>(1) }).await.unwrap_err();
+/// assert!(matches!(err, Error::InvalidKey(KeyError::Empty { part: KeyPart::Key })));
+/// assert_eq!(KeyPart::Scope.to_string(), "scope");
+/// # });
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyPart {

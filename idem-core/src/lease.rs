@@ -59,6 +59,23 @@ pub(crate) async fn scope<F: Future>(lease: Lease, body: F) -> F::Output {
 
 /// A running body's view of its lease, from [`lease()`]. Cheap to clone;
 /// a clone moved into a spawned task still tells it about this lease.
+///
+/// ```
+/// use idem_core::{Error, Idempotency, MemoryStore};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let r: Result<bool, Error> = idem
+///     .call("report", "day-7")
+///     .run(|| async {
+///         let lease = idem_core::lease().expect("inside a body");
+///         // The spawned task is outside the body's scope: hand it a clone.
+///         let worker = tokio::spawn(async move { lease.is_lost() });
+///         Ok(worker.await.unwrap())
+///     })
+///     .await;
+/// assert!(!r.unwrap()); // the lease was held throughout
+/// # });
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct Lease {
     state: Arc<State>,

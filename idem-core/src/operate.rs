@@ -222,6 +222,20 @@ pub struct ScannedKey {
 
 /// The stream of [`Idempotency::scan`]. An `Err` item (store unreachable)
 /// ends it.
+///
+/// ```
+/// use futures_util::TryStreamExt;
+/// use idem_core::{Error, Idempotency, MemoryStore, ScannedKey};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// for k in ["o-1", "o-2", "o-3"] {
+///     let _: u32 = idem.call("charge", k).run(|| async { Ok::<_, Error>(1) }).await?;
+/// }
+/// // A `Stream`: any stream combinator applies.
+/// let found: Vec<ScannedKey> = idem.scan("charge").limit(2).try_collect().await?;
+/// assert_eq!(found.len(), 2);
+/// # Ok::<(), Error>(()) }).unwrap();
+/// ```
 pub struct Scan {
     store: Arc<dyn Store>,
     prefix: Option<Result<String, Error>>,

@@ -24,6 +24,21 @@ use sha2::{Digest, Sha256};
 pub const MAX_OUTBOX_FIELD: usize = 512;
 
 /// One outgoing message, as a relay hands it to a [`Sink`].
+///
+/// ```
+/// use idem_core::outbox::{message_id, OutboxMessage};
+///
+/// let m = OutboxMessage {
+///     id: message_id("idem:orders:create:o-1", "orders.created"),
+///     topic: "orders.created".into(),
+///     key: "o-1".into(),
+///     payload: bytes::Bytes::from_static(br#"{"order":"o-1"}"#),
+///     attempts: 0,
+/// };
+/// // A re-send carries the same id, so the consumer runs its effect once.
+/// let again = OutboxMessage { attempts: 1, ..m.clone() };
+/// assert_eq!(again.id, m.id);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxMessage {
     /// Deterministic id ([`message_id`]): the same for every re-send, so the
@@ -70,6 +85,16 @@ pub fn message_id(record_key: &str, name: &str) -> String {
 /// Why a [`Sink`] did not publish a message: the relay parks a refused
 /// message (with this reason, for an operator) and retries an unavailable
 /// one with backoff.
+///
+/// ```
+/// use idem_core::outbox::SinkError;
+///
+/// let e = SinkError::refused("no such topic `orders`");
+/// assert!(!e.is_retryable()); // parked for an operator
+/// assert_eq!(e.to_string(), "the broker refused the message: no such topic `orders`");
+/// let e = SinkError::unavailable("connection reset");
+/// assert!(e.is_retryable()); // sent again after a backoff
+/// ```
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     /// The broker refused this message and would refuse it again (too

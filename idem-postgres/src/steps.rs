@@ -15,6 +15,23 @@ use std::sync::Arc;
 
 /// Runs a step of a `run_steps` body in a transaction of its own, with its
 /// recorded value. Import with `use idem::postgres::*`.
+///
+/// ```no_run
+/// use idem_core::{Error, Idempotency};
+/// use idem_postgres::{PgStore, StepInTx, sqlx};
+/// # async fn demo(store: PgStore, idem: Idempotency) -> Result<(), Error> {
+/// let db = |e: sqlx::Error| Error::unavailable("debit", e.to_string());
+/// idem.call("refunds", "r-9").run_steps(async |s| {
+///     // Recorded in the transaction that debits: after a crash it never runs twice.
+///     s.step_in_tx(&store, "debit", async |tx| {
+///         sqlx::query("UPDATE accounts SET balance = balance - 500 WHERE id = 7")
+///             .execute(&mut *tx).await.map(drop).map_err(db)
+///     }).await?;
+///     // An effect outside the database: an ordinary step.
+///     s.step("notify", async || Ok::<_, Error>(())).await
+/// }).await?;
+/// # Ok(()) }
+/// ```
 pub trait StepInTx {
     /// Like [`Steps::step`], for a step whose effects are writes to the
     /// database `store` keeps its records in: `body` gets a transaction

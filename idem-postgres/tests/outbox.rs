@@ -616,6 +616,39 @@ async fn a_blocked_key_with_a_long_backlog_hides_no_other_key() {
     assert!(sent.iter().all(|k| k == "d") && sent.len() == 1, "{sent:?}");
 }
 
+#[tokio::test]
+async fn a_message_committed_after_later_ones_were_relayed_is_still_sent() {
+    let (db, _idem) = setup().await;
+    let store = db.store().await;
+    let ob = store.outbox();
+    // An early insert (lower seq) whose transaction commits last.
+    let mut slow = db.pool.begin().await.unwrap();
+    ob.publish_with_id(&mut slow, "t.topic", "late", "late/1", &"1")
+        .await
+        .unwrap();
+    for v in ["1", "2"] {
+        let mut tx = db.pool.begin().await.unwrap();
+        ob.publish_with_id(&mut tx, "t.topic", "b", &format!("b/{v}"), &v)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let sink = Arc::new(Recorder::default());
+    let relay = Relay::new(&store, Arc::clone(&sink));
+    drain(&relay).await;
+    assert_eq!(sink.ids(), vec!["b/1", "b/2"]);
+    slow.commit().await.unwrap();
+    for _ in 0..100 {
+        relay.drain_once().await.unwrap();
+        if sink.ids().len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(sink.ids(), vec!["b/1", "b/2", "late/1"]);
+    assert_eq!(outbox_rows(&db).await, 0);
+}
+
 /// A sink that holds its send until released: the pass keeps its row locks
 /// meanwhile, as a pass waiting on a slow broker does.
 #[derive(Default)]

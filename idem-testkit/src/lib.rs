@@ -70,6 +70,7 @@ mod cluster;
 mod context;
 mod counting;
 mod errors;
+mod every_store;
 mod kafka;
 mod ledger;
 mod logs;

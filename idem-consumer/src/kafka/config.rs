@@ -16,6 +16,16 @@ use std::time::Duration;
 ///
 /// To derive keys from the payload instead, give the [`Consumer`](crate::Consumer)
 /// [`KeySource::Payload`](crate::KeySource::Payload): it ignores ids.
+///
+/// ```
+/// use idem_consumer::kafka::{KafkaConfig, KafkaKey, header_names};
+///
+/// assert_eq!(KafkaKey::default(), KafkaKey::Header(header_names::IDEMPOTENCY_KEY.to_owned()));
+/// assert_eq!(header_names::IDEMPOTENCY_KEY, "idempotency-key");
+/// // Producers that set a record key but no idempotency header:
+/// let cfg = KafkaConfig::new("127.0.0.1:9092", "billing", ["orders"]).key(KafkaKey::RecordKeyAndPayloadHash);
+/// # let _ = cfg;
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KafkaKey {

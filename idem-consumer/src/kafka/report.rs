@@ -1,6 +1,21 @@
 //! [`KafkaReport`]: the counts a [`run`](super::KafkaConsumer::run) returns.
 
 /// What a [`run`](super::KafkaConsumer::run) did.
+///
+/// ```no_run
+/// use idem_consumer::kafka::{KafkaConsumer, KafkaReport};
+/// use idem_consumer::{Consumer, ConsumerError, Message};
+///
+/// # async fn demo(kafka: KafkaConsumer, consumer: Consumer) -> Result<(), ConsumerError> {
+/// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// let shutdown = tokio::time::sleep(std::time::Duration::from_secs(60));
+/// let report: KafkaReport = kafka.run(&consumer, &charge, shutdown).await?;
+/// println!("{} acked ({} duplicates replayed)", report.acked, report.replayed);
+/// if report.dead_lettered > 0 {
+///     eprintln!("{} records moved to the dead-letter topic", report.dead_lettered);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KafkaReport {

@@ -21,6 +21,25 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub const MAX_STEP_NAME: usize = 128;
 
 /// What [`Steps::begin_step`] found for a step.
+///
+/// ```
+/// use idem_core::{Error, Idempotency, MemoryStore, StepStart};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MemoryStore::new()).build();
+/// let r: Result<String, Error> = idem.call("orders", "o-1").run_steps(async |s| {
+///     Ok(match s.begin_step("charge")? {
+///         StepStart::Recorded(v) => serde_json::from_slice(&v).unwrap(), // replayed
+///         StepStart::Run { key, .. } => {
+///             // … run the effect and record its value under `key`, then:
+///             s.step_recorded("charge");
+///             format!("ran for {key}")
+///         }
+///         _ => "ran unrecorded".to_owned(), // FailMode::Open
+///     })
+/// }).await;
+/// assert!(r.unwrap().ends_with(":orders:o-1"));
+/// # });
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StepStart {

@@ -19,7 +19,8 @@
 //! # async fn demo(store: PgStore, sink: impl Sink + 'static) -> Result<(), idem_core::Error> {
 //! store.migrate().await?; // creates idem_keys_outbox too
 //! let relay = Relay::new(&store, sink);
-//! let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+//! let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
+//! let report = relay.run(async { let _ = stopped.await; }).await;
 //! tracing::info!(sent = report.sent, parked = report.parked, "relay stopped");
 //! # Ok(()) }
 //! ```
@@ -63,6 +64,20 @@ pub struct Outbox {
 }
 
 /// A parked message: the broker refused it, and its key waits behind it.
+///
+/// ```no_run
+/// use idem_postgres::outbox::{Outbox, Parked};
+/// # async fn demo(outbox: Outbox) -> Result<(), idem_core::Error> {
+/// let parked: Vec<Parked> = outbox.parked(100).await?;
+/// for m in &parked {
+///     eprintln!("{} to {} (key {}, {} attempts)", m.id, m.topic, m.key, m.attempts);
+///     // The broker's limit was raised since: send the too-large ones again.
+///     if m.reason.as_deref().is_some_and(|r| r.contains("too large")) {
+///         outbox.retry(&m.id).await?;
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parked {
     /// The message id.
@@ -84,6 +99,18 @@ pub struct Parked {
 }
 
 /// What waits in an outbox.
+///
+/// ```no_run
+/// use idem_postgres::{PgStore, outbox::Backlog};
+/// use std::time::Duration;
+/// # async fn demo(store: PgStore) -> Result<(), idem_core::Error> {
+/// let b: Backlog = store.outbox().backlog().await?;
+/// let lag = b.oldest.unwrap_or_default();
+/// if lag > Duration::from_secs(60) || b.parked > 0 {
+///     eprintln!("{} waiting (oldest {lag:?}), {} parked: is the relay up?", b.pending, b.parked);
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Backlog {
     /// Messages waiting to be sent (backing-off ones included).

@@ -22,9 +22,18 @@ use tokio::time::Instant;
 
 /// Messages a pass takes by default.
 const DEFAULT_BATCH: usize = 256;
-/// How many keys a pass visits per message it may take: keys parked,
-/// backing off or held by another relay are visited and passed over.
-const VISIT: usize = 4;
+/// How often a pass scans the table from its start rather than from where
+/// the previous pass began: the deleted rows at the table's old end cost a
+/// scan one visit each until vacuum removes them (longer while any long
+/// transaction runs in the database), and only a row that was blocked,
+/// backing off, held by another relay or committed late waits there.
+const RESCAN: Duration = Duration::from_secs(1);
+
+/// Where the next pass starts scanning.
+struct Scan {
+    from: i64,
+    rescanned: Instant,
+}
 
 /// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
 /// (in one process or many) for throughput or availability; they never send
@@ -54,8 +63,7 @@ pub struct Relay<S> {
     poll: Duration,
     send_timeout: Duration,
     backoff: (Duration, Duration),
-    /// The last key the previous full pass took: the next starts after it.
-    cursor: std::sync::Mutex<String>,
+    scan: std::sync::Mutex<Scan>,
 }
 
 impl<S> std::fmt::Debug for Relay<S> {
@@ -70,6 +78,19 @@ impl<S> std::fmt::Debug for Relay<S> {
 }
 
 /// What a relay did: one pass ([`Relay::drain_once`]) or a whole run.
+///
+/// ```no_run
+/// use idem_core::outbox::Sink;
+/// use idem_postgres::outbox::{Relay, RelayReport};
+/// # async fn demo(relay: Relay<std::sync::Arc<dyn Sink>>) -> Result<(), idem_core::Error> {
+/// let report: RelayReport = relay.drain_once().await?;
+/// println!("{} sent, {} parked, {} to retry", report.sent, report.parked, report.failed);
+/// if let Some(wait) = report.retry_in {
+///     tokio::time::sleep(wait).await; // the earliest retry is due
+///     relay.drain_once().await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RelayReport {
     /// Messages the broker confirmed (and the relay deleted).
@@ -148,7 +169,10 @@ impl<S: Sink> Relay<S> {
             poll: Duration::from_secs(5),
             send_timeout: Duration::from_secs(30),
             backoff: (Duration::from_millis(200), Duration::from_secs(30)),
-            cursor: std::sync::Mutex::default(),
+            scan: std::sync::Mutex::new(Scan {
+                from: 0,
+                rescanned: Instant::now(),
+            }),
         }
     }
 
@@ -206,6 +230,17 @@ impl<S: Sink> Relay<S> {
         self
     }
 
+    /// The `seq` this pass scans after: where the last pass began, or the
+    /// table's start once per [`RESCAN`].
+    fn scan_from(&self) -> i64 {
+        let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
+        if scan.rescanned.elapsed() >= RESCAN {
+            scan.rescanned = Instant::now();
+            scan.from = 0;
+        }
+        scan.from
+    }
+
     fn backoff(&self, attempts: u32) -> Duration {
         let (first, max) = self.backoff;
         first.saturating_mul(1u32 << attempts.min(20)).min(max)
@@ -227,33 +262,20 @@ impl<S: Sink> Relay<S> {
         let fail = self.outbox.fail("outbox relay");
         let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
-        // From the cursor to the last key, then (when that did not fill the
-        // batch) from the first key: every key is visited in turn.
-        let from = self
-            .cursor
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let mut heads = self.heads(&mut tx, &from, limit).await.map_err(&fail)?;
-        let full = heads.len() >= self.batch;
-        if !full && !from.is_empty() {
-            let room = limit - i64::try_from(heads.len()).unwrap_or(0);
-            let mut again = self.heads(&mut tx, "", room).await.map_err(&fail)?;
-            let first_pass: std::collections::HashSet<i64> = heads
-                .iter()
-                .filter_map(|r| r.try_get::<i64, _>("seq").ok())
-                .collect();
-            again.retain(|r| {
-                r.try_get::<i64, _>("seq")
-                    .is_ok_and(|s| !first_pass.contains(&s))
-            });
-            heads.append(&mut again);
+        let from = self.scan_from();
+        let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
+            .bind(from)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&fail)?;
+        if let Some(first) = heads.first() {
+            // Everything before this pass's first head was sent, or waits
+            // (blocked, backing off, another relay's): the next passes start
+            // here, and a rescan from the start picks the waiting ones up.
+            let seq: i64 = first.try_get("seq").map_err(&fail)?;
+            self.scan.lock().unwrap_or_else(|p| p.into_inner()).from = seq - 1;
         }
-        let next = match heads.last() {
-            Some(r) if full => r.try_get::<String, _>("msg_key").map_err(&fail)?,
-            _ => String::new(),
-        };
-        *self.cursor.lock().unwrap_or_else(|p| p.into_inner()) = next;
         if heads.is_empty() {
             tx.rollback().await.map_err(&fail)?;
             return Ok(RelayReport::default());
@@ -312,21 +334,6 @@ impl<S: Sink> Relay<S> {
             e
         })?;
         Ok(report)
-    }
-
-    /// Locks up to `limit` key heads after `from` (see `table.rs`).
-    async fn heads(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        from: &str,
-        limit: i64,
-    ) -> Result<Vec<sqlx::postgres::PgRow>, sqlx::Error> {
-        sqlx::query(AssertSqlSafe(self.outbox.sql.heads.as_str()))
-            .bind(from)
-            .bind(limit.saturating_mul(VISIT as i64))
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
     }
 
     /// Sends the owned rows wave by wave: wave `n` holds each key's `n`th
@@ -425,7 +432,8 @@ impl<S: Sink> Relay<S> {
     ///
     /// ```no_run
     /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let report = relay.run(async { let _ = tokio::signal::ctrl_c().await; }).await;
+    /// let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
+    /// let report = relay.run(async { let _ = stopped.await; }).await;
     /// # }
     /// ```
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> RelayReport {

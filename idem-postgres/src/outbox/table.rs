@@ -130,40 +130,27 @@ impl OutboxSql {
                 "INSERT INTO {t} (id, topic, msg_key, payload) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT (id) DO NOTHING"
             ),
-            // The heads of the next keys, by name from the relay's cursor
-            // (`$1`): a loose index scan visits up to `$2` keys, one index
-            // probe each, reading each key's oldest row whatever its state;
-            // a key whose oldest row is parked or backing off waits, the
-            // others are locked unless another relay holds them, up to `$3`.
-            // A relay thus owns a key from its head, and no two relays ever
-            // send one key's messages at once. Visiting keys, not rows, a
-            // blocked or busy key with a long backlog hides no other key.
-            // `more` says whether the key has later rows (read by `batch`).
+            // The heads of the oldest keys waiting: in commit-ish order from
+            // just past `$1`, the sendable rows with no older row of their
+            // key at all (one parked, backing off, or being sent by another
+            // relay), locked unless another relay holds them, up to `$2`.
+            // Rows skipped do not count, so a blocked or busy key's backlog
+            // hides no other key (it costs the scan an index probe per row
+            // passed over). A relay thus owns a key from its head, and no two
+            // relays ever send one key's messages at once. `more` says
+            // whether the key has later rows (read by `batch`).
             //
             // The pass commits asynchronously (`cfg`): a commit lost in a
             // server crash brings its deleted rows back, which are sent
             // again under the same ids, as after a relay crash.
             heads: format!(
-                "WITH RECURSIVE cfg AS MATERIALIZED (\n\
-                 \x20   SELECT set_config('synchronous_commit', 'off', true) AS c\n\
-                 ), keys AS (\n\
-                 \x20   (SELECT msg_key, seq, parked_at, retry_at FROM {t}\n\
-                 \x20    WHERE msg_key > $1 ORDER BY msg_key, seq LIMIT 1)\n\
-                 \x20   UNION ALL\n\
-                 \x20   SELECT n.msg_key, n.seq, n.parked_at, n.retry_at FROM keys k\n\
-                 \x20   CROSS JOIN LATERAL (\n\
-                 \x20       SELECT msg_key, seq, parked_at, retry_at FROM {t}\n\
-                 \x20       WHERE msg_key > k.msg_key ORDER BY msg_key, seq LIMIT 1\n\
-                 \x20   ) n\n\
-                 ), visited AS MATERIALIZED (\n\
-                 \x20   SELECT seq, parked_at, retry_at FROM keys LIMIT $2\n\
-                 )\n\
-                 SELECT {ROW_COLUMNS},\n\
+                "SELECT {ROW_COLUMNS},\n\
                  \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq > o.seq) AS more\n\
-                 FROM {t} o CROSS JOIN cfg\n\
-                 WHERE o.seq IN (SELECT seq FROM visited\n\
-                 \x20               WHERE parked_at IS NULL AND (retry_at IS NULL OR retry_at <= now()))\n\
-                 ORDER BY o.msg_key LIMIT $3\n\
+                 FROM {t} o\n\
+                 CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS cfg\n\
+                 WHERE o.seq > $1 AND o.parked_at IS NULL AND (o.retry_at IS NULL OR o.retry_at <= now())\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
+                 ORDER BY o.seq LIMIT $2\n\
                  FOR UPDATE OF o SKIP LOCKED"
             ),
             // The later rows of owned keys, oldest first: nobody else's,
