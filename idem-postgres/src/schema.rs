@@ -86,6 +86,46 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
     .collect()
 }
 
+/// What marks the schema of `statements` as in place: their hash, kept as
+/// the comment of the outbox's wake table (a table of idem's own, which the
+/// DDL creates last), so that [`in_place`] recognises this version's schema
+/// without locking anything.
+pub(crate) fn stamp(statements: &[String]) -> String {
+    // FNV-1a over the statements: any change of the DDL (a new version, a
+    // table of another name) is another stamp.
+    let hash = statements
+        .iter()
+        .flat_map(|s| s.bytes().chain([0]))
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("idem-postgres schema {hash:016x}")
+}
+
+/// Records `stamp` once the DDL ran (in its transaction).
+pub(crate) fn stamp_statement(table: &TableName, stamp: &str) -> String {
+    format!(
+        "COMMENT ON TABLE {wake} IS '{stamp}'",
+        wake = table.beside(crate::outbox::table::WAKE_TABLE)
+    )
+}
+
+/// `true` when the wake table carries the stamp `$1` and the tables the DDL
+/// creates all exist (one dropped by hand is made again); a catalog read,
+/// no lock on the tables.
+pub(crate) fn in_place(table: &TableName) -> String {
+    let quoted = |name: String| format!("'{}'", name.replace('\'', "''"));
+    let exists = |name: String| format!("to_regclass({}) IS NOT NULL", quoted(name));
+    format!(
+        "SELECT coalesce(obj_description(to_regclass({wake}), 'pg_class') = $1, false)\n\
+         \x20   AND {records} AND {failures} AND {outbox}",
+        wake = quoted(table.beside(crate::outbox::table::WAKE_TABLE)),
+        records = exists(table.to_string()),
+        failures = exists(table.beside(FAILURES_TABLE)),
+        outbox = exists(table.beside(crate::outbox::table::OUTBOX_TABLE)),
+    )
+}
+
 /// The write half of a claim, called by the claim statement (`sql.rs`) only
 /// when the row it read shows a record this claim may take, so a replay or
 /// an in-progress answer never starts an `INSERT`: a data-modifying CTE

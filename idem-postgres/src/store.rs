@@ -160,6 +160,15 @@ impl PgStore {
     /// processes at once (an advisory lock serializes them). The schema itself is not created: a
     /// schema-qualified table needs its schema to exist.
     ///
+    /// Once this version's schema is in place (it leaves a stamp, the
+    /// comment of `<table>_outbox_wake`), `migrate` only reads the catalog
+    /// and takes no lock on the tables, so a process starting while others
+    /// serve calls and relay messages neither waits for them nor holds them
+    /// up. The first `migrate` of a new version, or after `schema.sql` was
+    /// applied by hand, runs the DDL, whose `ALTER TABLE` and `CREATE
+    /// TRIGGER` lock the tables briefly: run it before the new version
+    /// takes traffic, as any migration.
+    ///
     /// ```no_run
     /// # async fn demo(store: idem_postgres::PgStore) -> Result<(), idem_core::Error> {
     /// store.migrate().await?;
@@ -169,6 +178,28 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), Error> {
         let table = self.inner.table.to_string();
         let fail = |e| map("migrate", &table, e);
+        let statements = schema::ddl(&self.inner.table);
+        let stamp = schema::stamp(&statements);
+        let in_place = schema::in_place(&self.inner.table);
+        // Every process migrates at its start while the others work, and
+        // even with everything in place the DDL locks tables
+        // (`ALTER TABLE … IF NOT EXISTS` and `DROP TRIGGER` take ACCESS
+        // EXCLUSIVE, `CREATE INDEX IF NOT EXISTS` SHARE, all held to the
+        // commit): it would wait for any transaction in flight (a relay
+        // pass waiting on its broker), queue every call behind it, and
+        // deadlock with a pass that goes on to delete its rows. So the
+        // schema this version creates, once in place, is recognised by its
+        // stamp and left alone, without a lock.
+        let current = |found: Option<bool>| found == Some(true);
+        let found: Option<bool> = sqlx::query_scalar(AssertSqlSafe(in_place.as_str()))
+            .bind(&stamp)
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(fail)?;
+        if current(found) {
+            tracing::debug!(table, "idem-postgres schema is in place");
+            return Ok(());
+        }
         let mut tx = self.inner.pool.begin().await.map_err(fail)?;
         // Concurrent `CREATE TABLE IF NOT EXISTS` can still collide in the
         // catalog (a unique violation on pg_type): take turns. One lock for
@@ -177,11 +208,26 @@ impl PgStore {
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
-        for statement in schema::ddl(&self.inner.table) {
-            sqlx::query(AssertSqlSafe(statement))
-                .execute(&mut *tx)
-                .await
-                .map_err(fail)?;
+        // The process we waited for may have done it all.
+        let found: Option<bool> = sqlx::query_scalar(AssertSqlSafe(in_place.as_str()))
+            .bind(&stamp)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(fail)?;
+        if !current(found) {
+            for statement in statements {
+                sqlx::query(AssertSqlSafe(statement))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(fail)?;
+            }
+            sqlx::query(AssertSqlSafe(schema::stamp_statement(
+                &self.inner.table,
+                &stamp,
+            )))
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
         tracing::debug!(table, "idem-postgres schema is in place");

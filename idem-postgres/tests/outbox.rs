@@ -648,3 +648,63 @@ async fn a_message_committed_after_later_ones_were_relayed_is_still_sent() {
     assert_eq!(sink.ids(), vec!["b/1", "b/2", "late/1"]);
     assert_eq!(outbox_rows(&db).await, 0);
 }
+
+/// A sink that holds its send until released: the pass keeps its row locks
+/// meanwhile, as a pass waiting on a slow broker does.
+#[derive(Default)]
+struct Held {
+    entered: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl Sink for Held {
+    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        self.entered.notify_one();
+        self.release.notified().await;
+        batch.iter().map(|_| Ok(())).collect()
+    }
+
+    fn describe(&self) -> String {
+        "held".into()
+    }
+}
+
+/// Every process runs `migrate()` at its start, while the others work. With
+/// the schema in place it must take no table lock: it used to take ACCESS
+/// EXCLUSIVE on the records table (`ALTER TABLE … ADD COLUMN IF NOT
+/// EXISTS`) and on the outbox (`DROP TRIGGER`, after the SHARE lock of
+/// `CREATE INDEX IF NOT EXISTS`), so it waited for a relay pass in flight
+/// (up to its send timeout) while every call queued behind it, and when the
+/// pass went on to delete its rows the two deadlocked (SQLSTATE 40P01; seen
+/// in tests/orders_outbox_example.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_migrating_while_a_relay_pass_holds_its_rows_neither_waits_nor_deadlocks() {
+    let (db, idem) = setup().await;
+    publish_each(&db, "k", &["a".to_owned()]).await;
+    let held = Arc::new(Held::default());
+    let relay = Relay::new(&db.store().await, held.clone());
+    let pass = tokio::spawn(async move { relay.drain_once().await });
+    held.entered.notified().await;
+
+    let starting = idem_postgres::PgStore::from_pool(db.pool.clone());
+    let migrated = tokio::time::timeout(Duration::from_secs(5), starting.migrate()).await;
+    // Calls go on meanwhile.
+    let call = tokio::time::timeout(
+        Duration::from_secs(5),
+        idem.call("s", "during-migrate")
+            .run_in_tx(&db.pool, async |tx| {
+                outbox::publish(tx, "t.topic", "other", &1).await?;
+                Ok::<_, Error>(1)
+            }),
+    )
+    .await;
+    held.release.notify_one();
+    let report = pass.await.unwrap();
+    assert!(
+        matches!(migrated, Ok(Ok(()))),
+        "migrate() with the schema in place waited behind the relay's pass: {migrated:?}"
+    );
+    assert!(matches!(call, Ok(Ok(1))), "{call:?}");
+    assert_eq!(report.unwrap().sent, 1, "the pass was not aborted");
+}
