@@ -29,6 +29,15 @@ const DEFAULT_BATCH: usize = 256;
 /// backing off, held by another relay or committed late waits there.
 const RESCAN: Duration = Duration::from_secs(1);
 
+/// How a pass's transaction begins. It commits asynchronously: a commit
+/// lost in a server crash brings its deleted rows back, which are sent again
+/// under the same ids, as after a relay crash. And no statement of it runs
+/// longer than 20 s: under heavy churn a scan once ran for minutes (CPU
+/// bound, the same statement took under a millisecond again right after it
+/// was cancelled), stalling the relay; cancelled, the pass fails and the
+/// next one goes on.
+const PASS: &str = "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL statement_timeout = '20s'";
+
 /// Where the next pass starts scanning.
 struct Scan {
     from: i64,
@@ -267,7 +276,7 @@ impl<S: Sink> Relay<S> {
     pub async fn drain_once(&self) -> Result<RelayReport, Error> {
         let sql = &self.outbox.sql;
         let fail = self.outbox.fail("outbox relay");
-        let mut tx = self.outbox.pool.begin().await.map_err(&fail)?;
+        let mut tx = self.outbox.pool.begin_with(PASS).await.map_err(&fail)?;
         let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
         let (from, rescan) = self.scan_from();
         let started = Instant::now();

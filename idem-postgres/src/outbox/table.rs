@@ -140,14 +140,10 @@ impl OutboxSql {
             // relays ever send one key's messages at once. `more` says
             // whether the key has later rows (read by `batch`).
             //
-            // The pass commits asynchronously (`cfg`): a commit lost in a
-            // server crash brings its deleted rows back, which are sent
-            // again under the same ids, as after a relay crash.
             heads: format!(
                 "SELECT {ROW_COLUMNS},\n\
                  \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq > o.seq) AS more\n\
                  FROM {t} o\n\
-                 CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS cfg\n\
                  WHERE o.seq > $1 AND o.parked_at IS NULL AND (o.retry_at IS NULL OR o.retry_at <= now())\n\
                  \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
                  ORDER BY o.seq LIMIT $2\n\
