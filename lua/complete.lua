@@ -6,11 +6,20 @@
 -- WATCH, no write past maxmemory). KEEPTTL: the result TTL counts from the
 -- claim. allow-oom: the body has already run, and storing its result
 -- matters more than the memory limit.
-local key, token, rec = KEYS[1], ARGV[1], ARGV[2]
+--
+-- With outgoing messages (outbox::stage): KEYS[2] is the outbox stream (on
+-- the record's slot) and ARGV[3..] are (id, topic, key, payload) per
+-- message, appended to the stream in order in this same step. Everything
+-- that could refuse the appends is checked before anything is written, so
+-- the result and its messages are stored together or not at all.
+local key, token, rec, stream = KEYS[1], ARGV[1], ARGV[2], KEYS[2]
 local kind, n = header(rec)
-if not kind or kind == PENDING or #token ~= 32 or #KEYS ~= 1 or #ARGV ~= 2 then
+local fields = #ARGV - 2
+if not kind or kind == PENDING or #token ~= 32 or #KEYS < 1 or #KEYS > 2
+    or (stream == nil) ~= (fields == 0) or fields % 4 ~= 0 then
   return redis.error_reply('ERR idem complete: expected 1 key, a 32-byte token and a completed '
-    .. 'record ("1", kind C/Z/L/U, fingerprint length, fingerprint, value)')
+    .. 'record ("1", kind C/Z/L/U, fingerprint length, fingerprint, value), and with an outbox '
+    .. 'stream as a second key, (id, topic, key, payload) per message')
 end
 
 local old, on, done, dn = owned(key, token)
@@ -28,6 +37,21 @@ end
 if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)) then
   rec = '1' .. kind .. string.char(on) .. string.sub(old, 4, 3 + on) .. string.sub(rec, 4 + n)
 end
+if stream then
+  local t = redis.call('TYPE', stream)['ok']
+  if t ~= 'stream' and t ~= 'none' then
+    return redis.error_reply('ERR idem complete: the outbox key ' .. stream .. ' holds a ' .. t
+      .. ', not a stream: delete it or give the store another outbox prefix')
+  end
+  if not redis.acl_check_cmd('XADD', stream, '*', 'id', '') then
+    return redis.error_reply('NOPERM idem complete: this user may not XADD to the outbox '
+      .. 'stream ' .. stream .. '; grant it the outbox keys (docs/operating.md)')
+  end
+end
 redis.call('SET', key, rec, 'KEEPTTL')
+for i = 3, #ARGV, 4 do
+  redis.call('XADD', stream, '*', 'id', ARGV[i], 'topic', ARGV[i + 1], 'key', ARGV[i + 2],
+    'payload', ARGV[i + 3])
+end
 notify(key, 'completed')
 return DONE

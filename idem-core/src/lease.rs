@@ -1,8 +1,8 @@
 //! What a running body can learn about its lease: whether it is lost, so
 //! that a body another caller may already be running again can stop early.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 tokio::task_local! {
@@ -85,6 +85,21 @@ pub struct Lease {
 struct State {
     lost: AtomicBool,
     notify: Notify,
+    /// Whether the call's store takes outgoing messages with its result
+    /// ([`Store::has_outbox`](crate::Store::has_outbox)).
+    outbox: bool,
+    /// What the body staged for the outbox ([`crate::outbox::stage`]), in
+    /// order: written with the result, or dropped with a failed body.
+    staged: Mutex<Vec<Staged>>,
+}
+
+/// One message a body staged: its id is made at completion, from the
+/// call's record key and the message's name.
+#[derive(Debug)]
+pub(crate) struct Staged {
+    pub(crate) topic: String,
+    pub(crate) key: String,
+    pub(crate) payload: bytes::Bytes,
 }
 
 impl Lease {
@@ -138,6 +153,37 @@ impl Lease {
             }
             notified.await;
         }
+    }
+
+    /// The lease of a call whose store does (or does not) take outgoing
+    /// messages with its result.
+    pub(crate) fn with_outbox(outbox: bool) -> Lease {
+        Lease {
+            state: Arc::new(State {
+                outbox,
+                ..State::default()
+            }),
+        }
+    }
+
+    /// Keeps a message the body staged; `false` when the store has no
+    /// outbox.
+    pub(crate) fn stage(&self, message: Staged) -> bool {
+        if !self.state.outbox {
+            return false;
+        }
+        self.staged().push(message);
+        true
+    }
+
+    /// Takes what the body staged (the body has finished).
+    pub(crate) fn take_staged(&self) -> Vec<Staged> {
+        std::mem::take(&mut *self.staged())
+    }
+
+    fn staged(&self) -> std::sync::MutexGuard<'_, Vec<Staged>> {
+        // A push cannot leave the vector half-written: use it after a panic.
+        self.state.staged.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Flags the lease lost and wakes every body waiting on [`Lease::lost`].

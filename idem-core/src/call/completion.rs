@@ -3,6 +3,7 @@
 
 use super::is_unavailable;
 use crate::fingerprint::Fingerprint;
+use crate::outbox::OutboxMessage;
 use crate::store::{Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
@@ -31,6 +32,8 @@ pub(super) struct Completion<'a> {
     pub(super) kind: ValueKind,
     pub(super) value: &'a Bytes,
     pub(super) lease: Duration,
+    /// Outgoing messages written with the result (`outbox::stage`).
+    pub(super) messages: &'a [OutboxMessage],
 }
 
 impl Completion<'_> {
@@ -53,14 +56,29 @@ impl Completion<'_> {
             .with_max_delay(self.lease / 4)
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
-        let result = (|| {
-            self.store.complete(
-                self.key,
-                &self.token,
-                self.fingerprint.as_ref(),
-                self.kind,
-                self.value,
-            )
+        let result = (|| async {
+            if self.messages.is_empty() {
+                self.store
+                    .complete(
+                        self.key,
+                        &self.token,
+                        self.fingerprint.as_ref(),
+                        self.kind,
+                        self.value,
+                    )
+                    .await
+            } else {
+                self.store
+                    .complete_with_outbox(
+                        self.key,
+                        &self.token,
+                        self.fingerprint.as_ref(),
+                        self.kind,
+                        self.value,
+                        self.messages,
+                    )
+                    .await
+            }
         })
         .retry(retries)
         .when(is_unavailable)
@@ -101,6 +119,7 @@ impl Drop for DetachOnDrop<'_> {
             return;
         };
         let (store, key, value) = (Arc::clone(c.store), c.key.to_owned(), c.value.clone());
+        let messages = c.messages.to_vec();
         let (token, fingerprint, kind, lease) = (c.token, c.fingerprint, c.kind, c.lease);
         let finish = async move {
             let completion = Completion {
@@ -111,6 +130,7 @@ impl Drop for DetachOnDrop<'_> {
                 kind,
                 value: &value,
                 lease,
+                messages: &messages,
             };
             if completion.run().await == Stored::Yes {
                 tracing::debug!(

@@ -13,7 +13,8 @@ use crate::codec::{decode, encode, marker_error};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, Report};
-use crate::lease::Lease;
+use crate::lease::{Lease, Staged};
+use crate::outbox::{OutboxMessage, message_id};
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, WriteReply};
@@ -23,6 +24,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -324,7 +326,7 @@ impl Exec<'_> {
         let body_start = self.call_start.map(|_| Instant::now());
         #[cfg(feature = "metrics")]
         let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
-        let lease = Lease::default();
+        let lease = Lease::with_outbox(self.store.has_outbox());
         let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
         let result = self.keep_alive(body, &lease, claimed).await;
         #[cfg(feature = "metrics")]
@@ -356,7 +358,8 @@ impl Exec<'_> {
                 Err(e)
             }
             Ok(Ok(value)) => {
-                let outcome = match self.complete(&value).await {
+                let messages = self.outgoing(lease.take_staged());
+                let outcome = match self.complete(&value, &messages).await {
                     Stored::Yes => outcome,
                     Stored::LeaseLost => Outcome::LeaseLost,
                     Stored::No => Outcome::NotStored,
@@ -381,7 +384,11 @@ impl Exec<'_> {
     /// either way, so this never turns a success into an error; and if this
     /// future is dropped meanwhile (the caller gave up), the completion
     /// goes on in a task of its own rather than leave the key to run again.
-    pub(super) async fn complete<T: Serialize>(&self, value: &T) -> Stored {
+    pub(super) async fn complete<T: Serialize>(
+        &self,
+        value: &T,
+        messages: &[OutboxMessage],
+    ) -> Stored {
         let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
         if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
             tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
@@ -395,8 +402,19 @@ impl Exec<'_> {
             kind: encoded.kind,
             value: &value,
             lease: self.lease,
+            messages,
         };
-        let batched = match self.tickets.as_ref().and_then(Tickets::take_finish) {
+        if !messages.is_empty() {
+            // The batch's finish pipeline completes without messages: this
+            // call completes on its own.
+            self.leave_batch();
+        }
+        let ticket = if messages.is_empty() {
+            self.tickets.as_ref().and_then(Tickets::take_finish)
+        } else {
+            None
+        };
+        let batched = match ticket {
             Some(ticket) => {
                 let op = FinishOp::Complete {
                     key: self.key.clone(),
@@ -429,6 +447,32 @@ impl Exec<'_> {
             }
         }
         stored
+    }
+
+    /// The staged messages as the store writes them: each with its id, made
+    /// from the record key and its name (`topic`, then `topic#1`…).
+    fn outgoing(&self, staged: Vec<Staged>) -> Vec<OutboxMessage> {
+        let mut per_topic: HashMap<&str, u32> = HashMap::new();
+        let mut names = Vec::with_capacity(staged.len());
+        for m in &staged {
+            let n = per_topic.entry(m.topic.as_str()).or_insert(0);
+            names.push(match *n {
+                0 => m.topic.clone(),
+                k => format!("{}#{k}", m.topic),
+            });
+            *n += 1;
+        }
+        staged
+            .into_iter()
+            .zip(names)
+            .map(|(m, name)| OutboxMessage {
+                id: message_id(&self.key, &name),
+                topic: m.topic,
+                key: m.key,
+                payload: m.payload,
+                attempts: 0,
+            })
+            .collect()
     }
 
     fn guard(&self) -> ReleaseGuard<'_> {

@@ -15,7 +15,7 @@
 mod info;
 mod memory;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
@@ -371,6 +371,42 @@ pub trait Store: Send + Sync + 'static {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error>;
+
+    /// Whether [`complete_with_outbox`](Store::complete_with_outbox) writes
+    /// outgoing messages with the result. Read before a body runs, so that
+    /// [`outbox::stage`](crate::outbox::stage) fails at once (and the body
+    /// with it) on a store that could not store what it stages. The
+    /// default is `false`.
+    ///
+    /// ```
+    /// use idem_core::{MemoryStore, Store};
+    /// assert!(!MemoryStore::new().has_outbox());
+    /// ```
+    fn has_outbox(&self) -> bool {
+        false
+    }
+
+    /// [`complete`](Store::complete), and in the same atomic step the
+    /// outgoing `messages` (staged by the body, ids made from the record
+    /// key) appended to the store's outbox, in order: both are written, or
+    /// neither. A re-sent complete that finds its own result stored is
+    /// `Done` and appends nothing again. Called only with messages, and
+    /// only on a store whose [`has_outbox`](Store::has_outbox) is true.
+    ///
+    /// The default answers [`Error::Unsupported`].
+    #[allow(clippy::too_many_arguments)]
+    async fn complete_with_outbox(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        messages: &[crate::outbox::OutboxMessage],
+    ) -> Result<WriteReply, Error> {
+        let _ = (key, token, fingerprint, kind, value, messages);
+        Err(Error::Unsupported { op: "complete_with_outbox" })
+    }
 
     /// Deletes the caller's pending record so the next call runs the body.
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error>;

@@ -31,12 +31,14 @@ pub(crate) mod table;
 
 pub use publish::publish;
 pub(crate) use publish::{Publishing, scope};
-pub use relay::{Relay, RelayReport};
+pub use idem_core::outbox::{Backlog, Parked, RelayReport};
+pub use relay::Relay;
 
 use crate::config::PgStoreConfig;
 use crate::errors;
 use crate::store::PgStore;
 use idem_core::Error;
+use idem_core::outbox::check_field;
 use serde::Serialize;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Row};
@@ -61,64 +63,6 @@ use table::OutboxSql;
 pub struct Outbox {
     pub(crate) pool: PgPool,
     pub(crate) sql: Arc<OutboxSql>,
-}
-
-/// A parked message: the broker refused it, and its key waits behind it.
-///
-/// ```no_run
-/// use idem_postgres::outbox::{Outbox, Parked};
-/// # async fn demo(outbox: Outbox) -> Result<(), idem_core::Error> {
-/// let parked: Vec<Parked> = outbox.parked(100).await?;
-/// for m in &parked {
-///     eprintln!("{} to {} (key {}, {} attempts)", m.id, m.topic, m.key, m.attempts);
-///     // The broker's limit was raised since: send the too-large ones again.
-///     if m.reason.as_deref().is_some_and(|r| r.contains("too large")) {
-///         outbox.retry(&m.id).await?;
-///     }
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Parked {
-    /// The message id.
-    pub id: String,
-    /// Where it was going.
-    pub topic: String,
-    /// Its ordering key (the key's later messages wait behind it).
-    pub key: String,
-    /// Payload size in bytes.
-    pub size: u64,
-    /// Failed sends, the refusal included.
-    pub attempts: u32,
-    /// The sink's reason.
-    pub reason: Option<String>,
-    /// When it was published (committed).
-    pub created_at: SystemTime,
-    /// When it was parked.
-    pub parked_at: Option<SystemTime>,
-}
-
-/// What waits in an outbox.
-///
-/// ```no_run
-/// use idem_postgres::{PgStore, outbox::Backlog};
-/// use std::time::Duration;
-/// # async fn demo(store: PgStore) -> Result<(), idem_core::Error> {
-/// let b: Backlog = store.outbox().backlog().await?;
-/// let lag = b.oldest.unwrap_or_default();
-/// if lag > Duration::from_secs(60) || b.parked > 0 {
-///     eprintln!("{} waiting (oldest {lag:?}), {} parked: is the relay up?", b.pending, b.parked);
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Backlog {
-    /// Messages waiting to be sent (backing-off ones included).
-    pub pending: u64,
-    /// Parked messages.
-    pub parked: u64,
-    /// Age of the oldest pending message.
-    pub oldest: Option<Duration>,
 }
 
 impl From<&PgStore> for Outbox {
@@ -191,9 +135,9 @@ impl Outbox {
         id: &str,
         value: &V,
     ) -> Result<(), Error> {
-        publish::check("topic", topic)?;
-        publish::check("key", key)?;
-        publish::check("id", id)?;
+        check_field("topic", topic)?;
+        check_field("key", key)?;
+        check_field("id", id)?;
         publish::insert(tx, &self.sql, id, topic, key, value).await
     }
 

@@ -5,7 +5,7 @@
 use super::table::OutboxSql;
 use crate::errors;
 use idem_core::Error;
-use idem_core::outbox::{MAX_OUTBOX_FIELD, message_id};
+use idem_core::outbox::{check_field, encode_payload, message_id};
 use serde::Serialize;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgConnection;
@@ -125,8 +125,8 @@ pub async fn publish<V: Serialize + ?Sized>(
                 .to_owned(),
         ));
     };
-    check("topic", topic)?;
-    check("key", key)?;
+    check_field("topic", topic)?;
+    check_field("key", key)?;
     let id = message_id(&publishing.record_key, &publishing.next_name(topic));
     insert(tx, &publishing.sql, &id, topic, key, value).await
 }
@@ -140,13 +140,7 @@ pub(crate) async fn insert<V: Serialize + ?Sized>(
     key: &str,
     value: &V,
 ) -> Result<(), Error> {
-    let payload = serde_json::to_vec(value).map_err(|e| {
-        Error::codec(format!(
-            "the outbox message to {topic:?} (key {key:?}) cannot be serialized to JSON: {e}; \
-             nothing of this body commits"
-        ))
-        .with_source(e)
-    })?;
+    let payload = encode_payload(topic, key, value)?;
     sqlx::query(AssertSqlSafe(sql.insert.as_str()))
         .bind(id)
         .bind(topic)
@@ -156,24 +150,4 @@ pub(crate) async fn insert<V: Serialize + ?Sized>(
         .await
         .map_err(|e| errors::map("outbox publish", &sql.table, e))?;
     Ok(())
-}
-
-/// A topic, key or id: what every broker takes as a name or header.
-pub(crate) fn check(what: &str, value: &str) -> Result<(), Error> {
-    let problem = if value.is_empty() {
-        "is empty".to_owned()
-    } else if value.len() > MAX_OUTBOX_FIELD {
-        format!(
-            "is {} bytes, over the {MAX_OUTBOX_FIELD}-byte limit",
-            value.len()
-        )
-    } else if value.chars().any(char::is_control) {
-        "contains a control character".to_owned()
-    } else {
-        return Ok(());
-    };
-    Err(Error::InvalidConfig(format!(
-        "the outbox message's {what} {problem}; brokers take it as a name or header, so use \
-         printable text such as `orders.created` or an order id"
-    )))
 }

@@ -12,10 +12,9 @@
 use super::Outbox;
 use crate::errors;
 use idem_core::Error;
-use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+use idem_core::outbox::{OutboxMessage, RelayReport, SendPolicy, Sink, Waves, send_in_waves};
 use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, Row};
-use std::collections::{HashMap, HashSet};
 use std::pin::pin;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -74,8 +73,7 @@ pub struct Relay<S> {
     sink: S,
     batch: usize,
     poll: Duration,
-    send_timeout: Duration,
-    backoff: (Duration, Duration),
+    policy: SendPolicy,
     scan: std::sync::Mutex<Scan>,
 }
 
@@ -85,73 +83,23 @@ impl<S> std::fmt::Debug for Relay<S> {
             .field("table", &self.outbox.sql.table)
             .field("batch", &self.batch)
             .field("poll", &self.poll)
-            .field("send_timeout", &self.send_timeout)
+            .field("send_timeout", &self.policy.send_timeout)
             .finish_non_exhaustive()
     }
 }
 
-/// What a relay did: one pass ([`Relay::drain_once`]) or a whole run.
-///
-/// ```no_run
-/// use idem_core::outbox::Sink;
-/// use idem_postgres::outbox::{Relay, RelayReport};
-/// # async fn demo(relay: Relay<std::sync::Arc<dyn Sink>>) -> Result<(), idem_core::Error> {
-/// let report: RelayReport = relay.drain_once().await?;
-/// println!("{} sent, {} parked, {} to retry", report.sent, report.parked, report.failed);
-/// if let Some(wait) = report.retry_in {
-///     tokio::time::sleep(wait).await; // the earliest retry is due
-///     relay.drain_once().await?;
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RelayReport {
-    /// Messages the broker confirmed (and the relay deleted).
-    pub sent: u64,
-    /// Messages the broker refused, now parked.
-    pub parked: u64,
-    /// Failed sends that will be retried.
-    pub failed: u64,
-    /// The earliest retry this pass scheduled.
-    pub retry_in: Option<Duration>,
-}
-
-impl RelayReport {
-    fn add(&mut self, other: RelayReport) {
-        self.sent += other.sent;
-        self.parked += other.parked;
-        self.failed += other.failed;
-        self.retry_in = match (self.retry_in, other.retry_in) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-    }
-
-    fn handled(&self) -> u64 {
-        self.sent + self.parked + self.failed
-    }
-}
-
-/// A row a pass owns: its `seq` and the message.
-struct Owned {
-    seq: i64,
-    message: Option<OutboxMessage>,
-}
-
-/// A row the relay read, as the message it sends.
-fn owned_row(r: &sqlx::postgres::PgRow) -> Result<Owned, sqlx::Error> {
+/// A row the relay read: its `seq` and the message it sends.
+fn owned_row(r: &sqlx::postgres::PgRow) -> Result<(i64, OutboxMessage), sqlx::Error> {
     let attempts: i32 = r.try_get("attempts")?;
     let payload: Vec<u8> = r.try_get("payload")?;
-    Ok(Owned {
-        seq: r.try_get("seq")?,
-        message: Some(OutboxMessage {
-            id: r.try_get("id")?,
-            topic: r.try_get("topic")?,
-            key: r.try_get("msg_key")?,
-            payload: payload.into(),
-            attempts: u32::try_from(attempts).unwrap_or(0),
-        }),
-    })
+    let message = OutboxMessage {
+        id: r.try_get("id")?,
+        topic: r.try_get("topic")?,
+        key: r.try_get("msg_key")?,
+        payload: payload.into(),
+        attempts: u32::try_from(attempts).unwrap_or(0),
+    };
+    Ok((r.try_get("seq")?, message))
 }
 
 /// What a pass writes back for a failed send.
@@ -180,8 +128,7 @@ impl<S: Sink> Relay<S> {
             sink,
             batch: DEFAULT_BATCH,
             poll: Duration::from_secs(5),
-            send_timeout: Duration::from_secs(30),
-            backoff: (Duration::from_millis(200), Duration::from_secs(30)),
+            policy: SendPolicy::default(),
             scan: std::sync::Mutex::new(Scan {
                 from: 0,
                 rescanned: Instant::now(),
@@ -226,7 +173,7 @@ impl<S: Sink> Relay<S> {
     /// # }
     /// ```
     pub fn send_timeout(mut self, limit: Duration) -> Self {
-        self.send_timeout = limit.max(Duration::from_millis(1));
+        self.policy.send_timeout = limit.max(Duration::from_millis(1));
         self
     }
 
@@ -240,7 +187,8 @@ impl<S: Sink> Relay<S> {
     /// # }
     /// ```
     pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = (first, max.max(first));
+        self.policy.first_backoff = first;
+        self.policy.max_backoff = max.max(first);
         self
     }
 
@@ -255,11 +203,6 @@ impl<S: Sink> Relay<S> {
             return (0, true);
         }
         (scan.from, false)
-    }
-
-    fn backoff(&self, attempts: u32) -> Duration {
-        let (first, max) = self.backoff;
-        first.saturating_mul(1u32 << attempts.min(20)).min(max)
     }
 
     /// One pass: sends up to a batch of waiting messages and writes back the
@@ -306,10 +249,8 @@ impl<S: Sink> Relay<S> {
         let mut longer = Vec::new();
         for r in &heads {
             let row = owned_row(r).map_err(&fail)?;
-            if r.try_get::<bool, _>("more").map_err(&fail)?
-                && let Some(m) = &row.message
-            {
-                longer.push(m.key.clone());
+            if r.try_get::<bool, _>("more").map_err(&fail)? {
+                longer.push(row.1.key.clone());
             }
             owned.push(row);
         }
@@ -317,7 +258,7 @@ impl<S: Sink> Relay<S> {
         // their next messages go in later waves of this pass.
         let room = self.batch.saturating_sub(owned.len());
         if !longer.is_empty() && room > 0 {
-            let seen: Vec<i64> = owned.iter().map(|o| o.seq).collect();
+            let seen: Vec<i64> = owned.iter().map(|o| o.0).collect();
             let rows = sqlx::query(AssertSqlSafe(sql.batch.as_str()))
                 .bind(&longer)
                 .bind(&seen)
@@ -328,9 +269,22 @@ impl<S: Sink> Relay<S> {
             for r in &rows {
                 owned.push(owned_row(r).map_err(&fail)?);
             }
-            owned.sort_by_key(|o| o.seq);
+            owned.sort_by_key(|o| o.0);
         }
-        let (sent, failures, report) = self.send_waves(owned).await;
+        let Waves {
+            sent,
+            failed,
+            report,
+        } = send_in_waves(&self.sink, &self.policy, owned).await;
+        let mut failures = Failures::default();
+        for f in failed {
+            failures.seq.push(f.at);
+            failures.reason.push(f.error.to_string());
+            failures.park.push(f.park);
+            failures
+                .retry_ms
+                .push(i64::try_from(f.retry_in.as_millis()).unwrap_or(i64::MAX));
+        }
         if !sent.is_empty() {
             sqlx::query(AssertSqlSafe(sql.delete.as_str()))
                 .bind(&sent)
@@ -356,93 +310,6 @@ impl<S: Sink> Relay<S> {
             e
         })?;
         Ok(report)
-    }
-
-    /// Sends the owned rows wave by wave: wave `n` holds each key's `n`th
-    /// row, less the keys whose earlier row failed.
-    async fn send_waves(&self, mut owned: Vec<Owned>) -> (Vec<i64>, Failures, RelayReport) {
-        let mut depth: HashMap<&str, usize> = HashMap::new();
-        let mut waves: Vec<Vec<usize>> = Vec::new();
-        for (i, o) in owned.iter().enumerate() {
-            let Some(m) = &o.message else { continue };
-            let d = depth.entry(m.key.as_str()).or_insert(0);
-            if waves.len() <= *d {
-                waves.push(Vec::new());
-            }
-            waves[*d].push(i);
-            *d += 1;
-        }
-        drop(depth);
-        let mut stopped: HashSet<String> = HashSet::new();
-        let mut sent = Vec::new();
-        let mut failures = Failures::default();
-        let mut report = RelayReport::default();
-        for wave in waves {
-            let mut seqs = Vec::with_capacity(wave.len());
-            let mut batch = Vec::with_capacity(wave.len());
-            for i in wave {
-                let o = &mut owned[i];
-                match o.message.take() {
-                    Some(m) if !stopped.contains(&m.key) => {
-                        seqs.push(o.seq);
-                        batch.push(m);
-                    }
-                    _ => {}
-                }
-            }
-            if batch.is_empty() {
-                continue;
-            }
-            let results = self.send(&batch).await;
-            for ((seq, m), result) in seqs.into_iter().zip(&batch).zip(results) {
-                match result {
-                    Ok(()) => {
-                        sent.push(seq);
-                        report.sent += 1;
-                    }
-                    Err(e) => {
-                        let park = !e.is_retryable();
-                        let wait = self.backoff(m.attempts);
-                        if park {
-                            report.parked += 1;
-                            tracing::warn!(id = %m.id, topic = %m.topic, key = %m.key, reason = %e.reason(), "outbox message parked: the broker refused it; the key's later messages wait (`idem outbox list|retry|drop`)");
-                        } else {
-                            report.failed += 1;
-                            report.retry_in = Some(report.retry_in.map_or(wait, |r| r.min(wait)));
-                            tracing::debug!(id = %m.id, topic = %m.topic, error = %e, retry_in = ?wait, "outbox send failed; retrying");
-                        }
-                        failures.seq.push(seq);
-                        failures.reason.push(e.to_string());
-                        failures.park.push(park);
-                        failures
-                            .retry_ms
-                            .push(i64::try_from(wait.as_millis()).unwrap_or(i64::MAX));
-                        stopped.insert(m.key.clone());
-                    }
-                }
-            }
-        }
-        (sent, failures, report)
-    }
-
-    /// One wave, bounded by the send timeout; a sink that answers the
-    /// wrong number of results fails the messages it did not answer for.
-    async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
-        // A timeout answers nothing: every message is then unconfirmed.
-        let mut results = tokio::time::timeout(self.send_timeout, self.sink.send(batch))
-            .await
-            .unwrap_or_default();
-        if results.len() > batch.len() {
-            results.truncate(batch.len());
-        }
-        while results.len() < batch.len() {
-            results.push(Err(SinkError::unavailable(format!(
-                "{} did not confirm within {:?}",
-                self.sink.describe(),
-                self.send_timeout
-            ))));
-        }
-        results
     }
 
     /// Runs passes until `shutdown` completes: at once while there is work,
@@ -509,7 +376,7 @@ impl<S: Sink> Relay<S> {
                 }
                 Err(e) => {
                     outages = outages.saturating_add(1);
-                    let wait = self.backoff(outages);
+                    let wait = self.policy.backoff(outages);
                     tracing::warn!(error = %e, retry_in = ?wait, "outbox relay pass failed; nothing is lost, retrying");
                     wait
                 }

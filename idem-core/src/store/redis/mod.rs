@@ -6,6 +6,7 @@ mod complete;
 mod config;
 mod notify;
 mod operate;
+pub(crate) mod outbox;
 pub(crate) mod record;
 mod reply;
 mod scripts;
@@ -64,6 +65,9 @@ pub struct RedisStore {
     /// What the server is, how `complete` runs on it, and the pending
     /// records this process wrote (complete.rs).
     server: Arc<Server>,
+    /// Where outgoing messages go (`outbox::stage`): the keys' common
+    /// prefix (outbox.rs).
+    outbox: Arc<str>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -124,6 +128,7 @@ impl RedisStore {
             conn: Conn::Single(manager),
             notifier: Some(Arc::new(notifier)),
             server: Arc::new(Server::unknown()),
+            outbox: Arc::from(outbox::DEFAULT_PREFIX),
         };
         store.load_scripts().await?;
         store.server = Arc::new(store.detect_server().await);
@@ -178,6 +183,7 @@ impl RedisStore {
             conn: Conn::Cluster(conn),
             notifier: Some(Arc::new(notifier)),
             server: Arc::new(Server::unknown()),
+            outbox: Arc::from(outbox::DEFAULT_PREFIX),
         };
         store.server = Arc::new(store.detect_server().await);
         Ok(store)
@@ -200,6 +206,7 @@ impl RedisStore {
             conn: Conn::Single(manager),
             notifier: None,
             server: Arc::new(Server::unknown()),
+            outbox: Arc::from(outbox::DEFAULT_PREFIX),
         }
     }
 
@@ -217,6 +224,7 @@ impl RedisStore {
             conn: Conn::Cluster(conn),
             notifier: None,
             server: Arc::new(Server::unknown()),
+            outbox: Arc::from(outbox::DEFAULT_PREFIX),
         }
     }
 
@@ -419,6 +427,23 @@ impl Store for RedisStore {
         let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + 3 + 16 + value.len());
         cmd.arg(token.as_bytes().as_slice()).arg(record);
         parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
+    }
+
+    fn has_outbox(&self) -> bool {
+        true
+    }
+
+    async fn complete_with_outbox(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        messages: &[crate::outbox::OutboxMessage],
+    ) -> Result<WriteReply, Error> {
+        self.complete_outbox(key, token, fingerprint, kind, value, messages)
+            .await
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {

@@ -13,6 +13,18 @@
 //! consumer adapters (idem-consumer, feature `outbox`); this module is the
 //! one definition both sides share.
 
+mod relaying;
+#[cfg(feature = "redis")]
+mod redis;
+mod stage;
+
+pub use self::relaying::{
+    Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves,
+};
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisOutbox, RedisRelay};
+pub use self::stage::{check_field, encode_payload, stage};
+
 use crate::BoxError;
 use async_trait::async_trait;
 use bytes::Bytes;

@@ -1,0 +1,281 @@
+//! The Redis outbox's keys, and the store's side of it: a `complete` that
+//! appends the body's staged messages to a stream in the same script.
+//!
+//! Standalone, one stream holds every message: `<prefix>`, with the parked
+//! messages' reasons in the hash `<prefix>:parked` and the relay's lock at
+//! `<prefix>:relay`. On a cluster the stream must be on the record's slot
+//! (a script touches one slot), so there is one stream per slot that has
+//! messages, `<prefix>:{T}`, where `T` is a short tag that hashes to that
+//! slot; the relay finds them in the sorted set `<prefix>:streams`, which a
+//! complete updates (`ZADD`, score = now in ms) before its script.
+
+use super::reply::{classify, parse_write};
+use super::scripts::SCRIPTS;
+use super::{Conn, RedisStore};
+use crate::error::Error;
+use crate::fingerprint::Fingerprint;
+use crate::outbox::OutboxMessage;
+use crate::store::WriteReply;
+use crate::store::redis::record::CompletedRecord;
+use crate::store::ValueKind;
+use crate::token::Token;
+use redis::cluster_routing::Slot;
+use redis::{Cmd, RedisError, Value};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The outbox keys' prefix unless the store is given another.
+pub(crate) const DEFAULT_PREFIX: &str = "idem:outbox";
+
+/// The keys of one outbox stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StreamKeys {
+    /// The messages, oldest first (`XADD … * id … topic … key … payload …`).
+    pub(crate) stream: String,
+    /// Parked messages: stream entry id → `attempts:parked-at-ms:reason`.
+    pub(crate) parked: String,
+    /// The relay draining this stream: its id, with a lease (`PX`).
+    pub(crate) lock: String,
+}
+
+impl StreamKeys {
+    /// The standalone outbox: one stream.
+    pub(crate) fn single(prefix: &str) -> StreamKeys {
+        StreamKeys {
+            stream: prefix.to_owned(),
+            parked: format!("{prefix}:parked"),
+            lock: format!("{prefix}:relay"),
+        }
+    }
+
+    /// A cluster outbox stream, by the tag that puts it on its slot.
+    fn tagged(prefix: &str, tag: &str) -> StreamKeys {
+        StreamKeys {
+            stream: format!("{prefix}:{{{tag}}}"),
+            parked: format!("{prefix}:parked:{{{tag}}}"),
+            lock: format!("{prefix}:relay:{{{tag}}}"),
+        }
+    }
+
+    /// The keys of a cluster stream named in the index; `None` for a
+    /// member that is not one of ours.
+    pub(crate) fn from_stream(prefix: &str, stream: &str) -> Option<StreamKeys> {
+        let tag = stream
+            .strip_prefix(prefix)?
+            .strip_prefix(":{")?
+            .strip_suffix('}')?;
+        (!tag.is_empty() && !tag.contains(['{', '}'])).then(|| StreamKeys::tagged(prefix, tag))
+    }
+}
+
+/// A failed outbox command as idem's error (unreachable, refused…).
+pub(crate) fn outbox_error(op: &'static str, e: RedisError) -> Error {
+    classify(op, e)
+}
+
+/// The sorted set naming a cluster's outbox streams.
+pub(crate) fn index_key(prefix: &str) -> String {
+    format!("{prefix}:streams")
+}
+
+/// For every slot, a short tag that hashes to it: built once, from the
+/// base-36 numbers in order (all 16,384 slots are covered by four
+/// characters).
+static SLOT_TAGS: LazyLock<HashMap<Slot, String>> = LazyLock::new(|| {
+    let mut tags = HashMap::with_capacity(16_384);
+    let mut n: u64 = 0;
+    while tags.len() < 16_384 && n < 36u64.pow(5) {
+        let tag = base36(n);
+        tags.entry(Slot::for_key(tag.as_bytes())).or_insert(tag);
+        n += 1;
+    }
+    tags
+});
+
+fn base36(mut n: u64) -> String {
+    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    let mut out = Vec::new();
+    loop {
+        out.push(DIGITS[usize::try_from(n % 36).unwrap_or(0)]);
+        n /= 36;
+        if n == 0 {
+            break;
+        }
+    }
+    out.reverse();
+    String::from_utf8(out).unwrap_or_default()
+}
+
+impl RedisStore {
+    /// Gives this store's outbox another key prefix (default
+    /// `idem:outbox`): one per application sharing a Redis, so that each
+    /// relay publishes its own application's messages only. Printable, 1 to
+    /// 128 bytes, without `{` or `}` (the cluster's hash tags are added
+    /// after it).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1/").await?.with_outbox_prefix("shop:outbox")?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_outbox_prefix(mut self, prefix: &str) -> Result<RedisStore, Error> {
+        if prefix.is_empty()
+            || prefix.len() > 128
+            || prefix.contains(['{', '}'])
+            || prefix.chars().any(|c| c.is_control() || c.is_whitespace())
+        {
+            return Err(Error::InvalidConfig(format!(
+                "outbox prefix {prefix:?}: use 1 to 128 printable bytes without spaces, `{{` or \
+                 `}}`, such as `shop:outbox`"
+            )));
+        }
+        self.outbox = Arc::from(prefix);
+        Ok(self)
+    }
+
+    /// The outbox keys' prefix.
+    pub(crate) fn outbox_prefix(&self) -> &str {
+        &self.outbox
+    }
+
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.conn, Conn::Cluster(_))
+    }
+
+    /// The keys of the outbox stream that takes the messages of the record
+    /// at `record_key`: the one stream standalone, the record's slot's on a
+    /// cluster.
+    pub(crate) fn outbox_keys(&self, record_key: &str) -> StreamKeys {
+        if !self.is_cluster() {
+            return StreamKeys::single(&self.outbox);
+        }
+        let slot = Slot::for_key(record_key.as_bytes());
+        match SLOT_TAGS.get(&slot) {
+            Some(tag) => StreamKeys::tagged(&self.outbox, tag),
+            // Unreachable (every slot has a tag); the script then refuses
+            // the cross-slot keys and nothing is written.
+            None => StreamKeys::tagged(&self.outbox, "0"),
+        }
+    }
+
+    /// One command on this store's connection (routed by its key on a
+    /// cluster), a top-level error reply as an `Err`.
+    pub(crate) async fn outbox_cmd(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        self.send(cmd).await
+    }
+
+    /// A pipeline (atomic with `pipe.atomic()`; its keys on one slot on a
+    /// cluster).
+    pub(crate) async fn outbox_pipe(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+        match &self.conn {
+            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+        }
+    }
+
+    /// Runs one of the outbox's own scripts (loaded on `NOSCRIPT`).
+    pub(crate) async fn outbox_script(
+        &self,
+        script: &redis::Script,
+        keys: &[&str],
+        args: &[&[u8]],
+    ) -> Result<Value, RedisError> {
+        let mut invocation = script.prepare_invoke();
+        for k in keys {
+            invocation.key(*k);
+        }
+        for a in args {
+            invocation.arg(*a);
+        }
+        match &self.conn {
+            Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
+        }
+    }
+
+    /// The complete script with the messages appended to the outbox stream
+    /// of the record's slot; on a cluster, the stream is named in the index
+    /// first, so a relay finds it even if this process dies right after.
+    pub(super) async fn complete_outbox(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        messages: &[OutboxMessage],
+    ) -> Result<WriteReply, Error> {
+        // The plain `SET … IFEQ` path cannot append: drop what it kept.
+        self.server.forget(token);
+        let keys = self.outbox_keys(key);
+        if self.is_cluster() {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            let mut zadd = redis::cmd("ZADD");
+            zadd.arg(index_key(&self.outbox))
+                .arg(u64::try_from(now).unwrap_or(u64::MAX))
+                .arg(&keys.stream);
+            self.send(&zadd)
+                .await
+                .map_err(|e| classify("complete", e))?;
+        }
+        let record = CompletedRecord {
+            kind,
+            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
+            value,
+        };
+        let lua = &SCRIPTS.complete;
+        let size: usize = messages
+            .iter()
+            .map(|m| m.id.len() + m.topic.len() + m.key.len() + m.payload.len() + 64)
+            .sum();
+        let mut cmd = Cmd::with_capacity(
+            7 + 4 * messages.len(),
+            160 + key.len() + keys.stream.len() + value.len() + size,
+        );
+        cmd.arg("EVALSHA")
+            .arg(lua.script.get_hash())
+            .arg(2)
+            .arg(key)
+            .arg(&keys.stream)
+            .arg(token.as_bytes().as_slice())
+            .arg(record);
+        for m in messages {
+            cmd.arg(&m.id)
+                .arg(&m.topic)
+                .arg(&m.key)
+                .arg(m.payload.as_ref());
+        }
+        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_slot_has_a_tag_that_hashes_to_it() {
+        assert_eq!(SLOT_TAGS.len(), 16_384);
+        for (slot, tag) in SLOT_TAGS.iter() {
+            assert_eq!(Slot::for_key(format!("idem:outbox:{{{tag}}}")), *slot);
+            assert!(tag.len() <= 4, "{tag}");
+        }
+    }
+
+    #[test]
+    fn stream_keys_round_trip_through_the_index() {
+        let k = StreamKeys::tagged("shop:outbox", "a7");
+        assert_eq!(k.stream, "shop:outbox:{a7}");
+        assert_eq!(
+            StreamKeys::from_stream("shop:outbox", &k.stream),
+            Some(k.clone())
+        );
+        assert_eq!(StreamKeys::from_stream("shop:outbox", "other:{a7}"), None);
+        assert_eq!(StreamKeys::from_stream("shop:outbox", "shop:outbox:{}"), None);
+        assert_eq!(Slot::for_key(&k.parked), Slot::for_key(&k.stream));
+        assert_eq!(Slot::for_key(&k.lock), Slot::for_key(&k.stream));
+    }
+}
