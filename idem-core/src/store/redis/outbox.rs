@@ -2,12 +2,16 @@
 //! appends the body's staged messages to a stream in the same script.
 //!
 //! Standalone, one stream holds every message: `<prefix>`, with the parked
-//! messages' reasons in the hash `<prefix>:parked` and the relay's lock at
-//! `<prefix>:relay`. On a cluster the stream must be on the record's slot
+//! messages' reasons in the hash `<prefix>.parked` and the relay's lock at
+//! `<prefix>.relay`. On a cluster the stream must be on the record's slot
 //! (a script touches one slot), so there is one stream per slot that has
-//! messages, `<prefix>:{T}`, where `T` is a short tag that hashes to that
-//! slot; the relay finds them in the sorted set `<prefix>:streams`, which a
+//! messages, `<prefix>{T}`, where `T` is a short tag that hashes to that
+//! slot; the relay finds them in the sorted set `<prefix>.streams`, which a
 //! complete updates (`ZADD`, score = now in ms) before its script.
+//!
+//! Record keys are `namespace:scope:key` with `:` escaped in the first two,
+//! so each holds at least two colons; a prefix holds at most one and the
+//! suffixes none, so no outbox key is ever a record key.
 
 use super::reply::{classify, parse_write};
 use super::scripts::SCRIPTS;
@@ -26,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The outbox keys' prefix unless the store is given another.
-pub(crate) const DEFAULT_PREFIX: &str = "idem:outbox";
+pub(crate) const DEFAULT_PREFIX: &str = "idem-outbox";
 
 /// The keys of one outbox stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,17 +48,17 @@ impl StreamKeys {
     pub(crate) fn single(prefix: &str) -> StreamKeys {
         StreamKeys {
             stream: prefix.to_owned(),
-            parked: format!("{prefix}:parked"),
-            lock: format!("{prefix}:relay"),
+            parked: format!("{prefix}.parked"),
+            lock: format!("{prefix}.relay"),
         }
     }
 
     /// A cluster outbox stream, by the tag that puts it on its slot.
     fn tagged(prefix: &str, tag: &str) -> StreamKeys {
         StreamKeys {
-            stream: format!("{prefix}:{{{tag}}}"),
-            parked: format!("{prefix}:parked:{{{tag}}}"),
-            lock: format!("{prefix}:relay:{{{tag}}}"),
+            stream: format!("{prefix}{{{tag}}}"),
+            parked: format!("{prefix}.parked{{{tag}}}"),
+            lock: format!("{prefix}.relay{{{tag}}}"),
         }
     }
 
@@ -63,7 +67,7 @@ impl StreamKeys {
     pub(crate) fn from_stream(prefix: &str, stream: &str) -> Option<StreamKeys> {
         let tag = stream
             .strip_prefix(prefix)?
-            .strip_prefix(":{")?
+            .strip_prefix('{')?
             .strip_suffix('}')?;
         (!tag.is_empty() && !tag.contains(['{', '}'])).then(|| StreamKeys::tagged(prefix, tag))
     }
@@ -76,7 +80,7 @@ pub(crate) fn outbox_error(op: &'static str, e: RedisError) -> Error {
 
 /// The sorted set naming a cluster's outbox streams.
 pub(crate) fn index_key(prefix: &str) -> String {
-    format!("{prefix}:streams")
+    format!("{prefix}.streams")
 }
 
 /// For every slot, a short tag that hashes to it: built once, from the
@@ -109,10 +113,11 @@ fn base36(mut n: u64) -> String {
 
 impl RedisStore {
     /// Gives this store's outbox another key prefix (default
-    /// `idem:outbox`): one per application sharing a Redis, so that each
+    /// `idem-outbox`): one per application sharing a Redis, so that each
     /// relay publishes its own application's messages only. Printable, 1 to
-    /// 128 bytes, without `{` or `}` (the cluster's hash tags are added
-    /// after it).
+    /// 128 bytes, without spaces, `{` or `}` (the cluster's hash tags are
+    /// added after it), and with at most one `:` (so that no outbox key can
+    /// be a record key, which holds two).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
@@ -123,11 +128,12 @@ impl RedisStore {
         if prefix.is_empty()
             || prefix.len() > 128
             || prefix.contains(['{', '}'])
+            || prefix.matches(':').count() > 1
             || prefix.chars().any(|c| c.is_control() || c.is_whitespace())
         {
             return Err(Error::InvalidConfig(format!(
                 "outbox prefix {prefix:?}: use 1 to 128 printable bytes without spaces, `{{` or \
-                 `}}`, such as `shop:outbox`"
+                 `}}`, and at most one `:`, such as `shop:outbox`"
             )));
         }
         self.outbox = Arc::from(prefix);
@@ -260,7 +266,7 @@ mod tests {
     fn every_slot_has_a_tag_that_hashes_to_it() {
         assert_eq!(SLOT_TAGS.len(), 16_384);
         for (slot, tag) in SLOT_TAGS.iter() {
-            assert_eq!(Slot::for_key(format!("idem:outbox:{{{tag}}}")), *slot);
+            assert_eq!(Slot::for_key(format!("idem-outbox{{{tag}}}")), *slot);
             assert!(tag.len() <= 4, "{tag}");
         }
     }
@@ -268,13 +274,13 @@ mod tests {
     #[test]
     fn stream_keys_round_trip_through_the_index() {
         let k = StreamKeys::tagged("shop:outbox", "a7");
-        assert_eq!(k.stream, "shop:outbox:{a7}");
+        assert_eq!(k.stream, "shop:outbox{a7}");
         assert_eq!(
             StreamKeys::from_stream("shop:outbox", &k.stream),
             Some(k.clone())
         );
         assert_eq!(StreamKeys::from_stream("shop:outbox", "other:{a7}"), None);
-        assert_eq!(StreamKeys::from_stream("shop:outbox", "shop:outbox:{}"), None);
+        assert_eq!(StreamKeys::from_stream("shop:outbox", "shop:outbox{}"), None);
         assert_eq!(Slot::for_key(&k.parked), Slot::for_key(&k.stream));
         assert_eq!(Slot::for_key(&k.lock), Slot::for_key(&k.stream));
     }
