@@ -187,7 +187,10 @@ async fn the_messages_are_stored_with_the_result_or_not_at_all() {
             Ok(1)
         })
         .await;
-    assert!(matches!(unserializable, Err(Error::Codec { .. })), "{unserializable:?}");
+    assert!(
+        matches!(unserializable, Err(Error::Codec { .. })),
+        "{unserializable:?}"
+    );
     assert_eq!(ctx.record("outbox:orders.create:r-3"), None);
     assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
 
@@ -312,9 +315,11 @@ async fn several_relays_never_send_one_key_at_once_and_each_message_goes() {
     for p in producers {
         p.await.unwrap();
     }
-    idem_testkit::eventually("every message published", Duration::from_secs(60), || async {
-        (broker.ids().iter().collect::<HashSet<_>>().len() == 400).then_some(())
-    })
+    idem_testkit::eventually(
+        "every message published",
+        Duration::from_secs(60),
+        || async { (broker.ids().iter().collect::<HashSet<_>>().len() == 400).then_some(()) },
+    )
     .await;
     stop.send(true).unwrap();
     for r in relays {
@@ -381,7 +386,13 @@ async fn a_refused_message_is_parked_with_its_reason_and_blocks_only_its_key() {
     assert_eq!(parked.len(), 1);
     assert_eq!(parked[0].topic, "audit");
     assert_eq!(parked[0].key, "o-1");
-    assert!(parked[0].reason.as_deref().unwrap().contains("no such topic"));
+    assert!(
+        parked[0]
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("no such topic")
+    );
     let backlog = outbox.backlog().await.unwrap();
     assert_eq!((backlog.pending, backlog.parked), (2, 1));
 
@@ -442,7 +453,12 @@ async fn an_unavailable_broker_keeps_the_messages_and_the_retry_has_the_same_id_
     tokio::time::sleep(Duration::from_millis(60)).await;
     drain(&relay).await;
     let expected: Vec<String> = (0..4)
-        .flat_map(|i| [format!("\"o-1:created:r-{i}\""), format!("\"o-1:paid:r-{i}\"")])
+        .flat_map(|i| {
+            [
+                format!("\"o-1:created:r-{i}\""),
+                format!("\"o-1:paid:r-{i}\""),
+            ]
+        })
         .collect();
     assert_eq!(broker.payloads_of("o-1"), expected);
     assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
@@ -454,7 +470,9 @@ async fn a_relay_killed_mid_send_loses_nothing_and_a_peer_takes_over() {
     let store = ctx.redis_store().clone();
     let idem = idem(&store);
     for i in 0..3 {
-        place(&idem, &format!("r-{i}"), &format!("o-{i}")).await.unwrap();
+        place(&idem, &format!("r-{i}"), &format!("o-{i}"))
+            .await
+            .unwrap();
     }
     let stuck = Arc::new(Broker::default());
     stuck.hang.store(true, Ordering::SeqCst);
@@ -467,7 +485,8 @@ async fn a_relay_killed_mid_send_loses_nothing_and_a_peer_takes_over() {
     drop(first);
     assert_eq!(stream_len(&ctx, "idem-outbox"), 6);
     let broker = Arc::new(Broker::default());
-    let peer = RedisRelay::new(&store, Arc::clone(&broker)).poll_interval(Duration::from_millis(50));
+    let peer =
+        RedisRelay::new(&store, Arc::clone(&broker)).poll_interval(Duration::from_millis(50));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(async move {
         peer.run(async {
@@ -506,8 +525,12 @@ async fn on_a_cluster_each_slot_has_its_stream_and_the_relay_finds_them_all() {
         let order = format!("o-{k}");
         let got = broker.payloads_of(&order);
         for i in (0..40).filter(|i| i % 4 == k) {
-            let c = got.iter().position(|p| p == &format!("\"{order}:created:r-{i}\""));
-            let p = got.iter().position(|p| p == &format!("\"{order}:paid:r-{i}\""));
+            let c = got
+                .iter()
+                .position(|p| p == &format!("\"{order}:created:r-{i}\""));
+            let p = got
+                .iter()
+                .position(|p| p == &format!("\"{order}:paid:r-{i}\""));
             assert!(c.is_some() && c < p, "{order} r-{i}: {got:?}");
         }
     }

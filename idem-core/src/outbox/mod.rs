@@ -13,16 +13,14 @@
 //! consumer adapters (idem-consumer, feature `outbox`); this module is the
 //! one definition both sides share.
 
-mod relaying;
 #[cfg(feature = "redis")]
 mod redis;
+mod relaying;
 mod stage;
 
-pub use self::relaying::{
-    Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves,
-};
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisOutbox, RedisRelay};
+pub use self::relaying::{Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves};
 pub use self::stage::{check_field, encode_payload, stage};
 
 use crate::BoxError;

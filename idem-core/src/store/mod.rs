@@ -405,7 +405,9 @@ pub trait Store: Send + Sync + 'static {
         messages: &[crate::outbox::OutboxMessage],
     ) -> Result<WriteReply, Error> {
         let _ = (key, token, fingerprint, kind, value, messages);
-        Err(Error::Unsupported { op: "complete_with_outbox" })
+        Err(Error::Unsupported {
+            op: "complete_with_outbox",
+        })
     }
 
     /// Deletes the caller's pending record so the next call runs the body.

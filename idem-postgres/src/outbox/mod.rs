@@ -29,9 +29,9 @@ mod publish;
 mod relay;
 pub(crate) mod table;
 
+pub use idem_core::outbox::{Backlog, Parked, RelayReport};
 pub use publish::publish;
 pub(crate) use publish::{Publishing, scope};
-pub use idem_core::outbox::{Backlog, Parked, RelayReport};
 pub use relay::Relay;
 
 use crate::config::PgStoreConfig;

@@ -263,7 +263,12 @@ impl RedisOutbox {
                     continue; // dropped meanwhile
                 };
                 let (id, topic, key, size) = match &e.message {
-                    Ok(m) => (m.id.clone(), m.topic.clone(), m.key.clone(), m.payload.len()),
+                    Ok(m) => (
+                        m.id.clone(),
+                        m.topic.clone(),
+                        m.key.clone(),
+                        m.payload.len(),
+                    ),
                     Err(_) => (entry.clone(), String::new(), String::new(), 0),
                 };
                 let parked = Parked {
@@ -441,7 +446,11 @@ fn pairs(reply: &Value) -> Vec<(String, String)> {
             .collect(),
         Value::Array(items) => {
             // ZRANGE … WITHSCORES in RESP3 answers [member, score] pairs.
-            if items.iter().all(|i| matches!(i, Value::Array(p) if p.len() == 2)) && !items.is_empty() {
+            if items
+                .iter()
+                .all(|i| matches!(i, Value::Array(p) if p.len() == 2))
+                && !items.is_empty()
+            {
                 return items
                     .iter()
                     .filter_map(|i| match i {

@@ -380,7 +380,8 @@ impl<S: Sink> RedisRelay<S> {
         let Some(score) = &listed.score else { return };
         let named_at = score.parse::<f64>().unwrap_or(f64::MAX);
         #[allow(clippy::cast_precision_loss)]
-        let cutoff = now_ms().saturating_sub(u64::try_from(PRUNE_AFTER.as_millis()).unwrap_or(0)) as f64;
+        let cutoff =
+            now_ms().saturating_sub(u64::try_from(PRUNE_AFTER.as_millis()).unwrap_or(0)) as f64;
         if named_at > cutoff {
             return;
         }
@@ -435,8 +436,7 @@ impl<S: Sink> RedisRelay<S> {
                     if pass.sent + pass.parked > 0 {
                         Duration::ZERO
                     } else {
-                        self.next_retry()
-                            .map_or(self.poll, |d| d.min(self.poll))
+                        self.next_retry().map_or(self.poll, |d| d.min(self.poll))
                     }
                 }
                 Err(e) => {

@@ -19,9 +19,9 @@ use super::{Conn, RedisStore};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::OutboxMessage;
+use crate::store::ValueKind;
 use crate::store::WriteReply;
 use crate::store::redis::record::CompletedRecord;
-use crate::store::ValueKind;
 use crate::token::Token;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
@@ -173,7 +173,10 @@ impl RedisStore {
 
     /// A pipeline (atomic with `pipe.atomic()`; its keys on one slot on a
     /// cluster).
-    pub(crate) async fn outbox_pipe(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+    pub(crate) async fn outbox_pipe(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> Result<Vec<Value>, RedisError> {
         match &self.conn {
             Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
             Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
@@ -280,7 +283,10 @@ mod tests {
             Some(k.clone())
         );
         assert_eq!(StreamKeys::from_stream("shop:outbox", "other:{a7}"), None);
-        assert_eq!(StreamKeys::from_stream("shop:outbox", "shop:outbox{}"), None);
+        assert_eq!(
+            StreamKeys::from_stream("shop:outbox", "shop:outbox{}"),
+            None
+        );
         assert_eq!(Slot::for_key(&k.parked), Slot::for_key(&k.stream));
         assert_eq!(Slot::for_key(&k.lock), Slot::for_key(&k.stream));
     }
