@@ -37,6 +37,9 @@ pub(crate) struct Target {
     /// The namespace the service was built with (`Idempotency::builder(..).namespace(..)`).
     #[arg(long, global = true, default_value = "idem")]
     pub(crate) namespace: String,
+    /// The Redis outbox's key prefix (`RedisStore::with_outbox_prefix`).
+    #[arg(long, global = true, default_value = "idem-outbox")]
+    pub(crate) outbox_prefix: String,
     /// Machine-readable output: one JSON object (scan: one per line).
     #[arg(long, global = true)]
     pub(crate) json: bool,
@@ -82,8 +85,9 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 1000)]
         limit: usize,
     },
-    /// The transactional outbox beside the PostgreSQL table (needs
-    /// --postgres): what waits, and the messages the broker refused.
+    /// The outbox: beside the PostgreSQL table with --postgres, else the
+    /// Redis store's (`outbox::stage`): what waits, and the messages the
+    /// broker refused.
     #[command(subcommand)]
     Outbox(OutboxCommand),
 }

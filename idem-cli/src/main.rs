@@ -53,12 +53,23 @@ fn main() -> ExitCode {
 
 /// The store `idem` talks to, and what it describes itself as (the first
 /// line of `inspect`: for Redis, the server and how it completes records).
-async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
-    validate_key_part(KeyPart::Namespace, &target.namespace)?;
+/// The Redis store the target names (standalone or cluster).
+pub(crate) async fn connect_redis(target: &Target) -> Result<RedisStore, Error> {
     // An operator waits a little longer than a service would.
     let config = RedisStoreConfig::default()
         .connection_timeout(Duration::from_secs(3))
         .response_timeout(Duration::from_secs(5));
+    if target.cluster.is_empty() {
+        let url = target.redis.as_deref().unwrap_or("redis://127.0.0.1:6379/");
+        RedisStore::connect_with(url, config).await
+    } else {
+        let urls: Vec<&str> = target.cluster.iter().map(String::as_str).collect();
+        RedisStore::connect_cluster_with(&urls, config).await
+    }
+}
+
+async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
+    validate_key_part(KeyPart::Namespace, &target.namespace)?;
     if let Some(url) = &target.postgres {
         let config = idem_postgres::PgStoreConfig::table(target.table.as_str());
         let store = idem_postgres::PgStore::connect_with(url, config).await?;
@@ -67,13 +78,7 @@ async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
             .build();
         return Ok((idem, "postgres".to_owned()));
     }
-    let store = if target.cluster.is_empty() {
-        let url = target.redis.as_deref().unwrap_or("redis://127.0.0.1:6379/");
-        RedisStore::connect_with(url, config).await?
-    } else {
-        let urls: Vec<&str> = target.cluster.iter().map(String::as_str).collect();
-        RedisStore::connect_cluster_with(&urls, config).await?
-    };
+    let store = connect_redis(target).await?;
     let described = format!(
         "redis ({}; complete: {})",
         store.server(),
@@ -87,7 +92,6 @@ async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
 
 async fn run(cli: Cli) -> Result<u8, Error> {
     let json = cli.target.json;
-    // The outbox commands need PostgreSQL only, not a records store.
     let (idem, store) = match &cli.command {
         Command::Outbox(command) => return outbox::run(&cli.target, command).await,
         _ => connect(&cli.target).await?,

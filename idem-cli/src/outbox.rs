@@ -1,26 +1,71 @@
 //! `idem outbox status|list|retry|drop`: the operator's side of the
-//! PostgreSQL outbox.
+//! outbox, PostgreSQL's (`--postgres`) or a Redis store's.
 
 use crate::args::{OutboxCommand, Target};
 use crate::exit;
 use idem_core::Error;
+use idem_core::outbox::{Backlog, Parked, RedisOutbox};
 use idem_postgres::PgStoreConfig;
-use idem_postgres::outbox::{Outbox, Parked};
+use idem_postgres::outbox::Outbox;
 use serde_json::json;
 use std::time::{Duration, SystemTime};
 
+/// Either store's outbox: the same operations on both.
+enum AnyOutbox {
+    Postgres(Outbox),
+    Redis(RedisOutbox),
+}
+
+impl AnyOutbox {
+    async fn backlog(&self) -> Result<Backlog, Error> {
+        match self {
+            AnyOutbox::Postgres(o) => o.backlog().await,
+            AnyOutbox::Redis(o) => o.backlog().await,
+        }
+    }
+    async fn parked(&self, limit: usize) -> Result<Vec<Parked>, Error> {
+        match self {
+            AnyOutbox::Postgres(o) => o.parked(limit).await,
+            AnyOutbox::Redis(o) => o.parked(limit).await,
+        }
+    }
+    async fn retry(&self, id: &str) -> Result<bool, Error> {
+        match self {
+            AnyOutbox::Postgres(o) => o.retry(id).await,
+            AnyOutbox::Redis(o) => o.retry(id).await,
+        }
+    }
+    async fn retry_all(&self) -> Result<u64, Error> {
+        match self {
+            AnyOutbox::Postgres(o) => o.retry_all().await,
+            AnyOutbox::Redis(o) => o.retry_all().await,
+        }
+    }
+    async fn drop_parked(&self, id: &str) -> Result<Option<Parked>, Error> {
+        match self {
+            AnyOutbox::Postgres(o) => o.drop_parked(id).await,
+            AnyOutbox::Redis(o) => o.drop_parked(id).await,
+        }
+    }
+}
+
 pub(crate) async fn run(target: &Target, command: &OutboxCommand) -> Result<u8, Error> {
-    let Some(url) = &target.postgres else {
-        return Err(Error::InvalidConfig(
-            "the outbox lives beside the PostgreSQL table: pass --postgres <url> (and --table \
-             if the service configured another one)"
-                .to_owned(),
-        ));
+    let outbox = match &target.postgres {
+        Some(url) => {
+            let config = PgStoreConfig::table(target.table.as_str());
+            AnyOutbox::Postgres(
+                idem_postgres::PgStore::connect_with(url, config)
+                    .await?
+                    .outbox(),
+            )
+        }
+        None => {
+            let store = crate::connect_redis(target)
+                .await?
+                .with_outbox_prefix(&target.outbox_prefix)?;
+            AnyOutbox::Redis(store.outbox())
+        }
     };
-    let store =
-        idem_postgres::PgStore::connect_with(url, PgStoreConfig::table(target.table.as_str()))
-            .await?;
-    let outbox: Outbox = store.outbox();
     let json = target.json;
     match command {
         OutboxCommand::Status => {

@@ -263,3 +263,52 @@ fn bad_urls_and_arguments() {
     assert_eq!(code(&o), 2);
     assert!(err(&o).contains("namespace is empty"), "{}", err(&o));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_of_a_redis_store_status_list_retry_drop() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = RedisStore::connect(&url).await.unwrap();
+    let service = Idempotency::builder(store).namespace("svc").build();
+    for request in ["r-1", "r-2"] {
+        let _: u32 = service
+            .call("orders.create", request)
+            .run(|| async {
+                idem_core::outbox::stage("orders.created", "order-1", &request)?;
+                Ok::<_, Error>(1)
+            })
+            .await
+            .unwrap();
+    }
+    // The broker refused the first: a relay parks it in place.
+    let entries = server.cli(&["XRANGE", "idem-outbox", "-", "+"]);
+    let first = entries.lines().next().unwrap().trim().to_owned();
+    server.cli(&["HSET", "idem-outbox.parked", &first, "1:0:no such topic"]);
+    let refused = idem_core::outbox::message_id("svc:orders.create:r-1", "orders.created");
+    let url = Some(url.as_str());
+
+    let o = idem(url, &["outbox", "status"]);
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(out(&o).starts_with("pending 1\tparked 1"), "{}", out(&o));
+    let o = idem(url, &["outbox", "list"]);
+    assert!(
+        out(&o).contains(&format!("{refused}\torders.created\tkey order-1")),
+        "{}",
+        out(&o)
+    );
+    assert!(out(&o).contains("no such topic"), "{}", out(&o));
+    let o = idem(url, &["outbox", "retry", &refused]);
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(code(&idem(url, &["outbox", "retry", "nope"])), 1);
+    assert!(out(&idem(url, &["outbox", "status"])).starts_with("pending 2\tparked 0"));
+    server.cli(&["HSET", "idem-outbox.parked", &first, "1:0:no such topic"]);
+    let o = idem(url, &["outbox", "drop", &refused]);
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert_eq!(server.cli(&["XLEN", "idem-outbox"]).trim(), "1");
+    assert_eq!(code(&idem(url, &["outbox", "drop", &refused])), 1);
+    // Another prefix: another outbox, empty.
+    let o = idem(url, &["--outbox-prefix", "shop:outbox", "outbox", "status"]);
+    assert!(out(&o).starts_with("pending 0\tparked 0"), "{}", out(&o));
+    let o = idem(url, &["--outbox-prefix", "a:b:c", "outbox", "status"]);
+    assert_ne!(code(&o), 0, "a prefix with two colons is refused");
+}

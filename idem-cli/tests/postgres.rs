@@ -192,9 +192,4 @@ async fn outbox_status_list_retry_drop() {
     assert!(out(&o).contains("dropped m-refused"), "{}", out(&o));
     assert_eq!(code(&idem(&with(&["outbox", "drop", "m-refused"]))), 1);
     assert_eq!(db.count("SELECT count(*) FROM idem_keys_outbox").await, 1);
-
-    // Without --postgres: a usage error that says what to pass.
-    let o = idem(&["outbox", "status"]);
-    assert_eq!(code(&o), 2, "{}", err(&o));
-    assert!(err(&o).contains("--postgres"), "{}", err(&o));
 }
