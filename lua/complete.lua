@@ -38,14 +38,15 @@ if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)
   rec = '1' .. kind .. string.char(on) .. string.sub(old, 4, 3 + on) .. string.sub(rec, 4 + n)
 end
 if stream then
+  if not redis.acl_check_cmd('XADD', stream, '*', 'id', '')
+      or not redis.acl_check_cmd('TYPE', stream) then
+    return redis.error_reply('NOPERM idem complete: this user may not XADD to the outbox '
+      .. 'stream ' .. stream .. '; grant it +xadd +type on the outbox keys (docs/operating.md)')
+  end
   local t = redis.call('TYPE', stream)['ok']
   if t ~= 'stream' and t ~= 'none' then
     return redis.error_reply('ERR idem complete: the outbox key ' .. stream .. ' holds a ' .. t
       .. ', not a stream: delete it or give the store another outbox prefix')
-  end
-  if not redis.acl_check_cmd('XADD', stream, '*', 'id', '') then
-    return redis.error_reply('NOPERM idem complete: this user may not XADD to the outbox '
-      .. 'stream ' .. stream .. '; grant it the outbox keys (docs/operating.md)')
   end
 end
 redis.call('SET', key, rec, 'KEEPTTL')

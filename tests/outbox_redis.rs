@@ -5,6 +5,7 @@
 
 use async_trait::async_trait;
 use idem::outbox::{self, OutboxMessage, RedisRelay, Sink, SinkError, message_id};
+use idem::store::Store;
 use idem::{Error, Idempotency, Outcome, RedisStore};
 use idem_testkit::TestContext;
 use std::collections::{HashMap, HashSet};
@@ -231,6 +232,70 @@ async fn a_complete_that_cannot_append_stores_nothing() {
         "the result was stored without its messages: {state:?}"
     );
     ctx.server().cli(&["DEL", "idem-outbox"]);
+
+    // A service user whose ACL does not grant the outbox: refused before
+    // anything is written, with a message that says what to grant.
+    ctx.server().cli(&[
+        "ACL",
+        "SETUSER",
+        "svc",
+        "on",
+        ">pw",
+        "resetkeys",
+        "~outbox:*",
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+get",
+        "+set",
+        "+del",
+        "+pttl",
+        "+pexpire",
+        "+ping",
+    ]);
+    let url = ctx.server().url().replace("redis://", "redis://svc:pw@");
+    let svc = RedisStore::connect(&url).await.unwrap();
+    let (_, outcome) = place(
+        &Idempotency::builder(svc.clone())
+            .namespace("outbox")
+            .lease(Duration::from_secs(1))
+            .build(),
+        "r-2",
+        "o-2",
+    )
+    .await
+    .unwrap();
+    assert_eq!(outcome, Outcome::NotStored);
+    let state = ctx.record_state("outbox:orders.create:r-2");
+    assert!(
+        !matches!(state, Some(idem_testkit::RecordState::Completed(_))),
+        "the result was stored without its messages: {state:?}"
+    );
+    assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
+    let token = idem::store::Token::random();
+    let claim = idem_testkit::claim("outbox:orders.create:r-3", &token, 30_000, 60_000, None);
+    svc.claim(claim).await.unwrap();
+    let m = OutboxMessage {
+        id: "m".into(),
+        topic: "t".into(),
+        key: "k".into(),
+        payload: Default::default(),
+        attempts: 0,
+    };
+    let refused = svc
+        .complete_with_outbox(
+            "outbox:orders.create:r-3",
+            &token,
+            None,
+            idem::store::ValueKind::Json,
+            b"1",
+            &[m],
+        )
+        .await;
+    let e = refused.expect_err("the ACL refuses the outbox");
+    assert!(e.to_string().contains("ACL"), "{e}");
+    assert!(e.to_string().contains("the body has run"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -113,3 +113,15 @@ mod outbox;
 fn the_outbox_guide_prints_its_program_compiled_here() {
     assert_readme_prints("outbox_orders.rs", include_str!("readme/outbox_orders.rs"));
 }
+
+#[path = "readme/outbox_redis_orders.rs"]
+#[allow(dead_code)]
+mod outbox_redis;
+
+#[test]
+fn the_outbox_guide_prints_its_redis_program_compiled_here() {
+    assert_readme_prints(
+        "outbox_redis_orders.rs",
+        include_str!("readme/outbox_redis_orders.rs"),
+    );
+}

@@ -3,8 +3,13 @@
 //!
 //! ```sh
 //! cargo bench -p idem-consumer --bench relay            # every broker
-//! cargo bench -p idem-consumer --bench relay -- nats    # or: redis, rabbitmq, kafka
+//! cargo bench -p idem-consumer --bench relay -- nats    # or: redis, rabbitmq, kafka, redis-outbox
 //! ```
+//!
+//! `redis-outbox` is the outbox of a `RedisStore` (`outbox::stage`): the
+//! same bare `XADD` loop against a `RedisRelay` draining the store's outbox
+//! stream into the Redis Streams sink on the same server, and what staging
+//! a message adds to a call (16 calls in flight, with and without one).
 //!
 //! Both loops publish `MESSAGES` messages with distinct keys, `BATCH` at a
 //! time, and wait for the broker's confirmation of each batch (a stream
@@ -350,6 +355,111 @@ impl Broker for KafkaBench {
     }
 }
 
+// --------------------------------------------------- the Redis outbox
+
+/// Calls per second, 16 in flight, each staging `stage` messages.
+async fn calls(idem: &idem_core::Idempotency, run: usize, stage: usize) -> f64 {
+    let start = Instant::now();
+    let per = MESSAGES / 16;
+    let tasks = (0..16).map(|t| async move {
+        for i in 0..per {
+            let key = format!("{run}-{t}-{i}");
+            let r: Result<u32, idem_core::Error> = idem
+                .call("bench.stage", &key)
+                .run(|| async {
+                    for _ in 0..stage {
+                        idem_core::outbox::stage("bench.out", &key, &payload(i))?;
+                    }
+                    Ok(1)
+                })
+                .await;
+            r.expect("call");
+        }
+    });
+    join_all(tasks).await;
+    (per * 16) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Drains the Redis outbox with `relays` relays; messages per second.
+async fn redis_relay(
+    store: &idem_core::RedisStore,
+    sink: Arc<RedisStreamsSink>,
+    relays: usize,
+) -> f64 {
+    let start = Instant::now();
+    let tasks = (0..relays).map(|_| {
+        let relay = idem_core::outbox::RedisRelay::new(store, Arc::clone(&sink)).batch_size(BATCH);
+        async move {
+            let mut sent = 0;
+            let mut idle = 0;
+            // A standby relay finds the stream locked: it stops after a few
+            // empty passes, as the one holding the lock does at the end.
+            while idle < 3 {
+                let pass = relay.drain_once().await.expect("relay pass");
+                assert_eq!(pass.parked + pass.failed, 0, "the broker refused: {pass:?}");
+                if pass.sent == 0 {
+                    idle += 1;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                } else {
+                    idle = 0;
+                    sent += pass.sent;
+                }
+            }
+            sent
+        }
+    });
+    let sent: u64 = join_all(tasks).await.into_iter().sum();
+    let secs = start.elapsed().as_secs_f64();
+    let left = store.outbox().backlog().await.expect("backlog").pending;
+    assert_eq!(
+        (sent, left),
+        (MESSAGES as u64 / 16 * 16, 0),
+        "the relays left messages"
+    );
+    sent as f64 / secs
+}
+
+async fn redis_outbox(broker: &RedisBroker, url: &str, run: &mut usize) {
+    let (mut bare, mut one, mut two, mut plain, mut staged) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    for _ in 0..ROUNDS {
+        // A store of its own per round: a relay keeps its stream's lock
+        // for its lease after its last pass.
+        let store = idem_core::RedisStore::connect(url).await.expect("store");
+        let idem = idem_core::Idempotency::builder(store.clone())
+            .namespace("bench")
+            .build();
+        *run += 1;
+        let topic = broker.topic(*run).await;
+        bare = bare.max(broker.bare(&topic).await);
+        *run += 1;
+        plain = plain.max(calls(&idem, *run, 0).await);
+        for (relays, best) in [(1, &mut one), (2, &mut two)] {
+            *run += 1;
+            staged = staged.max(calls(&idem, *run, 1).await);
+            *best = best.max(redis_relay(&store, broker.sink(), relays).await);
+            // The next round's relays are new: free this one's lock.
+            let mut c = broker.conn.clone();
+            let _: Result<(), _> = redis::cmd("DEL")
+                .arg("idem-outbox.relay")
+                .query_async(&mut c)
+                .await;
+        }
+        broker.cleanup(&topic).await;
+        broker.cleanup("bench.out").await;
+    }
+    println!(
+        "{:<14} bare {bare:>8.0} msg/s   relay {one:>8.0} msg/s  ratio {:.2}   2 relays {two:>8.0} msg/s  ratio {:.2}",
+        "redis-outbox",
+        one / bare,
+        two / bare
+    );
+    println!(
+        "{:<14} calls, 16 in flight: {plain:>8.0}/s without a message, {staged:>8.0}/s staging one (ratio {:.2})",
+        "redis-outbox",
+        staged / plain
+    );
+}
+
 fn main() {
     let only: Vec<String> = std::env::args()
         .skip(1)
@@ -370,7 +480,7 @@ fn main() {
         let store = PgStore::from_pool(db.pool.clone());
         store.migrate().await.expect("migrate");
         let mut run = 0;
-        if wanted("redis") {
+        if wanted("redis-streams") || wanted("redis-outbox") {
             let server = RedisServer::start();
             let client = redis::Client::open(server.url()).expect("redis url");
             let broker = RedisBroker {
@@ -380,7 +490,12 @@ fn main() {
                     .expect("redis"),
                 sink: Arc::new(RedisStreamsSink::connect(&server.url()).await.expect("sink")),
             };
-            phase("redis-streams", &broker, &store, &db.pool, &mut run).await;
+            if wanted("redis-streams") {
+                phase("redis-streams", &broker, &store, &db.pool, &mut run).await;
+            }
+            if wanted("redis-outbox") {
+                redis_outbox(&broker, &server.url(), &mut run).await;
+            }
         }
         if wanted("nats") {
             let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());

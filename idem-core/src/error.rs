@@ -58,9 +58,7 @@ pub enum Error {
     /// `source` is the client's own error when there is one (a
     /// `redis::RedisError`, a `sqlx::Error`): downcast it to match on the
     /// driver's error kind. Build it with [`Error::unavailable`].
-    #[error(
-        "idempotency store unavailable during {op}: {reason}; the body did not run — retry later"
-    )]
+    #[error("idempotency store unavailable during {op}: {reason}; {}", unavailable_next(.op))]
     #[non_exhaustive]
     Unavailable {
         /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
@@ -323,6 +321,18 @@ impl Error {
             op,
             format!("{reason}; check that Redis is up and reachable"),
         )
+    }
+}
+
+/// What an `Unavailable` error means for the caller: before the body
+/// (a claim, a connect) nothing ran; after it (storing or releasing) the
+/// body has run and the call's outcome says what became of its result.
+fn unavailable_next(op: &str) -> &'static str {
+    match op {
+        "complete" | "release" | "extend" | "save_step" | "suspend" => {
+            "the body has run; the call's outcome says whether its result was stored"
+        }
+        _ => "the body did not run — retry later",
     }
 }
 
