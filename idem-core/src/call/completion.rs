@@ -3,7 +3,7 @@
 
 use super::is_unavailable;
 use crate::fingerprint::Fingerprint;
-use crate::outbox::OutboxMessage;
+use crate::outbox::message::OutboxMessage;
 use crate::store::{Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};

@@ -14,7 +14,7 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, Report};
 use crate::lease::{Lease, Staged};
-use crate::outbox::{OutboxMessage, message_id};
+use crate::outbox::message::{OutboxMessage, message_id};
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, WriteReply};

@@ -2,7 +2,8 @@
 //! in waves that keep each key's order, the retry backoff, and what a
 //! relay reports (a pass, a backlog, a parked message).
 
-use super::{OutboxMessage, Sink, SinkError};
+use super::message::OutboxMessage;
+use super::sink::{Sink, SinkError};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 

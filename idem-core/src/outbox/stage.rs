@@ -1,7 +1,7 @@
 //! Outgoing messages from a body whose store writes them with the result
 //! ([`stage`]), and the checks every outbox applies to a message.
 
-use super::MAX_OUTBOX_FIELD;
+use super::message::MAX_OUTBOX_FIELD;
 use crate::error::Error;
 use crate::lease::Staged;
 use serde::Serialize;

@@ -402,7 +402,7 @@ pub trait Store: Send + Sync + 'static {
         fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
-        messages: &[crate::outbox::OutboxMessage],
+        messages: &[crate::outbox::message::OutboxMessage],
     ) -> Result<WriteReply, Error> {
         let _ = (key, token, fingerprint, kind, value, messages);
         Err(Error::Unsupported {

@@ -10,8 +10,9 @@ mod relay;
 
 pub use self::relay::RedisRelay;
 
-use super::{Backlog, OutboxMessage, Parked};
 use crate::error::Error;
+use crate::outbox::message::OutboxMessage;
+use crate::outbox::relaying::{Backlog, Parked};
 use crate::store::RedisStore;
 use crate::store::redis::outbox::{StreamKeys, index_key, outbox_error};
 use redis::{RedisError, Value};

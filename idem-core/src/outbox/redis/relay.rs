@@ -11,7 +11,9 @@
 
 use super::{Entry, Listed, ParkedMark, RedisOutbox, SCRIPTS, now_ms};
 use crate::error::Error;
-use crate::outbox::{OutboxMessage, RelayReport, SendPolicy, Sink, Waves, send_in_waves};
+use crate::outbox::message::OutboxMessage;
+use crate::outbox::relaying::{RelayReport, SendPolicy, Waves, send_in_waves};
+use crate::outbox::sink::Sink;
 use crate::store::redis::outbox::{StreamKeys, index_key, outbox_error};
 use crate::token::Token;
 use redis::Value;

@@ -440,7 +440,7 @@ impl Store for RedisStore {
         fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
-        messages: &[crate::outbox::OutboxMessage],
+        messages: &[crate::outbox::message::OutboxMessage],
     ) -> Result<WriteReply, Error> {
         self.complete_outbox(key, token, fingerprint, kind, value, messages)
             .await

@@ -18,7 +18,7 @@ use super::scripts::SCRIPTS;
 use super::{Conn, RedisStore};
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::outbox::OutboxMessage;
+use crate::outbox::message::OutboxMessage;
 use crate::store::ValueKind;
 use crate::store::WriteReply;
 use crate::store::redis::record::CompletedRecord;
