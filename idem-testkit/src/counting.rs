@@ -17,7 +17,9 @@ use std::time::Duration;
 /// ```
 /// use idem_core::{Batch, Idempotency, MemoryStore};
 /// use idem_testkit::CountingStore;
-/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// // One thread: the bodies finish together, so their results go in one
+/// // finish batch (on several threads a straggler may make a second).
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 /// let store = CountingStore::new(MemoryStore::new());
 /// let counts = store.counts();
 /// let idem = Idempotency::builder(store).build();
