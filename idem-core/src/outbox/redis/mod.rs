@@ -89,6 +89,12 @@ pub(crate) struct Listed {
     pub(crate) score: Option<String>,
 }
 
+/// What a pass's first round trip read, under the stream's lock.
+pub(crate) struct Opened {
+    pub(crate) marks: HashMap<String, ParkedMark>,
+    pub(crate) first: Vec<Entry>,
+}
+
 /// A stream entry read back: its id and the message, or why it cannot be
 /// sent.
 pub(crate) struct Entry {
@@ -160,6 +166,68 @@ impl RedisOutbox {
             .await
             .map_err(self.fail("outbox read"))?;
         Ok(entries(&reply))
+    }
+
+    /// A pass's first round trip, pipelined on the stream's slot: take or
+    /// renew the lock for `holder`, read the parked marks and the first
+    /// `count` entries. `None` when another relay holds the stream.
+    pub(crate) async fn open(
+        &self,
+        keys: &StreamKeys,
+        holder: &[u8],
+        lease_ms: u64,
+        count: usize,
+    ) -> Result<Option<Opened>, Error> {
+        let lock = &SCRIPTS.lock;
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVALSHA")
+            .arg(lock.get_hash())
+            .arg(1)
+            .arg(&keys.lock)
+            .arg(holder)
+            .arg(lease_ms);
+        pipe.cmd("HGETALL").arg(&keys.parked);
+        pipe.cmd("XRANGE")
+            .arg(&keys.stream)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(count);
+        let replies = match self.store.outbox_pipe(&pipe).await {
+            // Not loaded on this node (a restart, a fail-over): load it,
+            // then pipeline again.
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.store
+                    .outbox_load(lock)
+                    .await
+                    .map_err(self.fail("outbox relay lock"))?;
+                self.store
+                    .outbox_pipe(&pipe)
+                    .await
+                    .map_err(self.fail("outbox relay lock"))?
+            }
+            other => other.map_err(self.fail("outbox relay lock"))?,
+        };
+        let [held, marks, first] = <[Value; 3]>::try_from(replies).map_err(|r| {
+            outbox_error(
+                "outbox relay lock",
+                RedisError::from((
+                    redis::ErrorKind::Client,
+                    "unexpected pipeline reply",
+                    format!("{} replies for 3 commands", r.len()),
+                )),
+            )
+        })?;
+        if !matches!(held, Value::Int(1)) {
+            return Ok(None);
+        }
+        Ok(Some(Opened {
+            marks: pairs(&marks)
+                .into_iter()
+                .map(|(entry, mark)| (entry, ParkedMark::parse(&mark)))
+                .collect(),
+            first: entries(&first),
+        }))
     }
 
     /// The parked entries of one stream: entry id → (attempts, parked at
@@ -496,27 +564,27 @@ fn message(fields: &Value) -> Result<OutboxMessage, String> {
         Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
         _ => return Err("its fields are not a list".to_owned()),
     };
-    let mut found: HashMap<String, &Value> = HashMap::new();
+    let (mut id, mut topic, mut key, mut payload) = (None, None, None, None);
     for (k, v) in list {
-        if let Some(k) = text(k) {
-            found.insert(k, v);
+        let Value::BulkString(name) = k else { continue };
+        match name.as_slice() {
+            b"id" => id = text(v),
+            b"topic" => topic = text(v),
+            b"key" => key = text(v),
+            b"payload" => {
+                if let Value::BulkString(b) = v {
+                    payload = Some(bytes::Bytes::from(b.clone()));
+                }
+            }
+            _ => {}
         }
     }
-    let field = |name: &str| {
-        found
-            .get(name)
-            .and_then(|v| text(v))
-            .ok_or_else(|| format!("field `{name}` is missing or not text"))
-    };
-    let payload = match found.get("payload") {
-        Some(Value::BulkString(b)) => bytes::Bytes::from(b.clone()),
-        _ => return Err("field `payload` is missing".to_owned()),
-    };
+    let missing = |name: &str| format!("field `{name}` is missing or not text");
     Ok(OutboxMessage {
-        id: field("id")?,
-        topic: field("topic")?,
-        key: field("key")?,
-        payload,
+        id: id.ok_or_else(|| missing("id"))?,
+        topic: topic.ok_or_else(|| missing("topic"))?,
+        key: key.ok_or_else(|| missing("key"))?,
+        payload: payload.ok_or_else(|| "field `payload` is missing".to_owned())?,
         attempts: 0,
     })
 }

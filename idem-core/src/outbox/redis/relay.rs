@@ -189,9 +189,6 @@ impl<S: Sink> RedisRelay<S> {
     /// stream: what this one sent and did not delete goes again, same ids).
     async fn drain_stream(&self, listed: &Listed) -> Result<RelayReport, Error> {
         let keys = &listed.keys;
-        if !self.lock(keys).await? {
-            return Ok(RelayReport::default());
-        }
         tokio::select! {
             pass = self.pass(listed) => pass,
             () = self.keep_lock(keys) => {
@@ -241,7 +238,21 @@ impl<S: Sink> RedisRelay<S> {
 
     async fn pass(&self, listed: &Listed) -> Result<RelayReport, Error> {
         let keys = &listed.keys;
-        let marks = self.outbox.parked_entries(keys).await?;
+        let page = self.batch.max(64);
+        let lease_ms = u64::try_from(LOCK_LEASE.as_millis()).unwrap_or(u64::MAX);
+        let Some(opened) = self
+            .outbox
+            .open(keys, self.holder.as_bytes(), lease_ms, page)
+            .await?
+        else {
+            return Ok(RelayReport::default());
+        };
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(keys.lock.clone());
+        let marks = opened.marks;
+        let mut first = Some(opened.first);
         let retries = self
             .retries
             .lock()
@@ -251,7 +262,6 @@ impl<S: Sink> RedisRelay<S> {
         let mut blocked: HashSet<String> = HashSet::new();
         let mut selected: Vec<(String, OutboxMessage)> = Vec::new();
         let mut unreadable: Vec<(String, String)> = Vec::new();
-        let page = self.batch.max(64);
         // Past this many entries of held-back keys a pass sends what it
         // found: a pass never walks an unbounded stream.
         let limit = (self.batch * 8).max(4096);
@@ -259,7 +269,10 @@ impl<S: Sink> RedisRelay<S> {
         let mut scanned = 0usize;
         let mut empty = true;
         'read: while scanned < limit {
-            let entries = self.outbox.read(&keys.stream, &after, page).await?;
+            let entries = match first.take() {
+                Some(entries) => entries,
+                None => self.outbox.read(&keys.stream, &after, page).await?,
+            };
             let n = entries.len();
             let Some(last) = entries.last() else { break };
             after = last.id.clone();

@@ -183,6 +183,15 @@ impl RedisStore {
         }
     }
 
+    /// Loads one of the outbox's own scripts (on every primary of a
+    /// cluster), for a pipeline that calls it by hash.
+    pub(crate) async fn outbox_load(&self, script: &redis::Script) -> Result<(), RedisError> {
+        match &self.conn {
+            Conn::Single(c) => script.load_async(&mut c.clone()).await.map(drop),
+            Conn::Cluster(c) => script.load_async(&mut c.clone()).await.map(drop),
+        }
+    }
+
     /// Runs one of the outbox's own scripts (loaded on `NOSCRIPT`).
     pub(crate) async fn outbox_script(
         &self,
