@@ -604,3 +604,55 @@ async fn on_a_cluster_each_slot_has_its_stream_and_the_relay_finds_them_all() {
     let backlog = store.outbox().backlog().await.unwrap();
     assert_eq!((backlog.pending, backlog.parked), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_key_with_a_long_backlog_hides_no_other_key() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.redis_store().clone();
+    let idem = idem(&store);
+    let broker = Arc::new(Broker::default());
+    *broker.refuse_topic.lock().unwrap() = Some("audit".into());
+    // o-1: a refused message, then 5,000 behind it (more than a pass
+    // reads); then o-2's message, at the stream's far end.
+    let r: Res<u32> = idem
+        .call("orders.create", "r-0")
+        .run(|| async {
+            outbox::stage("audit", "o-1", &"refused")?;
+            Ok(1)
+        })
+        .await;
+    r.unwrap();
+    for c in 0..5 {
+        let r: Res<u32> = idem
+            .call("orders.create", &format!("bulk-{c}"))
+            .run(|| async {
+                for i in 0..1000 {
+                    outbox::stage("orders", "o-1", &i)?;
+                }
+                Ok(1)
+            })
+            .await;
+        r.unwrap();
+    }
+    place(&idem, "r-2", "o-2").await.unwrap();
+    let relay = RedisRelay::new(&store, Arc::clone(&broker)).batch_size(16);
+    for _ in 0..10 {
+        relay.drain_once().await.unwrap();
+    }
+    assert_eq!(broker.payloads_of("o-1"), Vec::<String>::new(), "o-1 waits");
+    assert_eq!(broker.payloads_of("o-2").len(), 2, "o-2 went out");
+    assert_eq!(store.outbox().backlog().await.unwrap().parked, 1);
+    // Retried: the whole key goes, in order.
+    *broker.refuse_topic.lock().unwrap() = None;
+    let parked = store.outbox().parked(1).await.unwrap();
+    assert!(store.outbox().retry(&parked[0].id).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(1100)).await; // past a rescan
+    drain(&relay).await;
+    let got = broker.payloads_of("o-1");
+    assert_eq!(got.len(), 5001);
+    assert_eq!(got[0], "\"refused\"");
+    let expected: Vec<String> = (0..5)
+        .flat_map(|_| (0..1000).map(|i: u32| i.to_string()))
+        .collect();
+    assert_eq!(&got[1..], &expected[..]);
+}

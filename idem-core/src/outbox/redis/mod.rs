@@ -148,15 +148,10 @@ impl RedisOutbox {
         after: &str,
         count: usize,
     ) -> Result<Vec<Entry>, Error> {
-        let start = if after == "-" {
-            "-".to_owned()
-        } else {
-            format!("({after}")
-        };
         let mut xrange = redis::cmd("XRANGE");
         xrange
             .arg(stream)
-            .arg(start)
+            .arg(range_start(after))
             .arg("+")
             .arg("COUNT")
             .arg(count);
@@ -176,6 +171,7 @@ impl RedisOutbox {
         keys: &StreamKeys,
         holder: &[u8],
         lease_ms: u64,
+        after: &str,
         count: usize,
     ) -> Result<Option<Opened>, Error> {
         let lock = &SCRIPTS.lock;
@@ -189,7 +185,7 @@ impl RedisOutbox {
         pipe.cmd("HGETALL").arg(&keys.parked);
         pipe.cmd("XRANGE")
             .arg(&keys.stream)
-            .arg("-")
+            .arg(range_start(after))
             .arg("+")
             .arg("COUNT")
             .arg(count);
@@ -473,6 +469,15 @@ impl ParkedMark {
                 reason: text.to_owned(),
             },
         }
+    }
+}
+
+/// `XRANGE`'s start for the entries after `after` (exclusive; `-`: all).
+fn range_start(after: &str) -> String {
+    if after == "-" {
+        "-".to_owned()
+    } else {
+        format!("({after}")
     }
 }
 

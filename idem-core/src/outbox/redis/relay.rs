@@ -33,6 +33,10 @@ const LOCK_LEASE: Duration = Duration::from_secs(10);
 /// script, so one under way is never missed).
 const PRUNE_AFTER: Duration = Duration::from_secs(300);
 
+/// How long a pass may resume where the previous one stopped before one
+/// reads the stream from its start again.
+const RESCAN: Duration = Duration::from_secs(1);
+
 /// A failed message's next try.
 #[derive(Debug, Clone, Copy)]
 struct Retry {
@@ -66,6 +70,23 @@ pub struct RedisRelay<S> {
     retries: Mutex<HashMap<String, Retry>>,
     /// The locks this relay took, freed when `run` stops.
     held: Mutex<HashSet<String>>,
+    /// Per stream, where the next pass may resume past a long run of
+    /// held-back entries.
+    cursors: Mutex<HashMap<String, Cursor>>,
+}
+
+/// Where a pass stopped after reading its limit of entries without filling
+/// its batch (a parked or backing-off key with a long backlog). Everything
+/// before `after` that was not sent belongs to a key in `blocked` (entries
+/// are only ever appended), so the next pass may start there instead of
+/// reading the same held-back entries again. Good for [`RESCAN`]: then a
+/// pass reads from the start again, which finds keys a retry, a drop or an
+/// ended backoff let go.
+#[derive(Debug, Clone)]
+struct Cursor {
+    after: String,
+    blocked: HashSet<String>,
+    set_at: Instant,
 }
 
 impl<S> std::fmt::Debug for RedisRelay<S> {
@@ -99,6 +120,7 @@ impl<S: Sink> RedisRelay<S> {
             holder: Token::random(),
             retries: Mutex::default(),
             held: Mutex::default(),
+            cursors: Mutex::default(),
         }
     }
 
@@ -240,9 +262,17 @@ impl<S: Sink> RedisRelay<S> {
         let keys = &listed.keys;
         let page = self.batch.max(64);
         let lease_ms = u64::try_from(LOCK_LEASE.as_millis()).unwrap_or(u64::MAX);
+        let resume = self
+            .cursors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&keys.stream)
+            .filter(|c| c.set_at.elapsed() < RESCAN)
+            .cloned();
+        let start = resume.as_ref().map_or("-", |c| c.after.as_str());
         let Some(opened) = self
             .outbox
-            .open(keys, self.holder.as_bytes(), lease_ms, page)
+            .open(keys, self.holder.as_bytes(), lease_ms, start, page)
             .await?
         else {
             return Ok(RelayReport::default());
@@ -259,15 +289,18 @@ impl<S: Sink> RedisRelay<S> {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let now = Instant::now();
-        let mut blocked: HashSet<String> = HashSet::new();
+        let mut blocked: HashSet<String> = resume
+            .as_ref()
+            .map(|c| c.blocked.clone())
+            .unwrap_or_default();
         let mut selected: Vec<(String, OutboxMessage)> = Vec::new();
         let mut unreadable: Vec<(String, String)> = Vec::new();
         // Past this many entries of held-back keys a pass sends what it
         // found: a pass never walks an unbounded stream.
         let limit = (self.batch * 8).max(4096);
-        let mut after = "-".to_owned();
+        let mut after = start.to_owned();
         let mut scanned = 0usize;
-        let mut empty = true;
+        let mut empty = resume.is_none();
         'read: while scanned < limit {
             let entries = match first.take() {
                 Some(entries) => entries,
@@ -306,6 +339,27 @@ impl<S: Sink> RedisRelay<S> {
             }
             if n < page {
                 break;
+            }
+        }
+        // Stopped by the limit, not by a full batch: the next passes start
+        // here (whatever this pass fails to send is held back too).
+        let stopped_early = scanned >= limit && selected.len() < self.batch;
+        {
+            let mut cursors = self.cursors.lock().unwrap_or_else(|p| p.into_inner());
+            if stopped_early {
+                let set_at = resume.as_ref().map_or_else(Instant::now, |c| c.set_at);
+                let mut held_back = blocked.clone();
+                held_back.extend(selected.iter().map(|(_, m)| m.key.clone()));
+                cursors.insert(
+                    keys.stream.clone(),
+                    Cursor {
+                        after: after.clone(),
+                        blocked: held_back,
+                        set_at,
+                    },
+                );
+            } else if resume.is_none() {
+                cursors.remove(&keys.stream);
             }
         }
         if empty && marks.is_empty() {
