@@ -140,21 +140,29 @@ impl OutboxSql {
             // relays ever send one key's messages at once. `more` says
             // whether the key has later rows (read by `batch`).
             //
+            // The per-key probes compare `seq + 0`, which no index on `seq`
+            // serves: they can only go through `(msg_key, seq)`, a few
+            // entries per key. Under churn the planner, believing the
+            // table nearly empty, otherwise walked the primary key over
+            // every older row (dead ones included) once per candidate:
+            // minutes of CPU per pass.
             heads: format!(
                 "SELECT {ROW_COLUMNS},\n\
-                 \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq > o.seq) AS more\n\
+                 \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq + 0 > o.seq) AS more\n\
                  FROM {t} o\n\
                  WHERE o.seq > $1 AND o.parked_at IS NULL AND (o.retry_at IS NULL OR o.retry_at <= now())\n\
-                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq < o.seq)\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq + 0 < o.seq)\n\
                  ORDER BY o.seq LIMIT $2\n\
                  FOR UPDATE OF o SKIP LOCKED"
             ),
             // The later rows of owned keys, oldest first: nobody else's,
-            // since they are not heads.
+            // since they are not heads. Ordered by `seq + 0` for the same
+            // reason: through `(msg_key, seq)`, never a walk of the
+            // primary key.
             batch: format!(
                 "SELECT {ROW_COLUMNS} FROM {t} o\n\
                  WHERE o.msg_key = ANY($1) AND o.seq <> ALL($2) AND o.parked_at IS NULL\n\
-                 ORDER BY o.seq LIMIT $3 FOR UPDATE"
+                 ORDER BY o.seq + 0 LIMIT $3 FOR UPDATE"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             // A failed send: `park` says whether the broker refused it
