@@ -62,7 +62,10 @@ pub use idem_postgres as postgres;
 /// per key, with ids the consumer on the other side de-duplicates on.
 ///
 /// - always: the contract ([`Sink`](outbox::Sink),
-///   [`OutboxMessage`](outbox::OutboxMessage), [`message_id`](outbox::message_id));
+///   [`OutboxMessage`](outbox::OutboxMessage), [`message_id`](outbox::message_id))
+///   and [`stage`](outbox::stage) (a message stored with the result by a
+///   store that has an outbox);
+/// - feature `redis` (default): `RedisRelay`, `RedisOutbox`;
 /// - feature `postgres`: `publish` (in a `run_in_tx` body), `Outbox`,
 ///   `Relay`;
 /// - features `redis-streams`, `nats`, `rabbitmq`, `kafka`: the brokers'
