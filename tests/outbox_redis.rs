@@ -624,7 +624,7 @@ async fn a_parked_key_with_a_long_backlog_hides_no_other_key() {
     r.unwrap();
     for c in 0..5 {
         let r: Res<u32> = idem
-            .call("orders.create", &format!("bulk-{c}"))
+            .call("orders.create", format!("bulk-{c}"))
             .run(|| async {
                 for i in 0..1000 {
                     outbox::stage("orders", "o-1", &i)?;
