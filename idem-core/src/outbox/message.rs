@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 /// brokers cap far below what a database column would take.
 pub const MAX_OUTBOX_FIELD: usize = 512;
 
-/// One outgoing message, as a relay hands it to a [`Sink`].
+/// One outgoing message, as a relay hands it to a [`Sink`](super::Sink).
 ///
 /// ```
 /// use idem_core::outbox::{message_id, OutboxMessage};
