@@ -35,12 +35,13 @@ const RESCAN: Duration = Duration::from_secs(1);
 /// No sequential scans: every statement of a pass has an index to probe
 /// (the primary key, `(msg_key, seq)`). Under churn the outbox is analyzed
 /// while nearly empty, so the planner believes it holds a handful of rows
-/// and checks "no older row of this key" by reading the whole table once
+/// and checked "no older row of this key" by reading the whole table once
 /// per candidate row: with hundreds of thousands of dead rows that scan ran
 /// CPU-bound for minutes and stalled the relay (auto_explain caught the
-/// plan: a nested-loop anti join over `Seq Scan … rows=8`). And as a last
-/// bound, no statement runs longer than 20 s: cancelled, the pass fails and
-/// the next one goes on.
+/// plan: a nested-loop anti join over `Seq Scan … rows=8`; the statements
+/// themselves are shaped against it too, table.rs). And as a last bound, no
+/// statement runs longer than 20 s: cancelled, the pass fails and the next
+/// one goes on.
 const PASS: &str = "BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL enable_seqscan = off; \
                     SET LOCAL statement_timeout = '20s'";
 

@@ -141,17 +141,20 @@ impl OutboxSql {
             // whether the key has later rows (read by `batch`).
             //
             // The per-key probes compare `seq + 0`, which no index on `seq`
-            // serves: they can only go through `(msg_key, seq)`, a few
-            // entries per key. Under churn the planner, believing the
-            // table nearly empty, otherwise walked the primary key over
-            // every older row (dead ones included) once per candidate:
-            // minutes of CPU per pass.
+            // serves, and the `NOT EXISTS` has an `OFFSET 0`, which keeps
+            // it a subplan run per candidate instead of a join the planner
+            // picks: each is then an index probe of `(msg_key, seq)`, a few
+            // entries per key. Under churn the planner, believing the table
+            // nearly empty, otherwise read every older row (dead ones
+            // included) once per candidate, by a sequential scan, a walk of
+            // the primary key or a whole scan of the key index: minutes of
+            // CPU per pass (auto_explain caught all three).
             heads: format!(
                 "SELECT {ROW_COLUMNS},\n\
                  \x20      EXISTS (SELECT 1 FROM {t} n WHERE n.msg_key = o.msg_key AND n.seq + 0 > o.seq) AS more\n\
                  FROM {t} o\n\
                  WHERE o.seq > $1 AND o.parked_at IS NULL AND (o.retry_at IS NULL OR o.retry_at <= now())\n\
-                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq + 0 < o.seq)\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq + 0 < o.seq OFFSET 0)\n\
                  ORDER BY o.seq LIMIT $2\n\
                  FOR UPDATE OF o SKIP LOCKED"
             ),
