@@ -227,6 +227,28 @@ impl Store for Metered {
         reply
     }
 
+    fn has_outbox(&self) -> bool {
+        self.store.has_outbox()
+    }
+
+    async fn complete_with_outbox(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        messages: &[crate::outbox::message::OutboxMessage],
+    ) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self
+            .store
+            .complete_with_outbox(key, token, fingerprint, kind, value, messages)
+            .await;
+        self.record("complete", since);
+        reply
+    }
+
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         let since = Instant::now();
         let reply = self.store.release(key, token).await;

@@ -98,6 +98,25 @@ impl<S: Store> Store for CountingStore<S> {
             .await
     }
 
+    fn has_outbox(&self) -> bool {
+        self.inner.has_outbox()
+    }
+
+    async fn complete_with_outbox(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        messages: &[idem_core::outbox::OutboxMessage],
+    ) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner
+            .complete_with_outbox(key, token, fingerprint, kind, value, messages)
+            .await
+    }
+
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         StoreCounts::add(&self.counts.singles);
         self.inner.release(key, token).await
