@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
 idem_testkit::every_store!(
-    namespace = "test", stores = [redis, postgres, memory];
+    namespace = "test", stores = [redis, postgres, postgres_partitioned, memory];
     exactly_once_64_tasks,
     replays_every_value,
     err_releases,

@@ -1,8 +1,10 @@
 //! `PgStoreConfig`: which table holds the records, and how its name is
 //! checked and quoted before it is ever spliced into SQL.
 
+use crate::partitions::Partitioning;
 use idem_core::Error;
 use std::fmt;
+use std::time::Duration;
 
 /// The table name used when none is configured.
 pub const DEFAULT_TABLE: &str = "idem_keys";
@@ -31,6 +33,7 @@ const MAX_IDENT: usize = 63;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgStoreConfig {
     table: String,
+    partitions: Option<Duration>,
 }
 
 impl Default for PgStoreConfig {
@@ -48,7 +51,29 @@ impl PgStoreConfig {
     /// assert!(config.validate().is_ok());
     /// ```
     pub fn table(name: impl Into<String>) -> PgStoreConfig {
-        PgStoreConfig { table: name.into() }
+        PgStoreConfig {
+            table: name.into(),
+            partitions: None,
+        }
+    }
+
+    /// Partitions the records table and the outbox table by time, one
+    /// partition per `period` (whole seconds, from a minute to a week), so
+    /// that expired records and relayed messages go by dropping whole
+    /// partitions instead of `DELETE` and vacuum. The plain tables are the
+    /// default; see [`Partitioning`] for what changes. Checked by
+    /// [`validate`](PgStoreConfig::validate).
+    ///
+    /// ```
+    /// use idem_postgres::PgStoreConfig;
+    /// use std::time::Duration;
+    /// let config = PgStoreConfig::default().partitioned(Duration::from_secs(3600));
+    /// assert!(config.validate().is_ok());
+    /// assert!(PgStoreConfig::default().partitioned(Duration::from_millis(1500)).validate().is_err());
+    /// ```
+    pub fn partitioned(mut self, period: Duration) -> PgStoreConfig {
+        self.partitions = Some(period);
+        self
     }
 
     /// The table name as configured.
@@ -68,7 +93,12 @@ impl PgStoreConfig {
     /// assert!(PgStoreConfig::table("1abc").validate().is_err());
     /// ```
     pub fn validate(&self) -> Result<(), Error> {
-        TableName::parse(&self.table).map(|_| ())
+        TableName::parse(&self.table)?;
+        self.partitioning().map(|_| ())
+    }
+
+    pub(crate) fn partitioning(&self) -> Result<Option<Partitioning>, Error> {
+        self.partitions.map(Partitioning::new).transpose()
     }
 
     pub(crate) fn table_ident(&self) -> Result<TableName, Error> {

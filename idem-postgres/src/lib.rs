@@ -53,6 +53,7 @@ mod config;
 mod errors;
 mod operate;
 pub mod outbox;
+mod partitions;
 mod reaper;
 mod row;
 mod schema;
@@ -65,6 +66,7 @@ mod tx;
 mod write;
 
 pub use config::{DEFAULT_TABLE, PgStoreConfig};
+pub use partitions::Maintenance;
 pub use reaper::Reaper;
 pub use steps::StepInTx;
 pub use store::PgStore;

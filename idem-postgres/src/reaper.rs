@@ -1,4 +1,5 @@
-//! Deleting expired records: `PgStore::reap` and an optional background reaper.
+//! Deleting expired records: `PgStore::reap` and an optional background
+//! reaper (which also maintains a partitioned store's partitions).
 //!
 //! Expired rows are already invisible (every statement treats a row past
 //! `expires_at` as absent), so reaping only reclaims space; it can run
@@ -38,7 +39,9 @@ impl PgStore {
     }
 
     /// Starts a Tokio task that reaps every `every`, in batches of `batch`
-    /// until a batch comes back short. Stops when the returned [`Reaper`]
+    /// until a batch comes back short. On a partitioned store each tick
+    /// first runs [`maintain`](PgStore::maintain), and reaping deletes only
+    /// from the default partition. Stops when the returned [`Reaper`]
     /// is dropped. Failures are logged and retried at the next tick.
     ///
     /// ```no_run
@@ -56,6 +59,9 @@ impl PgStore {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
+                if let Err(e) = store.maintain().await {
+                    tracing::warn!(error = %e, "maintaining the partitions of idempotency records failed; retrying at the next tick");
+                }
                 let mut total = 0u64;
                 loop {
                     match store.reap(batch).await {

@@ -23,6 +23,7 @@
 //! and the common paths pay for no extra checks.
 
 use crate::config::TableName;
+use crate::partitions::Partitioning;
 
 /// The function that writes a claim (see [`claim_function`]).
 pub(crate) const CLAIM_FN: &str = "claim";
@@ -42,21 +43,32 @@ pub(crate) const LEASE_LOST: &str = "IDL01";
 /// roughly in expiry order, so a few bytes per block range find the expired
 /// ones for `reap`, while a B-tree on a timestamp would make every claim
 /// insert into the same rightmost page.
-pub(crate) fn ddl(table: &TableName) -> Vec<String> {
-    vec![
+pub(crate) fn ddl(table: &TableName, parts: Option<&Partitioning>) -> Vec<String> {
+    // A partitioned table's unique key must hold the partition key
+    // (partitions.rs says what follows from that).
+    let (generation, key, tail) = match parts {
+        None => ("", "PRIMARY KEY", ") WITH (fillfactor = 75)".to_owned()),
+        Some(_) => (
+            "\x20   gen         bigint      NOT NULL,\n",
+            "NOT NULL",
+            format!(",\n\x20   PRIMARY KEY (key, gen)\n) {}", Partitioning::BY),
+        ),
+    };
+    let mut statements = vec![
         format!(
             "CREATE TABLE IF NOT EXISTS {table} (\n\
+             {generation}\
              \x20   attempt     bigint,\n\
              \x20   lease_until timestamptz,\n\
              \x20   expires_at  timestamptz NOT NULL,\n\
              \x20   state       \"char\"      NOT NULL,\n\
              \x20   in_tx       boolean     NOT NULL DEFAULT false,\n\
-             \x20   key         text        COLLATE \"C\" PRIMARY KEY,\n\
+             \x20   key         text        COLLATE \"C\" {key},\n\
              \x20   token       bytea,\n\
              \x20   fingerprint bytea,\n\
              \x20   value       bytea,\n\
              \x20   steps       jsonb\n\
-             ) WITH (fillfactor = 75)"
+             {tail}"
         ),
         // Tables made before durable steps gain the column (no rewrite:
         // a NULL default is metadata only).
@@ -65,7 +77,19 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             "CREATE INDEX IF NOT EXISTS {index} ON {table} USING brin (expires_at)",
             index = table.index("expires_idx")
         ),
-        claim_function(table),
+    ];
+    if parts.is_some() {
+        statements.push(Partitioning::default_partition(
+            table,
+            crate::partitions::RECORDS,
+            &table.to_string(),
+        ));
+    }
+    statements.extend([
+        match parts {
+            None => claim_function(table),
+            Some(parts) => claim_function_partitioned(table, parts),
+        },
         complete_in_tx_function(table),
         format!(
             "CREATE TABLE IF NOT EXISTS {failures} (\n\
@@ -80,10 +104,22 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             index = table.index("failures_expires_idx"),
             failures = table.beside(FAILURES_TABLE)
         ),
-    ]
-    .into_iter()
-    .chain(crate::outbox::table::ddl(table))
-    .collect()
+    ]);
+    statements.extend(crate::outbox::table::ddl(table, parts));
+    statements
+}
+
+/// Which kind of table (`'r'` plain, `'p'` partitioned) the records and
+/// the outbox are, where they exist: `migrate` refuses to run one layout's
+/// DDL over the other's tables, whose `IF NOT EXISTS` would pass silently.
+pub(crate) fn kinds(table: &TableName) -> String {
+    let quoted = |name: String| format!("'{}'", name.replace('\'', "''"));
+    format!(
+        "SELECT (SELECT relkind::text FROM pg_class WHERE oid = to_regclass({records})), \
+                (SELECT relkind::text FROM pg_class WHERE oid = to_regclass({outbox}))",
+        records = quoted(table.to_string()),
+        outbox = quoted(table.beside(crate::outbox::table::OUTBOX_TABLE)),
+    )
 }
 
 /// What marks the schema of `statements` as in place: their hash, kept as
@@ -192,6 +228,75 @@ fn claim_function(table: &TableName) -> String {
     )
 }
 
+/// The claim function of a partitioned table (`partitions.rs`): the same
+/// answers as [`claim_function`], with the uniqueness no index can give
+/// (a key may have rows in several partitions) from an advisory lock per
+/// key, taken first and held to the end of the transaction. Under it, the
+/// read sees every committed row of the key: a live one is taken over where
+/// it is, or left alone; with none, the claim inserts into the current
+/// period, replacing an expired row of the key there.
+fn claim_function_partitioned(table: &TableName, parts: &Partitioning) -> String {
+    let name = table.routine(CLAIM_FN);
+    let space = lock_space(table);
+    let generation = parts.gen_of("clock_timestamp()");
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}(\n\
+         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz,\n\
+         \x20   absent boolean\n\
+         ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$\n\
+         #variable_conflict use_column\n\
+         DECLARE\n\
+         \x20   won bigint;\n\
+         BEGIN\n\
+         \x20   IF tx THEN\n\
+         \x20       PERFORM set_config('synchronous_commit', 'off', true);\n\
+         \x20   END IF;\n\
+         \x20   PERFORM pg_advisory_xact_lock({space}, hashtext(k));\n\
+         \x20   UPDATE {table} AS r SET\n\
+         \x20       attempt = CASE WHEN r.token = tok THEN r.attempt ELSE LEAST(r.attempt + 1, 4294967295) END,\n\
+         \x20       fingerprint = CASE WHEN r.token = tok THEN r.fingerprint ELSE COALESCE(fp, r.fingerprint) END,\n\
+         \x20       lease_until = n + lease_ms * interval '1 millisecond',\n\
+         \x20       expires_at = n + ttl_ms * interval '1 millisecond',\n\
+         \x20       state = 'P', token = tok, value = NULL, in_tx = tx\n\
+         \x20   WHERE r.key = k AND r.expires_at > n\n\
+         \x20     AND r.state = 'P' AND octet_length(r.token) = 16\n\
+         \x20     AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL\n\
+         \x20     AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16)\n\
+         \x20     AND (fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = fp)\n\
+         \x20     AND (r.token = tok OR r.lease_until <= n)\n\
+         \x20   RETURNING r.attempt INTO won;\n\
+         \x20   IF FOUND THEN\n\
+         \x20       RETURN won;\n\
+         \x20   END IF;\n\
+         \x20   IF EXISTS (SELECT 1 FROM {table} r WHERE r.key = k AND r.expires_at > n) THEN\n\
+         \x20       RETURN NULL;\n\
+         \x20   END IF;\n\
+         \x20   INSERT INTO {table} AS r (gen, attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
+         \x20   VALUES ({generation}, 1, n + lease_ms * interval '1 millisecond',\n\
+         \x20           n + ttl_ms * interval '1 millisecond', 'P', tx, k, tok, fp, NULL)\n\
+         \x20   ON CONFLICT (key, gen) DO UPDATE SET\n\
+         \x20       attempt = 1, lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,\n\
+         \x20       state = 'P', in_tx = EXCLUDED.in_tx, token = EXCLUDED.token,\n\
+         \x20       fingerprint = EXCLUDED.fingerprint, value = NULL, steps = NULL\n\
+         \x20   WHERE r.expires_at <= n\n\
+         \x20   RETURNING r.attempt INTO won;\n\
+         \x20   RETURN won;\n\
+         END\n\
+         $idem$"
+    )
+}
+
+/// The first key of the claims' advisory locks on a partitioned table:
+/// a hash of its name, so two tables' claims of one key do not wait on
+/// each other.
+pub(crate) fn lock_space(table: &TableName) -> i32 {
+    let hash = table
+        .to_string()
+        .bytes()
+        .fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    i32::from_ne_bytes(hash.to_ne_bytes())
+}
+
 /// The `run_in_tx` completion: an owner-token compare-and-set inside the
 /// body's transaction, raising [`LEASE_LOST`] when it touches no row so that
 /// the `COMMIT` sent in the same message never runs. A function, so the
@@ -218,14 +323,14 @@ fn complete_in_tx_function(table: &TableName) -> String {
 }
 
 /// The whole schema as one script, as `schema.sql` ships it.
-pub(crate) fn script(table: &TableName) -> String {
+pub(crate) fn script(table: &TableName, parts: Option<&Partitioning>) -> String {
     let mut out = String::from(
         "-- idem-postgres: the table of idempotency records.\n\
          -- Generated by idem-postgres (`PgStore::schema_sql`); `PgStore::migrate()` runs the same\n\
          -- statements. Safe to run again: every statement is IF NOT EXISTS. To use another table\n\
          -- name, replace \"idem_keys\" everywhere and pass it as `PgStoreConfig::table(..)`.\n\n",
     );
-    for statement in ddl(table) {
+    for statement in ddl(table, parts) {
         out.push_str(&statement);
         out.push_str(";\n\n");
     }
@@ -244,14 +349,14 @@ mod tests {
         if std::env::var_os("IDEM_WRITE_SCHEMA").is_some() {
             std::fs::write(
                 concat!(env!("CARGO_MANIFEST_DIR"), "/schema.sql"),
-                script(&table),
+                script(&table, None),
             )
             .unwrap();
             return;
         }
         assert_eq!(
             shipped,
-            script(&table),
+            script(&table, None),
             "schema.sql is stale: regenerate it from schema::script (see this test)"
         );
     }

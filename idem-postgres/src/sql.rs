@@ -18,6 +18,7 @@
 //! again when the read says it should have happened.
 
 use crate::config::TableName;
+use crate::partitions::Partitioning;
 use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN, FAILURES_TABLE};
 use std::sync::Arc;
 
@@ -95,6 +96,9 @@ pub(crate) struct Statements {
     pub count_failure: Arc<str>,
     pub forget_failures: Arc<str>,
     pub reap_failures: Arc<str>,
+    /// Partitioned tables: every claim sends the combined statement, which
+    /// alone reads the key's live row and takes its lock (partitions.rs).
+    pub partitioned: bool,
 }
 
 /// Columns a refused `resolve_in_tx` reads back, as `classify` answers:
@@ -103,7 +107,13 @@ const WRITE_REPLY: &str = "SELECT true AS done, NULL::\"char\" AS state, NULL::b
      NULL::boolean AS in_tx, NULL::boolean AS live, NULL::boolean AS same FROM w";
 
 impl Statements {
-    pub(crate) fn new(t: &TableName) -> Statements {
+    pub(crate) fn new(t: &TableName, parts: Option<&Partitioning>) -> Statements {
+        // Partitioned, a key may also have expired rows (partitions.rs):
+        // the claims read its live one.
+        let live = match parts {
+            None => "",
+            Some(_) => " AND r.expires_at > c.now",
+        };
         // The claim reads the row and calls the claim function (schema.rs)
         // only when that row shows no record this claim must leave alone
         // (none, expired, its own, or a lapsed lease): a replay or an
@@ -120,7 +130,7 @@ impl Statements {
                      THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now, r.key IS NULL) END AS won, \
                     r.attempt, r.state, r.token, r.fingerprint, r.value, \
                     r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left \
-             FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1",
+             FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1{live}",
             claim_fn = t.routine(CLAIM_FN),
         );
         // The forecast's two one-sided claims (`claim_path.rs`). The insert
@@ -189,9 +199,10 @@ impl Statements {
              w AS (DELETE FROM {t} r WHERE r.key = $1 AND r.state = 'P' AND r.token = $2 \
                    AND r.in_tx RETURNING 1) \
              {WRITE_REPLY} \
-             UNION ALL SELECT false, r.state, r.token, r.in_tx, r.expires_at > c.now, \
+             UNION ALL (SELECT false, r.state, r.token, r.in_tx, r.expires_at > c.now, \
                               (r.state = $3 AND r.value = $4) \
-             FROM {t} r, c WHERE r.key = $1 AND NOT EXISTS (SELECT 1 FROM w)"
+             FROM {t} r, c WHERE r.key = $1 AND NOT EXISTS (SELECT 1 FROM w) \
+             ORDER BY r.expires_at DESC LIMIT 1)"
         );
         let release = format!(
             "DELETE FROM {t} WHERE key = $1 AND state = 'P' AND token = $2 \
@@ -213,15 +224,25 @@ impl Statements {
         let classify = format!(
             "SELECT false AS done, r.state, r.token, r.in_tx, r.expires_at > clock_timestamp() AS live, \
                     (r.state = $2 AND r.value = $3) AS same \
-             FROM {t} r WHERE r.key = $1"
+             FROM {t} r WHERE r.key = $1 ORDER BY r.expires_at DESC LIMIT 1"
         );
         // SKIP LOCKED: reapers in several processes share the work instead
         // of queueing on each other's rows, and never wait on a live claim.
-        let reap = format!(
-            "DELETE FROM {t} WHERE key IN ( \
-               SELECT key FROM {t} WHERE expires_at <= clock_timestamp() \
-               LIMIT $1 FOR UPDATE SKIP LOCKED)"
-        );
+        // Partitioned, only the default partition is reaped: the others
+        // go whole (`PgStore::maintain`).
+        let reap = match parts {
+            None => format!(
+                "DELETE FROM {t} WHERE key IN ( \
+                   SELECT key FROM {t} WHERE expires_at <= clock_timestamp() \
+                   LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+            Some(_) => format!(
+                "DELETE FROM {d} WHERE (key, gen) IN ( \
+                   SELECT key, gen FROM {d} WHERE expires_at <= clock_timestamp() \
+                   LIMIT $1 FOR UPDATE SKIP LOCKED)",
+                d = crate::partitions::default_name(t, crate::partitions::RECORDS),
+            ),
+        };
         // Operators' reads: live rows only, as Redis (whose expired keys are
         // gone) and MemoryStore answer.
         let clock = "(SELECT clock_timestamp() AS now) c";
@@ -283,6 +304,24 @@ impl Statements {
              LEFT JOIN {t} r ON r.key = b.key ORDER BY b.ord",
             claim_fn = t.routine(CLAIM_FN),
         );
+        // Partitioned, each claim takes its key's advisory lock and holds
+        // it to the statement's end: the keys go in their sorted order, so
+        // two batches never wait on each other's locks in a cycle.
+        let claim_batch = match parts {
+            None => claim_batch,
+            Some(_) => format!(
+                "SELECT * FROM (SELECT CASE WHEN r.key IS NULL \
+                          OR (r.state = 'P' AND (r.token = b.token OR r.lease_until <= c.now)) \
+                     THEN {claim_fn}(b.key, b.token, b.lease, b.ttl, b.fp, false, c.now, r.key IS NULL) END AS won, \
+                    r.attempt, r.state, r.token, r.fingerprint, r.value, \
+                    r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left, b.ord \
+                 FROM (SELECT * FROM unnest($1::text[], $2::bytea[], $3::bigint[], $4::bigint[], $5::bytea[]) \
+                       WITH ORDINALITY AS b(key, token, lease, ttl, fp, ord) ORDER BY b.key OFFSET 0) b \
+                 CROSS JOIN (SELECT clock_timestamp() AS now OFFSET 0) c \
+                 LEFT JOIN {t} r ON r.key = b.key AND r.expires_at > c.now OFFSET 0) x ORDER BY x.ord",
+                claim_fn = t.routine(CLAIM_FN),
+            ),
+        };
         let finish_batch = format!(
             "WITH b AS (SELECT * FROM unnest($1::text[], $2::bytea[], $3::\"char\"[], $4::bytea[]) \
                         AS b(key, token, state, value)), \
@@ -323,6 +362,7 @@ impl Statements {
             extend: extend.into(),
             classify: classify.into(),
             reap: reap.into(),
+            partitioned: parts.is_some(),
         }
     }
 

@@ -7,6 +7,7 @@ use crate::config::{PgStoreConfig, TableName};
 use crate::errors::map;
 use crate::outbox::table::OutboxSql;
 use crate::schema;
+use crate::partitions::Partitioning;
 use crate::sql::Statements;
 use idem_core::Error;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -49,6 +50,8 @@ pub(crate) struct Inner {
     pub(crate) sql: Statements,
     pub(crate) forecast: Forecast,
     pub(crate) outbox: Arc<OutboxSql>,
+    /// Set for a partitioned store (`PgStoreConfig::partitioned`).
+    pub(crate) partitioning: Option<Partitioning>,
 }
 
 impl fmt::Debug for PgStore {
@@ -83,6 +86,7 @@ impl PgStore {
     /// ```
     pub async fn connect_with(url: &str, config: PgStoreConfig) -> Result<PgStore, Error> {
         let table = config.table_ident()?;
+        let partitioning = config.partitioning()?;
         let fail = |e| {
             let e = map("connect", &table.to_string(), e);
             tracing::warn!(error = %e, "cannot connect to PostgreSQL");
@@ -98,7 +102,7 @@ impl PgStore {
             // A caller waiting on a dead server is better told soon.
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(options);
-        Ok(PgStore::build(pool, table))
+        Ok(PgStore::build(pool, table, partitioning))
     }
 
     /// A store over an existing pool (the one the application already uses:
@@ -112,7 +116,7 @@ impl PgStore {
     /// # }
     /// ```
     pub fn from_pool(pool: PgPool) -> PgStore {
-        PgStore::build(pool, TableName::default_table())
+        PgStore::build(pool, TableName::default_table(), None)
     }
 
     /// A store over an existing pool, with `config`; fails with
@@ -125,11 +129,15 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub fn from_pool_with(pool: PgPool, config: PgStoreConfig) -> Result<PgStore, Error> {
-        Ok(PgStore::build(pool, config.table_ident()?))
+        Ok(PgStore::build(
+            pool,
+            config.table_ident()?,
+            config.partitioning()?,
+        ))
     }
 
-    fn build(pool: PgPool, table: TableName) -> PgStore {
-        let sql = Statements::new(&table);
+    fn build(pool: PgPool, table: TableName, partitioning: Option<Partitioning>) -> PgStore {
+        let sql = Statements::new(&table, partitioning.as_ref());
         PgStore {
             inner: Arc::new(Inner {
                 outbox: Arc::new(OutboxSql::new(&table)),
@@ -137,6 +145,7 @@ impl PgStore {
                 table,
                 sql,
                 forecast: Forecast::default(),
+                partitioning,
             }),
         }
     }
@@ -176,9 +185,16 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn migrate(&self) -> Result<(), Error> {
+        self.install().await?;
+        // A partitioned store's partitions of this period and the next.
+        self.maintain().await.map(|_| ())
+    }
+
+    async fn install(&self) -> Result<(), Error> {
         let table = self.inner.table.to_string();
         let fail = |e| map("migrate", &table, e);
-        let statements = schema::ddl(&self.inner.table);
+        let parts = self.inner.partitioning;
+        let statements = schema::ddl(&self.inner.table, parts.as_ref());
         let stamp = schema::stamp(&statements);
         let in_place = schema::in_place(&self.inner.table);
         // Every process migrates at its start while the others work, and
@@ -215,6 +231,23 @@ impl PgStore {
             .await
             .map_err(fail)?;
         if !current(found) {
+            let kinds: (Option<String>, Option<String>) =
+                sqlx::query_as(AssertSqlSafe(schema::kinds(&self.inner.table)))
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(fail)?;
+            let want = if parts.is_some() { "p" } else { "r" };
+            for (kind, name) in [(kinds.0, table.clone()), (kinds.1, self.inner.outbox.table.clone())] {
+                if kind.as_deref().is_some_and(|k| k != want) {
+                    return Err(Error::InvalidConfig(format!(
+                        "table {name} exists and is {found}, but this store is configured {wanted}: \
+                         a table cannot change between the two in place; configure another table \
+                         name with `PgStoreConfig::table(..)` (and move to it), or drop the table",
+                        found = if want == "p" { "not partitioned" } else { "partitioned" },
+                        wanted = if want == "p" { "`partitioned(..)`" } else { "without `partitioned(..)`" },
+                    )));
+                }
+            }
             for statement in statements {
                 sqlx::query(AssertSqlSafe(statement))
                     .execute(&mut *tx)
@@ -257,7 +290,7 @@ impl PgStore {
     /// # }
     /// ```
     pub fn schema_sql(&self) -> String {
-        schema::script(&self.inner.table)
+        schema::script(&self.inner.table, self.inner.partitioning.as_ref())
     }
 
     pub(crate) fn table_str(&self) -> String {

@@ -42,7 +42,10 @@ impl Store for PgStore {
             },
             None => None,
         };
-        let mut path = self.inner.forecast.path();
+        let mut path = match self.inner.sql.partitioned {
+            false => self.inner.forecast.path(),
+            true => ClaimPath::Combined,
+        };
         for _ in 0..MAX_RACES {
             let sql = &self.inner.sql;
             let q = match path {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use idem_core::store::Store;
 use idem_core::{Idempotency, IdempotencyBuilder, MemoryStore, RedisStore, RedisStoreConfig};
-use idem_postgres::PgStore;
+use idem_postgres::{PgStore, PgStoreConfig};
+use std::time::Duration;
 
 use crate::record::{RecordPeek, RecordState, record_state};
 use crate::{FaultProxy, Ledger, PgTestDb, RedisCluster, RedisServer};
@@ -190,8 +191,26 @@ impl TestContext {
     /// When PostgreSQL is not reachable (the message says how to provide
     /// one) or the schema cannot be created.
     pub async fn postgres() -> TestContext {
+        TestContext::postgres_with(PgStoreConfig::default()).await
+    }
+
+    /// As [`postgres`](TestContext::postgres), with the tables partitioned
+    /// by the second (`PgStoreConfig::partitioned`): a test's rows of one
+    /// key land in several partitions, and after the few seconds that
+    /// `migrate` creates partitions for, in the default one.
+    ///
+    /// # Panics
+    ///
+    /// As [`postgres`](TestContext::postgres).
+    pub async fn postgres_partitioned() -> TestContext {
+        TestContext::postgres_with(PgStoreConfig::default().partitioned(Duration::from_secs(1)))
+            .await
+    }
+
+    async fn postgres_with(config: PgStoreConfig) -> TestContext {
         let db = PgTestDb::new().await;
-        let store = PgStore::from_pool(db.pool.clone());
+        let store = PgStore::from_pool_with(db.pool.clone(), config)
+            .unwrap_or_else(|e| panic!("idem-testkit: {e}"));
         store.migrate().await.unwrap_or_else(|e| {
             panic!(
                 "idem-testkit: cannot create idem's table in {}: {e}",

@@ -3,7 +3,8 @@
 /// Runs each listed `async fn(TestContext)` against the listed stores: a
 /// module per test, holding one `#[tokio::test]` (multi-thread, 2 workers)
 /// per store, each given a fresh [`TestContext`](crate::TestContext) with
-/// the namespace. Stores: `redis`, `cluster`, `postgres`, `memory`.
+/// the namespace. Stores: `redis`, `cluster`, `postgres`,
+/// `postgres_partitioned`, `memory`.
 ///
 /// ```ignore
 /// idem_testkit::every_store!(namespace = "steps", stores = [redis, cluster, postgres, memory];
@@ -29,5 +30,6 @@ macro_rules! every_store {
     (@context redis) => { $crate::TestContext::redis().await };
     (@context cluster) => { $crate::TestContext::redis_cluster().await };
     (@context postgres) => { $crate::TestContext::postgres().await };
+    (@context postgres_partitioned) => { $crate::TestContext::postgres_partitioned().await };
     (@context memory) => { $crate::TestContext::memory() };
 }

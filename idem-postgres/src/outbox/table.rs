@@ -11,6 +11,7 @@
 //! | `parked_at` | set when the broker refused it; the key waits until an operator retries or drops it |
 
 use crate::config::TableName;
+use crate::partitions::Partitioning;
 
 /// Suffix of the outbox table beside the records table.
 pub(crate) const OUTBOX_TABLE: &str = "outbox";
@@ -22,15 +23,35 @@ const MAX_CHANNEL: usize = 63;
 /// The statements that create the outbox table, its indexes and its
 /// notifying trigger, each safe to run again (run by `PgStore::migrate`,
 /// under its advisory lock, after the records table).
-pub(crate) fn ddl(table: &TableName) -> Vec<String> {
+pub(crate) fn ddl(table: &TableName, parts: Option<&Partitioning>) -> Vec<String> {
     let outbox = table.beside(OUTBOX_TABLE);
     let wake = table.beside(WAKE_TABLE);
     let notify = table.routine("outbox_notify");
     let trigger = table.index("outbox_notify");
-    vec![
+    // Partitioned, the unique keys hold `gen`, the period of the insert
+    // (partitions.rs): a message's id is unique within its period.
+    let (seq, generation, tail, unique) = match parts {
+        None => (
+            "PRIMARY KEY",
+            String::new(),
+            ")".to_owned(),
+            "id",
+        ),
+        Some(parts) => (
+            "NOT NULL",
+            format!(
+                "\x20   gen        bigint      NOT NULL DEFAULT {},\n",
+                parts.gen_of("clock_timestamp()")
+            ),
+            format!(",\n\x20   PRIMARY KEY (seq, gen)\n) {}", Partitioning::BY),
+            "id, gen",
+        ),
+    };
+    let mut statements = vec![
         format!(
             "CREATE TABLE IF NOT EXISTS {outbox} (\n\
-             \x20   seq        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,\n\
+             \x20   seq        bigint      GENERATED ALWAYS AS IDENTITY {seq},\n\
+             {generation}\
              \x20   id         text        COLLATE \"C\" NOT NULL,\n\
              \x20   topic      text        NOT NULL,\n\
              \x20   msg_key    text        COLLATE \"C\" NOT NULL,\n\
@@ -40,10 +61,10 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
              \x20   last_error text,\n\
              \x20   retry_at   timestamptz,\n\
              \x20   parked_at  timestamptz\n\
-             )"
+             {tail}"
         ),
         format!(
-            "CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {outbox} (id)",
+            "CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {outbox} ({unique})",
             index = table.index("outbox_id_idx")
         ),
         // A key's older rows, for the relay's "is this the key's head" check.
@@ -51,6 +72,15 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             "CREATE INDEX IF NOT EXISTS {index} ON {outbox} (msg_key, seq)",
             index = table.index("outbox_key_idx")
         ),
+    ];
+    if parts.is_some() {
+        statements.push(Partitioning::default_partition(
+            table,
+            &format!("{OUTBOX_TABLE}_p"),
+            &outbox,
+        ));
+    }
+    statements.extend([
         // Whether a relay sleeps (one row). A transaction that NOTIFYs
         // takes a database-wide lock at its commit, held through the WAL
         // flush, so notifying commits run one at a time (measured: run_in_tx
@@ -76,7 +106,8 @@ pub(crate) fn ddl(table: &TableName) -> Vec<String> {
             "CREATE TRIGGER {trigger} AFTER INSERT ON {outbox} \
              FOR EACH STATEMENT EXECUTE FUNCTION {notify}()"
         ),
-    ]
+    ]);
+    statements
 }
 
 /// The `LISTEN` channel of a table's outbox: its (schema-qualified) name,
@@ -128,7 +159,7 @@ impl OutboxSql {
             ),
             insert: format!(
                 "INSERT INTO {t} (id, topic, msg_key, payload) VALUES ($1, $2, $3, $4) \
-                 ON CONFLICT (id) DO NOTHING"
+                 ON CONFLICT DO NOTHING"
             ),
             // The heads of the oldest keys waiting: in commit-ish order from
             // just past `$1`, the sendable rows with no older row of their
