@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `--minutes M` (10), `--ttl S` (300: records expire and are reaped),
-//! `--tasks N` (16), `--sample S` (60), `--pg-url URL` (default: a private
+//! `--tasks N` (16), `--sample S` (60), `--partition S` (0: plain tables;
+//! else both partitioned by S-second periods), `--pg-url URL` (default: a private
 //! server started for the run with PostgreSQL's default settings, autovacuum
 //! on; a database of its own is created and dropped). The relay's sink
 //! confirms at once: the broker is not what is measured here.
@@ -16,7 +17,7 @@
 use async_trait::async_trait;
 use idem::outbox::{self, OutboxMessage, Relay, Sink, SinkError};
 use idem::postgres::sqlx::{self, Connection, PgConnection};
-use idem::postgres::{PgStore, RunInTx};
+use idem::postgres::{PgStore, PgStoreConfig, RunInTx};
 use idem::{Error, Idempotency};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -58,12 +59,18 @@ struct TableStats {
     dead: i64,
     bytes: i64,
     autovacuums: i64,
+    partitions: i64,
 }
 
 async fn stats(pool: &sqlx::PgPool, table: &str) -> TableStats {
-    let (live, dead, bytes, autovacuums): (i64, i64, i64, i64) = sqlx::query_as(
-        "SELECT n_live_tup AS live, n_dead_tup AS dead, pg_total_relation_size(relid) AS bytes, \
-         autovacuum_count AS autovacuums FROM pg_stat_user_tables WHERE relname = $1",
+    // Summed over the partitions of a partitioned table (a plain table is
+    // its own one-node tree).
+    let (live, dead, bytes, autovacuums, partitions): (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT sum(s.n_live_tup)::bigint AS live, sum(s.n_dead_tup)::bigint AS dead, \
+                sum(pg_total_relation_size(s.relid))::bigint AS bytes, \
+                sum(s.autovacuum_count)::bigint AS autovacuums, count(*) AS partitions \
+         FROM pg_stat_user_tables s \
+         WHERE s.relid = $1::regclass OR s.relid IN (SELECT relid FROM pg_partition_tree($1::regclass))",
     )
     .bind(table)
     .fetch_one(pool)
@@ -74,6 +81,7 @@ async fn stats(pool: &sqlx::PgPool, table: &str) -> TableStats {
         dead,
         bytes,
         autovacuums,
+        partitions,
     }
 }
 
@@ -114,7 +122,15 @@ async fn main() {
         .connect(&format!("{base}/{db}"))
         .await
         .expect("connect");
-    let store = PgStore::from_pool(pool.clone());
+    // `--partition S`: both tables partitioned by S-second periods,
+    // retention by dropping partitions (the reaper's tick maintains them).
+    let period = arg("--partition", 0.0);
+    let config = if period > 0.0 {
+        PgStoreConfig::default().partitioned(Duration::from_secs_f64(period))
+    } else {
+        PgStoreConfig::default()
+    };
+    let store = PgStore::from_pool_with(pool.clone(), config).expect("--partition");
     store.migrate().await.expect("migrate");
     sqlx::query("CREATE TABLE orders (id bigserial PRIMARY KEY, req text NOT NULL)")
         .execute(&pool)
@@ -205,10 +221,10 @@ async fn main() {
          {minutes} min, autovacuum {autovacuum}\n"
     );
     println!(
-        "| min | calls/s | relayed/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog |"
+        "| min | calls/s | relayed/s | idem_keys live | dead | MB | autovacuums | outbox live | dead | MB | autovacuums | backlog | partitions |"
     );
     println!(
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(minutes * 60.0);
@@ -234,7 +250,7 @@ async fn main() {
             .unwrap_or(0);
         let mb = |b: i64| b as f64 / 1_048_576.0;
         println!(
-            "| {:.0} | {rate:.0} | {relayed:.0} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {} | {backlog} |",
+            "| {:.0} | {rate:.0} | {relayed:.0} | {} | {} | {:.1} | {} | {} | {} | {:.1} | {} | {backlog} | {} |",
             start.elapsed().as_secs_f64() / 60.0,
             k.live,
             k.dead,
@@ -243,7 +259,8 @@ async fn main() {
             o.live,
             o.dead,
             mb(o.bytes),
-            o.autovacuums
+            o.autovacuums,
+            k.partitions + o.partitions
         );
     }
     stop.store(true, Ordering::Relaxed);

@@ -39,8 +39,11 @@ use std::time::Duration;
 /// Shortest and longest period a partition may span.
 const MIN_PERIOD: u64 = 1;
 const MAX_PERIOD: u64 = 31 * 24 * 3600;
-/// Periods ahead of the current one that have a partition once maintained.
-const AHEAD: i64 = 3;
+/// Periods after the current one that get their partition ahead. Every
+/// statement that cannot name a partition probes and locks them all, so
+/// no more are made than the next period needs; the rows of a period that
+/// maintenance did not reach go to the default partition.
+const AHEAD: i64 = 1;
 /// Longest wait for a DDL lock: calls on the table queue behind a waiting
 /// `CREATE` or `DROP`, so it gives up soon and tries again later.
 pub(crate) const LOCK_WAIT: &str = "300ms";
@@ -174,7 +177,7 @@ impl PgStore {
                 .map_err(fail)?;
         for (kind, suffix, parent) in parents(&self.inner.table) {
             let existing = partitions(&mut conn, &parent).await.map_err(fail)?;
-            for generation in current - 1..=current + AHEAD {
+            for generation in current..=current + AHEAD {
                 if existing.iter().any(|(_, g)| *g == generation) {
                     continue;
                 }

@@ -233,54 +233,64 @@ fn claim_function(table: &TableName) -> String {
 /// (a key may have rows in several partitions) from an advisory lock per
 /// key, taken first and held to the end of the transaction. Under it, the
 /// read sees every committed row of the key: a live one is taken over where
-/// it is, or left alone; with none, the claim inserts into the current
-/// period, replacing an expired row of the key there.
+/// it is (an update that names the row's partition), or left alone; with
+/// none, the claim inserts into the current period, replacing an expired
+/// row of the key there. The claim statement is this function alone, and
+/// it answers the claim's columns (`sql::claim_col`): the key's row is
+/// read once, since every read that cannot name a partition probes them
+/// all.
 fn claim_function_partitioned(table: &TableName, parts: &Partitioning) -> String {
     let name = table.routine(CLAIM_FN);
     let space = lock_space(table);
     let generation = parts.gen_of("clock_timestamp()");
     format!(
         "CREATE OR REPLACE FUNCTION {name}(\n\
-         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz,\n\
-         \x20   absent boolean\n\
-         ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $idem$\n\
+         \x20   k text, tok bytea, lease_ms bigint, ttl_ms bigint, fp bytea, tx boolean, n timestamptz\n\
+         ) RETURNS TABLE (won bigint, attempt bigint, state \"char\", token bytea, fingerprint bytea,\n\
+         \x20                value bytea, lease_left interval, ttl_left interval)\n\
+         LANGUAGE plpgsql VOLATILE AS $idem$\n\
          #variable_conflict use_column\n\
          DECLARE\n\
-         \x20   won bigint;\n\
+         \x20   got bigint;\n\
+         \x20   cur record;\n\
          BEGIN\n\
          \x20   IF tx THEN\n\
          \x20       PERFORM set_config('synchronous_commit', 'off', true);\n\
          \x20   END IF;\n\
          \x20   PERFORM pg_advisory_xact_lock({space}, hashtext(k));\n\
-         \x20   UPDATE {table} AS r SET\n\
-         \x20       attempt = CASE WHEN r.token = tok THEN r.attempt ELSE LEAST(r.attempt + 1, 4294967295) END,\n\
-         \x20       fingerprint = CASE WHEN r.token = tok THEN r.fingerprint ELSE COALESCE(fp, r.fingerprint) END,\n\
-         \x20       lease_until = n + lease_ms * interval '1 millisecond',\n\
-         \x20       expires_at = n + ttl_ms * interval '1 millisecond',\n\
-         \x20       state = 'P', token = tok, value = NULL, in_tx = tx\n\
-         \x20   WHERE r.key = k AND r.expires_at > n\n\
-         \x20     AND r.state = 'P' AND octet_length(r.token) = 16\n\
-         \x20     AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL\n\
-         \x20     AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16)\n\
-         \x20     AND (fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = fp)\n\
-         \x20     AND (r.token = tok OR r.lease_until <= n)\n\
-         \x20   RETURNING r.attempt INTO won;\n\
-         \x20   IF FOUND THEN\n\
-         \x20       RETURN won;\n\
+         \x20   SELECT r.gen, r.attempt, r.state, r.token, r.fingerprint, r.value, r.lease_until, r.expires_at\n\
+         \x20   INTO cur FROM {table} r WHERE r.key = k AND r.expires_at > n;\n\
+         \x20   IF NOT FOUND THEN\n\
+         \x20       INSERT INTO {table} AS r (gen, attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
+         \x20       VALUES ({generation}, 1, n + lease_ms * interval '1 millisecond',\n\
+         \x20               n + ttl_ms * interval '1 millisecond', 'P', tx, k, tok, fp, NULL)\n\
+         \x20       ON CONFLICT (key, gen) DO UPDATE SET\n\
+         \x20           attempt = 1, lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,\n\
+         \x20           state = 'P', in_tx = EXCLUDED.in_tx, token = EXCLUDED.token,\n\
+         \x20           fingerprint = EXCLUDED.fingerprint, value = NULL, steps = NULL\n\
+         \x20       WHERE r.expires_at <= n\n\
+         \x20       RETURNING r.attempt INTO got;\n\
+         \x20       RETURN QUERY SELECT got, NULL::bigint, NULL::\"char\", NULL::bytea, NULL::bytea, NULL::bytea,\n\
+         \x20                           NULL::interval, NULL::interval;\n\
+         \x20       RETURN;\n\
          \x20   END IF;\n\
-         \x20   IF EXISTS (SELECT 1 FROM {table} r WHERE r.key = k AND r.expires_at > n) THEN\n\
-         \x20       RETURN NULL;\n\
+         \x20   IF cur.state = 'P' AND (cur.token = tok OR cur.lease_until <= n) THEN\n\
+         \x20       UPDATE {table} AS r SET\n\
+         \x20           attempt = CASE WHEN r.token = tok THEN r.attempt ELSE LEAST(r.attempt + 1, 4294967295) END,\n\
+         \x20           fingerprint = CASE WHEN r.token = tok THEN r.fingerprint ELSE COALESCE(fp, r.fingerprint) END,\n\
+         \x20           lease_until = n + lease_ms * interval '1 millisecond',\n\
+         \x20           expires_at = n + ttl_ms * interval '1 millisecond',\n\
+         \x20           state = 'P', token = tok, value = NULL, in_tx = tx\n\
+         \x20       WHERE r.key = k AND r.gen = cur.gen AND r.expires_at > n\n\
+         \x20         AND r.state = 'P' AND octet_length(r.token) = 16\n\
+         \x20         AND r.attempt BETWEEN 1 AND 4294967295 AND r.lease_until IS NOT NULL\n\
+         \x20         AND (r.fingerprint IS NULL OR octet_length(r.fingerprint) = 16)\n\
+         \x20         AND (fp IS NULL OR r.fingerprint IS NULL OR r.fingerprint = fp)\n\
+         \x20         AND (r.token = tok OR r.lease_until <= n)\n\
+         \x20       RETURNING r.attempt INTO got;\n\
          \x20   END IF;\n\
-         \x20   INSERT INTO {table} AS r (gen, attempt, lease_until, expires_at, state, in_tx, key, token, fingerprint, value)\n\
-         \x20   VALUES ({generation}, 1, n + lease_ms * interval '1 millisecond',\n\
-         \x20           n + ttl_ms * interval '1 millisecond', 'P', tx, k, tok, fp, NULL)\n\
-         \x20   ON CONFLICT (key, gen) DO UPDATE SET\n\
-         \x20       attempt = 1, lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at,\n\
-         \x20       state = 'P', in_tx = EXCLUDED.in_tx, token = EXCLUDED.token,\n\
-         \x20       fingerprint = EXCLUDED.fingerprint, value = NULL, steps = NULL\n\
-         \x20   WHERE r.expires_at <= n\n\
-         \x20   RETURNING r.attempt INTO won;\n\
-         \x20   RETURN won;\n\
+         \x20   RETURN QUERY SELECT got, cur.attempt, cur.state, cur.token, cur.fingerprint, cur.value,\n\
+         \x20                       cur.lease_until - n, cur.expires_at - n;\n\
          END\n\
          $idem$"
     )

@@ -108,12 +108,6 @@ const WRITE_REPLY: &str = "SELECT true AS done, NULL::\"char\" AS state, NULL::b
 
 impl Statements {
     pub(crate) fn new(t: &TableName, parts: Option<&Partitioning>) -> Statements {
-        // Partitioned, a key may also have expired rows (partitions.rs):
-        // the claims read its live one.
-        let live = match parts {
-            None => "",
-            Some(_) => " AND r.expires_at > c.now",
-        };
         // The claim reads the row and calls the claim function (schema.rs)
         // only when that row shows no record this claim must leave alone
         // (none, expired, its own, or a lapsed lease): a replay or an
@@ -130,9 +124,18 @@ impl Statements {
                      THEN {claim_fn}($1, $2, $3, $4, $5, $6, c.now, r.key IS NULL) END AS won, \
                     r.attempt, r.state, r.token, r.fingerprint, r.value, \
                     r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left \
-             FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1{live}",
+             FROM (SELECT clock_timestamp() AS now OFFSET 0) c LEFT JOIN {t} r ON r.key = $1",
             claim_fn = t.routine(CLAIM_FN),
         );
+        // Partitioned, the function reads the key's live row itself, under
+        // the key's lock, and answers the same columns (schema.rs).
+        let claim = match parts {
+            None => claim,
+            Some(_) => format!(
+                "SELECT * FROM {claim_fn}($1, $2, $3, $4, $5, $6, clock_timestamp())",
+                claim_fn = t.routine(CLAIM_FN),
+            ),
+        };
         // The forecast's two one-sided claims (`claim_path.rs`). The insert
         // wins an absent key and answers nothing for a present one (no row
         // lock, no write: `DO NOTHING` stops at the index probe). The read
@@ -310,15 +313,11 @@ impl Statements {
         let claim_batch = match parts {
             None => claim_batch,
             Some(_) => format!(
-                "SELECT * FROM (SELECT CASE WHEN r.key IS NULL \
-                          OR (r.state = 'P' AND (r.token = b.token OR r.lease_until <= c.now)) \
-                     THEN {claim_fn}(b.key, b.token, b.lease, b.ttl, b.fp, false, c.now, r.key IS NULL) END AS won, \
-                    r.attempt, r.state, r.token, r.fingerprint, r.value, \
-                    r.lease_until - c.now AS lease_left, r.expires_at - c.now AS ttl_left, b.ord \
+                "SELECT x.*, b.ord \
                  FROM (SELECT * FROM unnest($1::text[], $2::bytea[], $3::bigint[], $4::bigint[], $5::bytea[]) \
                        WITH ORDINALITY AS b(key, token, lease, ttl, fp, ord) ORDER BY b.key OFFSET 0) b \
-                 CROSS JOIN (SELECT clock_timestamp() AS now OFFSET 0) c \
-                 LEFT JOIN {t} r ON r.key = b.key AND r.expires_at > c.now OFFSET 0) x ORDER BY x.ord",
+                 CROSS JOIN LATERAL {claim_fn}(b.key, b.token, b.lease, b.ttl, b.fp, false, clock_timestamp()) x \
+                 ORDER BY b.ord",
                 claim_fn = t.routine(CLAIM_FN),
             ),
         };
