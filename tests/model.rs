@@ -17,7 +17,7 @@
 use idem::store::Finish;
 use idem::store::{Claim, ClaimReply, StepRecord, Store, Token, ValueKind, WriteReply};
 use idem::{Fingerprint, MemoryStore};
-use idem_postgres::{PgStore, PgStoreConfig};
+use idem_postgres::PgStore;
 use idem_testkit::{PgTestDb, TestContext};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
@@ -356,7 +356,6 @@ fn same(mem: &Reply, red: &Reply) -> bool {
 async fn run_case(steps: &[Step], redis: &TestContext, pg: &Pg) -> Result<(), TestCaseError> {
     redis.server().flushall();
     pg.0.exec("DELETE FROM idem_keys").await;
-    pg.2.exec("DELETE FROM idem_keys").await;
     // The reference runs every operation as a single call; `batched`, Redis
     // and PostgreSQL run a batch step as one batch.
     let memory = MemoryStore::new();
@@ -386,46 +385,38 @@ async fn run_case(steps: &[Step], redis: &TestContext, pg: &Pg) -> Result<(), Te
         for op in &ops {
             mem.push(step(&memory, *op).await);
         }
-        // The stores run the step at once, so that each sees about the
-        // time the others see: run one after another, the last would meet
-        // a lease boundary later than the first.
-        let (bat, red, sql, part) = match &step_ {
-            Step::One(op) => {
-                let (b, r, p, t) = tokio::join!(
-                    step(&batched, *op),
-                    step(redis.store(), *op),
-                    step(&pg.1, *op),
-                    step(&pg.3, *op)
-                );
-                (vec![b], vec![r], vec![p], vec![t])
-            }
-            Step::Batch(ops) => tokio::join!(
-                batch(&batched, ops),
-                batch(redis.store(), ops),
-                batch(&pg.1, ops),
-                batch(&pg.3, ops)
+        let (bat, red, sql) = match &step_ {
+            Step::One(op) => (
+                vec![step(&batched, *op).await],
+                vec![step(redis.store(), *op).await],
+                vec![step(&pg.1, *op).await],
+            ),
+            Step::Batch(ops) => (
+                batch(&batched, ops).await,
+                batch(redis.store(), ops).await,
+                batch(&pg.1, ops).await,
             ),
         };
-        let lens = [bat.len(), red.len(), sql.len(), part.len()];
-        if lens != [ops.len(); 4] {
+        let lens = [bat.len(), red.len(), sql.len()];
+        if lens != [ops.len(); 3] {
             return Err(TestCaseError::fail(format!(
                 "{step_:?}: {lens:?} replies for {} operations",
                 ops.len()
             )));
         }
-        let all = mem.into_iter().zip(bat).zip(red).zip(sql).zip(part);
-        for (op, ((((mem, bat), red), sql), part)) in ops.iter().zip(all) {
-            let (mem, bat, red, sql, part) = match (mem, bat, red, sql, part) {
-                (Ok(m), Ok(b), Ok(r), Ok(p), Ok(t)) => (m, b, r, p, t),
-                (m, b, r, p, t) => {
+        let all = mem.into_iter().zip(bat).zip(red).zip(sql);
+        for (op, (((mem, bat), red), sql)) in ops.iter().zip(all) {
+            let (mem, bat, red, sql) = match (mem, bat, red, sql) {
+                (Ok(m), Ok(b), Ok(r), Ok(p)) => (m, b, r, p),
+                (m, b, r, p) => {
                     return Err(TestCaseError::fail(format!(
-                        "{op:?} in {step_:?}: a store failed: memory {m:?}, batched memory {b:?}, redis {r:?}, postgres {p:?}, partitioned {t:?}\nafter {log:#?}"
+                        "{op:?} in {step_:?}: a store failed: memory {m:?}, batched memory {b:?}, redis {r:?}, postgres {p:?}\nafter {log:#?}"
                     )));
                 }
             };
-            if !same(&mem, &bat) || !same(&mem, &red) || !same(&mem, &sql) || !same(&mem, &part) {
+            if !same(&mem, &bat) || !same(&mem, &red) || !same(&mem, &sql) {
                 return Err(TestCaseError::fail(format!(
-                    "stores diverge at {op:?} in {step_:?}:\n  memory:   {mem:?}\n  batched:  {bat:?}\n  redis:    {red:?}\n  postgres: {sql:?}\n  partitioned: {part:?}\nafter {log:#?}"
+                    "stores diverge at {op:?} in {step_:?}:\n  memory:   {mem:?}\n  batched:  {bat:?}\n  redis:    {red:?}\n  postgres: {sql:?}\nafter {log:#?}"
                 )));
             }
             log.push((*op, mem));
@@ -448,10 +439,8 @@ async fn run_case(steps: &[Step], redis: &TestContext, pg: &Pg) -> Result<(), Te
     Ok(())
 }
 
-/// Two databases of their own on the local PostgreSQL, a store on each:
-/// plain tables, and tables partitioned by the second (whose rows of one
-/// key land in several partitions as the model's time advances).
-type Pg = (PgTestDb, PgStore, PgTestDb, PgStore);
+/// A database of its own on the local PostgreSQL, and a store on it.
+type Pg = (PgTestDb, PgStore);
 
 /// A private Redis, a PostgreSQL database, and the runtime that drives the stores.
 fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext, Pg) {
@@ -460,9 +449,9 @@ fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext, Pg) {
         .build()
         .unwrap();
     let redis = rt.block_on(TestContext::redis());
-    let pg = |config: PgStoreConfig| async move {
+    let pg = rt.block_on(async {
         let db = PgTestDb::new().await;
-        let store = PgStore::from_pool_with(db.pool.clone(), config).unwrap();
+        let store = PgStore::from_pool(db.pool.clone());
         store.migrate().await.unwrap();
         // A connection's first claim compiles idem's functions and plans its
         // statements: pay for that here, not inside a timed step.
@@ -479,13 +468,8 @@ fn runtime_and_redis() -> (tokio::runtime::Runtime, TestContext, Pg) {
             step(&store, op).await.unwrap();
         }
         (db, store)
-    };
-    let (plain, parted) = rt.block_on(async {
-        let plain = pg(PgStoreConfig::default()).await;
-        let parted = pg(PgStoreConfig::default().partitioned(Duration::from_secs(1))).await;
-        (plain, parted)
     });
-    (rt, redis, (plain.0, plain.1, parted.0, parted.1))
+    (rt, redis, pg)
 }
 
 #[test]
