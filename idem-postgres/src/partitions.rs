@@ -170,11 +170,13 @@ impl PgStore {
         let table = self.table_str();
         let fail = |e| map("maintain", &table, e);
         let mut conn = self.inner.pool.acquire().await.map_err(fail)?;
-        let (current,): (i64,) =
-            sqlx::query_as(AssertSqlSafe(format!("SELECT {}", layout.gen_of("clock_timestamp()"))))
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(fail)?;
+        let (current,): (i64,) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT {}",
+            layout.gen_of("clock_timestamp()")
+        )))
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(fail)?;
         for (kind, suffix, parent) in parents(&self.inner.table) {
             let existing = partitions(&mut conn, &parent).await.map_err(fail)?;
             for generation in current..=current + AHEAD {
@@ -275,9 +277,9 @@ async fn drop_if_unused(
     let in_use = match kind {
         // Via the BRIN index on `expires_at`, summarized first: a range of
         // pages whose latest expiry has passed is skipped unread.
-        Kind::Records => format!(
-            "SELECT EXISTS (SELECT 1 FROM {name} WHERE expires_at > clock_timestamp())"
-        ),
+        Kind::Records => {
+            format!("SELECT EXISTS (SELECT 1 FROM {name} WHERE expires_at > clock_timestamp())")
+        }
         Kind::Outbox => format!(
             "SELECT EXISTS (SELECT 1 FROM {name}) \
                  OR pg_relation_size('{quoted}'::regclass) > {EMPTY_CHECK_PAGES} * current_setting('block_size')::bigint",

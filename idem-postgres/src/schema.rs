@@ -300,10 +300,9 @@ fn claim_function_partitioned(table: &TableName, parts: &Partitioning) -> String
 /// a hash of its name, so two tables' claims of one key do not wait on
 /// each other.
 pub(crate) fn lock_space(table: &TableName) -> i32 {
-    let hash = table
-        .to_string()
-        .bytes()
-        .fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let hash = table.to_string().bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
     i32::from_ne_bytes(hash.to_ne_bytes())
 }
 

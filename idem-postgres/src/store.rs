@@ -6,8 +6,8 @@ use crate::claim_path::Forecast;
 use crate::config::{PgStoreConfig, TableName};
 use crate::errors::map;
 use crate::outbox::table::OutboxSql;
-use crate::schema;
 use crate::partitions::Partitioning;
+use crate::schema;
 use crate::sql::Statements;
 use idem_core::Error;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -237,14 +237,25 @@ impl PgStore {
                     .await
                     .map_err(fail)?;
             let want = if parts.is_some() { "p" } else { "r" };
-            for (kind, name) in [(kinds.0, table.clone()), (kinds.1, self.inner.outbox.table.clone())] {
+            for (kind, name) in [
+                (kinds.0, table.clone()),
+                (kinds.1, self.inner.outbox.table.clone()),
+            ] {
                 if kind.as_deref().is_some_and(|k| k != want) {
                     return Err(Error::InvalidConfig(format!(
                         "table {name} exists and is {found}, but this store is configured {wanted}: \
                          a table cannot change between the two in place; configure another table \
                          name with `PgStoreConfig::table(..)` (and move to it), or drop the table",
-                        found = if want == "p" { "not partitioned" } else { "partitioned" },
-                        wanted = if want == "p" { "`partitioned(..)`" } else { "without `partitioned(..)`" },
+                        found = if want == "p" {
+                            "not partitioned"
+                        } else {
+                            "partitioned"
+                        },
+                        wanted = if want == "p" {
+                            "`partitioned(..)`"
+                        } else {
+                            "without `partitioned(..)`"
+                        },
                     )));
                 }
             }

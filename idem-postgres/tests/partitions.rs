@@ -102,20 +102,34 @@ async fn a_key_with_rows_in_several_partitions_answers_as_one_record() {
         .unwrap();
     tokio::time::sleep(SECOND + Duration::from_millis(200)).await;
     assert_eq!(
-        s.claim(claim("short", &c, 5_000, 60_000, None)).await.unwrap(),
+        s.claim(claim("short", &c, 5_000, 60_000, None))
+            .await
+            .unwrap(),
         acquired(1)
     );
     assert_eq!(rows_of(&db, "short").await, 2);
-    match s.claim(claim("short", &a, 5_000, 60_000, None)).await.unwrap() {
+    match s
+        .claim(claim("short", &a, 5_000, 60_000, None))
+        .await
+        .unwrap()
+    {
         ClaimReply::InProgress { .. } => {}
         other => panic!("{other:?}"),
     }
-    let info = s.inspect("short", false).await.unwrap().expect("the live record");
+    let info = s
+        .inspect("short", false)
+        .await
+        .unwrap()
+        .expect("the live record");
     assert!(info.ttl_left > Some(Duration::from_secs(50)), "{info:?}");
     s.complete("short", &c, None, ValueKind::Json, b"\"new\"")
         .await
         .unwrap();
-    match s.claim(claim("short", &b, 5_000, 60_000, None)).await.unwrap() {
+    match s
+        .claim(claim("short", &b, 5_000, 60_000, None))
+        .await
+        .unwrap()
+    {
         ClaimReply::Completed(done) => assert_eq!(&done.value[..], b"\"new\""),
         other => panic!("{other:?}"),
     }
@@ -148,7 +162,11 @@ async fn past_partitions_go_once_nothing_in_them_lives_and_never_before() {
                         .execute(&mut *tx)
                         .await
                         .map_err(|e| Error::codec(e.to_string()))?;
-                    let payload = if key.contains("poison") { "poison" } else { "ok" };
+                    let payload = if key.contains("poison") {
+                        "poison"
+                    } else {
+                        "ok"
+                    };
                     outbox::publish(tx, "orders.created", &key, payload).await?;
                     Ok::<_, Error>(key.len())
                 })
@@ -184,7 +202,10 @@ async fn past_partitions_go_once_nothing_in_them_lives_and_never_before() {
     let deadline = tokio::time::Instant::now() + 30 * SECOND;
     let mut dropped = 0;
     while rows_of(&db, "short:%").await > 0 {
-        assert!(tokio::time::Instant::now() < deadline, "expired records stay");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expired records stay"
+        );
         tokio::time::sleep(SECOND / 2).await;
         dropped += s.maintain().await.unwrap().dropped;
         s.reap(1000).await.unwrap();
@@ -192,7 +213,10 @@ async fn past_partitions_go_once_nothing_in_them_lives_and_never_before() {
     assert!(dropped >= 1, "whole partitions went");
     // What lives was kept where it was: the record replays, the parked
     // message waits.
-    assert_eq!(home(&db, "idem_keys", "key LIKE 'long:%kept'").await, kept_home);
+    assert_eq!(
+        home(&db, "idem_keys", "key LIKE 'long:%kept'").await,
+        kept_home
+    );
     assert_eq!(order(&long, "kept".into()).await, 4);
     assert_eq!(ran.load(Ordering::SeqCst), 52);
     let parked = s.outbox().parked(10).await.unwrap();
@@ -203,11 +227,21 @@ async fn past_partitions_go_once_nothing_in_them_lives_and_never_before() {
     );
     // Dropped by the operator, its partition goes at a later maintenance
     // (unless the default partition took it).
-    assert!(s.outbox().drop_parked(&parked[0].id).await.unwrap().is_some());
+    assert!(
+        s.outbox()
+            .drop_parked(&parked[0].id)
+            .await
+            .unwrap()
+            .is_some()
+    );
     if !parked_home.contains("pdefault") {
-        let gone = format!("SELECT count(*) FROM pg_class WHERE oid = to_regclass('{parked_home}')");
+        let gone =
+            format!("SELECT count(*) FROM pg_class WHERE oid = to_regclass('{parked_home}')");
         while db.count(&gone).await > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "{parked_home} stays");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{parked_home} stays"
+            );
             s.maintain().await.unwrap();
             tokio::time::sleep(SECOND / 4).await;
         }
@@ -319,7 +353,7 @@ async fn concurrent_batches_of_shared_keys_claim_each_key_once() {
     for task in tasks {
         task.await.unwrap();
     }
-    let won = won.lock().unwrap();
+    let won = won.lock().unwrap().clone();
     assert_eq!(won.len(), keys.len());
     assert!(won.values().all(|n| *n == 1), "{won:?}");
     for key in &keys {
@@ -343,7 +377,7 @@ async fn without_maintenance_rows_go_to_the_default_partition_and_are_reaped() {
         // Each call twice: the second replays, from the default partition.
         for _ in 0..2 {
             let n: u32 = idem
-                .call("c", &format!("k{i}"))
+                .call("c", format!("k{i}"))
                 .run(|| async {
                     ran.fetch_add(1, Ordering::SeqCst);
                     Ok::<_, Error>(1)
@@ -354,7 +388,10 @@ async fn without_maintenance_rows_go_to_the_default_partition_and_are_reaped() {
         }
     }
     assert_eq!(ran.load(Ordering::SeqCst), 20);
-    assert_eq!(db.count("SELECT count(*) FROM idem_keys_pdefault").await, 20);
+    assert_eq!(
+        db.count("SELECT count(*) FROM idem_keys_pdefault").await,
+        20
+    );
     tokio::time::sleep(3 * SECOND).await;
     assert_eq!(s.reap(1000).await.unwrap(), 20);
     assert_eq!(db.count("SELECT count(*) FROM idem_keys_pdefault").await, 0);
@@ -373,15 +410,25 @@ async fn a_table_of_the_other_layout_is_refused() {
         matches!(&e, Error::InvalidConfig(m) if m.contains("not partitioned")),
         "{e}"
     );
-    let parted = PgStore::from_pool_with(db.pool.clone(), PgStoreConfig::table("parted").partitioned(SECOND))
-        .unwrap();
+    let parted = PgStore::from_pool_with(
+        db.pool.clone(),
+        PgStoreConfig::table("parted").partitioned(SECOND),
+    )
+    .unwrap();
     parted.migrate().await.unwrap();
-    let e = store_err(PgStore::from_pool_with(db.pool.clone(), PgStoreConfig::table("parted")).unwrap()).await;
+    let e = store_err(
+        PgStore::from_pool_with(db.pool.clone(), PgStoreConfig::table("parted")).unwrap(),
+    )
+    .await;
     assert!(
         matches!(&e, Error::InvalidConfig(m) if m.contains("is partitioned")),
         "{e}"
     );
-    for bad in [Duration::ZERO, Duration::from_millis(1500), Duration::from_secs(40 * 86_400)] {
+    for bad in [
+        Duration::ZERO,
+        Duration::from_millis(1500),
+        Duration::from_secs(40 * 86_400),
+    ] {
         let e = PgStore::from_pool_with(db.pool.clone(), PgStoreConfig::default().partitioned(bad))
             .unwrap_err();
         assert!(matches!(e, Error::InvalidConfig(_)), "{bad:?}: {e}");

@@ -31,12 +31,7 @@ pub(crate) fn ddl(table: &TableName, parts: Option<&Partitioning>) -> Vec<String
     // Partitioned, the unique keys hold `gen`, the period of the insert
     // (partitions.rs): a message's id is unique within its period.
     let (seq, generation, tail, unique) = match parts {
-        None => (
-            "PRIMARY KEY",
-            String::new(),
-            ")".to_owned(),
-            "id",
-        ),
+        None => ("PRIMARY KEY", String::new(), ")".to_owned(), "id"),
         Some(parts) => (
             "NOT NULL",
             format!(
