@@ -61,7 +61,8 @@ impl PgStoreConfig {
     /// partition per `period` (whole seconds, from a minute to a week), so
     /// that expired records and relayed messages go by dropping whole
     /// partitions instead of `DELETE` and vacuum. The plain tables are the
-    /// default; see [`Partitioning`] for what changes. Checked by
+    /// default; see [`PgStore::maintain`](crate::PgStore::maintain) and
+    /// docs/outbox.md ("Retention") for what changes. Checked by
     /// [`validate`](PgStoreConfig::validate).
     ///
     /// ```
