@@ -44,7 +44,9 @@
 //! ```
 //!
 //! Tables: [`PgStoreConfig`]; schema: `schema.sql` or [`PgStore::migrate`];
-//! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`].
+//! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`], or whole
+//! partitions with tables partitioned by time
+//! ([`PgStoreConfig::partitioned`], [`PgStore::maintain`]).
 #![warn(missing_docs)]
 
 mod batch;
