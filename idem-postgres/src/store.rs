@@ -178,6 +178,10 @@ impl PgStore {
     /// TRIGGER` lock the tables briefly: run it before the new version
     /// takes traffic, as any migration.
     ///
+    /// On a partitioned store it creates the partitioned tables, then runs
+    /// [`maintain`](PgStore::maintain) once (the partitions of this period
+    /// and the next); it refuses a table of the other layout.
+    ///
     /// ```no_run
     /// # async fn demo(store: idem_postgres::PgStore) -> Result<(), idem_core::Error> {
     /// store.migrate().await?;
