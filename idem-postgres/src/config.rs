@@ -1,7 +1,6 @@
 //! `PgStoreConfig`: which table holds the records, and how its name is
 //! checked and quoted before it is ever spliced into SQL.
 
-use crate::partitions::Partitioning;
 use idem_core::Error;
 use std::fmt;
 use std::time::Duration;
@@ -238,6 +237,70 @@ fn invalid(name: &str, why: &str) -> Error {
     Error::InvalidConfig(format!(
         "PgStoreConfig::table({name:?}) cannot be used: {why} (e.g. \"idem_keys\" or \"app.idem_keys\")"
     ))
+}
+
+// The layout of a partitioned store (`partitioned`): how its tables and
+// their partitions are named and made; `partitions.rs` maintains them.
+
+/// Shortest and longest period a partition may span (`PgStoreConfig::partitioned`).
+const MIN_PERIOD: u64 = 1;
+const MAX_PERIOD: u64 = 31 * 24 * 3600;
+
+/// How the tables of a partitioned store are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Partitioning {
+    /// Seconds per partition.
+    period: u64,
+}
+
+impl Partitioning {
+    pub(crate) fn new(period: Duration) -> Result<Partitioning, Error> {
+        let secs = period.as_secs();
+        if period.subsec_nanos() != 0 || !(MIN_PERIOD..=MAX_PERIOD).contains(&secs) {
+            return Err(Error::InvalidConfig(format!(
+                "PgStoreConfig::partitioned({period:?}) cannot be used: the period must be whole \
+                 seconds, from {MIN_PERIOD} s to 31 days (e.g. an hour, or a day); pick one that \
+                 the longest result TTL spans a dozen times at most"
+            )));
+        }
+        Ok(Partitioning { period: secs })
+    }
+
+    /// The period (`gen`) that the timestamp expression `at` falls in.
+    pub(crate) fn gen_of(&self, at: &str) -> String {
+        format!("floor(extract(epoch FROM {at}) / {})::bigint", self.period)
+    }
+
+    /// The clause that partitions a table's `CREATE TABLE`.
+    pub(crate) const BY: &'static str = "PARTITION BY RANGE (gen)";
+
+    /// Creates the default partition of `parent`, whose partitions are
+    /// named `<table>_<suffix><gen>`.
+    pub(crate) fn default_partition(table: &TableName, suffix: &str, parent: &str) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {name} PARTITION OF {parent} DEFAULT{storage}",
+            name = default_name(table, suffix),
+            storage = storage(suffix),
+        )
+    }
+}
+
+/// The suffix of the records' partitions' names (`<table>_p<gen>`).
+pub(crate) const RECORDS: &str = "p";
+
+/// The default partition's name among the partitions named `<table>_<suffix>…`.
+pub(crate) fn default_name(table: &TableName, suffix: &str) -> String {
+    table.beside(&format!("{suffix}default"))
+}
+
+/// The records' partitions keep room for the updates of a row (completion,
+/// lease renewals) on its page, as the plain table does.
+pub(crate) fn storage(suffix: &str) -> &'static str {
+    if suffix == RECORDS {
+        " WITH (fillfactor = 75)"
+    } else {
+        ""
+    }
 }
 
 #[cfg(test)]

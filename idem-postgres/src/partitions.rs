@@ -28,17 +28,13 @@
 //! partition that cannot be locked now is tried at the next maintenance.
 //! The default partition is reaped by `DELETE`, as the plain table is.
 
-use crate::config::TableName;
+use crate::config::{RECORDS, TableName, storage};
 use crate::errors::map;
 use crate::outbox::table::OUTBOX_TABLE;
 use crate::store::PgStore;
 use idem_core::Error;
 use sqlx::{AssertSqlSafe, Connection, Row};
-use std::time::Duration;
 
-/// Shortest and longest period a partition may span.
-const MIN_PERIOD: u64 = 1;
-const MAX_PERIOD: u64 = 31 * 24 * 3600;
 /// Periods after the current one that get their partition ahead. Every
 /// statement that cannot name a partition probes and locks them all, so
 /// no more are made than the next period needs; the rows of a period that
@@ -51,53 +47,6 @@ pub(crate) const LOCK_WAIT: &str = "300ms";
 /// deleted is dropped only after vacuum truncated it: checking it for
 /// rows would scan its dead ones under the exclusive lock.
 const EMPTY_CHECK_PAGES: i64 = 1024;
-
-/// How the tables of a partitioned store are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Partitioning {
-    /// Seconds per partition.
-    period: u64,
-}
-
-impl Partitioning {
-    pub(crate) fn new(period: Duration) -> Result<Partitioning, Error> {
-        let secs = period.as_secs();
-        if period.subsec_nanos() != 0 || !(MIN_PERIOD..=MAX_PERIOD).contains(&secs) {
-            return Err(Error::InvalidConfig(format!(
-                "PgStoreConfig::partitioned({period:?}) cannot be used: the period must be whole \
-                 seconds, from {MIN_PERIOD} s to 31 days (e.g. an hour, or a day); pick one that \
-                 the longest result TTL spans a dozen times at most"
-            )));
-        }
-        Ok(Partitioning { period: secs })
-    }
-
-    /// The period (`gen`) that the timestamp expression `at` falls in.
-    pub(crate) fn gen_of(&self, at: &str) -> String {
-        format!("floor(extract(epoch FROM {at}) / {})::bigint", self.period)
-    }
-
-    /// The clause that partitions a table's `CREATE TABLE`.
-    pub(crate) const BY: &'static str = "PARTITION BY RANGE (gen)";
-
-    /// Creates the default partition of `parent`, whose partitions are
-    /// named `<table>_<suffix><gen>`.
-    pub(crate) fn default_partition(table: &TableName, suffix: &str, parent: &str) -> String {
-        format!(
-            "CREATE TABLE IF NOT EXISTS {name} PARTITION OF {parent} DEFAULT{storage}",
-            name = default_name(table, suffix),
-            storage = storage(suffix),
-        )
-    }
-}
-
-/// The suffix of the records' partitions' names (`<table>_p<gen>`).
-pub(crate) const RECORDS: &str = "p";
-
-/// The default partition's name among the partitions named `<table>_<suffix>…`.
-pub(crate) fn default_name(table: &TableName, suffix: &str) -> String {
-    table.beside(&format!("{suffix}default"))
-}
 
 /// The tables a partitioned store partitions: the suffix of their
 /// partitions' names, and the parent's name.
@@ -116,16 +65,6 @@ fn parents(table: &TableName) -> [(Kind, String, String); 2] {
 enum Kind {
     Records,
     Outbox,
-}
-
-/// The records' partitions keep room for the updates of a row (completion,
-/// lease renewals) on its page, as the plain table does.
-fn storage(suffix: &str) -> &'static str {
-    if suffix == RECORDS {
-        " WITH (fillfactor = 75)"
-    } else {
-        ""
-    }
 }
 
 /// What one [`PgStore::maintain`] did.

@@ -22,8 +22,8 @@
 //! unreadable and reported as `Error::Corrupt` without being overwritten,
 //! and the common paths pay for no extra checks.
 
+use crate::config::Partitioning;
 use crate::config::TableName;
-use crate::partitions::Partitioning;
 
 /// The function that writes a claim (see [`claim_function`]).
 pub(crate) const CLAIM_FN: &str = "claim";
@@ -81,7 +81,7 @@ pub(crate) fn ddl(table: &TableName, parts: Option<&Partitioning>) -> Vec<String
     if parts.is_some() {
         statements.push(Partitioning::default_partition(
             table,
-            crate::partitions::RECORDS,
+            crate::config::RECORDS,
             &table.to_string(),
         ));
     }

@@ -17,8 +17,8 @@
 //! write (in progress, completed, another owner, missing) and runs the write
 //! again when the read says it should have happened.
 
+use crate::config::Partitioning;
 use crate::config::TableName;
-use crate::partitions::Partitioning;
 use crate::schema::{CLAIM_FN, COMPLETE_IN_TX_FN, FAILURES_TABLE};
 use std::sync::Arc;
 
@@ -243,7 +243,7 @@ impl Statements {
                 "DELETE FROM {d} WHERE (key, gen) IN ( \
                    SELECT key, gen FROM {d} WHERE expires_at <= clock_timestamp() \
                    LIMIT $1 FOR UPDATE SKIP LOCKED)",
-                d = crate::partitions::default_name(t, crate::partitions::RECORDS),
+                d = crate::config::default_name(t, crate::config::RECORDS),
             ),
         };
         // Operators' reads: live rows only, as Redis (whose expired keys are

@@ -3,10 +3,10 @@
 //! (claims), `write.rs` (completes, releases, extends) and `operate.rs`.
 
 use crate::claim_path::Forecast;
+use crate::config::Partitioning;
 use crate::config::{PgStoreConfig, TableName};
 use crate::errors::map;
 use crate::outbox::table::OutboxSql;
-use crate::partitions::Partitioning;
 use crate::schema;
 use crate::sql::Statements;
 use idem_core::Error;

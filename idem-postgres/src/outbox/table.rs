@@ -10,8 +10,8 @@
 //! | `retry_at` | after a failed send: not before this time (the key waits behind it) |
 //! | `parked_at` | set when the broker refused it; the key waits until an operator retries or drops it |
 
+use crate::config::Partitioning;
 use crate::config::TableName;
-use crate::partitions::Partitioning;
 
 /// Suffix of the outbox table beside the records table.
 pub(crate) const OUTBOX_TABLE: &str = "outbox";
