@@ -4,7 +4,7 @@
 //! scenarios are in `support`; progress acks and late acks are NATS's own.
 //! Ground truth is an external ledger of side effects.
 
-mod support;
+use crate::support;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer, stream};
@@ -140,6 +140,7 @@ impl TestStream {
 impl Place for TestStream {
     type Adapter = NatsConsumer;
     const WORKER_ENV: &'static str = "IDEM_NATS";
+    const WORKER_TEST: &'static str = "nats::worker";
 
     async fn publish(&self, id: Option<&str>, payload: &[u8]) {
         let mut headers = HeaderMap::new();

@@ -1020,15 +1020,21 @@ impl Setup {
 
     fn spawn(&self, mode: &str, extra: &[(&str, &str)]) -> std::process::Child {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "worker", "--nocapture", "--test-threads", "1"])
-            .env("IDEM_KAFKA_WORKER", mode)
-            .env("IDEM_REDIS", self.redis.url())
-            .env("IDEM_KAFKA", self.kafka.bootstrap())
-            .env("IDEM_TOPIC", &self.topic)
-            .env("IDEM_GROUP", &self.group)
-            .env("IDEM_DIR", self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+        cmd.args([
+            "--exact",
+            "kafka::worker",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env("IDEM_KAFKA_WORKER", mode)
+        .env("IDEM_REDIS", self.redis.url())
+        .env("IDEM_KAFKA", self.kafka.bootstrap())
+        .env("IDEM_TOPIC", &self.topic)
+        .env("IDEM_GROUP", &self.group)
+        .env("IDEM_DIR", self.dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
         for (k, v) in extra {
             cmd.env(k, v);
         }

@@ -3,7 +3,7 @@
 //! after; the restart test spawns a private node. The shared scenarios are in `support`. Ground truth is an
 //! external ledger of side effects.
 
-mod support;
+use crate::support;
 
 use idem_consumer::Consumer;
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
@@ -196,6 +196,7 @@ impl TestQueue {
 impl Place for TestQueue {
     type Adapter = RabbitConsumer;
     const WORKER_ENV: &'static str = "IDEM_RABBIT";
+    const WORKER_TEST: &'static str = "rabbitmq::worker";
     /// A queue has no position: delivery tags count per channel.
     const POSITIONED: bool = false;
 

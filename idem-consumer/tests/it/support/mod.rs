@@ -1,5 +1,5 @@
 //! The scenarios every broker adapter must pass, written once and run by
-//! each broker's test binary (`tests/{redis_streams,nats,rabbitmq}.rs`)
+//! each broker's test module (`tests/it/{redis_streams,nats,rabbitmq}.rs`)
 //! through its [`Place`]: a uniquely named stream or queue on a real broker.
 //! Ground truth is an external ledger of side effects; completion is
 //! counted from the adapters' own reports (each message acked or
@@ -36,6 +36,9 @@ pub trait Place: Send + Sync + Sized + 'static {
     type Adapter: Adapter + 'static;
     /// Prefix of the environment variables handed to worker processes.
     const WORKER_ENV: &'static str;
+    /// The worker test's full name in the test binary (`nats::worker`), which
+    /// a worker process is re-executed with (`--exact`).
+    const WORKER_TEST: &'static str;
 
     /// Publishes a message, with a producer id or without.
     fn publish(&self, id: Option<&str>, payload: &[u8]) -> impl Future<Output = ()> + Send;
@@ -600,7 +603,13 @@ fn spawn_worker<P: Place>(
     redeliver_after: Duration,
 ) -> std::process::Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "worker", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            P::WORKER_TEST,
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env(format!("{}_WORKER", P::WORKER_ENV), mode)
         .env("IDEM_REDIS", redis)
         .env("IDEM_DIR", dir)

@@ -4,7 +4,7 @@
 //! outage, bad input, a broker restart) and what is Redis's own (re-claims
 //! while a slow handler runs). Ground truth is an external ledger.
 
-mod support;
+use crate::support;
 
 use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
 use idem_consumer::{
@@ -99,6 +99,7 @@ impl Stream {
 impl Place for Stream {
     type Adapter = RedisStreamsConsumer;
     const WORKER_ENV: &'static str = "IDEM_STREAMS";
+    const WORKER_TEST: &'static str = "redis_streams::worker";
 
     async fn publish(&self, id: Option<&str>, payload: &[u8]) {
         match id {
