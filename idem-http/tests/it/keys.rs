@@ -2,15 +2,13 @@
 //! credentials) and a key reused for another request; over real sockets and
 //! a real Redis, with exact handler counts.
 
-mod support;
-
+use crate::support::{Counters, Harness, PROBLEM_BASE, idem_over, pay, send, serve, wait_until};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use idem_core::Idempotency;
 use idem_http::{IdempotencyKey, IdempotencyLayer};
 use idem_testkit::RedisServer;
-use support::{Counters, Harness, PROBLEM_BASE, idem_over, pay, send, serve, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quoted_and_bare_keys_are_the_same_key() {

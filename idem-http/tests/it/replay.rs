@@ -2,13 +2,11 @@
 //! Retry-After while the first still runs (or the replay, with a wait), and
 //! one handler run among concurrent duplicates.
 
-mod support;
-
+use crate::support::{Harness, send, wait_until};
 use axum::http::StatusCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::Duration;
-use support::{Harness, send, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_is_byte_for_byte_with_original_headers() {

@@ -1,13 +1,11 @@
 //! Bodies: streamed responses, Server-Sent Events, responses and requests
 //! over the size limits, and compressed responses replayed decoded.
 
-mod support;
-
+use crate::support::{BIG, Harness, send, wait_until};
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
-use support::{BIG, Harness, send, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_responses_pass_through_and_are_not_cached() {

@@ -2,7 +2,7 @@
 //! `idem-client`s sharing one key, the layer, and an `#[idempotent]`
 //! service function behind the handler.
 
-mod support;
+use crate::support;
 
 use axum::extract::State;
 use axum::http::StatusCode;

@@ -1,12 +1,10 @@
 //! Failures and cancellation: the store down (fail closed), transient
 //! statuses, panicking handlers and bodies, and clients that disconnect.
 
-mod support;
-
+use crate::support::{Harness, send, wait_until};
 use axum::http::StatusCode;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
-use support::{Harness, send, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_down_is_503_and_the_handler_does_not_run() {
