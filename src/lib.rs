@@ -30,12 +30,54 @@
 //! # Ok::<(), idem::Error>(()) }).unwrap();
 //! ```
 //!
+//! ## Which errors to retry
+//!
+//! [`Error::is_retryable`] is true for `InProgress { retry_after }`,
+//! `Unavailable { op, reason, source }`, `LeaseLost`, `StepLeaseLost { name }`
+//! and `Conflict { code, reason }`: calling again with the same key can
+//! succeed (it replays, waits, or runs). Every other error fails the same way
+//! again. A worker loop of your own retries the first kind and gives up on
+//! the rest (docs/semantics.md lists every variant with its fields):
+//!
+//! ```
+//! use idem::{Error, Idempotency, MemoryStore};
+//! use std::time::Duration;
+//!
+//! async fn run_job(idem: &Idempotency, job: &str) -> Result<u64, Error> {
+//!     let mut backoff = Duration::from_millis(50);
+//!     let mut tries = 0;
+//!     loop {
+//!         tries += 1;
+//!         let r: Result<u64, Error> = idem.call("jobs.run", job).run(|| async { Ok(42) }).await;
+//!         match r {
+//!             // Another worker holds the key: its lease says when to look again.
+//!             Err(Error::InProgress { retry_after }) if tries < 5 => tokio::time::sleep(retry_after).await,
+//!             // The store is down, a lease or a transaction was lost: back off, same key.
+//!             Err(e) if e.is_retryable() && tries < 5 => {
+//!                 tokio::time::sleep(backoff).await;
+//!                 backoff *= 2;
+//!             }
+//!             // Done, or an error that would fail again: dead-letter the job.
+//!             other => return other,
+//!         }
+//!     }
+//! }
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let idem = Idempotency::builder(MemoryStore::new()).build();
+//! assert_eq!(run_job(&idem, "job-1").await?, 42);
+//! assert!(!Error::FingerprintMismatch.is_retryable());
+//! # Ok::<(), Error>(()) }).unwrap();
+//! ```
+//!
 //! The runtime lives in [`idem_core`] (re-exported here); the attribute in
 //! [`idem_macros`]. With feature `client`, [`client`] is a retrying HTTP
 //! client that keeps one key per operation; with feature `http`, [`http`] is
 //! a tower layer giving axum services `Idempotency-Key` semantics.
 #![warn(missing_docs)]
 
+/// `#[idem::async_trait]`: implements a trait with `async fn`s, such as
+/// [`outbox::Sink`], with no `async-trait` dependency of your own.
+pub use idem_core::async_trait;
 pub use idem_core::*;
 pub use idem_macros::idempotent;
 

@@ -125,3 +125,15 @@ fn the_outbox_guide_prints_its_redis_program_compiled_here() {
         include_str!("readme/outbox_redis_orders.rs"),
     );
 }
+
+#[path = "readme/outbox_custom_sink.rs"]
+#[allow(dead_code)]
+mod outbox_custom_sink;
+
+#[test]
+fn the_outbox_guide_prints_its_custom_sink_compiled_here() {
+    assert_readme_prints(
+        "outbox_custom_sink.rs",
+        include_str!("readme/outbox_custom_sink.rs"),
+    );
+}

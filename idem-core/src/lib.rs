@@ -48,6 +48,27 @@ mod settings;
 pub mod store;
 mod token;
 
+/// The attribute that implements a trait with `async fn`s, such as
+/// [`outbox::Sink`]: re-exported from the `async-trait` crate so that a
+/// sink of your own needs no dependency of its own.
+///
+/// ```
+/// use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+///
+/// /// Confirms every message without publishing it anywhere.
+/// struct Discard;
+///
+/// #[idem_core::async_trait]
+/// impl Sink for Discard {
+///     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+///         batch.iter().map(|_| Ok(())).collect()
+///     }
+///     fn describe(&self) -> String {
+///         "discard".into()
+///     }
+/// }
+/// ```
+pub use async_trait::async_trait;
 pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, StepStart, Steps};
 pub use derive::{DeriveError, KeyDeriver};
 pub use error::{BoxError, Error, KeyError, KeyPart};

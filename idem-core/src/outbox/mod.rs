@@ -26,3 +26,5 @@ pub use self::redis::{RedisOutbox, RedisRelay};
 pub use self::relaying::{Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves};
 pub use self::sink::{Sink, SinkError};
 pub use self::stage::{check_field, encode_payload, stage};
+/// `#[async_trait]`, for implementing [`Sink`] (the same as [`crate::async_trait`]).
+pub use async_trait::async_trait;

@@ -121,8 +121,13 @@ impl SinkError {
 /// previous one's confirmation. `Ok` means durable on the broker: the relay
 /// deletes the row on it.
 ///
+/// Two methods, both required: `send` and `describe`. The trait is
+/// `#[async_trait]`, so an implementation carries the attribute too: idem
+/// re-exports it (`#[idem::async_trait]`, or `idem_core::async_trait`), so
+/// a sink of your own needs no `async-trait` dependency.
+///
 /// ```
-/// use async_trait::async_trait;
+/// use idem_core::async_trait;
 /// use idem_core::outbox::{OutboxMessage, Sink, SinkError};
 /// use std::sync::Mutex;
 ///
