@@ -16,7 +16,7 @@
 //!
 //! | sink | feature | where the id goes | also |
 //! | --- | --- | --- | --- |
-//! | [`RedisStreamsSink`] | `redis-streams` | field `id` (`XADD <topic> * id … payload … key …`) | `MAXLEN ~` |
+//! | [`RedisStreamsSink`] | `redis-streams` | field `id` (`XADD <topic> * id … payload … key …`) | `MAXLEN ~`; another stream than the topic: `stream_for` |
 //! | [`NatsSink`] | `nats` | header `Nats-Msg-Id` | header `Idem-Outbox-Key` |
 //! | [`RabbitSink`] | `rabbitmq` | property `message_id` | header `idem-outbox-key`, persistent, `mandatory` |
 //! | [`KafkaSink`] | `kafka` | header `idempotency-key` | record key = the message key |
@@ -47,7 +47,7 @@
 //! # Ok(()) }
 //! ```
 
-pub use idem_core::outbox::{OutboxMessage, Sink, SinkError};
+pub use idem_core::outbox::{OutboxMessage, Sink, SinkError, async_trait};
 
 #[cfg(feature = "kafka")]
 mod kafka;

@@ -5,14 +5,17 @@ use crate::error::ConsumerError;
 use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, RedisResult, Value};
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 const BROKER: &str = "redis-streams";
 
 /// Publishes outbox messages as stream entries: `XADD <topic> * id <id>
 /// payload <payload> key <key>` (with `MAXLEN ~ n` when
-/// [`max_len`](Self::max_len) is set), the fields a
+/// [`max_len`](Self::max_len) is set; to another stream than the topic with
+/// [`stream_for`](Self::stream_for)), the fields a
 /// [`RedisStreamsConsumer`](crate::redis_streams::RedisStreamsConsumer)
 /// reads by default. A batch is one pipeline, one round trip; an entry is
 /// confirmed once Redis answered its `XADD` (as durable as the server's
@@ -21,7 +24,7 @@ const BROKER: &str = "redis-streams";
 /// | what happened | result |
 /// | --- | --- |
 /// | `XADD` answered with an entry id | `Ok` |
-/// | the topic's key holds another type (`WRONGTYPE`) | `Refused`, that message only |
+/// | the stream's key holds another type (`WRONGTYPE`) | `Refused`, that message only |
 /// | the ACL user may not write the key (`NOPERM`) | `Refused`, that message only |
 /// | any other error reply (`OOM`, `READONLY`, `LOADING`…) | `Unavailable`, that message only |
 /// | connection lost, no answer within [`timeout`](Self::timeout) | `Unavailable`, every message |
@@ -30,7 +33,7 @@ const BROKER: &str = "redis-streams";
 /// `ClusterConnection`…); [`connect`](Self::connect) opens an
 /// auto-reconnecting `ConnectionManager`. A cluster takes a pipeline only
 /// within one hash slot, so there a batch spanning topics of several slots
-/// goes as one pipeline per topic, all sent at once.
+/// goes as one pipeline per stream, all sent at once.
 ///
 /// ```no_run
 /// use idem_consumer::outbox::RedisStreamsSink;
@@ -44,15 +47,21 @@ const BROKER: &str = "redis-streams";
 #[derive(Clone)]
 pub struct RedisStreamsSink<C = ConnectionManager> {
     conn: C,
+    /// The stream of a topic; `None`: the topic itself.
+    stream: Option<StreamFor>,
     max_len: Option<usize>,
     timeout: Duration,
     describe: String,
 }
 
+/// A topic's stream name, as given to [`RedisStreamsSink::stream_for`].
+type StreamFor = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
 impl<C> fmt::Debug for RedisStreamsSink<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStreamsSink")
             .field("describe", &self.describe)
+            .field("stream_for", &self.stream.as_ref().map(|_| "<fn>"))
             .field("max_len", &self.max_len)
             .field("timeout", &self.timeout)
             .finish_non_exhaustive()
@@ -113,6 +122,7 @@ where
     pub fn new(conn: C) -> Self {
         RedisStreamsSink {
             conn,
+            stream: None,
             max_len: None,
             timeout: Duration::from_secs(10),
             describe: BROKER.to_owned(),
@@ -150,12 +160,43 @@ where
         self
     }
 
+    /// Publishes each topic's messages to the stream `f(topic)` instead of
+    /// the stream named after the topic: several topics into one stream
+    /// (`|_| "events".into()`), a prefix (`|t| format!("shop:{t}")`), a
+    /// rename. An entry whose stream is not its topic also carries the
+    /// topic, in a field `topic` (`XADD <stream> * id … payload … key …
+    /// topic …`), so that a consumer of a shared stream can tell them
+    /// apart. `f` is called once per message of a batch: keep it cheap,
+    /// and the same for every call (a topic's messages keep their order
+    /// only within one stream).
+    ///
+    /// ```
+    /// use idem_consumer::outbox::RedisStreamsSink;
+    /// # fn demo(conn: idem_consumer::redis_streams::redis::aio::ConnectionManager) {
+    /// // `orders.created` and `orders.paid` into the stream `orders`, the rest under `shop:`.
+    /// let sink = RedisStreamsSink::new(conn).stream_for(|topic| match topic {
+    ///     "orders.created" | "orders.paid" => "orders".to_owned(),
+    ///     other => format!("shop:{other}"),
+    /// });
+    /// assert_eq!(sink.stream_of("orders.paid"), "orders");
+    /// assert_eq!(sink.stream_of("refunds"), "shop:refunds");
+    /// # }
+    /// ```
+    pub fn stream_for<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&str) -> String + Send + Sync + 'static,
+    {
+        self.stream = Some(Arc::new(f));
+        self
+    }
+
     fn pipeline(&self, batch: &[&OutboxMessage]) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         // Answers per command: one WRONGTYPE must not fail the others.
         pipe.ignore_errors();
         for m in batch {
-            let cmd = pipe.cmd("XADD").arg(&m.topic);
+            let stream = self.stream_of(&m.topic);
+            let cmd = pipe.cmd("XADD").arg(stream.as_ref());
             if let Some(n) = self.max_len {
                 cmd.arg("MAXLEN").arg("~").arg(n);
             }
@@ -166,27 +207,53 @@ where
                 .arg(m.payload.as_ref())
                 .arg("key")
                 .arg(&m.key);
+            if stream != m.topic.as_str() {
+                cmd.arg("topic").arg(&m.topic);
+            }
         }
         pipe
     }
+
+    /// What one `XADD`'s error reply means for its message.
+    fn judge(&self, m: &OutboxMessage, e: RedisError) -> SinkError {
+        let stream = self.stream_of(&m.topic);
+        let of_topic = if stream == m.topic.as_str() {
+            String::new()
+        } else {
+            format!(" (the stream of topic `{}`)", m.topic)
+        };
+        match e.code() {
+            Some("WRONGTYPE") => SinkError::refused(format!(
+                "the key `{stream}`{of_topic} holds another type than a stream (WRONGTYPE); \
+                 delete or rename it, or publish the message to another topic"
+            ))
+            .with_source(e),
+            Some("NOPERM") => SinkError::refused(format!(
+                "the Redis user may not XADD to `{stream}`{of_topic} (NOPERM); grant it `+xadd` \
+                 on the key (see docs/operating.md, Redis ACL)"
+            ))
+            .with_source(e),
+            _ => SinkError::unavailable(format!("XADD to `{stream}`{of_topic} failed"))
+                .with_source(e),
+        }
+    }
 }
 
-/// What one `XADD`'s error reply means for its message.
-fn judge(m: &OutboxMessage, e: RedisError) -> SinkError {
-    match e.code() {
-        Some("WRONGTYPE") => SinkError::refused(format!(
-            "the key `{}` holds another type than a stream (WRONGTYPE); delete or rename it, or \
-             publish the message to another topic",
-            m.topic
-        ))
-        .with_source(e),
-        Some("NOPERM") => SinkError::refused(format!(
-            "the Redis user may not XADD to `{}` (NOPERM); grant it `+xadd` on the key (see \
-             docs/operating.md, Redis ACL)",
-            m.topic
-        ))
-        .with_source(e),
-        _ => SinkError::unavailable(format!("XADD to `{}` failed", m.topic)).with_source(e),
+impl<C> RedisStreamsSink<C> {
+    /// The stream a message of `topic` goes to: the topic itself, or what
+    /// [`stream_for`](Self::stream_for) maps it to.
+    ///
+    /// ```
+    /// # fn demo(conn: idem_consumer::redis_streams::redis::aio::ConnectionManager) {
+    /// let sink = idem_consumer::outbox::RedisStreamsSink::new(conn);
+    /// assert_eq!(sink.stream_of("orders.created"), "orders.created");
+    /// # }
+    /// ```
+    pub fn stream_of<'t>(&self, topic: &'t str) -> Cow<'t, str> {
+        match &self.stream {
+            Some(f) => Cow::Owned(f(topic)),
+            None => Cow::Borrowed(topic),
+        }
     }
 }
 
@@ -235,19 +302,20 @@ where
             .zip(replies)
             .map(|(m, r)| match r {
                 Ok(_) => Ok(()),
-                Err(e) => Err(judge(m, e)),
+                Err(e) => Err(self.judge(m, e)),
             })
             .collect()
     }
 
     /// A cluster takes a pipeline whose keys share one slot: one pipeline
-    /// per topic, sent together, the answers put back in batch order.
-    async fn per_topic(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
-        let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
+    /// per stream, sent together, the answers put back in batch order.
+    async fn per_stream(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        let mut groups: Vec<(Cow<'_, str>, Vec<usize>)> = Vec::new();
         for (i, m) in batch.iter().enumerate() {
-            match groups.iter_mut().find(|(t, _)| *t == m.topic) {
+            let stream = self.stream_of(&m.topic);
+            match groups.iter_mut().find(|(s, _)| *s == stream) {
                 Some((_, idx)) => idx.push(i),
-                None => groups.push((&m.topic, vec![i])),
+                None => groups.push((stream, vec![i])),
             }
         }
         let answers = futures_util::future::join_all(groups.iter().map(|(_, idx)| async move {
@@ -280,7 +348,7 @@ where
         let all: Vec<&OutboxMessage> = batch.iter().collect();
         match self.query(&all).await {
             // redis-rs refuses it before sending anything.
-            Err(Failed::Error(e)) if e.code() == Some("CROSSSLOT") => self.per_topic(batch).await,
+            Err(Failed::Error(e)) if e.code() == Some("CROSSSLOT") => self.per_stream(batch).await,
             replies => self.answer(&all, replies),
         }
     }

@@ -313,6 +313,111 @@ async fn redis_streams_sink_on_a_cluster_publishes_across_slots_and_refuses_per_
     }
 }
 
+/// `stream_for`: two topics into one stream, the rest under a prefix; the
+/// topic travels in a `topic` field when the stream is another name, no
+/// stream is named after a mapped topic, the consumer of the shared stream
+/// reads every id, and a refusal names both the stream and the topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_streams_sink_stream_for_routes_topics_to_the_streams_it_names() {
+    let server = RedisServer::start();
+    let sink = RedisStreamsSink::connect(&server.url())
+        .await
+        .unwrap()
+        .stream_for(|topic| match topic {
+            "orders.created" | "orders.paid" => "orders".to_owned(),
+            other => format!("shop:{other}"),
+        });
+    let mut batch = outbox("redis-route", "orders.created", 6);
+    for m in batch.iter_mut().skip(3) {
+        m.topic = "orders.paid".into();
+    }
+    batch.push(message("redis-route", "refunds", 6, r#"{"refund":1}"#));
+    assert_all_ok(&sink.send(&batch).await, 7);
+
+    let entries: Vec<(String, BTreeMap<String, String>)> = redis::cmd("XRANGE")
+        .arg("orders")
+        .arg("-")
+        .arg("+")
+        .query(&mut server.connection())
+        .unwrap();
+    let topics: Vec<&str> = entries
+        .iter()
+        .map(|(_, f)| f.get("topic").map_or("(none)", String::as_str))
+        .collect();
+    assert_eq!(
+        topics,
+        [
+            "orders.created",
+            "orders.created",
+            "orders.created",
+            "orders.paid",
+            "orders.paid",
+            "orders.paid"
+        ]
+    );
+    assert_eq!(server.cli(&["XLEN", "shop:refunds"]).trim(), "1");
+    assert_eq!(
+        server
+            .cli(&["EXISTS", "orders.created", "orders.paid", "refunds"])
+            .trim(),
+        "0"
+    );
+    let adapter = stream_consumer(&server.url(), "orders").await;
+    let got = consume(&adapter, &consumer(), &Ledger::new(), 6).await;
+    assert_carried(&batch[..6], &got);
+
+    // A refusal names the stream the topic went to.
+    server.cli(&["SET", "shop:plain", "a string"]);
+    let mut refused = outbox("redis-route-refused", "orders.created", 3);
+    refused[1].topic = "plain".into();
+    let results = sink.send(&refused).await;
+    assert_refused_only(&results, 3, 1);
+    let reason = results[1].as_ref().unwrap_err().reason().to_owned();
+    assert!(
+        reason.contains("`shop:plain`") && reason.contains("topic `plain`"),
+        "{reason}"
+    );
+    // Without a mapping an entry has no `topic` field (the format as before).
+    let plain = RedisStreamsSink::connect(&server.url()).await.unwrap();
+    assert_all_ok(&plain.send(&outbox("redis-unmapped", "direct", 1)).await, 1);
+    let entries: Vec<(String, BTreeMap<String, String>)> = redis::cmd("XRANGE")
+        .arg("direct")
+        .arg("-")
+        .arg("+")
+        .query(&mut server.connection())
+        .unwrap();
+    assert!(!entries[0].1.contains_key("topic"), "{entries:?}");
+}
+
+/// On a cluster, topics of several slots routed into fewer streams: one
+/// pipeline per stream, every entry where the mapping put it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_streams_sink_stream_for_on_a_cluster_groups_by_stream() {
+    let cluster = RedisCluster::start();
+    let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+    let conn = client.get_async_connection().await.unwrap();
+    let sink = RedisStreamsSink::new(conn).stream_for(|topic| {
+        let i: usize = topic.trim_start_matches("orders-").parse().unwrap_or(0);
+        format!("merged-{}", i % 3)
+    });
+    let batch: Vec<OutboxMessage> = (0..9)
+        .map(|i| message("cluster-route", &format!("orders-{i}"), i, "{}"))
+        .collect();
+    let owners: std::collections::BTreeSet<usize> = (0..3)
+        .map(|i| cluster.slot_owner(&format!("merged-{i}")))
+        .collect();
+    assert!(owners.len() > 1, "the streams span nodes: {owners:?}");
+    assert_all_ok(&sink.send(&batch).await, 9);
+    let mut conn = client.get_connection().unwrap();
+    for i in 0..3 {
+        let len: usize = redis::cmd("XLEN")
+            .arg(format!("merged-{i}"))
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(len, 3, "merged-{i}");
+    }
+}
+
 // --------------------------------------------------------------------- NATS
 
 fn nats_url() -> String {
