@@ -222,6 +222,44 @@ fn same_database(a: &PgPool, b: &PgPool) -> bool {
 ///     .await?;
 /// # Ok(()) }
 /// ```
+///
+/// - A holder killed mid-body (SIGKILL, a lost machine) leaves its claim,
+///   committed before the body began, and nothing of its body (the
+///   transaction aborts with its connection): the key answers
+///   `InProgress` until the claim's lease ends, then the next call takes
+///   it over as `Outcome::Recovered`.
+///
+/// SQL built at run time goes through `sqlx::AssertSqlSafe` (sqlx 0.9
+/// takes a `&'static str` as it is), from the sqlx this crate re-exports
+/// (`idem_postgres::sqlx`, `idem::postgres::sqlx` in the facade), so that
+/// no sqlx of your own is needed. Only for text your program made: bind
+/// values with `.bind(..)`.
+///
+/// ```no_run
+/// use idem_core::Idempotency;
+/// use idem_postgres::sqlx::{self, AssertSqlSafe, PgPool};
+/// use idem_postgres::{PgStore, RunInTx};
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum AppError {
+///     #[error(transparent)]
+///     Idem(#[from] idem_core::Error),
+///     #[error("database: {0}")]
+///     Db(#[from] sqlx::Error),
+/// }
+///
+/// # async fn demo(pool: PgPool, table: &str, id: String) -> Result<(), AppError> {
+/// let idem = Idempotency::builder(PgStore::from_pool(pool.clone())).build();
+/// let id: String = idem
+///     .call("orders.create", &id)
+///     .run_in_tx(&pool, async |tx| {
+///         let sql = format!("INSERT INTO {table} (id) VALUES ($1)"); // built at run time
+///         sqlx::query(AssertSqlSafe(sql)).bind(&id).execute(&mut *tx).await?;
+///         Ok::<_, AppError>(id.clone())
+///     })
+///     .await?;
+/// # Ok(()) }
+/// ```
 pub trait RunInTx: Sized {
     /// Runs `body` in a transaction at most once for this key; its writes
     /// and its result commit together. Returns what `Call::run` returns.
