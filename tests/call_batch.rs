@@ -6,8 +6,11 @@
 //! batches racing over the same keys from several runtimes must run each
 //! key's body once.
 
-use idem::{Batch, Error, Idempotency, KeyState, MemoryStore, Outcome, RecordInfo};
-use idem_testkit::{CountingStore, Ledger, TestContext};
+use idem::store::Store;
+use idem::{
+    Batch, Error, Idempotency, KeyState, MemoryStore, Outcome, RecordInfo, RedisStoreConfig,
+};
+use idem_testkit::{CountingStore, Ledger, RedisServer, TestContext};
 use std::time::Duration;
 
 #[derive(Debug, PartialEq)]
@@ -294,4 +297,142 @@ fn racing_batches_run_each_key_once() {
     assert_eq!(ledger.duplicates(), Default::default());
     assert_eq!(ledger.total(), KEYS);
     drop(ctx);
+}
+
+/// Issue 34, item 1: the bodies of a batch have finished and its finish
+/// round trip is in flight when the batch is dropped (a consumer giving up
+/// at its drain timeout); the round trip then fails (the connection is
+/// cut). The results must still be stored, as a dropped single call's are,
+/// so that no body runs again when the lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_whose_finish_met_a_blip_still_stores_its_results() {
+    let ctx =
+        TestContext::redis_behind_proxy(RedisServer::start(), RedisStoreConfig::default()).await;
+    let idem = ctx.builder().lease(Duration::from_secs(6)).build();
+    let ledger = Ledger::new();
+    let keys = ["a", "b", "c"];
+    let (go, gate) = tokio::sync::watch::channel(false);
+    let batch: Batch = keys.iter().map(|k| idem.call("s", k)).collect();
+    let mut run = Box::pin(batch.run_outcome(|i| {
+        let (mut gate, ledger) = (gate.clone(), &ledger);
+        async move {
+            let _ = gate.wait_for(|go| *go).await;
+            ledger.record(keys[i]);
+            Ok::<_, Error>(i as u32)
+        }
+    }));
+    // The claims went through; the bodies wait.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut run)
+            .await
+            .is_err()
+    );
+    // The bodies finish; their finish round trip is held on its way.
+    ctx.proxy().stall(true);
+    go.send(true).unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut run)
+            .await
+            .is_err()
+    );
+    assert_eq!(ledger.total(), 3);
+    drop(run);
+    // The round trip fails: the connection is cut, the request lost.
+    ctx.proxy().drop_connections();
+    ctx.proxy().stall(false);
+    let mut states = Vec::new();
+    for _ in 0..50 {
+        states.clear();
+        for k in keys {
+            states.push(idem.inspect("s", k).await.ok().flatten().map(|i| i.state));
+        }
+        if states.iter().all(|s| *s == Some(KeyState::Completed)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        states.iter().all(|s| *s == Some(KeyState::Completed)),
+        "a dropped batch left its finished results unstored after a blip: {states:?}"
+    );
+    for (i, k) in keys.iter().enumerate() {
+        let again = idem
+            .call("s", k)
+            .run_outcome(|| async {
+                ledger.record(k);
+                Ok::<_, Error>(99)
+            })
+            .await
+            .unwrap();
+        assert_eq!(again, (i as u32, Outcome::Replayed));
+        assert_eq!(ledger.count(k), 1, "{k}'s body ran twice");
+    }
+}
+
+/// Issue 34, item 4: a batch dropped while its claims are on their way to
+/// the store. Its keys must be free as soon as the claims land, not after
+/// a whole lease: a release sent at the drop would reach the store first
+/// (as it can on a pool of connections) and find nothing, and the claims
+/// would land after it.
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land(store: impl Store) {
+    let store = CountingStore::new(store).delay_claim_batches(Duration::from_millis(300));
+    let idem = Idempotency::builder(store)
+        .lease(Duration::from_secs(60))
+        .build();
+    let ledger = Ledger::new();
+    let keys = ["x", "y"];
+    let batch: Batch = keys.iter().map(|k| idem.call("s", k)).collect();
+    let run = batch.run_outcome(|i| {
+        let ledger = &ledger;
+        async move {
+            ledger.record(keys[i]);
+            Ok::<_, Error>(i as u32)
+        }
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), run)
+            .await
+            .is_err()
+    );
+    let mut left = Vec::new();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        left.clear();
+        for k in keys {
+            if let Some(info) = idem.inspect("s", k).await.unwrap() {
+                left.push((k, info.state));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+    }
+    assert!(
+        left.is_empty(),
+        "the dropped batch's claims landed after its release: {left:?} wait out the lease"
+    );
+    for k in keys {
+        let (_, o) = idem
+            .call("s", k)
+            .run_outcome(|| async {
+                ledger.record(k);
+                Ok::<_, Error>(7)
+            })
+            .await
+            .unwrap();
+        assert_eq!(o, Outcome::Executed);
+        assert_eq!(ledger.count(k), 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_redis() {
+    let ctx = TestContext::redis().await;
+    a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.redis_store().clone()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_postgres() {
+    let ctx = TestContext::postgres().await;
+    a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.pg_store().clone()).await;
 }

@@ -388,3 +388,48 @@ async fn a_cluster_reconnection_empties_the_cache() {
     );
     drop(watches);
 }
+
+/// Issue 34, item 2: the server is down at B's first call (the forget
+/// subscription fails), then back; B's next call executes, and later calls
+/// of that key would be cache hits, which never claim. Nothing may enter
+/// or be served from the cache until the feed is heard, and the feed must
+/// be retried in the background, not on the next claim: a forget more
+/// than 5 s later is heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_registered_late_never_replays_a_forgotten_key() {
+    let mut ctx = TestContext::redis().await;
+    let b = cached(ctx.connect().await);
+    let a = operator(ctx.connect().await);
+    ctx.server_mut().kill();
+    let down: Result<u32, Error> = b.call("charge", "k").run(|| async { Ok(0) }).await;
+    assert!(down.is_err(), "the server was down: {down:?}");
+    ctx.server_mut().restart();
+    // The first call that reaches the server again executes.
+    let mut first = None;
+    for _ in 0..100 {
+        let r: Result<(u32, Outcome), Error> =
+            b.call("charge", "k").run_outcome(|| async { Ok(1) }).await;
+        if let Ok(done) = r {
+            first = Some(done);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(first, Some((1, Outcome::Executed)));
+    assert_eq!(call(&b, "k", 2).await, (1, Outcome::Replayed));
+    // Past the notifier's pause after a failed connection (5 s): only a
+    // registration retried without any claim can be heard by now.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(call(&b, "k", 2).await, (1, Outcome::Replayed));
+    // A's connection broke with the restart: its first command may meet it.
+    let mut forgot = a.forget("charge", "k").await;
+    if matches!(forgot, Err(Error::Unavailable { .. })) {
+        forgot = a.forget("charge", "k").await;
+    }
+    assert!(forgot.unwrap().is_some());
+    assert_eq!(
+        until_executed(&b, "k").await,
+        Outcome::Executed,
+        "B replayed the forgotten value from a cache that never heard forgets"
+    );
+}

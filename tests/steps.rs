@@ -26,6 +26,7 @@ idem_testkit::every_store!(
     fingerprint_mismatch_keeps_its_meaning,
     a_consumer_redelivery_resumes_after_the_finished_steps,
     a_cancelled_call_with_release_on_cancel_keeps_its_steps,
+    a_step_does_not_start_once_the_lease_is_known_lost,
 );
 
 type Res<T> = Result<T, Error>;
@@ -714,4 +715,50 @@ async fn a_cancelled_call_with_release_on_cancel_keeps_its_steps(b: TestContext)
         .await
         .unwrap();
     assert_eq!((v, o, ledger.count("reserve")), (1, Outcome::Recovered, 1));
+}
+
+/// Issue 34, item 3: the key is taken from a running body (here forced out
+/// by an operator's `forget`); once its keep-alive has flagged the lease
+/// lost, the body's next step must not run its effect (the new holder
+/// runs it): `StepLeaseLost` before the effect, and the ledger shows it.
+async fn a_step_does_not_start_once_the_lease_is_known_lost(b: TestContext) {
+    let lease = Duration::from_millis(300);
+    let idem = b.idem_with(|x| x.lease(lease));
+    let ledger = Ledger::default();
+    let (started_tx, started) = oneshot::channel::<()>();
+    let started_tx = Mutex::new(Some(started_tx));
+    let body = idem.call("orders", "lost").run_steps(async |s| {
+        s.step("reserve", async || {
+            ledger.hit("reserve");
+            Res::Ok(1u8)
+        })
+        .await?;
+        if let Some(tx) = started_tx.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+        let lease = idem::lease().expect("a running body has a lease");
+        tokio::time::timeout(Duration::from_secs(10), lease.lost())
+            .await
+            .expect("the keep-alive never flagged the lease lost after a forced forget");
+        s.step("charge", async || {
+            ledger.hit("charge");
+            Res::Ok(2u8)
+        })
+        .await
+    });
+    let operator = async {
+        started.await.unwrap();
+        idem.forget("orders", "lost").force().await.unwrap();
+    };
+    let (result, ()) = tokio::join!(body, operator);
+    assert!(
+        matches!(&result, Err(Error::StepLeaseLost { name }) if name == "charge"),
+        "{result:?}"
+    );
+    assert_eq!(ledger.count("reserve"), 1);
+    assert_eq!(
+        ledger.count("charge"),
+        0,
+        "the step ran after its lease was known lost: the new holder runs it too"
+    );
 }

@@ -3,8 +3,8 @@
 use crate::store::{Completed, Invalidation, InvalidationSink};
 use quick_cache::sync::Cache;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use tokio::time::Instant;
 
 /// How many invalidation counters keys are spread over: a forget drops the
@@ -67,18 +67,35 @@ impl Generations {
     }
 }
 
+/// Whether the store's feed of forgotten keys reaches this cache: the
+/// cache is used only while both hold.
+#[derive(Default)]
+struct Feed {
+    /// The last registration with the store was heard.
+    registered: bool,
+    /// The store has not said its deliveries stopped
+    /// ([`Invalidation::Paused`]).
+    flowing: bool,
+}
+
 /// Completed records by stored key, bounded by entry count (S3-FIFO
 /// eviction). In-flight records are never cached: only a `Completed` with a
 /// known remaining TTL gets in, and an entry is never served past that TTL
 /// counted from the request that read it. A key forgotten in any process
 /// is dropped when the store says so ([`ReplayCache::sink`]), and a read
-/// that raced the forget does not put it back ([`Generation`]); a record
+/// that raced the forget does not put it back ([`Generation`]). Nothing
+/// enters and nothing is served while the store's feed of forgotten keys
+/// is not confirmed live ([`ReplayCache::registered`], and the sink's
+/// [`Invalidation::Paused`]): a forget then would go unheard. A record
 /// lost otherwise (a fail-over, a restart) is not seen: its copy replays
 /// until the TTL.
 #[derive(Clone)]
 pub(crate) struct ReplayCache {
     cache: Arc<Cache<String, Entry>>,
     generations: Arc<Generations>,
+    /// `registered && flowing`, read on every hit and insert.
+    live: Arc<AtomicBool>,
+    feed: Arc<Mutex<Feed>>,
 }
 
 impl ReplayCache {
@@ -87,10 +104,18 @@ impl ReplayCache {
         ReplayCache {
             cache: Arc::new(Cache::new(capacity)),
             generations: Arc::new(Generations::new()),
+            live: Arc::new(AtomicBool::new(false)),
+            feed: Arc::new(Mutex::new(Feed {
+                registered: false,
+                flowing: true,
+            })),
         }
     }
 
     pub(crate) fn get(&self, key: &str) -> Option<Completed> {
+        if !self.live.load(Ordering::SeqCst) {
+            return None;
+        }
         let entry = self.cache.get(key)?;
         if entry.expires <= Instant::now() {
             self.cache.remove(key);
@@ -127,7 +152,41 @@ impl ReplayCache {
         Arc::new(move |what: Invalidation<'_>| match what {
             Invalidation::Key(key) => cache.remove(key),
             Invalidation::All => cache.clear(),
+            Invalidation::Paused => cache.set_feed(|f| f.flowing = false),
+            Invalidation::Resumed => {
+                // What was published in the gap is lost.
+                cache.clear();
+                cache.set_feed(|f| f.flowing = true);
+            }
         })
+    }
+
+    /// Whether the last registration of [`sink`](ReplayCache::sink) with
+    /// the store was heard.
+    pub(crate) fn registered(&self, heard: bool) {
+        self.set_feed(|f| f.registered = heard);
+    }
+
+    /// Whether copies may be served and made now.
+    pub(crate) fn is_live(&self) -> bool {
+        self.live.load(Ordering::SeqCst)
+    }
+
+    /// Changes what is known of the feed. Going live empties the cache and
+    /// refuses every read sent before (its record may have been forgotten
+    /// unheard); going deaf stops hits and inserts first, then empties.
+    fn set_feed(&self, change: impl FnOnce(&mut Feed)) {
+        let mut feed = self.feed.lock().unwrap_or_else(PoisonError::into_inner);
+        let was = feed.registered && feed.flowing;
+        change(&mut feed);
+        let now = feed.registered && feed.flowing;
+        if now && !was {
+            self.clear();
+            self.live.store(true, Ordering::SeqCst);
+        } else if was && !now {
+            self.live.store(false, Ordering::SeqCst);
+            self.clear();
+        }
     }
 
     /// Caches `record`, whose `ttl_left` the store measured no earlier than
@@ -151,13 +210,14 @@ impl ReplayCache {
         let Some(expires) = expires else {
             return;
         };
-        if self.generations.of(key) != seen {
+        if !self.is_live() || self.generations.of(key) != seen {
             return;
         }
         self.cache.insert(key.to_owned(), Entry { record, expires });
-        // An invalidation between the check and the insert removed nothing
-        // (bump, then remove): look again, and undo.
-        if self.generations.of(key) != seen {
+        // An invalidation (or the feed going deaf) between the check and
+        // the insert removed nothing (bump, then remove): look again, and
+        // undo.
+        if !self.is_live() || self.generations.of(key) != seen {
             self.cache.remove(key);
         }
     }
@@ -178,9 +238,15 @@ mod tests {
         }
     }
 
+    fn live(entries: u64) -> ReplayCache {
+        let cache = ReplayCache::new(entries);
+        cache.registered(true);
+        cache
+    }
+
     #[tokio::test(start_paused = true)]
     async fn entries_never_outlive_their_record() {
-        let cache = ReplayCache::new(10);
+        let cache = live(10);
         let now = Instant::now();
         cache.insert(
             "k",
@@ -204,7 +270,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn expiry_counts_from_the_request_not_the_reply() {
-        let cache = ReplayCache::new(10);
+        let cache = live(10);
         let sent = Instant::now();
         // The reply took 2 s to arrive; the store measured 5 s left when it
         // answered, so the record is gone 5 s after the send at the latest.
@@ -233,7 +299,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_read_that_raced_an_invalidation_is_not_cached() {
-        let cache = ReplayCache::new(10);
+        let cache = live(10);
         let ttl = Some(Duration::from_secs(60));
         // Read, then forgotten (here or elsewhere), then the read's insert.
         let seen = cache.generation("k");
@@ -249,5 +315,34 @@ mod tests {
         let seen = cache.generation("k");
         cache.insert("k", record(ttl), Instant::now(), seen);
         assert!(cache.get("k").is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_enters_or_is_served_while_the_feed_is_not_live() {
+        let ttl = Some(Duration::from_secs(60));
+        let cache = ReplayCache::new(10);
+        // Never registered: nothing enters.
+        cache.insert("k", record(ttl), Instant::now(), cache.generation("k"));
+        assert!(cache.get("k").is_none());
+        // A read sent before the registration was heard stays out.
+        let before = cache.generation("k");
+        cache.registered(true);
+        cache.insert("k", record(ttl), Instant::now(), before);
+        assert!(cache.get("k").is_none());
+        cache.insert("k", record(ttl), Instant::now(), cache.generation("k"));
+        assert!(cache.get("k").is_some());
+        // Deliveries paused: the copy is no longer served, and a read from
+        // then does not enter; resumed, the cache starts empty.
+        let paused = cache.generation("p");
+        cache.sink()(Invalidation::Paused);
+        assert!(cache.get("k").is_none());
+        cache.insert("p", record(ttl), Instant::now(), paused);
+        cache.sink()(Invalidation::Resumed);
+        assert!(cache.get("k").is_none() && cache.get("p").is_none());
+        cache.insert("k", record(ttl), Instant::now(), cache.generation("k"));
+        assert!(cache.get("k").is_some());
+        // A registration no longer heard: deaf again.
+        cache.registered(false);
+        assert!(cache.get("k").is_none());
     }
 }

@@ -194,15 +194,17 @@ pub enum Error {
         name: String,
     },
 
-    /// A step ran, but its result could not be recorded because this call
-    /// no longer holds the key (its lease ran out and another call took it
-    /// over, or the record expired). That other call runs this step again
-    /// (pass [`Steps::key`](crate::Steps::key) downstream to make it
+    /// This call no longer holds the key (its lease ran out and another
+    /// call took it over, or the record expired), so a step was not
+    /// recorded. When the loss was already known as the step began, its
+    /// effect did not run; when it was learned only on recording, the
+    /// effect ran. Either way the other call runs this step (pass
+    /// [`Steps::key`](crate::Steps::key) downstream to make a repeat
     /// harmless); this body must stop, and does when it returns this error.
     #[error(
-        "step `{name}` ran but its result was not recorded: this call lost its lease on the key \
-         (another call took it over and runs the step again); stop this body, keep steps shorter \
-         than the lease or raise it with `.lease(..)`"
+        "step `{name}` was not recorded: this call lost its lease on the key (another call took \
+         it over and runs the step); stop this body, keep steps shorter than the lease or raise \
+         it with `.lease(..)`"
     )]
     StepLeaseLost {
         /// The step's name.
@@ -223,7 +225,8 @@ pub enum Error {
 
 impl Error {
     /// True for errors where trying the same call again later can succeed
-    /// (`InProgress`, `Unavailable`, `LeaseLost`, `Conflict`).
+    /// (`InProgress`, `Unavailable`, `LeaseLost`, `StepLeaseLost`,
+    /// `Conflict`).
     ///
     /// ```
     /// assert!(!idem_core::Error::FingerprintMismatch.is_retryable());

@@ -5,7 +5,7 @@ use crate::call::{Call, CallGroup};
 use crate::error::{Error, KeyPart};
 use crate::hook::{Hook, OutcomeEvent};
 use crate::key::{push_escaped, storage_key, validate_key_part};
-use crate::settings::{FailMode, Inner, validate_ttl_lease};
+use crate::settings::{FailMode, Forgets, Inner, validate_ttl_lease};
 use crate::store::Store;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -354,15 +354,19 @@ impl IdempotencyBuilder {
     /// process's cache: `forget` publishes it on the namespace's channel,
     /// which each process with a cache subscribes to (Redis: one sharded
     /// channel `<namespace>::forgotten` per namespace; `MemoryStore`: every
-    /// `Idempotency` on clones of the store). While the subscriber
-    /// connection is down, copies keep replaying (through a Redis outage
-    /// too); when it is back, every cache is emptied, so a forget in the
-    /// gap replays at most until then. A forget is missed for good only
-    /// where it cannot be heard at all: a store
-    /// made with `RedisStore::from_manager`, a user the ACL refuses
-    /// `SSUBSCRIBE`, or a forget whose publish was refused. Then, and for a
-    /// record lost with a fail-over or restart, a copy replays until the
-    /// record's TTL ends at the latest.
+    /// `Idempotency` on clones of the store). The cache is used only while
+    /// that feed is confirmed live: nothing enters it and nothing is served
+    /// from it before the subscription is heard, nor while the subscriber
+    /// connection is down (calls then read the store), and it starts again
+    /// empty when the connection is back. The subscription is kept up by a
+    /// task of its own (retried every 2 s while it fails, renewed every
+    /// 5 s), not by calls, since a cache hit makes no store call. A store
+    /// that cannot deliver forgets (PostgreSQL, a store made with
+    /// `RedisStore::from_manager`, a user the ACL refuses `SSUBSCRIBE`)
+    /// therefore caches nothing, and says so in a warning. A record lost
+    /// otherwise (a fail-over, a restart, a forget whose publish was
+    /// refused) replays from a copy until the record's TTL ends at the
+    /// latest.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).local_cache(10_000).build();
@@ -441,6 +445,10 @@ impl IdempotencyBuilder {
         let store: Arc<dyn Store> = Arc::new(crate::metrics::Metered::new(self.store));
         #[cfg(not(feature = "metrics"))]
         let store = self.store;
+        let cache = self.cache_entries.map(ReplayCache::new);
+        let invalidation = cache
+            .as_ref()
+            .map(|c| Forgets::new(Arc::clone(&store), prefix.clone(), c));
         Idempotency {
             inner: Arc::new(Inner {
                 store,
@@ -454,8 +462,8 @@ impl IdempotencyBuilder {
                 compress_above: self.compress_above,
                 store_retries: self.store_retries,
                 log_keys: self.log_keys,
-                cache: self.cache_entries.map(ReplayCache::new),
-                invalidation: Default::default(),
+                cache,
+                invalidation,
                 config_error,
                 hook: self.hook,
                 #[cfg(feature = "metrics")]

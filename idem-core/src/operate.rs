@@ -81,11 +81,13 @@ impl Idempotency {
     /// with it (Redis: one more `DEL`, best effort; PostgreSQL: in the same
     /// transaction), also when there was no record.
     ///
-    /// This process's local replay cache forgets the key at once. **Other
-    /// processes** with `local_cache(..)` may keep replaying their copy
-    /// for as long as the record had left when it was forgotten (the
-    /// returned [`RecordInfo::ttl_left`]; at most the result TTL): a cached
-    /// copy never outlives its record's TTL, and nothing tells it sooner.
+    /// This process's local replay cache forgets the key at once; other
+    /// processes' caches hear it from the store (see
+    /// [`IdempotencyBuilder::local_cache`](crate::IdempotencyBuilder::local_cache)).
+    /// Only where the publish of the forget is refused (the operator's user
+    /// may not `SPUBLISH`) may another process keep replaying its copy, for
+    /// as long as the record had left when it was forgotten (the returned
+    /// [`RecordInfo::ttl_left`]; at most the result TTL).
     ///
     /// ```
     /// use idem_core::{Error, Idempotency, MemoryStore, Outcome};

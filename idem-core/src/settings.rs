@@ -5,13 +5,12 @@ use crate::cache::ReplayCache;
 use crate::hook::Hook;
 use crate::store::{InvalidationSink, Store};
 use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// How long after the store could not register the local cache for forget
-/// invalidations (a blip, a refusal) a call asks again.
+/// invalidations (a blip, a refusal) the registration is tried again.
 const HEAR_RETRY: Duration = Duration::from_secs(2);
 /// How often a registration that was heard is asked again: it restarts a
 /// subscriber that stopped (its runtime shut down), and costs one message
@@ -34,45 +33,67 @@ pub enum FailMode {
     Open,
 }
 
-/// Where the local cache stands with the store's forget invalidations.
-pub(crate) struct Forgets {
-    /// The cache's sink, made at the first registration. Held here: the
-    /// store keeps it weakly.
-    sink: OnceLock<InvalidationSink>,
+/// The local cache's registration with the store's forget invalidations,
+/// kept up by a task of its own: asked again every [`HEAR_RETRY`] while the
+/// store cannot deliver them and every [`HEAR_RENEW`] while it can, whether
+/// or not calls come (a cache hit makes no store call at all).
+pub(crate) struct Forgets(Arc<Feed>);
+
+struct Feed {
+    store: Arc<dyn Store>,
+    prefix: String,
+    cache: ReplayCache,
+    /// The cache's sink. Held here: the store keeps it weakly.
+    sink: InvalidationSink,
     /// Whether the last registration was heard.
     heard: AtomicBool,
-    /// When to register again, in milliseconds since `epoch` (0: at once).
-    next: AtomicU64,
-    epoch: Instant,
-    /// One registration at a time.
-    registering: tokio::sync::Mutex<()>,
+    /// Whether a task keeps the registration up; false again when its
+    /// runtime shuts down, so the next call starts one on its own.
+    kept: AtomicBool,
+    /// One start at a time.
+    starting: tokio::sync::Mutex<()>,
 }
 
-impl Default for Forgets {
-    fn default() -> Forgets {
-        Forgets {
-            sink: OnceLock::new(),
+impl Forgets {
+    pub(crate) fn new(store: Arc<dyn Store>, prefix: String, cache: &ReplayCache) -> Forgets {
+        Forgets(Arc::new(Feed {
+            store,
+            prefix,
+            sink: cache.sink(),
+            cache: cache.clone(),
             heard: AtomicBool::new(false),
-            next: AtomicU64::new(0),
-            epoch: Instant::now(),
-            registering: tokio::sync::Mutex::new(()),
+            kept: AtomicBool::new(false),
+            starting: tokio::sync::Mutex::new(()),
+        }))
+    }
+}
+
+impl Feed {
+    /// Registers once and tells the cache whether it is heard.
+    async fn register(&self) {
+        let heard = self
+            .store
+            .watch_forgotten(&self.prefix, Arc::clone(&self.sink))
+            .await;
+        let was_heard = self.heard.swap(heard, Ordering::SeqCst);
+        if heard != was_heard {
+            self.cache.registered(heard);
+        }
+        if !heard && (was_heard || !self.kept.load(Ordering::Acquire)) {
+            tracing::warn!(prefix = %self.prefix, retry_in = ?HEAR_RETRY, "the store does not deliver forget invalidations now (a store that cannot, such as PostgreSQL or a RedisStore made from a manager, never does): the local cache serves nothing until it does");
         }
     }
 }
 
-impl Forgets {
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
+/// Marks the registration unkept when its task ends (its runtime shut
+/// down).
+struct Unkept(Weak<Feed>);
 
-    fn due(&self) -> bool {
-        self.now_ms() >= self.next.load(Ordering::Acquire)
-    }
-
-    fn next_in(&self, wait: Duration) {
-        let wait = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
-        self.next
-            .store(self.now_ms().saturating_add(wait), Ordering::Release);
+impl Drop for Unkept {
+    fn drop(&mut self) {
+        if let Some(feed) = self.0.upgrade() {
+            feed.kept.store(false, Ordering::Release);
+        }
     }
 }
 
@@ -91,8 +112,9 @@ pub(crate) struct Inner {
     pub(crate) store_retries: usize,
     pub(crate) log_keys: bool,
     pub(crate) cache: Option<ReplayCache>,
-    /// The cache's registration with the store's forget invalidations.
-    pub(crate) invalidation: Forgets,
+    /// The cache's registration with the store's forget invalidations;
+    /// `None` without a cache.
+    pub(crate) invalidation: Option<Forgets>,
     pub(crate) config_error: Option<String>,
     pub(crate) hook: Option<Hook>,
     #[cfg(feature = "metrics")]
@@ -100,46 +122,49 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// Registers the local cache with the store's forget invalidations
-    /// before its first claim, so a forget after it is heard whichever
-    /// process issues it; asks again at most every [`HEAR_RETRY`] while the
-    /// store cannot deliver them, and every [`HEAR_RENEW`] while it can.
-    /// Other calls meanwhile do not wait: what they read is kept out of
-    /// the cache by the emptying that follows a registration heard again.
+    /// Makes sure the local cache's registration with the store's forget
+    /// invalidations is kept up: one atomic load once it is. The call that
+    /// starts it registers first, so that its own read may enter the
+    /// cache; other calls meanwhile do not wait (what they read stays out
+    /// of the cache: the cache goes live only for reads sent after).
     pub(crate) async fn hear_forgets(&self) {
-        let Some(cache) = &self.cache else {
+        let Some(Forgets(feed)) = &self.invalidation else {
             return;
         };
-        let forgets = &self.invalidation;
-        if !forgets.due() {
+        if feed.kept.load(Ordering::Acquire) {
             return;
         }
-        let Ok(_one) = forgets.registering.try_lock() else {
+        let Ok(_one) = feed.starting.try_lock() else {
             return;
         };
-        if !forgets.due() {
+        if feed.kept.load(Ordering::Acquire) {
             return;
         }
-        // Nothing can be cached before the first registration (every read
-        // that fills the cache comes after it), so only a later one empties
-        // it; emptying at the first would also drop the copy this very
-        // call is about to make.
-        let first = forgets.sink.get().is_none();
-        let sink = forgets.sink.get_or_init(|| cache.sink());
-        let heard = self
-            .store
-            .watch_forgotten(&self.prefix, Arc::clone(sink))
-            .await;
-        let was_heard = forgets.heard.swap(heard, Ordering::SeqCst);
-        if heard && !was_heard && !first {
-            // Copies read while not heard may be of keys forgotten
-            // meanwhile.
-            cache.clear();
-        }
-        if !heard {
-            tracing::debug!(prefix = %self.prefix, retry_in = ?HEAR_RETRY, "the store does not deliver forget invalidations now: cached copies of a forgotten key replay until their TTL or until it does");
-        }
-        forgets.next_in(if heard { HEAR_RENEW } else { HEAR_RETRY });
+        feed.register().await;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        feed.kept.store(true, Ordering::Release);
+        let weak = Arc::downgrade(feed);
+        // Made here, not in the task: a task dropped before its first poll
+        // (its runtime shut down at once) drops it all the same.
+        let unkept = Unkept(weak.clone());
+        runtime.spawn(async move {
+            let _unkept = unkept;
+            loop {
+                let wait = match weak.upgrade() {
+                    Some(feed) if feed.heard.load(Ordering::Acquire) => HEAR_RENEW,
+                    Some(_) => HEAR_RETRY,
+                    // The runtime (every `Idempotency` clone) is gone.
+                    None => return,
+                };
+                tokio::time::sleep(wait).await;
+                let Some(feed) = weak.upgrade() else {
+                    return;
+                };
+                feed.register().await;
+            }
+        });
     }
 
     /// Whether calls are reported (hook or metrics): only then are clocks

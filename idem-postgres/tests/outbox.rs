@@ -708,3 +708,36 @@ async fn a_process_migrating_while_a_relay_pass_holds_its_rows_neither_waits_nor
     assert!(matches!(call, Ok(Ok(1))), "{call:?}");
     assert_eq!(report.unwrap().sent, 1, "the pass was not aborted");
 }
+
+/// Issue 34, item 5: a key's later messages never overtake an earlier one
+/// that cannot go now. Key `a`'s second message waits out a retry backoff,
+/// key `b`'s second is parked; each key's head is sendable. A pass sends
+/// the heads and stops each key there: neither third message goes ahead of
+/// its key's second.
+#[tokio::test]
+async fn a_later_message_never_overtakes_one_in_backoff_or_parked() {
+    let (db, _idem) = setup().await;
+    let three = ["1".to_owned(), "2".to_owned(), "3".to_owned()];
+    publish_each(&db, "a", &three).await;
+    publish_each(&db, "b", &three).await;
+    db.exec("UPDATE idem_keys_outbox SET attempts = 1, retry_at = now() + interval '1 hour' WHERE id = 'a/2'")
+        .await;
+    db.exec("UPDATE idem_keys_outbox SET attempts = 1, parked_at = now(), last_error = 'refused' WHERE id = 'b/2'")
+        .await;
+    let sink = Arc::new(Recorder::default());
+    let store = db.store().await;
+    let relay = Relay::new(&store, Arc::clone(&sink));
+    drain(&relay).await;
+    let sent = sink.by_key();
+    assert_eq!(sent["a"], vec!["1"], "a message overtook one in backoff");
+    assert_eq!(sent["b"], vec!["1"], "a message overtook a parked one");
+    assert_eq!(outbox_rows(&db).await, 4);
+    // Unblocked, the rest goes in order.
+    db.exec("UPDATE idem_keys_outbox SET retry_at = NULL WHERE id = 'a/2'")
+        .await;
+    assert_eq!(store.outbox().retry_all().await.unwrap(), 1);
+    drain(&relay).await;
+    let sent = sink.by_key();
+    assert_eq!(sent["a"], vec!["1", "2", "3"]);
+    assert_eq!(sent["b"], vec!["1", "2", "3"]);
+}

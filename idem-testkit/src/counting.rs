@@ -31,6 +31,7 @@ use std::time::Duration;
 pub struct CountingStore<S> {
     inner: S,
     counts: Arc<StoreCounts>,
+    claim_delay: Duration,
 }
 
 /// What a [`CountingStore`] was asked, shared with the test.
@@ -68,7 +69,23 @@ impl<S: Store> CountingStore<S> {
         CountingStore {
             inner,
             counts: Arc::default(),
+            claim_delay: Duration::ZERO,
         }
+    }
+
+    /// Holds every `claim_batch` for `delay` before it goes to the real
+    /// store: a slow path to the store, on which a call dropped meanwhile
+    /// sends whatever it sends next while its claim is still on the way.
+    ///
+    /// ```
+    /// use idem_testkit::CountingStore;
+    /// let store = CountingStore::new(idem_core::MemoryStore::new())
+    ///     .delay_claim_batches(std::time::Duration::from_millis(300));
+    /// # let _ = store;
+    /// ```
+    pub fn delay_claim_batches(mut self, delay: Duration) -> CountingStore<S> {
+        self.claim_delay = delay;
+        self
     }
 
     /// The counts, to read after the store has moved into a runtime.
@@ -128,6 +145,9 @@ impl<S: Store> Store for CountingStore<S> {
 
     async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
         StoreCounts::add(&self.counts.claim_batches);
+        if !self.claim_delay.is_zero() {
+            tokio::time::sleep(self.claim_delay).await;
+        }
         self.inner.claim_batch(claims).await
     }
 

@@ -1,6 +1,7 @@
 //! Storing a finished body's result, even when the call is dropped
 //! meanwhile.
 
+use super::guard::detach;
 use super::is_unavailable;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::message::OutboxMessage;
@@ -10,7 +11,6 @@ use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::Instrument;
 
 /// Whether a finished body's result made it into the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,33 +118,54 @@ impl Drop for DetachOnDrop<'_> {
         let Some(c) = self.0.take() else {
             return;
         };
-        let (store, key, value) = (Arc::clone(c.store), c.key.to_owned(), c.value.clone());
-        let messages = c.messages.to_vec();
-        let (token, fingerprint, kind, lease) = (c.token, c.fingerprint, c.kind, c.lease);
-        let finish = async move {
+        Detached {
+            store: Arc::clone(c.store),
+            key: c.key.to_owned(),
+            token: c.token,
+            fingerprint: c.fingerprint,
+            kind: c.kind,
+            value: c.value.clone(),
+            lease: c.lease,
+            messages: c.messages.to_vec(),
+        }
+        .spawn();
+    }
+}
+
+/// A completion that owns what it stores, for a call that is gone: a
+/// single call dropped mid-complete, or a batch dropped with its finish
+/// round trip in flight.
+pub(super) struct Detached {
+    pub(super) store: Arc<dyn Store>,
+    pub(super) key: String,
+    pub(super) token: Token,
+    pub(super) fingerprint: Option<Fingerprint>,
+    pub(super) kind: ValueKind,
+    pub(super) value: Bytes,
+    pub(super) lease: Duration,
+    pub(super) messages: Vec<OutboxMessage>,
+}
+
+impl Detached {
+    /// Stores the result in a task of its own, re-sending while the store
+    /// is unreachable, as [`Completion::run_to_the_end`] does.
+    pub(super) fn spawn(self) {
+        detach("a call dropped after its body succeeded", async move {
             let completion = Completion {
-                store: &store,
-                key: &key,
-                token,
-                fingerprint,
-                kind,
-                value: &value,
-                lease,
-                messages: &messages,
+                store: &self.store,
+                key: &self.key,
+                token: self.token,
+                fingerprint: self.fingerprint,
+                kind: self.kind,
+                value: &self.value,
+                lease: self.lease,
+                messages: &self.messages,
             };
             if completion.run().await == Stored::Yes {
                 tracing::debug!(
                     "call dropped after its body succeeded: result stored by a detached completion"
                 );
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(finish.instrument(tracing::Span::current()));
-            }
-            Err(_) => tracing::warn!(
-                "call dropped outside a Tokio runtime after its body succeeded: the result is not stored; the key runs again after its lease"
-            ),
-        }
+        });
     }
 }

@@ -50,8 +50,6 @@ pub(super) struct Exec<'a> {
     pub(super) cached: Option<Completed>,
     /// When the call started for the store (before its claim was sent).
     pub(super) started: Option<Instant>,
-    /// The local cache's invalidations before the first store read.
-    pub(super) seen: Generation,
     /// Whether a call dropped mid-body releases its key (see
     /// [`Call::release_on_cancel`](super::Call::release_on_cancel)).
     pub(super) release_on_cancel: bool,
@@ -102,6 +100,7 @@ impl Exec<'_> {
         let mut asked = false;
         loop {
             let sent = Instant::now();
+            let seen = self.before_read().await;
             let reply = self.claim().await;
             if !matches!(reply, Ok(ClaimReply::Acquired { .. })) {
                 // Whatever comes next, this call stores nothing with its
@@ -117,11 +116,11 @@ impl Exec<'_> {
             };
             match reply {
                 ClaimReply::Acquired { attempt } => {
-                    return self.execute(body, attempt, sent).await;
+                    return self.execute(body, attempt, sent, seen).await;
                 }
                 ClaimReply::Completed(record) => {
                     if let Some(cache) = &self.inner.cache {
-                        cache.insert(&self.key, record.clone(), sent, self.seen);
+                        cache.insert(&self.key, record.clone(), sent, seen);
                     }
                     return self.replay(&record).map_err(E::from);
                 }
@@ -195,13 +194,22 @@ impl Exec<'_> {
             .map_err(|e| self.fail(e))
     }
 
+    /// Before a store read whose record may enter the local cache: the
+    /// cache's feed of forgotten keys kept up (one atomic load once it is),
+    /// then the invalidations the read could miss, which keep its record
+    /// out of the cache if a forget is heard before it returns.
+    async fn before_read(&self) -> Generation {
+        let Some(cache) = &self.inner.cache else {
+            return Generation::default();
+        };
+        self.inner.hear_forgets().await;
+        cache.generation(&self.key)
+    }
+
     /// Claims, re-sending with the same token when the store could not be
     /// reached: the script answers a re-sent claim as the same claim, so a
     /// claim that landed but whose reply was lost is not stranded.
     async fn claim(&self) -> Result<ClaimReply, Error> {
-        // Before the first read that may enter the cache: a forget after
-        // the read is then heard (one atomic load once registered).
-        self.inner.hear_forgets().await;
         let claim = Claim {
             key: &self.key,
             token: &self.token,
@@ -222,8 +230,15 @@ impl Exec<'_> {
                     ttl: self.ttl,
                     fingerprint: self.fingerprint,
                     want_ttl_left: claim.want_ttl_left,
+                    keep_steps: self.steps.is_some(),
                 };
-                ticket.submit(op).await
+                // Dropped meanwhile, the batch frees the key itself once
+                // the claim's reply is in: a release sent now could reach
+                // the store ahead of the claim.
+                guard.armed = false;
+                let reply = ticket.submit(op).await;
+                guard.armed = true;
+                reply.map(|(_, reply)| reply)
             }
             None => None,
         };
@@ -282,6 +297,7 @@ impl Exec<'_> {
         body: F,
         attempt: u32,
         claimed: Instant,
+        seen: Generation,
     ) -> Result<(T, Outcome), E>
     where
         F: FnOnce() -> Fut,
@@ -301,9 +317,10 @@ impl Exec<'_> {
             Outcome::Executed
         };
         self.report.attempt(attempt);
+        let lease = Lease::with_outbox(self.store.has_outbox());
         if let Some(steps) = &self.steps {
             if let Err(e) = steps
-                .attach(self.store, &self.key, self.token, attempt)
+                .attach(self.store, &self.key, self.token, attempt, lease.clone())
                 .await
             {
                 self.leave_batch();
@@ -326,7 +343,6 @@ impl Exec<'_> {
         let body_start = self.call_start.map(|_| Instant::now());
         #[cfg(feature = "metrics")]
         let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
-        let lease = Lease::with_outbox(self.store.has_outbox());
         let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
         let result = self.keep_alive(body, &lease, claimed).await;
         #[cfg(feature = "metrics")]
@@ -359,7 +375,7 @@ impl Exec<'_> {
             }
             Ok(Ok(value)) => {
                 let messages = self.outgoing(lease.take_staged());
-                let outcome = match self.complete(&value, &messages).await {
+                let outcome = match self.complete(&value, &messages, seen).await {
                     Stored::Yes => outcome,
                     Stored::LeaseLost => Outcome::LeaseLost,
                     Stored::No => Outcome::NotStored,
@@ -388,6 +404,7 @@ impl Exec<'_> {
         &self,
         value: &T,
         messages: &[OutboxMessage],
+        seen: Generation,
     ) -> Stored {
         let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
         if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
@@ -422,8 +439,10 @@ impl Exec<'_> {
                     fingerprint: self.fingerprint,
                     kind: encoded.kind,
                     value: value.clone(),
+                    lease: self.lease,
                 };
-                ticket.submit(op).await
+                // Dropped meanwhile, the batch re-sends it if it must.
+                ticket.submit(op).await.map(|(_, reply)| reply)
             }
             None => None,
         };
@@ -443,7 +462,7 @@ impl Exec<'_> {
                     // The record's TTL runs from the claim, sent after this.
                     ttl_left: Some(self.ttl),
                 };
-                cache.insert(&self.key, record, started, self.seen);
+                cache.insert(&self.key, record, started, seen);
             }
         }
         stored
@@ -486,8 +505,8 @@ impl Exec<'_> {
                 token: self.token,
             };
             match ticket.submit(op).await {
-                Some(Err(e)) if is_unavailable(&e) => {}
-                Some(result) => return log_release(why, result),
+                Some((_, Err(e))) if is_unavailable(&e) => {}
+                Some((_, result)) => return log_release(why, result),
                 None => {}
             }
         }

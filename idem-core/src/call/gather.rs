@@ -17,8 +17,14 @@
 //!
 //! The send itself runs in a task of its own: a call dropped while its
 //! operation is queued or in flight (the batch cancelled at shutdown) still
-//! has it sent, as a single call's detached completion would be.
+//! has it sent, and the reply it no longer waits for is acted on for it
+//! ([`BatchOp::orphaned`]), after the reply: a complete that did not reach
+//! the store is re-sent as a single call's detached completion is, and a
+//! claim that landed is released by token, never ahead of the claim itself.
 
+use super::completion::{Completion, Detached};
+use super::guard::{detach, free, log_release};
+use super::is_unavailable;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::store::{Claim, ClaimReply, Finish, Store, ValueKind, WriteReply};
@@ -27,20 +33,22 @@ use bytes::Bytes;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::oneshot;
-use tracing::Instrument;
 
 /// One kind of batched store operation, owned so that it can be sent from
 /// a task of its own.
 pub(super) trait BatchOp: Send + Sized + 'static {
     type Reply: Send + 'static;
 
-    /// Sends `ops` as one batch; one reply per op, in order.
-    fn send(
-        store: Arc<dyn Store>,
-        ops: Vec<Self>,
-    ) -> Pin<Box<dyn Future<Output = Vec<Self::Reply>> + Send>>;
+    /// Sends `ops` as one batch; each op back with its reply, in order.
+    fn send(store: Arc<dyn Store>, ops: Vec<Self>) -> Sent<Self>;
+
+    /// Acts on the reply to `op` for a call that no longer waits for it
+    /// (its future was dropped): what the call would have done next that
+    /// must not be left undone, in a task of its own.
+    fn orphaned(store: Arc<dyn Store>, op: Self, reply: Self::Reply);
 }
 
 /// A call's first claim.
@@ -51,15 +59,15 @@ pub(super) struct ClaimOp {
     pub(super) ttl: Duration,
     pub(super) fingerprint: Option<Fingerprint>,
     pub(super) want_ttl_left: bool,
+    /// A `run_steps` call: a claim it gives up is suspended, not released,
+    /// so that the steps of the record it may have taken over are kept.
+    pub(super) keep_steps: bool,
 }
 
 impl BatchOp for ClaimOp {
     type Reply = Result<ClaimReply, Error>;
 
-    fn send(
-        store: Arc<dyn Store>,
-        ops: Vec<Self>,
-    ) -> Pin<Box<dyn Future<Output = Vec<Self::Reply>> + Send>> {
+    fn send(store: Arc<dyn Store>, ops: Vec<Self>) -> Sent<Self> {
         Box::pin(async move {
             let claims: Vec<Claim<'_>> = ops
                 .iter()
@@ -72,8 +80,28 @@ impl BatchOp for ClaimOp {
                     want_ttl_left: op.want_ttl_left,
                 })
                 .collect();
-            store.claim_batch(&claims).await
+            let replies = store.claim_batch(&claims).await;
+            drop(claims);
+            ops.into_iter().zip(replies).collect()
         })
+    }
+
+    /// A claim that won its key, or that may have landed unanswered, is
+    /// freed by token now that its reply is in: sent after the claim's
+    /// round trip, the release cannot reach the store ahead of it (on a
+    /// pool of connections it could, sent at the drop).
+    fn orphaned(store: Arc<dyn Store>, op: ClaimOp, reply: Self::Reply) {
+        let landed = match &reply {
+            Ok(ClaimReply::Acquired { .. }) => true,
+            Err(e) => is_unavailable(e),
+            Ok(_) => false,
+        };
+        if landed {
+            detach(
+                "a batch dropped while its claim was in flight",
+                free(store, op.key, op.token, op.keep_steps),
+            );
+        }
     }
 }
 
@@ -85,6 +113,8 @@ pub(super) enum FinishOp {
         fingerprint: Option<Fingerprint>,
         kind: ValueKind,
         value: Bytes,
+        /// The call's lease: a re-sent complete gives up after half of it.
+        lease: Duration,
     },
     Release {
         key: String,
@@ -95,10 +125,7 @@ pub(super) enum FinishOp {
 impl BatchOp for FinishOp {
     type Reply = Result<WriteReply, Error>;
 
-    fn send(
-        store: Arc<dyn Store>,
-        ops: Vec<Self>,
-    ) -> Pin<Box<dyn Future<Output = Vec<Self::Reply>> + Send>> {
+    fn send(store: Arc<dyn Store>, ops: Vec<Self>) -> Sent<Self> {
         Box::pin(async move {
             let finishes: Vec<Finish<'_>> = ops
                 .iter()
@@ -109,6 +136,7 @@ impl BatchOp for FinishOp {
                         fingerprint,
                         kind,
                         value,
+                        lease: _,
                     } => Finish::Complete {
                         key,
                         token,
@@ -119,8 +147,55 @@ impl BatchOp for FinishOp {
                     FinishOp::Release { key, token } => Finish::Release { key, token },
                 })
                 .collect();
-            store.finish_batch(&finishes).await
+            let replies = store.finish_batch(&finishes).await;
+            drop(finishes);
+            ops.into_iter().zip(replies).collect()
         })
+    }
+
+    /// The body has run, so its result must not be left unstored because
+    /// its call was dropped: a complete that did not reach the store is
+    /// re-sent as a dropped single call's is (same token: one that landed
+    /// unanswered is `Done`); a release is tried once more.
+    fn orphaned(store: Arc<dyn Store>, op: FinishOp, reply: Self::Reply) {
+        match (op, reply) {
+            (
+                FinishOp::Complete {
+                    key,
+                    token,
+                    fingerprint,
+                    kind,
+                    value,
+                    lease,
+                },
+                Err(e),
+            ) if is_unavailable(&e) => Detached {
+                store,
+                key,
+                token,
+                fingerprint,
+                kind,
+                value,
+                lease,
+                messages: Vec::new(),
+            }
+            .spawn(),
+            (FinishOp::Complete { .. }, reply) => {
+                Completion::judge(reply);
+            }
+            (FinishOp::Release { key, token }, Err(e)) if is_unavailable(&e) => detach(
+                "a batch dropped while its release was in flight",
+                async move {
+                    log_release(
+                        "a batch was dropped after a body failed",
+                        store.release(&key, &token).await,
+                    );
+                },
+            ),
+            (FinishOp::Release { .. }, reply) => {
+                log_release("a batch was dropped after a body failed", reply);
+            }
+        }
     }
 }
 
@@ -134,7 +209,7 @@ pub(super) struct Gather<Op: BatchOp> {
 struct State<Op: BatchOp> {
     /// Tickets not yet spent or dropped.
     open: usize,
-    queued: Vec<(Op, oneshot::Sender<Op::Reply>)>,
+    queued: Vec<(Op, Reply<Op>)>,
     /// A send of what is queued is due at the next scheduler turn.
     due: bool,
     /// Whether a queued op schedules that send itself; off when the
@@ -193,28 +268,29 @@ impl<Op: BatchOp> Gather<Op> {
         if queued.is_empty() {
             return;
         }
-        let (ops, replies): (Vec<Op>, Vec<oneshot::Sender<Op::Reply>>) = queued.into_iter().unzip();
-        let send = Op::send(Arc::clone(&self.store), ops);
-        let deliver = async move {
+        let (ops, replies): (Vec<Op>, Vec<Reply<Op>>) = queued.into_iter().unzip();
+        let store = Arc::clone(&self.store);
+        let send = Op::send(Arc::clone(&store), ops);
+        // Only outside a runtime (the last ticket dropped there) is this
+        // not sent: the queued calls were dropped too, and their keys free
+        // themselves when their leases run out.
+        detach("a batch with store writes queued", async move {
             // An op left without a reply drops its sender: its call then
             // sends it again on its own.
-            for (reply, to) in send.await.into_iter().zip(replies) {
-                let _ = to.send(reply);
+            for ((op, reply), to) in send.await.into_iter().zip(replies) {
+                if let Err((op, reply)) = to.send((op, reply)) {
+                    Op::orphaned(Arc::clone(&store), op, reply);
+                }
             }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(deliver.instrument(tracing::Span::current()));
-            }
-            // Only when the last ticket is dropped outside a runtime: the
-            // queued calls were dropped too, and their keys free themselves
-            // when their leases run out.
-            Err(_) => tracing::warn!(
-                "a batch was dropped outside a Tokio runtime with store writes queued: they are not sent; those keys free themselves when their leases run out"
-            ),
-        }
+        });
     }
 }
+
+/// A batch on its way: each op back with its reply, in order.
+pub(super) type Sent<Op> = Pin<Box<dyn Future<Output = Vec<(Op, <Op as BatchOp>::Reply)>> + Send>>;
+
+/// Where an op's reply goes: back to its call, with the op.
+type Reply<Op> = oneshot::Sender<(Op, <Op as BatchOp>::Reply)>;
 
 /// One call's right to a place in a phase of its batch. Dropped unspent,
 /// the call leaves the phase (it has nothing to send).
@@ -224,11 +300,12 @@ pub(super) struct Ticket<Op: BatchOp> {
 }
 
 impl<Op: BatchOp> Ticket<Op> {
-    /// Queues `op` and waits for its reply: sent once every call of the
-    /// group has queued or left, or at the next scheduler turn, whichever
-    /// is first. `None` when the group could not answer it (the call then
-    /// sends it on its own).
-    pub(super) async fn submit(mut self, op: Op) -> Option<Op::Reply> {
+    /// Queues `op`; the returned future waits for it back with its reply:
+    /// sent once every call of the group has queued or left, or at the next
+    /// scheduler turn, whichever is first. `None` when the group could not
+    /// answer it (the call then sends it on its own). Dropped before the
+    /// reply, it leaves the reply to [`BatchOp::orphaned`].
+    pub(super) fn submit(mut self, op: Op) -> Submitted<Op> {
         self.spent = true;
         let (to, reply) = oneshot::channel();
         let (last, first) = {
@@ -250,7 +327,44 @@ impl<Op: BatchOp> Ticket<Op> {
                 gather.send_queued();
             });
         }
-        reply.await.ok()
+        Submitted {
+            reply,
+            store: Arc::clone(&self.gather.store),
+            answered: false,
+        }
+    }
+}
+
+/// A queued op's reply, awaited by its call.
+pub(super) struct Submitted<Op: BatchOp> {
+    reply: oneshot::Receiver<(Op, Op::Reply)>,
+    store: Arc<dyn Store>,
+    answered: bool,
+}
+
+impl<Op: BatchOp> Future for Submitted<Op> {
+    type Output = Option<(Op, Op::Reply)>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let out = std::task::ready!(Pin::new(&mut this.reply).poll(cx)).ok();
+        this.answered = true;
+        Poll::Ready(out)
+    }
+}
+
+impl<Op: BatchOp> Drop for Submitted<Op> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        // Closed first: a reply sent from now on comes back to its sender,
+        // which acts on it; one already here is acted on here. Exactly one
+        // of the two sees it.
+        self.reply.close();
+        if let Ok((op, reply)) = self.reply.try_recv() {
+            Op::orphaned(Arc::clone(&self.store), op, reply);
+        }
     }
 }
 
@@ -317,8 +431,8 @@ mod tests {
         let (a, b, c) = (gather.ticket(), gather.ticket(), gather.ticket());
         drop(c);
         let (ra, rb) = tokio::join!(a.submit(release("a")), b.submit(release("b")));
-        assert!(matches!(ra, Some(Ok(WriteReply::Missing))));
-        assert!(matches!(rb, Some(Ok(WriteReply::Missing))));
+        assert!(matches!(ra, Some((_, Ok(WriteReply::Missing)))));
+        assert!(matches!(rb, Some((_, Ok(WriteReply::Missing)))));
     }
 
     #[tokio::test]
@@ -327,6 +441,6 @@ mod tests {
             Arc::new(Gather::new(Arc::new(MemoryStore::new()), 2, true));
         let (a, _held) = (gather.ticket(), gather.ticket());
         let r = a.submit(release("a")).await;
-        assert!(matches!(r, Some(Ok(WriteReply::Missing))));
+        assert!(matches!(r, Some((_, Ok(WriteReply::Missing)))));
     }
 }

@@ -3,7 +3,9 @@
 
 use crate::store::{Store, WriteReply};
 use crate::token::Token;
+use std::future::Future;
 use std::sync::Arc;
+use tracing::Instrument;
 
 impl<'a> ReleaseGuard<'a> {
     /// Armed: dropped as it is, it releases `key` for `token` (suspends it,
@@ -75,24 +77,40 @@ impl Drop for ReleaseGuard<'_> {
             return;
         }
         let (store, key, token) = (Arc::clone(self.store), self.key.to_owned(), *self.token);
-        let keep_steps = self.keep_steps;
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(async move {
-                    let freed = if keep_steps {
-                        store.suspend(&key, &token).await
-                    } else {
-                        store.release(&key, &token).await
-                    };
-                    match freed {
-                        Ok(_) => tracing::debug!("call cancelled: key released"),
-                        Err(e) => tracing::warn!(error = %e, "call cancelled and the key could not be released: it frees itself when the lease expires"),
-                    }
-                });
-            }
-            Err(_) => tracing::warn!(
-                "call cancelled outside a Tokio runtime: the key frees itself when the lease expires"
-            ),
+        detach(
+            "a call cancelled while it held or was claiming its key",
+            free(store, key, token, self.keep_steps),
+        );
+    }
+}
+
+/// Frees a key this call gives up: releases it, or suspends it (keeping
+/// recorded steps) for a `run_steps` call. Best effort: a key that could
+/// not be freed frees itself when its lease runs out.
+pub(super) async fn free(store: Arc<dyn Store>, key: String, token: Token, keep_steps: bool) {
+    let freed = if keep_steps {
+        store.suspend(&key, &token).await
+    } else {
+        store.release(&key, &token).await
+    };
+    match freed {
+        Ok(_) => tracing::debug!("call cancelled: key released"),
+        Err(e) => {
+            tracing::warn!(error = %e, "call cancelled and the key could not be released: it frees itself when the lease expires")
         }
+    }
+}
+
+/// Runs `work` in a task of its own on the current runtime, in the
+/// current span: what a dropped call must still get done. Outside a
+/// runtime it cannot: `what` says in the log what was left to the lease.
+pub(super) fn detach(what: &str, work: impl Future<Output = ()> + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(work.instrument(tracing::Span::current()));
+        }
+        Err(_) => tracing::warn!(
+            "{what}, outside a Tokio runtime: its store writes are not sent; its keys free themselves when their leases run out"
+        ),
     }
 }

@@ -350,13 +350,6 @@ impl<'a> Call<'a> {
             Some(_) => (Token::UNUSED, None),
             None => (Token::random(), Some(Instant::now())),
         };
-        // Before any store read: a forget heard after it keeps that read's
-        // record out of the cache.
-        let seen = inner
-            .cache
-            .as_ref()
-            .map(|c| c.generation(&key))
-            .unwrap_or_default();
         Ok(Exec {
             inner,
             scope: self.scope,
@@ -367,7 +360,6 @@ impl<'a> Call<'a> {
             cached,
             token,
             started,
-            seen,
             ttl: self.ttl,
             lease,
             wait: self.wait,

@@ -6,6 +6,7 @@
 use super::backoff::store_backoff;
 use super::is_unavailable;
 use crate::error::Error;
+use crate::lease::Lease;
 use crate::settings::Inner;
 use crate::store::{StepRecord, Store, WriteReply};
 use crate::token::Token;
@@ -133,6 +134,23 @@ struct Holder {
     store: Arc<dyn Store>,
     key: String,
     token: Token,
+    /// The call's lease, flagged lost by its keep-alive.
+    lease: Lease,
+}
+
+impl Holder {
+    fn refuse_if_lost(&self, name: &str) -> Result<(), Error> {
+        if self.lease.is_lost() {
+            tracing::warn!(
+                step = name,
+                "the lease was lost before this step began: it does not run here (the new holder runs it)"
+            );
+            return Err(Error::StepLeaseLost {
+                name: name.to_owned(),
+            });
+        }
+        Ok(())
+    }
 }
 
 struct State {
@@ -186,8 +204,9 @@ impl Steps {
     ///
     /// Errors of idem's own arrive as `E::from(Error)`:
     /// [`Error::DuplicateStep`] and [`Error::InvalidStepName`] (the step
-    /// did not run), [`Error::StepLeaseLost`] (it ran but another call now
-    /// holds the key: stop), [`Error::Codec`] / [`Error::TooLarge`] (its
+    /// did not run), [`Error::StepLeaseLost`] (another call now holds the
+    /// key: stop; the step did not start if the loss was known before it,
+    /// as it is once the keep-alive has heard it), [`Error::Codec`] / [`Error::TooLarge`] (its
     /// value cannot be recorded), [`Error::Unavailable`] (the store did not
     /// answer: not recorded, the next holder runs it again).
     ///
@@ -221,6 +240,11 @@ impl Steps {
                     .with_source(e),
                 )
             });
+        }
+        // The keep-alive heard the key is someone else's: its holder runs
+        // this step, so starting it here would run it twice.
+        if let Mode::Held(holder) = &mode {
+            holder.refuse_if_lost(name).map_err(E::from)?;
         }
         let value = effect().await?;
         if let Mode::Held(holder) = mode {
@@ -332,11 +356,14 @@ impl Steps {
             return Ok(StepStart::Recorded(bytes));
         }
         Ok(match mode {
-            Mode::Held(h) => StepStart::Run {
-                key: h.key.clone(),
-                token: h.token,
-                max_value_size: self.shared.max_value_size,
-            },
+            Mode::Held(h) => {
+                h.refuse_if_lost(name)?;
+                StepStart::Run {
+                    key: h.key.clone(),
+                    token: h.token,
+                    max_value_size: self.shared.max_value_size,
+                }
+            }
             _ => StepStart::Unrecorded,
         })
     }
@@ -429,6 +456,7 @@ impl Steps {
         key: &str,
         token: Token,
         attempt: u32,
+        lease: Lease,
     ) -> Result<(), Error> {
         let loaded = if attempt > 1 {
             let found = (|| store.steps(key, &token))
@@ -459,6 +487,7 @@ impl Steps {
             store: Arc::clone(store),
             key: key.to_owned(),
             token,
+            lease,
         }));
         Ok(())
     }

@@ -108,9 +108,16 @@ impl Drop for KeyWatch {
 pub enum Invalidation<'a> {
     /// This stored key was forgotten: drop its copy.
     Key(&'a str),
-    /// Messages may have been lost (the subscriber connection dropped):
-    /// drop every copy.
+    /// Messages may have been lost (a channel was subscribed again after a
+    /// gap): drop every copy.
     All,
+    /// Deliveries stopped (the subscriber connection dropped, or its task
+    /// ended): drop every copy, and cache nothing until
+    /// [`Resumed`](Invalidation::Resumed), as a forget now goes unheard.
+    Paused,
+    /// Deliveries flow again after [`Paused`](Invalidation::Paused);
+    /// messages of the gap are lost: drop every copy.
+    Resumed,
 }
 
 /// What a replay cache gives the store to hear of forgotten keys.
@@ -264,17 +271,19 @@ impl Hub {
         }
     }
 
-    /// Tells every sink to drop everything (messages may have been lost).
+    /// Tells every sink `what` ([`Invalidation::Paused`] or
+    /// [`Invalidation::Resumed`]: the one subscriber connection carries
+    /// every feed).
     // Used by the Redis notifier only.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn invalidate_all(&self) {
+    pub(crate) fn invalidate_all(&self, what: Invalidation<'_>) {
         let sinks: Vec<InvalidationSink> = lock(&self.feeds)
             .values()
             .flatten()
             .filter_map(|s| s.upgrade())
             .collect();
         for sink in sinks {
-            sink(Invalidation::All);
+            sink(what);
         }
     }
 }

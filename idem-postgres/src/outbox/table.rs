@@ -185,12 +185,17 @@ impl OutboxSql {
                  FOR UPDATE OF o SKIP LOCKED"
             ),
             // The later rows of owned keys, oldest first: nobody else's,
-            // since they are not heads. Ordered by `seq + 0` for the same
-            // reason: through `(msg_key, seq)`, never a walk of the
-            // primary key.
+            // since they are not heads. Each key's run stops before its
+            // first row that cannot go now (parked, or waiting out a retry
+            // backoff), so no message overtakes an earlier one of its key.
+            // Ordered and probed by `seq + 0` for the same reason as the
+            // heads: through `(msg_key, seq)`, never a walk of the primary
+            // key.
             batch: format!(
                 "SELECT {ROW_COLUMNS} FROM {t} o\n\
-                 WHERE o.msg_key = ANY($1) AND o.seq <> ALL($2) AND o.parked_at IS NULL\n\
+                 WHERE o.msg_key = ANY($1) AND o.seq <> ALL($2)\n\
+                 \x20 AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.msg_key = o.msg_key AND p.seq + 0 <= o.seq\n\
+                 \x20   AND (p.parked_at IS NOT NULL OR p.retry_at > now()) OFFSET 0)\n\
                  ORDER BY o.seq + 0 LIMIT $3 FOR UPDATE"
             ),
             delete: format!("DELETE FROM {t} WHERE seq = ANY($1)"),

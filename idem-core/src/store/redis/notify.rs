@@ -13,8 +13,9 @@
 //!
 //! Pub/sub is at most once. Every lost message is covered: waiters keep
 //! polling (slowly while notifications flow, as before while they do not);
-//! when the connection drops every waiter is woken to read again, and when
-//! it is back every local cache is emptied.
+//! when the connection drops every waiter is woken to read again and every
+//! local cache stops serving (a forget would go unheard), and when it is
+//! back every local cache starts again empty.
 
 use super::super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -187,15 +188,12 @@ impl Notifier {
 
     /// A new task (the first, or one after the last stopped with its
     /// runtime) subscribes every cache's invalidation channel again; one
-    /// after a stopped task then empties the caches, as a forget published
-    /// while no task listened is lost. (Before the first task no cache has
-    /// been told it hears forgets; the registration that first succeeds
-    /// empties its cache itself if it held copies.)
+    /// after a stopped task then tells each cache its deliveries resumed
+    /// (a forget published while no task listened is lost), or, where the
+    /// subscription failed, that they stay paused. (Before the first task
+    /// no cache is live: the registration that first succeeds makes it so.)
     async fn resubscribe_feeds(&self, tx: &Sender, restarted: bool) {
         let prefixes = self.hub.feed_prefixes();
-        if prefixes.is_empty() {
-            return;
-        }
         for prefix in prefixes {
             let (ack, answer) = oneshot::channel();
             let channel = format!("{prefix}{FORGOTTEN}");
@@ -203,15 +201,14 @@ impl Notifier {
                 return;
             }
             match answer.await {
+                Ok(Ok(())) if restarted => self.hub.invalidate(&prefix, Invalidation::Resumed),
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, %prefix, "could not subscribe a local cache's forget invalidations again: its copies of a key forgotten elsewhere replay until their TTL")
+                    tracing::warn!(error = %e, %prefix, "could not subscribe a local cache's forget invalidations again: it caches nothing until a later registration is heard");
+                    self.hub.invalidate(&prefix, Invalidation::Paused);
                 }
                 Err(_) => return,
             }
-        }
-        if restarted {
-            self.hub.invalidate_all();
         }
     }
 
@@ -263,7 +260,7 @@ impl Drop for Stopped {
     fn drop(&mut self) {
         self.0.set_live(false);
         self.0.notify_all();
-        self.0.invalidate_all();
+        self.0.invalidate_all(Invalidation::Paused);
     }
 }
 
@@ -354,10 +351,9 @@ impl Task {
                 self.resubscribing.clone_from(&self.confirmed);
                 self.hub.set_live(false);
                 self.hub.notify_all();
-                // Caches keep their copies meanwhile (they replay through a
-                // Redis outage, when no forget can happen anyway); they are
-                // emptied when the connection is back, as a forget may
-                // have been published in the gap.
+                // A forget published now goes unheard: caches stop serving
+                // until the connection is back, and start again empty.
+                self.hub.invalidate_all(Invalidation::Paused);
             }
             // A resubscription confirmed: on a cluster, redis-rs
             // subscribes again by itself after a reconnection, one
@@ -371,7 +367,7 @@ impl Task {
                     tracing::debug!("subscriber connection back: waiters are notified again");
                     self.hub.set_live(true);
                     self.hub.notify_all();
-                    self.hub.invalidate_all();
+                    self.hub.invalidate_all(Invalidation::Resumed);
                 }
                 // Each channel resubscribed later may have lost messages
                 // until then too.
@@ -409,7 +405,7 @@ impl Task {
             self.hub.set_live(true);
             // What was published during the gap is lost: read again.
             self.hub.notify_all();
-            self.hub.invalidate_all();
+            self.hub.invalidate_all(Invalidation::Resumed);
         }
     }
 }
