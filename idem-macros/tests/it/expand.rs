@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Debug)]
 pub enum PaymentError {
+    #[allow(dead_code)] // shown by Debug in failed assertions
     Idem(idem::Error),
     Declined,
 }

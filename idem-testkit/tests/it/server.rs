@@ -228,7 +228,7 @@ fn servers_die_with_a_killed_test_process() {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "servers_die_with_a_killed_test_process",
+            "server::servers_die_with_a_killed_test_process",
             "--nocapture",
             "--test-threads=1",
         ])
