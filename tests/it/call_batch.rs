@@ -1,0 +1,440 @@
+//! `idem::Batch`: several calls sharing their store round trips. Each call
+//! must answer exactly as it would alone (on memory, Redis, a Redis
+//! Cluster and PostgreSQL), the batch must cost two store round trips,
+//! a slow body must not hold the others' results back, a cancelled batch
+//! must keep the keys of bodies in flight and store the finished ones, and
+//! batches racing over the same keys from several runtimes must run each
+//! key's body once.
+
+use idem::store::Store;
+use idem::{
+    Batch, Error, Idempotency, KeyState, MemoryStore, Outcome, RecordInfo, RedisStoreConfig,
+};
+use idem_testkit::{CountingStore, Ledger, RedisServer, TestContext};
+use std::time::Duration;
+
+#[derive(Debug, PartialEq)]
+enum Seen {
+    Ran(u32, Outcome),
+    InProgress,
+    Mismatch,
+    InvalidKey,
+    BodyFailed,
+    Other(String),
+}
+
+#[derive(Debug)]
+enum AppError {
+    Idem(Error),
+    Declined,
+}
+
+impl From<Error> for AppError {
+    fn from(e: Error) -> Self {
+        AppError::Idem(e)
+    }
+}
+
+fn seen(r: &Result<(u32, Outcome), AppError>) -> Seen {
+    match r {
+        Ok((v, o)) => Seen::Ran(*v, *o),
+        Err(AppError::Idem(Error::InProgress { .. })) => Seen::InProgress,
+        Err(AppError::Idem(Error::FingerprintMismatch)) => Seen::Mismatch,
+        Err(AppError::Idem(Error::InvalidKey(_))) => Seen::InvalidKey,
+        Err(AppError::Declined) => Seen::BodyFailed,
+        Err(AppError::Idem(e)) => Seen::Other(e.to_string()),
+    }
+}
+
+/// One batch mixing every answer a call can get, checked against what
+/// the same calls get alone, on `ctx`'s store.
+async fn answers_as_single_calls(ctx: TestContext) {
+    let store = ctx.name();
+    let idem = ctx.idem();
+    let ledger = ctx.ledger().clone();
+    // Before the batch: "done" completed with 7, "other" completed under
+    // payload 1.
+    let _: u32 = idem
+        .call("pay", "done")
+        .run(|| async { Ok::<_, Error>(7) })
+        .await
+        .unwrap();
+    let _: u32 = idem
+        .call("pay", "other")
+        .fingerprint(&1)
+        .run(|| async { Ok::<_, Error>(8) })
+        .await
+        .unwrap();
+    let keys = [
+        "fresh-a", "done", "fresh-b", "fresh-a", "other", "", "fails",
+    ];
+    let batch: Batch = keys
+        .iter()
+        .map(|k| {
+            let call = idem.call("pay", k);
+            if *k == "other" {
+                call.fingerprint(&2)
+            } else {
+                call
+            }
+        })
+        .collect();
+    let results = batch
+        .run_outcome(|i| {
+            let ledger = ledger.clone();
+            async move {
+                ledger.record(keys[i]);
+                if keys[i] == "fails" {
+                    return Err(AppError::Declined);
+                }
+                Ok(i as u32 * 10)
+            }
+        })
+        .await;
+    let got: Vec<Seen> = results.iter().map(seen).collect();
+    assert_eq!(
+        got,
+        [
+            Seen::Ran(0, Outcome::Executed),
+            Seen::Ran(7, Outcome::Replayed),
+            Seen::Ran(20, Outcome::Executed),
+            Seen::InProgress,
+            Seen::Mismatch,
+            Seen::InvalidKey,
+            Seen::BodyFailed,
+        ],
+        "on {store}"
+    );
+    for (key, runs) in [("fresh-a", 1), ("done", 0), ("fresh-b", 1), ("fails", 1)] {
+        assert_eq!(ledger.count(key), runs, "{key} on {store}");
+    }
+    // The results are stored, the failed key released.
+    let state = |info: Option<RecordInfo>| info.map(|i| i.state);
+    for key in ["fresh-a", "fresh-b"] {
+        let info = idem.inspect("pay", key).await.unwrap();
+        assert_eq!(state(info), Some(KeyState::Completed), "{key} on {store}");
+    }
+    assert_eq!(state(idem.inspect("pay", "fails").await.unwrap()), None);
+    // And a second batch replays what the first stored.
+    let again: Batch = ["fresh-a", "fresh-b", "fails"]
+        .iter()
+        .map(|k| idem.call("pay", k))
+        .collect();
+    let again = again
+        .run_outcome(|_| async { Ok::<u32, AppError>(99) })
+        .await;
+    let got: Vec<Seen> = again.iter().map(seen).collect();
+    assert_eq!(
+        got,
+        [
+            Seen::Ran(0, Outcome::Replayed),
+            Seen::Ran(20, Outcome::Replayed),
+            Seen::Ran(99, Outcome::Executed),
+        ],
+        "on {store}"
+    );
+}
+
+#[tokio::test]
+async fn each_call_answers_as_it_would_alone_on_memory() {
+    answers_as_single_calls(TestContext::memory()).await;
+}
+
+#[tokio::test]
+async fn each_call_answers_as_it_would_alone_on_redis() {
+    answers_as_single_calls(TestContext::redis().await).await;
+}
+
+#[tokio::test]
+async fn each_call_answers_as_it_would_alone_on_a_redis_cluster() {
+    answers_as_single_calls(TestContext::redis_cluster().await).await;
+}
+
+#[tokio::test]
+async fn each_call_answers_as_it_would_alone_on_postgres() {
+    answers_as_single_calls(TestContext::postgres().await).await;
+}
+
+#[tokio::test]
+async fn a_batch_costs_one_claims_and_one_finishes_round_trip() {
+    let store = CountingStore::new(MemoryStore::new());
+    let counts = store.counts();
+    let idem = Idempotency::builder(store).build();
+    let batch: Batch = (0..64).map(|k| idem.call("orders", k)).collect();
+    let results = batch
+        .concurrency(8)
+        .run_outcome(|i| async move {
+            if i % 5 == 0 {
+                Err(AppError::Declined)
+            } else {
+                Ok(i as u32)
+            }
+        })
+        .await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 51);
+    assert_eq!(counts.claim_batches(), 1);
+    assert_eq!(counts.finish_batches(), 1);
+    assert_eq!(counts.singles(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_body_does_not_hold_back_the_others_results() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_secs(4))
+        .build();
+    let idem = &idem;
+    let batch: Batch = ["quick", "slow"]
+        .iter()
+        .map(|k| idem.call("s", k))
+        .collect();
+    let results = batch
+        .run_outcome(|i| async move {
+            if i == 1 {
+                // Ten leases: the quick one's result must be stored long
+                // before, within a quarter of its lease.
+                tokio::time::sleep(Duration::from_secs(40)).await;
+                let quick = idem.inspect("s", "quick").await?.map(|i| i.state);
+                assert_eq!(quick, Some(KeyState::Completed));
+            }
+            Ok::<_, Error>(i)
+        })
+        .await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_batch_stores_finished_results_and_keeps_running_keys() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_secs(4))
+        .build();
+    let batch: Batch = ["done", "running"]
+        .iter()
+        .map(|k| idem.call("s", k))
+        .collect();
+    let run = batch.run_outcome(|i| async move {
+        if i == 1 {
+            std::future::pending::<()>().await;
+        }
+        Ok::<_, Error>(i)
+    });
+    // Dropped while "done" waits for "running" to finish.
+    let dropped = tokio::time::timeout(Duration::from_millis(100), run).await;
+    assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let state = |k| {
+        let idem = &idem;
+        async move { idem.inspect("s", k).await.unwrap().map(|i| i.state) }
+    };
+    assert_eq!(state("done").await, Some(KeyState::Completed));
+    // The running body may have made effects: its key stays in flight
+    // until its lease ends, and the next call is a takeover.
+    assert_eq!(state("running").await, Some(KeyState::Pending));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, o) = idem
+        .call("s", "running")
+        .run_outcome(|| async { Ok::<_, Error>(1) })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Recovered);
+}
+
+/// Four runtimes on four threads run overlapping batches over the same
+/// 200 keys on one Redis until every key is done: each key's body runs
+/// exactly once.
+#[test]
+fn racing_batches_run_each_key_once() {
+    const KEYS: usize = 200;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let ctx = rt.block_on(TestContext::redis());
+    let url = ctx.server().url();
+    let ledger = Ledger::new();
+    std::thread::scope(|s| {
+        for worker in 0..4 {
+            let (url, ledger) = (url.clone(), ledger.clone());
+            s.spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async move {
+                    let store = idem::RedisStore::connect(&url).await.unwrap();
+                    let idem = Idempotency::builder(store).build();
+                    // Each worker walks the keys from its own offset, in
+                    // batches of 32, until every key replays.
+                    let mut left: Vec<usize> =
+                        (0..KEYS).map(|k| (k + worker * 50) % KEYS).collect();
+                    while !left.is_empty() {
+                        let take: Vec<usize> = left.iter().copied().take(32).collect();
+                        let batch: Batch = take.iter().map(|k| idem.call("race", k)).collect();
+                        let results = batch
+                            .run_outcome(|i| {
+                                let (ledger, key) = (ledger.clone(), take[i]);
+                                async move {
+                                    ledger.record(&key.to_string());
+                                    tokio::task::yield_now().await;
+                                    Ok::<_, Error>(key)
+                                }
+                            })
+                            .await;
+                        let mut retry = Vec::new();
+                        for (key, r) in take.iter().zip(results) {
+                            match r {
+                                Ok((value, _)) => assert_eq!(value, *key),
+                                Err(Error::InProgress { .. }) => retry.push(*key),
+                                Err(e) => panic!("key {key}: {e}"),
+                            }
+                        }
+                        left.drain(..take.len());
+                        left.extend(retry);
+                        if !left.is_empty() {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                    }
+                });
+            });
+        }
+    });
+    assert_eq!(ledger.duplicates(), Default::default());
+    assert_eq!(ledger.total(), KEYS);
+    drop(ctx);
+}
+
+/// Issue 34, item 1: the bodies of a batch have finished and its finish
+/// round trip is in flight when the batch is dropped (a consumer giving up
+/// at its drain timeout); the round trip then fails (the connection is
+/// cut). The results must still be stored, as a dropped single call's are,
+/// so that no body runs again when the lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_whose_finish_met_a_blip_still_stores_its_results() {
+    let ctx =
+        TestContext::redis_behind_proxy(RedisServer::start(), RedisStoreConfig::default()).await;
+    let idem = ctx.builder().lease(Duration::from_secs(6)).build();
+    let ledger = Ledger::new();
+    let keys = ["a", "b", "c"];
+    let (go, gate) = tokio::sync::watch::channel(false);
+    let batch: Batch = keys.iter().map(|k| idem.call("s", k)).collect();
+    let mut run = Box::pin(batch.run_outcome(|i| {
+        let (mut gate, ledger) = (gate.clone(), &ledger);
+        async move {
+            let _ = gate.wait_for(|go| *go).await;
+            ledger.record(keys[i]);
+            Ok::<_, Error>(i as u32)
+        }
+    }));
+    // The claims went through; the bodies wait.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut run)
+            .await
+            .is_err()
+    );
+    // The bodies finish; their finish round trip is held on its way.
+    ctx.proxy().stall(true);
+    go.send(true).unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut run)
+            .await
+            .is_err()
+    );
+    assert_eq!(ledger.total(), 3);
+    drop(run);
+    // The round trip fails: the connection is cut, the request lost.
+    ctx.proxy().drop_connections();
+    ctx.proxy().stall(false);
+    let mut states = Vec::new();
+    for _ in 0..50 {
+        states.clear();
+        for k in keys {
+            states.push(idem.inspect("s", k).await.ok().flatten().map(|i| i.state));
+        }
+        if states.iter().all(|s| *s == Some(KeyState::Completed)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        states.iter().all(|s| *s == Some(KeyState::Completed)),
+        "a dropped batch left its finished results unstored after a blip: {states:?}"
+    );
+    for (i, k) in keys.iter().enumerate() {
+        let again = idem
+            .call("s", k)
+            .run_outcome(|| async {
+                ledger.record(k);
+                Ok::<_, Error>(99)
+            })
+            .await
+            .unwrap();
+        assert_eq!(again, (i as u32, Outcome::Replayed));
+        assert_eq!(ledger.count(k), 1, "{k}'s body ran twice");
+    }
+}
+
+/// Issue 34, item 4: a batch dropped while its claims are on their way to
+/// the store. Its keys must be free as soon as the claims land, not after
+/// a whole lease: a release sent at the drop would reach the store first
+/// (as it can on a pool of connections) and find nothing, and the claims
+/// would land after it.
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land(store: impl Store) {
+    let store = CountingStore::new(store).delay_claim_batches(Duration::from_millis(300));
+    let idem = Idempotency::builder(store)
+        .lease(Duration::from_secs(60))
+        .build();
+    let ledger = Ledger::new();
+    let keys = ["x", "y"];
+    let batch: Batch = keys.iter().map(|k| idem.call("s", k)).collect();
+    let run = batch.run_outcome(|i| {
+        let ledger = &ledger;
+        async move {
+            ledger.record(keys[i]);
+            Ok::<_, Error>(i as u32)
+        }
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), run)
+            .await
+            .is_err()
+    );
+    // Past the claims' landing: a key read before would be free anyway.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut left = Vec::new();
+    for _ in 0..50 {
+        left.clear();
+        for k in keys {
+            if let Some(info) = idem.inspect("s", k).await.unwrap() {
+                left.push((k, info.state));
+            }
+        }
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        left.is_empty(),
+        "the dropped batch's claims landed after its release: {left:?} wait out the lease"
+    );
+    for k in keys {
+        let (_, o) = idem
+            .call("s", k)
+            .run_outcome(|| async {
+                ledger.record(k);
+                Ok::<_, Error>(7)
+            })
+            .await
+            .unwrap();
+        assert_eq!(o, Outcome::Executed);
+        assert_eq!(ledger.count(k), 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_redis() {
+    let ctx = TestContext::redis().await;
+    a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.redis_store().clone()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_postgres() {
+    let ctx = TestContext::postgres().await;
+    a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.pg_store().clone()).await;
+}
