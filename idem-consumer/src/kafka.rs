@@ -210,7 +210,7 @@ impl KafkaConsumer {
         }
         consumer
             .subscribe(&topics)
-            .map_err(|e| ConsumerError::broker(BROKER, "subscribe", e))?;
+            .map_err(|e| ConsumerError::broker_error(BROKER, "subscribe", e))?;
         let mut producer_cfg = ClientConfig::new();
         producer_cfg
             .set("bootstrap.servers", &cfg.brokers)

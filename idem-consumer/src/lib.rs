@@ -76,7 +76,7 @@ pub use decision::{
     AllRetryable, ByTrait, Classify, ClassifyError, DeadLetterReason, Decision, ErrorClass,
     dead_letter_field,
 };
-pub use error::ConsumerError;
+pub use error::{BrokerSource, ConsumerError};
 pub use heartbeat::with_heartbeat;
 pub use idem_core::{DeriveError, KeyDeriver};
 pub use message::{KeySource, Message};

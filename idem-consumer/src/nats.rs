@@ -238,7 +238,7 @@ impl NatsConsumer {
         let info = consumer
             .info()
             .await
-            .map_err(|e| ConsumerError::broker(BROKER, "consumer_info", e))?
+            .map_err(|e| ConsumerError::broker_error(BROKER, "consumer_info", e))?
             .clone();
         if info.config.ack_policy != AckPolicy::Explicit {
             return Err(ConsumerError::Config(format!(
@@ -309,9 +309,9 @@ impl NatsConsumer {
             .context
             .publish_with_headers(subject.clone(), headers, m.payload.clone())
             .await
-            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
+            .map_err(|e| ConsumerError::broker_error(BROKER, "dead_letter", e))?;
         ack.await
-            .map_err(|e| ConsumerError::broker(BROKER, "dead_letter", e))?;
+            .map_err(|e| ConsumerError::broker_error(BROKER, "dead_letter", e))?;
         Ok(())
     }
 }
@@ -394,7 +394,7 @@ async fn check_dead_letters_on_streams(
     let own = js
         .get_stream(on.stream)
         .await
-        .map_err(|e| ConsumerError::broker(BROKER, "stream_info", e))?;
+        .map_err(|e| ConsumerError::broker_error(BROKER, "stream_info", e))?;
     let own = own.cached_info();
     let in_own = check_dead_letter_subject(on, dead, Some(&own.config.subjects))?;
     let (keeper, retention) = if in_own == Some(true) {
@@ -411,12 +411,12 @@ async fn check_dead_letters_on_streams(
                     on.stream, on.consumer
                 )));
             }
-            Err(e) => return Err(ConsumerError::broker(BROKER, "stream_by_subject", e)),
+            Err(e) => return Err(ConsumerError::broker_error(BROKER, "stream_by_subject", e)),
         };
         let keeper = js
             .get_stream(&name)
             .await
-            .map_err(|e| ConsumerError::broker(BROKER, "stream_info", e))?;
+            .map_err(|e| ConsumerError::broker_error(BROKER, "stream_info", e))?;
         (name, keeper.cached_info().config.retention)
     };
     if retention == RetentionPolicy::Interest {
@@ -519,7 +519,7 @@ impl Adapter for NatsConsumer {
                 .expires(Duration::from_secs(30))
                 .messages()
                 .await
-                .map_err(|e| ConsumerError::broker(BROKER, "subscribe", e))?;
+                .map_err(|e| ConsumerError::broker_error(BROKER, "subscribe", e))?;
             *guard = Some(stream);
         }
         let Some(stream) = guard.as_mut() else {
@@ -539,7 +539,7 @@ impl Adapter for NatsConsumer {
                     // the next fetch opens a fresh one; keep what we have.
                     *guard = None;
                     if out.is_empty() {
-                        return Err(ConsumerError::broker(BROKER, "fetch", e));
+                        return Err(ConsumerError::broker_error(BROKER, "fetch", e));
                     }
                     tracing::warn!(error = %e, "pull subscription failed; reopening");
                     return Ok(out);
@@ -605,7 +605,12 @@ impl Adapter for NatsConsumer {
                 }
             }
         };
-        sent.map_err(|e| ConsumerError::broker(BROKER, "ack", e))
+        sent.map_err(|e| ConsumerError::Broker {
+            broker: BROKER,
+            op: "ack",
+            reason: e.to_string(),
+            source: Some(e.into()),
+        })
     }
 
     /// Settles each stream message once: two deliveries of one stream

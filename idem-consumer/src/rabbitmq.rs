@@ -87,7 +87,7 @@ fn short(what: &str, s: &str) -> Result<ShortString, ConsumerError> {
 }
 
 fn amqp_err(op: &'static str) -> impl Fn(lapin::Error) -> ConsumerError {
-    move |e| ConsumerError::broker(BROKER, op, e)
+    move |e| ConsumerError::broker_error(BROKER, op, e)
 }
 
 /// Declares a durable **quorum** queue whose rejected messages go to the

@@ -296,7 +296,7 @@ impl fmt::Debug for RedisStreamsConsumer {
 }
 
 fn broker_err(op: &'static str) -> impl Fn(RedisError) -> ConsumerError {
-    move |e| ConsumerError::broker(BROKER, op, e)
+    move |e| ConsumerError::broker_error(BROKER, op, e)
 }
 
 impl RedisStreamsConsumer {

@@ -5,62 +5,28 @@ use std::fmt;
 
 /// Longest accepted key, in bytes (after unquoting); the grammar's, from
 /// `idem-key`, which `idem-client` shares.
-pub use idem_key::MAX_KEY_LEN;
+pub use idem_key::{KeyError, MAX_KEY_LEN};
 
 /// Why an `Idempotency-Key` header was refused (answered with `400`).
 ///
 /// ```
-/// use idem_http::{parse_idempotency_key, KeyHeaderError};
+/// use idem_http::{parse_idempotency_key, KeyError, KeyHeaderError};
 /// let bad = http::HeaderValue::from_static("\"unterminated");
-/// assert_eq!(parse_idempotency_key(&bad), Err(KeyHeaderError::Unterminated));
+/// assert_eq!(
+///     parse_idempotency_key(&bad),
+///     Err(KeyHeaderError::Invalid(KeyError::Unterminated))
+/// );
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyHeaderError {
-    /// The header is present but holds nothing (or `""`).
-    #[error(
-        "the Idempotency-Key header is empty; send 1 to {MAX_KEY_LEN} printable ASCII characters, e.g. a UUID"
-    )]
-    Empty,
-    /// The key is only spaces (almost certainly one never filled in).
-    #[error("the Idempotency-Key is only spaces; send a unique value per operation, e.g. a UUID")]
-    OnlySpaces,
-    /// The key is longer than [`MAX_KEY_LEN`] bytes.
-    #[error("the Idempotency-Key is {len} bytes, over the {MAX_KEY_LEN}-byte limit")]
-    TooLong {
-        /// Length of the key in bytes.
-        len: usize,
-    },
-    /// A byte that is not printable ASCII (a control character, or a byte
-    /// over 0x7E such as part of a UTF-8 sequence).
-    #[error(
-        "the Idempotency-Key contains a byte that is not printable ASCII (0x{byte:02x} at offset {at})"
-    )]
-    NotPrintable {
-        /// The offending byte.
-        byte: u8,
-        /// Its offset in the header value.
-        at: usize,
-    },
-    /// A bare (unquoted) key containing a space: quote it instead.
-    #[error(
-        "the Idempotency-Key contains a space; keys with spaces must be sent as a quoted string (\"...\")"
-    )]
-    SpaceInToken,
-    /// A quoted key with a backslash followed by something other than `"` or `\`.
-    #[error(
-        "the quoted Idempotency-Key has an invalid escape at offset {at}; only \\\" and \\\\ are allowed"
-    )]
-    BadEscape {
-        /// Offset of the backslash in the header value.
-        at: usize,
-    },
-    /// A quoted key without its closing quote.
-    #[error("the quoted Idempotency-Key has no closing quote")]
-    Unterminated,
-    /// Something after the closing quote (parameters are not supported).
-    #[error("the quoted Idempotency-Key has characters after its closing quote")]
-    TrailingCharacters,
+    /// The value breaks the key grammar (`idem-key`'s, which `idem-client`
+    /// shares): empty, only spaces, over [`MAX_KEY_LEN`] bytes, not
+    /// printable ASCII, a space in a bare token, a bad escape, an
+    /// unterminated quote, characters after it. The grammar's error says
+    /// which, and what to send instead.
+    #[error(transparent)]
+    Invalid(#[from] KeyError),
     /// The header was sent more than once.
     #[error("the Idempotency-Key header was sent more than once; send exactly one")]
     Multiple,
@@ -100,25 +66,6 @@ impl IdempotencyKey {
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
-    }
-}
-
-impl From<idem_key::KeyError> for KeyHeaderError {
-    fn from(e: idem_key::KeyError) -> Self {
-        use idem_key::KeyError as K;
-        match e {
-            K::Empty => KeyHeaderError::Empty,
-            K::OnlySpaces => KeyHeaderError::OnlySpaces,
-            K::TooLong { len } => KeyHeaderError::TooLong { len },
-            K::NotPrintable { byte, at } => KeyHeaderError::NotPrintable { byte, at },
-            K::SpaceInToken => KeyHeaderError::SpaceInToken,
-            K::BadEscape { at } => KeyHeaderError::BadEscape { at },
-            K::Unterminated => KeyHeaderError::Unterminated,
-            K::TrailingCharacters => KeyHeaderError::TrailingCharacters,
-            // The grammar's enum is non-exhaustive; a refusal it adds later
-            // is still a malformed header.
-            _ => KeyHeaderError::Empty,
-        }
     }
 }
 
@@ -167,7 +114,10 @@ mod tests {
     fn parse(bytes: &[u8]) -> Result<String, KeyHeaderError> {
         match HeaderValue::from_bytes(bytes) {
             Ok(v) => parse_idempotency_key(&v),
-            Err(_) => Err(KeyHeaderError::NotPrintable { byte: 0, at: 0 }),
+            Err(_) => Err(KeyHeaderError::Invalid(KeyError::NotPrintable {
+                byte: 0,
+                at: 0,
+            })),
         }
     }
 
@@ -185,29 +135,53 @@ mod tests {
 
     #[test]
     fn refusals() {
-        assert_eq!(parse(b""), Err(KeyHeaderError::Empty));
-        assert_eq!(parse(b"\"\""), Err(KeyHeaderError::Empty));
-        assert_eq!(parse(b"\"  \""), Err(KeyHeaderError::OnlySpaces));
-        assert_eq!(parse(b"a b"), Err(KeyHeaderError::SpaceInToken));
-        assert_eq!(parse(b"\"abc"), Err(KeyHeaderError::Unterminated));
-        assert_eq!(parse(b"\"abc\\"), Err(KeyHeaderError::Unterminated));
+        assert_eq!(parse(b""), Err(KeyHeaderError::Invalid(KeyError::Empty)));
+        assert_eq!(
+            parse(b"\"\""),
+            Err(KeyHeaderError::Invalid(KeyError::Empty))
+        );
+        assert_eq!(
+            parse(b"\"  \""),
+            Err(KeyHeaderError::Invalid(KeyError::OnlySpaces))
+        );
+        assert_eq!(
+            parse(b"a b"),
+            Err(KeyHeaderError::Invalid(KeyError::SpaceInToken))
+        );
+        assert_eq!(
+            parse(b"\"abc"),
+            Err(KeyHeaderError::Invalid(KeyError::Unterminated))
+        );
+        assert_eq!(
+            parse(b"\"abc\\"),
+            Err(KeyHeaderError::Invalid(KeyError::Unterminated))
+        );
         assert_eq!(
             parse(b"\"a\\nb\""),
-            Err(KeyHeaderError::BadEscape { at: 2 })
+            Err(KeyHeaderError::Invalid(KeyError::BadEscape { at: 2 }))
         );
-        assert_eq!(parse(b"\"a\";x=1"), Err(KeyHeaderError::TrailingCharacters));
+        assert_eq!(
+            parse(b"\"a\";x=1"),
+            Err(KeyHeaderError::Invalid(KeyError::TrailingCharacters))
+        );
         assert!(matches!(
             parse("clé".as_bytes()),
-            Err(KeyHeaderError::NotPrintable { byte: 0xc3, at: 2 })
+            Err(KeyHeaderError::Invalid(KeyError::NotPrintable {
+                byte: 0xc3,
+                at: 2
+            }))
         ));
         assert!(matches!(
             parse(b"a\tb"),
-            Err(KeyHeaderError::NotPrintable { byte: b'\t', at: 1 })
+            Err(KeyHeaderError::Invalid(KeyError::NotPrintable {
+                byte: b'\t',
+                at: 1
+            }))
         ));
         assert_eq!(parse(&[b'k'; 255]).map(|k| k.len()), Ok(255));
         assert_eq!(
             parse(&[b'k'; 256]),
-            Err(KeyHeaderError::TooLong { len: 256 })
+            Err(KeyHeaderError::Invalid(KeyError::TooLong { len: 256 }))
         );
         let mut quoted = vec![b'"'];
         quoted.extend([b'k'; 255]);

@@ -128,5 +128,5 @@ pub(super) async fn publish(
         .send(record, timeout)
         .await
         .map(|_| ())
-        .map_err(|(e, _)| ConsumerError::broker(super::BROKER, "publish", e))
+        .map_err(|(e, _)| ConsumerError::broker_error(super::BROKER, "publish", e))
 }
