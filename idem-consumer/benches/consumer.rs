@@ -13,8 +13,13 @@
 //! pipelined per batch, without idem's code); and idem, each message
 //! through `Consumer` (claim, no-op handler, stored result) on a private
 //! redis-server. The `core-*` phases take ready messages (no broker) on
-//! Redis and on PostgreSQL (`PgStore`, a database of its own). Loops
-//! alternate over `ROUNDS` rounds and the best round of each is reported.
+//! the in-process `MemoryStore` (`core-memory`: idem's own cost, no network;
+//! its floor is an in-process set), on Redis and on PostgreSQL (`PgStore`, a
+//! database of its own). Loops alternate over `ROUNDS` rounds and the best
+//! round of each is reported. Every timed loop also counts the process's
+//! heap allocations (a counting global allocator, `stats_alloc`), printed
+//! per message beside the rates (`allocs/msg`: the fewest of the rounds;
+//! they include the broker and Redis clients' own).
 //! NATS and RabbitMQ are taken from `NATS_URL` / `AMQP_URL` or their
 //! default local ports; PostgreSQL as idem-testkit finds it.
 
@@ -23,9 +28,52 @@ use idem_consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
 use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};
 use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig, redis};
 use idem_consumer::{Adapter, Consumer, Message};
-use idem_core::{Idempotency, RedisStore};
+use idem_core::{Idempotency, MemoryStore, RedisStore};
 use idem_testkit::RedisServer;
+use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
+use std::alloc::System;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Heap allocations (and reallocations) so far, process-wide.
+fn allocations() -> usize {
+    let stats = GLOBAL.stats();
+    stats.allocations + stats.reallocations
+}
+
+/// The allocations per message of the last timed loop (f64 bits).
+static LAST_ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+fn last_allocs() -> f64 {
+    f64::from_bits(LAST_ALLOCS.load(Ordering::SeqCst))
+}
+
+/// A timed loop over `MESSAGES` messages: its rate, and (kept for
+/// [`last_allocs`]) its allocations per message.
+struct Timer {
+    start: Instant,
+    allocs: usize,
+}
+
+impl Timer {
+    fn start() -> Timer {
+        Timer {
+            start: Instant::now(),
+            allocs: allocations(),
+        }
+    }
+
+    /// Messages per second since the start; records allocations per message.
+    fn rate(&self) -> f64 {
+        let allocs = allocations().saturating_sub(self.allocs) as f64 / MESSAGES as f64;
+        LAST_ALLOCS.store(allocs.to_bits(), Ordering::SeqCst);
+        MESSAGES as f64 / self.start.elapsed().as_secs_f64()
+    }
+}
 
 #[path = "consumer/floor.rs"]
 mod floor;
@@ -88,7 +136,7 @@ async fn redis_bare(url: &str, run: usize, floor: Option<&RedisFloor>) -> f64 {
         .unwrap();
     let stream = format!("{}{run}", if floor.is_some() { "floor" } else { "bare" });
     redis_publish(&mut c, &stream, run).await;
-    let start = Instant::now();
+    let start = Timer::start();
     let mut done = 0;
     while done < MESSAGES {
         let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
@@ -121,7 +169,7 @@ async fn redis_bare(url: &str, run: usize, floor: Option<&RedisFloor>) -> f64 {
             .await
             .unwrap();
     }
-    MESSAGES as f64 / start.elapsed().as_secs_f64()
+    start.rate()
 }
 
 async fn redis_idem(url: &str, run: usize) -> f64 {
@@ -141,12 +189,12 @@ async fn redis_idem(url: &str, run: usize) -> f64 {
     )
     .await
     .unwrap();
-    let start = Instant::now();
+    let start = Timer::start();
     let mut done = 0;
     while done < MESSAGES {
         done += s.poll(&consumer, &noop).await.unwrap().acked;
     }
-    MESSAGES as f64 / start.elapsed().as_secs_f64()
+    start.rate()
 }
 
 // ------------------------------------------------------------------- NATS
@@ -190,7 +238,7 @@ async fn nats_bare(
 ) -> f64 {
     let tag = if floor.is_some() { "FLOOR" } else { "BARE" };
     let (name, pull) = nats_setup(js, run, tag).await;
-    let start = Instant::now();
+    let start = Timer::start();
     let msgs = pull
         .stream()
         .max_messages_per_batch(BATCH)
@@ -227,7 +275,7 @@ async fn nats_bare(
             }
         }
     }
-    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    let rate = start.rate();
     js.delete_stream(&name).await.unwrap();
     rate
 }
@@ -243,12 +291,12 @@ async fn nats_idem(js: &async_nats::jetstream::Context, redis_url: &str, run: us
     )
     .await
     .unwrap();
-    let start = Instant::now();
+    let start = Timer::start();
     let mut done = 0;
     while done < MESSAGES {
         done += n.poll(&consumer, &noop).await.unwrap().acked;
     }
-    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    let rate = start.rate();
     js.delete_stream(&name).await.unwrap();
     rate
 }
@@ -315,7 +363,7 @@ async fn rabbit_bare(conn: &lapin::Connection, run: usize, floor: Option<&RedisF
         )
         .await
         .unwrap();
-    let start = Instant::now();
+    let start = Timer::start();
     match floor {
         None => {
             for _ in 0..MESSAGES {
@@ -344,7 +392,7 @@ async fn rabbit_bare(conn: &lapin::Connection, run: usize, floor: Option<&RedisF
             }
         }
     }
-    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    let rate = start.rate();
     rabbit_cleanup(&ch, &q).await;
     rate
 }
@@ -362,12 +410,12 @@ async fn rabbit_idem(conn: &lapin::Connection, redis_url: &str, run: usize) -> f
     )
     .await
     .unwrap();
-    let start = Instant::now();
+    let start = Timer::start();
     let mut done = 0;
     while done < MESSAGES {
         done += r.poll(&consumer, &noop).await.unwrap().acked;
     }
-    let rate = MESSAGES as f64 / start.elapsed().as_secs_f64();
+    let rate = start.rate();
     rabbit_cleanup(&ch, &q).await;
     rate
 }
@@ -383,12 +431,12 @@ fn ready_messages(run: usize) -> Vec<Message> {
 /// The core with no broker: batches of ready messages through idem.
 async fn core_idem(consumer: &Consumer, run: usize) -> f64 {
     let msgs = ready_messages(run);
-    let start = Instant::now();
+    let start = Timer::start();
     for chunk in msgs.chunks(BATCH) {
         let out = consumer.handle_batch(chunk, &noop).await;
         assert!(out.iter().all(|h| h.decision.is_ack()));
     }
-    MESSAGES as f64 / start.elapsed().as_secs_f64()
+    start.rate()
 }
 
 /// The core's floor: the same batches, deduplicated without idem.
@@ -398,7 +446,7 @@ where
     Fut: std::future::Future<Output = usize>,
 {
     let msgs = ready_messages(run);
-    let start = Instant::now();
+    let start = Timer::start();
     for chunk in msgs.chunks(BATCH) {
         let keys = chunk
             .iter()
@@ -406,24 +454,52 @@ where
             .collect();
         assert_eq!(dedup(keys).await, chunk.len());
     }
-    MESSAGES as f64 / start.elapsed().as_secs_f64()
+    start.rate()
 }
 
 // ------------------------------------------------------------------- main
 
 /// One line per phase, in the form earlier versions printed plus the floor:
-/// `ratio` is idem against the bare loop, `of-floor` idem against the floor.
-fn report(phase: &str, bare: Option<&[f64]>, floor: &[f64], idem: &[f64]) {
+/// `ratio` is idem against the bare loop, `of-floor` idem against the floor;
+/// then the allocations per message of the floor and of idem.
+fn report(phase: &str, bare: Option<&[f64]>, floor: &Runs, idem: &Runs) {
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let (f, i) = (best(floor), best(idem));
+    let (f, i) = (best(&floor.rates), best(&idem.rates));
     let (bare, ratio) = match bare {
         Some(b) => (format!("{:>8.0}", best(b)), format!("{:.2}", i / best(b))),
         None => (format!("{:>8}", "-"), "-".to_owned()),
     };
     println!(
-        "{phase:<14} bare {bare} msg/s  floor {f:>8.0} msg/s  idem {i:>8.0} msg/s  ratio {ratio}  of-floor {:.2}",
-        i / f
+        "{phase:<14} bare {bare} msg/s  floor {f:>8.0} msg/s  idem {i:>8.0} msg/s  ratio {ratio}  of-floor {:.2}  allocs/msg floor {:.1} idem {:.1}",
+        i / f,
+        floor.allocs(),
+        idem.allocs(),
     );
+}
+
+/// The rounds of one loop: rates, and allocations per message.
+#[derive(Default)]
+struct Runs {
+    rates: Vec<f64>,
+    allocs: Vec<f64>,
+}
+
+impl Runs {
+    /// Adds a round: its rate, with the allocations its timer recorded.
+    fn push(&mut self, rate: f64) {
+        self.rates.push(rate);
+        self.allocs.push(last_allocs());
+    }
+
+    /// Adds a round measured elsewhere: (rate, allocations per message).
+    fn push_with(&mut self, (rate, allocs): (f64, f64)) {
+        self.rates.push(rate);
+        self.allocs.push(allocs);
+    }
+
+    fn allocs(&self) -> f64 {
+        self.allocs.iter().copied().fold(f64::INFINITY, f64::min)
+    }
 }
 
 fn main() {
@@ -445,8 +521,31 @@ fn main() {
     );
     rt.block_on(async {
         let mut run = 0;
+        if wanted("core-memory") {
+            let (mut floor, mut idem) = (Runs::default(), Runs::default());
+            for _ in 0..ROUNDS {
+                run += 1;
+                let seen = Mutex::new(std::collections::HashSet::new());
+                floor.push(
+                    core_floor(run, |keys| {
+                        let fresh = {
+                            let mut seen = seen.lock().unwrap();
+                            keys.into_iter().filter(|k| seen.insert(k.clone())).count()
+                        };
+                        std::future::ready(fresh)
+                    })
+                    .await,
+                );
+                let idem_memory = Idempotency::builder(MemoryStore::new())
+                    .namespace(format!("bench{run}"))
+                    .build();
+                let c = Consumer::new(idem_memory, "bench").concurrency(BATCH);
+                idem.push(core_idem(&c, run).await);
+            }
+            report("core-memory", None, &floor, &idem);
+        }
         if wanted("core-redis") {
-            let (mut floor, mut idem) = (Vec::new(), Vec::new());
+            let (mut floor, mut idem) = (Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 let f = RedisFloor::connect(&url, run).await;
@@ -464,7 +563,7 @@ fn main() {
         if wanted("core-postgres") {
             let ctx = idem_testkit::TestContext::postgres().await;
             let pg = PgFloor::new(ctx.pg_db().pool.clone()).await;
-            let (mut floor, mut idem) = (Vec::new(), Vec::new());
+            let (mut floor, mut idem) = (Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 floor.push(core_floor(run, |keys| pg.dedup_owned(keys)).await);
@@ -478,7 +577,7 @@ fn main() {
             report("core-postgres", None, &floor, &idem);
         }
         if wanted("redis-streams") {
-            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 bare.push(redis_bare(&url, run, None).await);
@@ -496,7 +595,7 @@ fn main() {
                     .await
                     .unwrap_or_else(|e| panic!("NATS at {nats_url}: {e}")),
             );
-            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 bare.push(nats_bare(&js, run, None).await);
@@ -512,7 +611,7 @@ fn main() {
             let conn = lapin::Connection::connect(&amqp, Default::default())
                 .await
                 .unwrap_or_else(|e| panic!("RabbitMQ at {amqp}: {e}"));
-            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 bare.push(rabbit_bare(&conn, run, None).await);
@@ -524,13 +623,13 @@ fn main() {
         }
         if wanted("kafka") {
             let broker = idem_testkit::KafkaBroker::start();
-            let (mut bare, mut floor, mut idem) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
             for _ in 0..ROUNDS {
                 run += 1;
                 let (b, f, i) = kafka::round(&broker, &url, run).await;
                 bare.push(b);
-                floor.push(f);
-                idem.push(i);
+                floor.push_with(f);
+                idem.push_with(i);
             }
             report("kafka", Some(&bare), &floor, &idem);
         }

@@ -17,7 +17,7 @@ use idem_consumer::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
 use idem_consumer::kafka::{KafkaConfig, KafkaConsumer, header_names};
 use idem_testkit::KafkaBroker;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const PARTITIONS: i32 = 3;
 
@@ -100,7 +100,7 @@ fn bare(bootstrap: &str, topic: &str, run: usize, floor: Option<RedisFloor>) -> 
             continue;
         };
         let m = m.expect("poll");
-        start.get_or_insert_with(Instant::now);
+        start.get_or_insert_with(super::Timer::start);
         seen += 1;
         if floor.is_some() {
             keys.push(m.payload().unwrap_or_default().to_vec());
@@ -114,7 +114,7 @@ fn bare(bootstrap: &str, topic: &str, run: usize, floor: Option<RedisFloor>) -> 
     flush(&mut keys);
     c.commit_consumer_state(CommitMode::Sync)
         .expect("final commit");
-    MESSAGES as f64 / start.map_or(f64::MAX, |s| s.elapsed().as_secs_f64())
+    start.map_or(f64::MAX, |s| s.rate())
 }
 
 /// Through the adapter: a no-op handler run once per record through idem,
@@ -127,9 +127,9 @@ async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 
             .set("fetch.wait.max.ms", "10"),
     )
     .expect("kafka consumer");
-    let start: OnceLock<Instant> = OnceLock::new();
+    let start: OnceLock<super::Timer> = OnceLock::new();
     let handler = |m: Message| {
-        start.get_or_init(Instant::now);
+        start.get_or_init(super::Timer::start);
         noop(m)
     };
     let done = async {
@@ -143,24 +143,26 @@ async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     };
-    let mut end = None;
+    let mut rate = None;
     let report = kc
         .run(&consumer, &handler, async {
             done.await;
-            end = Some(Instant::now());
+            rate = start.get().map(super::Timer::rate);
         })
         .await
         .expect("run");
     assert_eq!(report.acked, MESSAGES, "{report:?}");
-    let (Some(s), Some(e)) = (start.get(), end) else {
-        return 0.0;
-    };
-    MESSAGES as f64 / e.duration_since(*s).as_secs_f64()
+    rate.unwrap_or(0.0)
 }
 
 /// One round: a fresh topic each for the bare loop, the floor and the
 /// adapter. Returns (bare, floor, idem).
-pub async fn round(kafka: &KafkaBroker, redis_url: &str, run: usize) -> (f64, f64, f64) {
+/// The floor's and idem's rates come with their allocations per message.
+pub async fn round(
+    kafka: &KafkaBroker,
+    redis_url: &str,
+    run: usize,
+) -> (f64, (f64, f64), (f64, f64)) {
     let bootstrap = kafka.bootstrap();
     let mut rates = Vec::new();
     for (offset, floor) in [
@@ -169,13 +171,12 @@ pub async fn round(kafka: &KafkaBroker, redis_url: &str, run: usize) -> (f64, f6
     ] {
         let t = setup(&bootstrap, run + offset).await;
         let bs = bootstrap.clone();
-        rates.push(
-            tokio::task::spawn_blocking(move || bare(&bs, &t, run, floor))
-                .await
-                .expect("bare loop"),
-        );
+        let rate = tokio::task::spawn_blocking(move || bare(&bs, &t, run, floor))
+            .await
+            .expect("bare loop");
+        rates.push((rate, super::last_allocs()));
     }
     let t = setup(&bootstrap, run + 100_000).await;
     let i = idem(&bootstrap, redis_url, &t, run).await;
-    (rates[0], rates[1], i)
+    (rates[0].0, rates[1], (i, super::last_allocs()))
 }
