@@ -66,7 +66,7 @@
 //! Every stage outlives outages: PostgreSQL, RabbitMQ or Kafka down is
 //! logged and retried; a stage killed at any point loses nothing, and its
 //! restart neither inserts an order twice nor applies an event twice.
-//! `tests/orders_outbox_example.rs` proves it by SIGKILLing the three
+//! `tests/it/orders_outbox_example.rs` proves it by SIGKILLing the three
 //! stages and restarting PostgreSQL while orders flow.
 
 use idem::Idempotency;

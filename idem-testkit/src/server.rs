@@ -433,7 +433,7 @@ fn tail(path: &Path, from: u64, lines: usize) -> String {
 
 /// The environment variable that names the server binary the tests run
 /// instead of `redis-server` from `PATH`, e.g. a Valkey:
-/// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test --test semantics`.
+/// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test --test it semantics::`.
 pub const SERVER_ENV: &str = "IDEM_REDIS_SERVER";
 
 /// The server binary [`SERVER_ENV`] names, if it is set and not empty.

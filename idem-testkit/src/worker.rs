@@ -1,5 +1,5 @@
 //! The child side of multi-process tests: a test binary re-executed as a
-//! worker process (see `tests/processes.rs`), which must never outlive the
+//! worker process (see `tests/it/processes.rs`), which must never outlive the
 //! test that started it.
 
 use std::future::Future;

@@ -30,21 +30,22 @@ use std::process::{Command, ExitCode, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-/// The Redis suites of the root crate, run a second time on Valkey.
+/// The Redis suites of the root crate (modules of its `it` test binary),
+/// run a second time on Valkey.
 const REDIS_SUITES: &[&str] = &[
-    "semantics",
-    "model",
-    "faults",
-    "outbox_redis",
-    "cluster",
-    "wait",
-    "acl",
-    "edges",
-    "complete_path",
+    "semantics::",
+    "model::",
+    "faults::",
+    "outbox_redis::",
+    "cluster::",
+    "wait::",
+    "acl::",
+    "edges::",
+    "complete_path::",
 ];
 
 /// The root crate's Redis outbox suite, run again with feature `metrics`.
-const METRICS_OUTBOX_SUITE: &str = "outbox_redis";
+const METRICS_OUTBOX_SUITE: &str = "outbox_redis::";
 
 type Result<T = ()> = std::result::Result<T, String>;
 
@@ -527,14 +528,10 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
         "== Redis suites on Valkey ({})",
         tools.valkey_server.display()
     );
-    let mut valkey = cargo();
-    valkey
-        .arg("test")
-        .env("IDEM_REDIS_SERVER", &tools.valkey_server);
-    for suite in REDIS_SUITES {
-        valkey.args(["--test", suite]);
-    }
-    run(&mut valkey)?;
+    run(cargo()
+        .args(["test", "--test", "it", "--"])
+        .args(REDIS_SUITES)
+        .env("IDEM_REDIS_SERVER", &tools.valkey_server))?;
 
     // With feature `metrics` every store is wrapped (Metered): the wrapper
     // must forward what the outbox needs, or `outbox::stage` fails on
@@ -545,6 +542,8 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
         "--features",
         "metrics",
         "--test",
+        "it",
+        "--",
         METRICS_OUTBOX_SUITE,
     ]))
 }

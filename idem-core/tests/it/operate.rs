@@ -333,7 +333,7 @@ impl Store for Deaf {
 
 /// A forget in one `Idempotency` drops the copy in another's local cache
 /// at once when the store delivers invalidations (MemoryStore clones here;
-/// Redis in `tests/invalidate.rs`).
+/// Redis in `tests/it/invalidate.rs`).
 #[tokio::test(start_paused = true)]
 async fn forget_reaches_other_local_caches() {
     let store = MemoryStore::new();

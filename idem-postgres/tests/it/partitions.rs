@@ -7,8 +7,7 @@
 //!
 //! The period is one second, so a test crosses several.
 
-mod support;
-
+use crate::support::TestDb;
 use async_trait::async_trait;
 use idem_core::outbox::{OutboxMessage, Sink, SinkError};
 use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind};
@@ -21,7 +20,6 @@ use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::TestDb;
 
 const SECOND: Duration = Duration::from_secs(1);
 const WORKER_URL: &str = "IDEM_PG_PARTITION_WORKER_URL";
@@ -490,7 +488,7 @@ async fn sigkilled_workers_across_turning_periods_run_each_body_once() {
     };
     let spawn = |n: usize| {
         tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "worker_process", "--nocapture"])
+            .args(["--exact", "partitions::worker_process", "--nocapture"])
             .env(WORKER_URL, &db.url)
             .env("IDEM_PG_PARTITION_WORKER_SEED", n.to_string())
             .stdout(Stdio::null())

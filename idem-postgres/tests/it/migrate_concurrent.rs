@@ -46,7 +46,7 @@ async fn migrate_at_once(db: &PgTestDb, partitioned: bool) -> Vec<Report> {
             tokio::process::Command::new(&exe)
                 .args([
                     "--exact",
-                    "migrating_process",
+                    "migrate_concurrent::migrating_process",
                     "--nocapture",
                     "--test-threads=1",
                 ])

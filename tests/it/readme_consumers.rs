@@ -4,44 +4,44 @@
 //! broker feature), and the documents print exactly those.
 
 // Compiled (type-checked), not run: each consumes until Ctrl-C.
-#[path = "readme/redis_streams_consumer.rs"]
+#[path = "../readme/redis_streams_consumer.rs"]
 #[allow(dead_code)]
 mod redis_streams;
 
-#[path = "readme/nats_consumer.rs"]
+#[path = "../readme/nats_consumer.rs"]
 #[allow(dead_code)]
 mod nats;
 
-#[path = "readme/rabbitmq_consumer.rs"]
+#[path = "../readme/rabbitmq_consumer.rs"]
 #[allow(dead_code)]
 mod rabbitmq;
 
-#[path = "readme/kafka_consumer.rs"]
+#[path = "../readme/kafka_consumer.rs"]
 #[allow(dead_code)]
 mod kafka;
 
 // The guides' opening programs (docs/steps.md, docs/postgres.md, docs/http.md).
-#[path = "readme/steps_checkout.rs"]
+#[path = "../readme/steps_checkout.rs"]
 #[allow(dead_code)]
 mod steps;
 
-#[path = "readme/postgres_order.rs"]
+#[path = "../readme/postgres_order.rs"]
 #[allow(dead_code)]
 mod postgres;
 
-#[path = "readme/http_server.rs"]
+#[path = "../readme/http_server.rs"]
 #[allow(dead_code)]
 mod http;
 
 /// The documents that print consumer programs.
 const DOCS: [(&str, &str); 7] = [
-    ("README.md", include_str!("../README.md")),
-    ("docs/consumers.md", include_str!("../docs/consumers.md")),
-    ("docs/kafka.md", include_str!("../docs/kafka.md")),
-    ("docs/steps.md", include_str!("../docs/steps.md")),
-    ("docs/postgres.md", include_str!("../docs/postgres.md")),
-    ("docs/http.md", include_str!("../docs/http.md")),
-    ("docs/outbox.md", include_str!("../docs/outbox.md")),
+    ("README.md", include_str!("../../README.md")),
+    ("docs/consumers.md", include_str!("../../docs/consumers.md")),
+    ("docs/kafka.md", include_str!("../../docs/kafka.md")),
+    ("docs/steps.md", include_str!("../../docs/steps.md")),
+    ("docs/postgres.md", include_str!("../../docs/postgres.md")),
+    ("docs/http.md", include_str!("../../docs/http.md")),
+    ("docs/outbox.md", include_str!("../../docs/outbox.md")),
 ];
 
 /// Fails unless a document holds `program` as a whole ```rust block.
@@ -59,20 +59,23 @@ fn assert_readme_prints(file: &str, program: &str) {
 fn the_readme_prints_the_redis_streams_program_compiled_here() {
     assert_readme_prints(
         "redis_streams_consumer.rs",
-        include_str!("readme/redis_streams_consumer.rs"),
+        include_str!("../readme/redis_streams_consumer.rs"),
     );
 }
 
 #[test]
 fn the_readme_prints_the_nats_program_compiled_here() {
-    assert_readme_prints("nats_consumer.rs", include_str!("readme/nats_consumer.rs"));
+    assert_readme_prints(
+        "nats_consumer.rs",
+        include_str!("../readme/nats_consumer.rs"),
+    );
 }
 
 #[test]
 fn the_readme_prints_the_rabbitmq_program_compiled_here() {
     assert_readme_prints(
         "rabbitmq_consumer.rs",
-        include_str!("readme/rabbitmq_consumer.rs"),
+        include_str!("../readme/rabbitmq_consumer.rs"),
     );
 }
 
@@ -80,7 +83,7 @@ fn the_readme_prints_the_rabbitmq_program_compiled_here() {
 fn the_readme_prints_the_kafka_program_compiled_here() {
     assert_readme_prints(
         "kafka_consumer.rs",
-        include_str!("readme/kafka_consumer.rs"),
+        include_str!("../readme/kafka_consumer.rs"),
     );
 }
 
@@ -88,7 +91,7 @@ fn the_readme_prints_the_kafka_program_compiled_here() {
 fn the_steps_guide_opens_with_the_program_compiled_here() {
     assert_readme_prints(
         "steps_checkout.rs",
-        include_str!("readme/steps_checkout.rs"),
+        include_str!("../readme/steps_checkout.rs"),
     );
 }
 
@@ -96,25 +99,28 @@ fn the_steps_guide_opens_with_the_program_compiled_here() {
 fn the_postgres_guide_opens_with_the_program_compiled_here() {
     assert_readme_prints(
         "postgres_order.rs",
-        include_str!("readme/postgres_order.rs"),
+        include_str!("../readme/postgres_order.rs"),
     );
 }
 
 #[test]
 fn the_http_guide_opens_with_the_program_compiled_here() {
-    assert_readme_prints("http_server.rs", include_str!("readme/http_server.rs"));
+    assert_readme_prints("http_server.rs", include_str!("../readme/http_server.rs"));
 }
 
-#[path = "readme/outbox_orders.rs"]
+#[path = "../readme/outbox_orders.rs"]
 #[allow(dead_code)]
 mod outbox;
 
 #[test]
 fn the_outbox_guide_prints_its_program_compiled_here() {
-    assert_readme_prints("outbox_orders.rs", include_str!("readme/outbox_orders.rs"));
+    assert_readme_prints(
+        "outbox_orders.rs",
+        include_str!("../readme/outbox_orders.rs"),
+    );
 }
 
-#[path = "readme/outbox_redis_orders.rs"]
+#[path = "../readme/outbox_redis_orders.rs"]
 #[allow(dead_code)]
 mod outbox_redis;
 
@@ -122,11 +128,11 @@ mod outbox_redis;
 fn the_outbox_guide_prints_its_redis_program_compiled_here() {
     assert_readme_prints(
         "outbox_redis_orders.rs",
-        include_str!("readme/outbox_redis_orders.rs"),
+        include_str!("../readme/outbox_redis_orders.rs"),
     );
 }
 
-#[path = "readme/outbox_custom_sink.rs"]
+#[path = "../readme/outbox_custom_sink.rs"]
 #[allow(dead_code)]
 mod outbox_custom_sink;
 
@@ -134,6 +140,6 @@ mod outbox_custom_sink;
 fn the_outbox_guide_prints_its_custom_sink_compiled_here() {
     assert_readme_prints(
         "outbox_custom_sink.rs",
-        include_str!("readme/outbox_custom_sink.rs"),
+        include_str!("../readme/outbox_custom_sink.rs"),
     );
 }

@@ -9,7 +9,7 @@
 //! the `worker` test, which calls the example's own `run` (the example's
 //! source is compiled in, as `tests/metrics.rs` does with its example).
 
-#[path = "../examples/orders_consumer.rs"]
+#[path = "../../examples/orders_consumer.rs"]
 #[allow(dead_code)]
 mod example;
 
@@ -77,7 +77,13 @@ fn worker() {
 
 fn spawn_example(redis: &str, ledger: &Path, out: &Path) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "worker", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            "orders_consumer_example::worker",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env(WORKER_ENV, ledger)
         .env("REDIS_URL", redis)
         // A payment provider that takes a while, so that kills land mid-batch.

@@ -2,15 +2,13 @@
 //! together — on success, `Err`, panic, cancellation, a lost lease and a
 //! serialization conflict.
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use idem_core::{Error, Idempotency, MemoryStore, Outcome};
 use idem_postgres::{PgStore, RunInTx};
 use sqlx::PgConnection;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-use support::{DbStore, TestDb};
 use tokio::sync::oneshot;
 
 async fn setup() -> (TestDb, Idempotency) {

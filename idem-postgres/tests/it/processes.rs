@@ -5,14 +5,12 @@
 //! The child processes are this test binary again, running
 //! `worker_process` / `doomed_process` with the database in the environment.
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use idem_core::{Error, Idempotency, Outcome};
 use idem_postgres::{PgStore, RunInTx};
 use sqlx::PgPool;
 use std::process::Stdio;
 use std::time::Duration;
-use support::{DbStore, TestDb};
 
 const WORKER_URL: &str = "IDEM_PG_WORKER_URL";
 
@@ -100,7 +98,7 @@ async fn four_processes_one_execution() {
             tokio::process::Command::new(&exe)
                 .args([
                     "--exact",
-                    "worker_process",
+                    "processes::worker_process",
                     "--nocapture",
                     "--test-threads=1",
                 ])
@@ -172,7 +170,7 @@ async fn killed_process_leaves_nothing_and_is_taken_over() {
     let mut child = tokio::process::Command::new(&exe)
         .args([
             "--exact",
-            "doomed_process",
+            "processes::doomed_process",
             "--nocapture",
             "--test-threads=1",
         ])

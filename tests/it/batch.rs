@@ -1,5 +1,5 @@
 //! `Store::claim_batch` and `Store::finish_batch` on Redis past the happy
-//! path the model (`tests/model.rs`) drives: scripts flushed between
+//! path the model (`tests/it/model.rs`) drives: scripts flushed between
 //! batches, a key that holds another Redis type, and a cluster, where a
 //! batch spans every master and a slot moved under a batch is followed key
 //! by key.

@@ -164,7 +164,12 @@ async fn a_forget_in_another_process_drops_the_copy() {
     let dir = std::env::temp_dir().join(format!("idem-invalidate-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["cache_worker", "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            "invalidate::cache_worker",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("IDEM_CACHE_WORKER", &dir)
         .env("IDEM_URL", ctx.server().url())
         .stdin(std::process::Stdio::null())

@@ -106,7 +106,12 @@ impl Rig {
     fn spawn(&mut self, role: &str, name: &str, seed: u64) {
         let log = std::fs::File::create(self.dir.join(format!("log-{name}"))).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "outbox_redis_processes::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IDEM_WORKER", role)
             .env("IDEM_URL", &self.url)
             .env("IDEM_NEXT_URL", &self.next_url)

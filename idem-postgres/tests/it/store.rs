@@ -1,14 +1,12 @@
 //! PgStore's state machine, transition by transition, against a real
 //! PostgreSQL (a fresh database per test).
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use idem_core::store::{ClaimReply, Store, Token, ValueKind, WriteReply};
 use idem_core::{Error, FailMode, Fingerprint, Idempotency, Outcome};
 use idem_postgres::{PgStore, PgStoreConfig};
 use idem_testkit::claim;
 use std::time::Duration;
-use support::{DbStore, TestDb};
 
 #[tokio::test]
 async fn every_transition_of_the_state_machine() {

@@ -1,13 +1,11 @@
 //! Bad input: table names that are not plain identifiers, rows that idem
 //! did not write, keys that look like SQL. Typed errors, nothing overwritten.
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use idem_core::Error;
 use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
-use support::{DbStore, TestDb};
 
 fn claim<'a>(key: &'a str, token: &'a Token) -> Claim<'a> {
     Claim {

@@ -5,8 +5,7 @@
 //! tested against real brokers in idem-consumer); the table, locks and
 //! notifications are PostgreSQL's own.
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use async_trait::async_trait;
 use idem_core::outbox::{OutboxMessage, Sink, SinkError, message_id};
 use idem_core::{Error, Idempotency};
@@ -16,7 +15,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::{DbStore, TestDb};
 
 /// Records what it is sent; refuses payloads containing "poison"; fails
 /// the first `fail_first` sends as unavailable; notes any key sent by two
@@ -677,7 +675,7 @@ impl Sink for Held {
 /// `CREATE INDEX IF NOT EXISTS`), so it waited for a relay pass in flight
 /// (up to its send timeout) while every call queued behind it, and when the
 /// pass went on to delete its rows the two deadlocked (SQLSTATE 40P01; seen
-/// in tests/orders_outbox_example.rs).
+/// in tests/it/orders_outbox_example.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_migrating_while_a_relay_pass_holds_its_rows_neither_waits_nor_deadlocks() {
     let (db, idem) = setup().await;

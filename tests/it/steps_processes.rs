@@ -187,7 +187,12 @@ impl Rig {
     fn spawn(&mut self, name: &str, seed: u64) {
         let log = std::fs::File::create(self.dir.join(format!("log-{name}"))).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "steps_processes::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IDEM_WORKER", "1")
             .env("IDEM_STORE", self.store)
             .env("IDEM_URL", &self.url)

@@ -2,15 +2,13 @@
 //! beside the records: migration, upgrades from a table without it,
 //! reaping and schema-qualified tables, against a real PostgreSQL. The
 //! semantics shared with every store are in the workspace's
-//! `tests/failures.rs`.
+//! `tests/it/failures.rs`.
 
-mod support;
-
+use crate::support::{DbStore, TestDb};
 use idem_core::Error;
 use idem_core::store::Store;
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
-use support::{DbStore, TestDb};
 
 const DAY: Duration = Duration::from_secs(86_400);
 

@@ -174,8 +174,8 @@ async fn claim_refuses_malformed_pending_records_and_writes_nothing() {
     // Assembled as idem-core assembles it: the shared prelude, then the body.
     let script = redis::Script::new(concat!(
         "#!lua\n",
-        include_str!("../lua/prelude.lua"),
-        include_str!("../lua/claim.lua")
+        include_str!("../../lua/prelude.lua"),
+        include_str!("../../lua/claim.lua")
     ));
     let token = "0123456789abcdef0123456789abcdef";
     let cases: [(&str, String); 6] = [

@@ -179,7 +179,12 @@ impl Rig {
     fn spawn(&mut self, name: &str, mode: &str, keys: usize, seed: u64, lease: Duration) -> u32 {
         let log = std::fs::File::create(self.dir.join(format!("log-{name}"))).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "processes::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IDEM_WORKER", "1")
             .env("IDEM_URL", &self.url)
             .env("IDEM_DIR", &self.dir)

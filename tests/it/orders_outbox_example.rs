@@ -11,7 +11,7 @@
 //!
 //! The stages run in child processes: this test binary re-executed as the
 //! `worker` test, which calls the example's own `run` (its source is
-//! compiled in, as `tests/orders_consumer_example.rs` does with its
+//! compiled in, as `tests/it/orders_consumer_example.rs` does with its
 //! example). PostgreSQL and the Kafka broker (tansu) are private to the
 //! test; RabbitMQ is the shared one on 127.0.0.1:5672 (`AMQP_URL`), on a
 //! queue of the test's own, deleted at the end.
@@ -25,7 +25,7 @@
 //! `python3 -m pip install --quiet --target ~/.cache/idem-pika pika`
 //! (`.ci/run` does it).
 
-#[path = "../examples/orders_outbox.rs"]
+#[path = "../../examples/orders_outbox.rs"]
 #[allow(dead_code)]
 mod example;
 
@@ -142,11 +142,17 @@ impl Setup {
             .unwrap();
         let err = out.try_clone().unwrap();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "worker", "--nocapture", "--test-threads", "1"])
-            .env(WORKER_ENV, mode)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err);
+        cmd.args([
+            "--exact",
+            "orders_outbox_example::worker",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(WORKER_ENV, mode)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }

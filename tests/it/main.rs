@@ -1,0 +1,29 @@
+//! The facade's integration tests, one binary (`cargo test --test it`): one
+//! module per topic, so `cargo test --test it semantics::` runs one. The
+//! programs of the README and the guides stay in `tests/readme/`;
+//! `tests/metrics.rs` stays its own binary (it needs features `http` and
+//! `metrics`, `[[test]]` in Cargo.toml).
+
+mod acl;
+mod bad_input;
+mod batch;
+mod call_batch;
+mod cluster;
+mod complete_path;
+mod edges;
+mod error_sources;
+mod failures;
+mod faults;
+mod invalidate;
+mod model;
+mod orders_consumer_example;
+mod orders_outbox_example;
+mod outbox_redis;
+mod outbox_redis_processes;
+mod processes;
+mod readme_consumers;
+mod semantics;
+mod stale_cache;
+mod steps;
+mod steps_processes;
+mod wait;
