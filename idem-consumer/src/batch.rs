@@ -9,6 +9,7 @@ use idem_core::Batch;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -64,25 +65,28 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let mut first_of: HashMap<(String, [u8; 16]), usize> = HashMap::new();
-        let mut duplicate_of: Vec<Option<usize>> = vec![None; msgs.len()];
-        let mut keys = Vec::with_capacity(msgs.len());
-        let mut fps = Vec::with_capacity(msgs.len());
-        for (i, msg) in msgs.iter().enumerate() {
-            let key = self.key_of(msg);
-            let fingerprint = self.fingerprint_of(msg);
-            fps.push(fingerprint);
-            if let Ok(k) = &key {
-                let fp = *fingerprint.as_bytes();
-                match first_of.get(&(k.clone(), fp)) {
-                    Some(&first) => duplicate_of[i] = Some(first),
-                    None => {
-                        first_of.insert((k.clone(), fp), i);
+        let keys: Vec<_> = msgs.iter().map(|msg| self.key_of(msg)).collect();
+        let fps: Vec<_> = msgs.iter().map(|msg| self.fingerprint_of(msg)).collect();
+        // Borrowing the keys, hashed with a seeded fast hash: no copy of a
+        // key and no SipHash per message.
+        let mut first_of: HashMap<(&str, &[u8; 16]), usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(msgs.len(), Default::default());
+        let duplicate_of: Vec<Option<usize>> = keys
+            .iter()
+            .zip(&fps)
+            .enumerate()
+            .map(|(i, (key, fp))| {
+                let k = key.as_deref().ok()?;
+                match first_of.entry((k, fp.as_bytes())) {
+                    Entry::Occupied(first) => Some(*first.get()),
+                    Entry::Vacant(slot) => {
+                        slot.insert(i);
+                        None
                     }
                 }
-            }
-            keys.push(key);
-        }
+            })
+            .collect();
+        drop(first_of);
         // The messages that run, each with its span; those without a key
         // are decided at once.
         let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();

@@ -1,0 +1,276 @@
+//! The canonical form written while the payload is parsed: no tree of
+//! `Value`s, no string copied but escaped keys. An object whose keys arrive
+//! sorted (what most producers send) is written in place; one whose keys do
+//! not is re-ordered once its entries are written.
+//!
+//! The bytes are exactly those of sorting a parsed `serde_json::Value`: the
+//! same visits (numbers as `u64`/`i64`/`f64`, strings) serialized by the
+//! same serializer, and a key given twice keeps its last value.
+
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Range;
+
+/// The canonical form of the JSON document in `payload`.
+pub(super) fn canonical(payload: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
+    let mut out = Vec::with_capacity(payload.len());
+    let mut de = serde_json::Deserializer::from_slice(payload);
+    Canon(&mut out).deserialize(&mut de)?;
+    de.end()?;
+    Ok(out)
+}
+
+/// Writes the canonical form of the next value at the end of its buffer.
+struct Canon<'o>(&'o mut Vec<u8>);
+
+impl Canon<'_> {
+    fn scalar<T: serde::Serialize + ?Sized>(self, v: &T) {
+        // A string, number or bool written into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *self.0, v);
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Canon<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<(), D::Error> {
+        de.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Canon<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
+        self.scalar(&v);
+        Ok(())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
+        self.scalar(&v);
+        Ok(())
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+        self.scalar(&v);
+        Ok(())
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
+        // As `Value` does: a non-finite number (never parsed from JSON) is null.
+        match serde_json::Number::from_f64(v) {
+            Some(n) => self.scalar(&n),
+            None => self.0.extend_from_slice(b"null"),
+        }
+        Ok(())
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.scalar(v);
+        Ok(())
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.0.extend_from_slice(b"null");
+        Ok(())
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<(), E> {
+        self.visit_unit()
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let out = self.0;
+        out.push(b'[');
+        let mut first = true;
+        loop {
+            let before = out.len();
+            if !first {
+                out.push(b',');
+            }
+            if seq.next_element_seed(Canon(&mut *out))?.is_none() {
+                out.truncate(before);
+                break;
+            }
+            first = false;
+        }
+        out.push(b']');
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let out = self.0;
+        out.push(b'{');
+        let body = out.len();
+        // Each entry (`"key":value`) where it was written, with its key.
+        let mut entries: Vec<(Cow<'de, str>, Range<usize>)> = Vec::new();
+        let mut in_order = true;
+        while let Some(key) = map.next_key_seed(Key)? {
+            if let Some((last, _)) = entries.last() {
+                // Strictly increasing: sorted, and no key twice.
+                in_order &= last.as_bytes() < key.as_bytes();
+                out.push(b',');
+            }
+            let start = out.len();
+            let _ = serde_json::to_writer(&mut *out, key.as_ref());
+            out.push(b':');
+            map.next_value_seed(Canon(&mut *out))?;
+            entries.push((key, start..out.len()));
+        }
+        if !in_order {
+            let written = out.split_off(body);
+            // Stable: of a key given twice, the last entry stays last.
+            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            let mut first = true;
+            for (i, (key, range)) in entries.iter().enumerate() {
+                if entries.get(i + 1).is_some_and(|(next, _)| next == key) {
+                    continue;
+                }
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                if let Some(entry) = written.get(range.start - body..range.end - body) {
+                    out.extend_from_slice(entry);
+                }
+            }
+        }
+        out.push(b'}');
+        Ok(())
+    }
+}
+
+/// An object's key, borrowed from the payload unless it had escapes.
+struct Key;
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
+        de.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Key {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical;
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    /// The reference: the parsed tree, keys sorted.
+    fn by_tree(payload: &[u8]) -> Option<Vec<u8>> {
+        let value: Value = serde_json::from_slice(payload).ok()?;
+        let mut out = Vec::new();
+        super::super::write_canonical(&value, &mut out);
+        Some(out)
+    }
+
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "[a-c\\\\\"é\u{1F600}\n/ ]{0,4}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 5, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
+                prop::collection::vec(("[a-c\\\\\"é]{0,3}", inner), 0..5)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Objects with keys in a given order, repeated keys included.
+    fn written(value: &Value, reversed: bool, out: &mut String) {
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                if reversed {
+                    entries.reverse();
+                }
+                out.push_str("{ ");
+                for (i, (k, v)) in entries.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(" ,\n");
+                    }
+                    out.push_str(&serde_json::to_string(k).unwrap_or_default());
+                    out.push_str(" : ");
+                    written(v, reversed, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    written(v, reversed, out);
+                }
+                out.push(']');
+            }
+            scalar => out.push_str(&scalar.to_string()),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn same_bytes_as_the_sorted_tree(value in json(), reversed in any::<bool>()) {
+            let mut text = String::new();
+            written(&value, reversed, &mut text);
+            prop_assert_eq!(canonical(text.as_bytes()).ok(), by_tree(text.as_bytes()));
+        }
+
+        #[test]
+        fn same_verdict_on_any_bytes(bytes in prop::collection::vec(any::<u8>(), 0..24)) {
+            prop_assert_eq!(canonical(&bytes).ok(), by_tree(&bytes));
+        }
+    }
+
+    #[test]
+    fn a_key_given_twice_keeps_its_last_value() {
+        for text in [
+            &br#"{"b":1,"a":2,"b":3}"#[..],
+            br#"{"a":2,"b":1,"b":3}"#,
+            br#"{"b":{"y":1,"x":[2, 1.50, -0, 1e400]},"a":"\u00e9\n"}"#,
+            br#"  17 "#,
+            br#"{"a":1} x"#,
+            br#"{"a\"b":1,"a":2}"#,
+        ] {
+            assert_eq!(
+                canonical(text).ok(),
+                by_tree(text),
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
+    }
+}
