@@ -1,16 +1,23 @@
 //! The scenarios every broker adapter must pass, written once and run by
-//! each broker's test module (`tests/it/{redis_streams,nats,rabbitmq}.rs`)
-//! through its [`Place`]: a uniquely named stream or queue on a real broker.
+//! each broker's test module (`tests/it/{redis_streams,nats,rabbitmq,kafka}.rs`)
+//! through its [`Place`]: a uniquely named stream, queue or topic on a real
+//! broker, and its consumers ([`Member`]s).
 //! Ground truth is an external ledger of side effects; completion is
 //! counted from the adapters' own reports (each message acked or
 //! dead-lettered exactly once), then checked on the broker ([`Place::drained`]).
 
 #![allow(dead_code)] // each test binary uses its own subset
 
-use idem_consumer::{Adapter, Consumer, ErrorClass, KeyDeriver, KeySource, Message, PollReport};
+use idem_consumer::{
+    Adapter, Classify, Consumer, ConsumerError, ErrorClass, KeyDeriver, KeySource, Message,
+    PollReport,
+};
 use idem_core::{Idempotency, RedisStore};
 use idem_testkit::{FileLedger, Ledger, RedisServer};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
+use std::fmt;
 use std::future::Future;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -29,11 +36,113 @@ pub struct DeadLetter {
     pub payload: Vec<u8>,
 }
 
-/// A uniquely named stream or queue on a real broker, with a dead-letter
-/// destination; deleted on drop by the place that created it.
+/// A consumer of a place, as the scenarios drive it: every [`Adapter`]
+/// (brokers with per-message acks, through the shared fetch → handle →
+/// settle loop), and Kafka's group member, whose own `run` decides records
+/// and commits offsets (`kafka.rs` says how it polls).
+pub trait Member: Send + Sync {
+    /// Handles what arrives within a short wait and settles it
+    /// ([`Adapter::poll`]).
+    fn poll<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> impl Future<Output = Result<PollReport, ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>;
+
+    /// Handles and settles until `shutdown`, then drains ([`Adapter::run`]).
+    fn run<C, T, E, H, Fut, S>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        shutdown: S,
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+        S: Future + Send;
+
+    /// Runs the handlers of the next deliveries through idem and returns
+    /// without telling the broker anything (the crash before the ack).
+    fn handle_unsettled<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> impl Future<Output = ()> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>;
+}
+
+impl<A: Adapter> Member for A {
+    fn poll<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> impl Future<Output = Result<PollReport, ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+    {
+        Adapter::poll(self, consumer, handler)
+    }
+
+    fn run<C, T, E, H, Fut, S>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        shutdown: S,
+    ) -> impl Future<Output = Result<(), ConsumerError>> + Send
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+        S: Future + Send,
+    {
+        Adapter::run(self, consumer, handler, shutdown)
+    }
+
+    /// One fetched batch, handled; its decisions never applied.
+    async fn handle_unsettled<C, T, E, H, Fut>(&self, consumer: &Consumer<C>, handler: &H)
+    where
+        H: Fn(Message) -> Fut + Sync,
+        Fut: Future<Output = Result<T, E>> + Send,
+        T: Serialize + DeserializeOwned + Send + Sync,
+        E: fmt::Display + Send,
+        C: Classify<E>,
+    {
+        loop {
+            let fetched = self.fetch().await.unwrap();
+            if fetched.is_empty() {
+                continue;
+            }
+            let _decided = self.handle(consumer, handler, fetched).await;
+            return;
+        }
+    }
+}
+
+/// A uniquely named stream, queue or topic on a real broker, with a
+/// dead-letter destination; deleted on drop by the place that created it.
 pub trait Place: Send + Sync + Sized + 'static {
-    /// The adapter under test.
-    type Adapter: Adapter + 'static;
+    /// The consumer under test.
+    type Adapter: Member + 'static;
     /// Prefix of the environment variables handed to worker processes.
     const WORKER_ENV: &'static str;
     /// The worker test's full name in the test binary (`nats::worker`), which
@@ -552,14 +661,8 @@ pub fn worker<P: Place>() {
                     ledger.record(&order_of(&m));
                     Ok(())
                 };
-                loop {
-                    let fetched = adapter.fetch().await.unwrap();
-                    if fetched.is_empty() {
-                        continue;
-                    }
-                    let _decided = adapter.handle(&consumer, &charge, fetched).await;
-                    kill_self();
-                }
+                adapter.handle_unsettled(&consumer, &charge).await;
+                kill_self();
             }
             "crash-mid-handler" => {
                 let adapter = place.adapter("victim", redeliver_after).await;
@@ -595,7 +698,7 @@ pub fn worker<P: Place>() {
 
 /// Every adapter of one test shares `redeliver_after` (on JetStream it is
 /// the durable consumer's `ack_wait`).
-fn spawn_worker<P: Place>(
+pub fn spawn_worker<P: Place>(
     place: &P,
     mode: &str,
     redis: &str,
@@ -954,7 +1057,7 @@ pub async fn shutdown_past_the_deadline_keeps_the_key_until_the_lease<P: Place>(
 /// and signals its shutdown as soon as the first charge is made (a deploy
 /// landing mid-handler). Returns the charges once `run` has returned and
 /// the adapter is gone.
-async fn shut_down_mid_handler<A: Adapter>(
+async fn shut_down_mid_handler<A: Member>(
     adapter: A,
     consumer: &Consumer,
     work: Duration,
