@@ -81,8 +81,6 @@ pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;
 pub use store::{KeyState, MemoryStore, RecordInfo};
-#[cfg(feature = "redis")]
-pub use store::{RedisStore, RedisStoreConfig};
 
 // Store authors' items at their former root paths, so that stores written
 // against them keep compiling; documented (and to be named) in `store`.

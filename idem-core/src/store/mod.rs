@@ -2,8 +2,9 @@
 //! backend implements, and the types of its requests and replies
 //! ([`Claim`], [`ClaimReply`], [`WriteReply`], [`Completed`], [`ValueKind`],
 //! [`Token`], [`KeyWatch`], …). An application needs none of them: it builds
-//! a store ([`MemoryStore`], `RedisStore`, idem-postgres's `PgStore`) and
-//! hands it to `Idempotency::builder`; the crate root has what it writes.
+//! a store ([`MemoryStore`], idem-redis's `RedisStore`, idem-postgres's
+//! `PgStore`) and hands it to `Idempotency::builder`; the crate root has
+//! what it writes.
 //!
 //! A key is absent, pending (claimed by one owner token until a lease
 //! deadline) or completed (holding a stored value until its TTL). `claim`
@@ -11,18 +12,30 @@
 //! reports the rest; `complete`, `release` and `extend` act only for the
 //! token that holds the pending record. `lua/README.md` gives the Redis
 //! encoding; [`MemoryStore`] keeps the same machine in process memory.
+//!
+//! Besides the contract, this module has the pieces every store shares, so
+//! that a store in a crate of its own (idem-redis, idem-postgres) behaves
+//! as [`MemoryStore`] does without copying them:
+//!
+//! - how leases and TTLs are counted: [`millis`], [`store_duration`],
+//!   [`store_lease`], [`record_ttl`] and [`MAX_STORE_MS`];
+//! - how waiters are woken without polling: [`Hub`] (with [`OnLast`]), which
+//!   hands out [`KeyWatch`]es and feeds [`InvalidationSink`]s, and
+//!   [`namespace_prefix`], the part of a key a forget is announced under;
+//! - how a batch is answered key by key: [`key_waves`], [`in_waves`] and
+//!   [`Finish::run_on`].
+//!
+//! A complete store of your own, written against this module (and the
+//! crate's [`Error`] and [`Fingerprint`]), is in the [`Store`] trait's
+//! documentation.
 
 mod info;
 mod memory;
-#[cfg(feature = "redis")]
-pub(crate) mod redis;
 mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
-#[cfg(feature = "redis")]
-pub use self::redis::{RedisStore, RedisStoreConfig};
-pub use self::watch::{Invalidation, InvalidationSink, KeyWatch};
+pub use self::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, OnLast, namespace_prefix};
 pub use crate::key::failure_key;
 pub use crate::token::Token;
 
@@ -340,8 +353,9 @@ pub struct StepRecord {
 /// A backend that keeps idempotency records.
 ///
 /// Implementations must be atomic per key: each method is one indivisible
-/// step of the state machine described in this module. [`RedisStore`] does
-/// it with one Lua script per method; [`MemoryStore`] under a mutex.
+/// step of the state machine described in this module. idem-redis's
+/// `RedisStore` does it with one Lua script per method; [`MemoryStore`]
+/// under a mutex.
 ///
 /// ```
 /// use idem_core::{Claim, ClaimReply, MemoryStore, Store, Token, WriteReply};
@@ -645,35 +659,78 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// Longest lease or TTL a store keeps, in ms (about 317 years). The builder
-/// caps TTLs at a year; longer durations given to a `Store` directly are
-/// clamped so that memory never overflows an `Instant` and Lua (whose
-/// numbers print as integers only below 1e14) never writes an unusable one.
-const MAX_STORE_MS: u64 = 10_000_000_000_000;
+/// The longest lease or TTL a store keeps, in ms (about 317 years). The
+/// builder caps TTLs at a year; longer durations given to a `Store`
+/// directly are clamped to this, so that a store never overflows an
+/// `Instant` or a timestamp, and Lua (whose numbers print as integers only
+/// below 1e14) never writes an unusable one. A store author clamps through
+/// [`millis`] rather than reading this.
+///
+/// ```
+/// use idem_core::store::{MAX_STORE_MS, millis};
+/// assert_eq!(millis(std::time::Duration::MAX), MAX_STORE_MS);
+/// ```
+pub const MAX_STORE_MS: u64 = 10_000_000_000_000;
 
-/// Whole milliseconds, at least 1, at most `MAX_STORE_MS`: stores count
-/// leases and TTLs in ms.
-pub(crate) fn millis(d: Duration) -> u64 {
+/// A duration as every store counts it: whole milliseconds, at least 1, at
+/// most [`MAX_STORE_MS`]. A store that sends leases and TTLs to its
+/// backend in ms (Redis `PX`, a PostgreSQL interval) converts them here, so
+/// that every store rounds and clamps alike and a call behaves the same on
+/// each.
+///
+/// ```
+/// use idem_core::store::millis;
+/// use std::time::Duration;
+/// assert_eq!(millis(Duration::from_micros(1500)), 1); // whole ms, rounded down
+/// assert_eq!(millis(Duration::ZERO), 1);               // never 0: "no expiry" to a backend
+/// ```
+pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .clamp(1, MAX_STORE_MS)
 }
 
 /// How long a claimed record is kept: the result TTL, and at least two
-/// leases, so that a lease that runs out leaves a record behind and the next
-/// claim counts a takeover (`Outcome::Recovered`) instead of finding a fresh
-/// key. A result whose TTL is under two leases is kept that long.
-pub(crate) fn record_ttl(ttl: Duration, lease: Duration) -> Duration {
+/// leases, so that a lease that runs out leaves a record behind and the
+/// next claim counts a takeover (`Outcome::Recovered`) instead of finding a
+/// fresh key. A result whose TTL is under two leases is kept that long. A
+/// store sets its records' expiry at a claim ([`Claim::ttl`],
+/// [`Claim::lease`]) from this.
+///
+/// ```
+/// use idem_core::store::record_ttl;
+/// use std::time::Duration;
+/// let s = Duration::from_secs;
+/// assert_eq!(record_ttl(s(86_400), s(30)), s(86_400));
+/// assert_eq!(record_ttl(s(10), s(30)), s(60)); // two leases
+/// ```
+pub fn record_ttl(ttl: Duration, lease: Duration) -> Duration {
     store_duration(ttl).max(store_lease(lease) * 2)
 }
 
-/// A lease as the stores count it: as [`store_duration`], and at most half
-/// the longest TTL, so that two leases of record always fit.
-pub(crate) fn store_lease(lease: Duration) -> Duration {
+/// A lease as every store counts it: as [`store_duration`], and at most
+/// half of [`MAX_STORE_MS`], so that the two leases of [`record_ttl`]
+/// always fit. A store computes a lease deadline (at a claim, in
+/// [`Store::extend`]) from this.
+///
+/// ```
+/// use idem_core::store::{MAX_STORE_MS, store_lease};
+/// use std::time::Duration;
+/// assert_eq!(store_lease(Duration::MAX), Duration::from_millis(MAX_STORE_MS / 2));
+/// ```
+pub fn store_lease(lease: Duration) -> Duration {
     store_duration(lease).min(Duration::from_millis(MAX_STORE_MS / 2))
 }
 
-/// `d` as the stores count it (see [`millis`]), so memory and Redis agree.
-pub(crate) fn store_duration(d: Duration) -> Duration {
+/// `d` as every store counts it ([`millis`]), as a `Duration`: for a store
+/// that keeps time itself (an `Instant` deadline, as [`MemoryStore`] does),
+/// so that it agrees with the stores that count in ms.
+///
+/// ```
+/// use idem_core::store::store_duration;
+/// use std::time::Duration;
+/// assert_eq!(store_duration(Duration::from_micros(2_700)), Duration::from_millis(2));
+/// ```
+pub fn store_duration(d: Duration) -> Duration {
     Duration::from_millis(millis(d))
 }

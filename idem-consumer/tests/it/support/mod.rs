@@ -8,7 +8,8 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use idem_consumer::{Adapter, Consumer, ErrorClass, KeyDeriver, KeySource, Message, PollReport};
-use idem_core::{Idempotency, RedisStore};
+use idem_core::Idempotency;
+use idem_redis::RedisStore;
 use idem_testkit::{FileLedger, Ledger, RedisServer};
 use std::collections::BTreeMap;
 use std::future::Future;
