@@ -82,14 +82,6 @@ pub use outcome::Outcome;
 pub use settings::FailMode;
 pub use store::{KeyState, MemoryStore, RecordInfo};
 
-// Store authors' items at their former root paths, so that stores written
-// against them keep compiling; documented (and to be named) in `store`.
-#[doc(hidden)]
-pub use store::{
-    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, StepRecord,
-    Store, Token, ValueKind, WriteReply, failure_key,
-};
-
 /// Support for the code `#[idempotent]` generates. Not a public API: it may
 /// change in any release.
 #[doc(hidden)]

@@ -19,10 +19,10 @@ use tokio::sync::watch;
 /// taken is seen by [`changed`](KeyWatch::changed). Dropping the last watch
 /// of a key unsubscribes.
 ///
-/// [`Store::watch`]: crate::Store::watch
+/// [`Store::watch`]: crate::store::Store::watch
 ///
 /// ```
-/// use idem_core::{Claim, MemoryStore, Store, Token};
+/// use idem_core::store::{Claim, MemoryStore, Store, Token};
 /// use std::time::Duration;
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -58,7 +58,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::Store;
+    /// # use idem_core::store::Store;
     /// let store = idem_core::MemoryStore::new();
     /// let mut w = store.watch("k").await.unwrap();
     /// let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), w.changed()).await;
@@ -81,7 +81,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::Store;
+    /// # use idem_core::store::Store;
     /// assert!(idem_core::MemoryStore::new().watch("k").await.unwrap().is_live());
     /// # });
     /// ```
@@ -97,11 +97,11 @@ impl Drop for KeyWatch {
 }
 
 /// What a store tells a local replay cache, from
-/// [`Store::watch_forgotten`](crate::Store::watch_forgotten).
+/// [`Store::watch_forgotten`](crate::store::Store::watch_forgotten).
 ///
 /// ```
-/// let i = idem_core::Invalidation::Key("idem:charge:42");
-/// assert_ne!(i, idem_core::Invalidation::All);
+/// let i = idem_core::store::Invalidation::Key("idem:charge:42");
+/// assert_ne!(i, idem_core::store::Invalidation::All);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
