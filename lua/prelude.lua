@@ -1,7 +1,7 @@
 -- idem's record format for the scripts: joined in front of each script at
--- build time (idem-core/src/store/redis/scripts.rs), so it is written once.
+-- build time (idem-redis/src/store/scripts.rs), so it is written once.
 -- The format is described in lua/README.md; its Rust side is
--- idem-core/src/store/record.rs, and a test checks the two agree.
+-- idem-redis/src/store/record.rs, and a test checks the two agree.
 
 -- Reply codes (Rust: record::Code).
 local MISSING, DONE, OTHER_OWNER, COMPLETED, IN_PROGRESS, MISMATCH, UNREADABLE, WRONG_TYPE =

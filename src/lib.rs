@@ -70,9 +70,11 @@
 //! ```
 //!
 //! The runtime lives in [`idem_core`] (re-exported here); the attribute in
-//! [`idem_macros`]. With feature `client`, [`client`] is a retrying HTTP
-//! client that keeps one key per operation; with feature `http`, [`http`] is
-//! a tower layer giving axum services `Idempotency-Key` semantics.
+//! [`idem_macros`]. The Redis store is [`idem_redis`] (feature `redis`, on
+//! by default; re-exported as [`redis`], and its store as [`RedisStore`]).
+//! With feature `client`, [`client`] is a retrying HTTP client that keeps
+//! one key per operation; with feature `http`, [`http`] is a tower layer
+//! giving axum services `Idempotency-Key` semantics.
 #![warn(missing_docs)]
 
 /// `#[idem::async_trait]`: implements a trait with `async fn`s, such as
@@ -80,6 +82,22 @@
 pub use idem_core::async_trait;
 pub use idem_core::*;
 pub use idem_macros::idempotent;
+
+/// The Redis store (feature `redis`, on by default): [`RedisStore`],
+/// standalone or Cluster, and its outbox; see [`idem_redis`].
+#[cfg(feature = "redis")]
+pub use idem_redis as redis;
+#[cfg(feature = "redis")]
+pub use idem_redis::{RedisStore, RedisStoreConfig};
+
+pub mod store {
+    //! For store authors: the [`Store`] contract every backend implements,
+    //! the types of its requests and replies, and the pieces stores share
+    //! (how leases and TTLs are counted, the [`Hub`] that wakes waiters);
+    //! see [`idem_core::store`]. An application needs none of it: it builds
+    //! a store and hands it to [`Idempotency::builder`](crate::Idempotency::builder).
+    pub use idem_core::store::*;
+}
 
 /// The typed, retrying HTTP client (feature `client`); see [`idem_client`].
 #[cfg(feature = "client")]
@@ -120,4 +138,6 @@ pub mod outbox {
     pub use idem_core::outbox::*;
     #[cfg(feature = "postgres")]
     pub use idem_postgres::outbox::*;
+    #[cfg(feature = "redis")]
+    pub use idem_redis::outbox::*;
 }

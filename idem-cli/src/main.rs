@@ -6,7 +6,8 @@ mod render;
 
 use args::{Cli, Command, Target};
 use clap::Parser;
-use idem_core::{Error, Idempotency, KeyPart, RedisStore, RedisStoreConfig, validate_key_part};
+use idem_core::{Error, Idempotency, KeyPart, validate_key_part};
+use idem_redis::{RedisStore, RedisStoreConfig};
 use std::process::ExitCode;
 use std::time::Duration;
 

@@ -4,9 +4,10 @@
 use crate::args::{OutboxCommand, Target};
 use crate::exit;
 use idem_core::Error;
-use idem_core::outbox::{Backlog, Parked, RedisOutbox};
+use idem_core::outbox::{Backlog, Parked};
 use idem_postgres::PgStoreConfig;
 use idem_postgres::outbox::Outbox;
+use idem_redis::outbox::RedisOutbox;
 use serde_json::json;
 use std::time::{Duration, SystemTime};
 

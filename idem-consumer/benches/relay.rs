@@ -382,13 +382,13 @@ async fn calls(idem: &idem_core::Idempotency, run: usize, stage: usize) -> f64 {
 
 /// Drains the Redis outbox with `relays` relays; messages per second.
 async fn redis_relay(
-    store: &idem_core::RedisStore,
+    store: &idem_redis::RedisStore,
     sink: Arc<RedisStreamsSink>,
     relays: usize,
 ) -> f64 {
     let start = Instant::now();
     let tasks = (0..relays).map(|_| {
-        let relay = idem_core::outbox::RedisRelay::new(store, Arc::clone(&sink)).batch_size(BATCH);
+        let relay = idem_redis::outbox::RedisRelay::new(store, Arc::clone(&sink)).batch_size(BATCH);
         async move {
             let mut sent = 0;
             let mut idle = 0;
@@ -424,7 +424,7 @@ async fn redis_outbox(broker: &RedisBroker, url: &str, run: &mut usize) {
     for _ in 0..ROUNDS {
         // A store of its own per round: a relay keeps its stream's lock
         // for its lease after its last pass.
-        let store = idem_core::RedisStore::connect(url).await.expect("store");
+        let store = idem_redis::RedisStore::connect(url).await.expect("store");
         let idem = idem_core::Idempotency::builder(store.clone())
             .namespace("bench")
             .build();

@@ -40,7 +40,8 @@
 //! ```no_run
 //! use idem_consumer::kafka::{KafkaConfig, KafkaConsumer};
 //! use idem_consumer::{Consumer, Message};
-//! use idem_core::{Idempotency, RedisStore};
+//! use idem_core::Idempotency;
+//! use idem_redis::RedisStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?).build();

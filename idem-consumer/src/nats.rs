@@ -19,7 +19,8 @@
 //! use async_nats::jetstream::{self, consumer::pull};
 //! use idem_consumer::nats::{NatsConfig, NatsConsumer};
 //! use idem_consumer::{Adapter, Consumer, Message};
-//! use idem_core::{Idempotency, RedisStore};
+//! use idem_core::Idempotency;
+//! use idem_redis::RedisStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let js = jetstream::new(async_nats::connect("127.0.0.1:4222").await?);

@@ -29,7 +29,8 @@
 //! ```no_run
 //! use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
 //! use idem_consumer::{Adapter, Consumer, Message};
-//! use idem_core::{Idempotency, RedisStore};
+//! use idem_core::Idempotency;
+//! use idem_redis::RedisStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let conn = lapin::Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", Default::default()).await?;

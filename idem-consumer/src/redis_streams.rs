@@ -34,7 +34,8 @@
 //! ```no_run
 //! use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
 //! use idem_consumer::{Adapter, Consumer, Message};
-//! use idem_core::{Idempotency, RedisStore};
+//! use idem_core::Idempotency;
+//! use idem_redis::RedisStore;
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?).build();

@@ -314,17 +314,6 @@ impl Error {
             _ => None,
         }
     }
-
-    /// Redis's unavailability (the one store in this crate that can be
-    /// unreachable): the reason ends with what to check. Other stores'
-    /// crates build `Unavailable` with their own advice.
-    #[cfg(feature = "redis")]
-    pub(crate) fn redis_unavailable(op: &'static str, reason: impl fmt::Display) -> Error {
-        Error::unavailable(
-            op,
-            format!("{reason}; check that Redis is up and reachable"),
-        )
-    }
 }
 
 /// What an `Unavailable` error means for the caller: before the body

@@ -132,7 +132,7 @@ impl Idempotency {
     /// far: for a caller that gives up on a key after so many failures
     /// (`idem-consumer` dead-letters a message at `max_failures`). The
     /// counter is kept in the store beside the key's record, under a key
-    /// of its own ([`failure_key`](crate::failure_key)): it survives the
+    /// of its own ([`failure_key`](crate::store::failure_key)): it survives the
     /// record's release, expires `ttl` after its last failure, is reset by
     /// [`forget`](Idempotency::forget) and never appears in
     /// [`scan`](Idempotency::scan). Concurrent counts are exact: N calls

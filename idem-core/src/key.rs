@@ -93,7 +93,7 @@ const FAILURES: &str = ":failures:";
 /// as the namespace part. The one definition every store uses.
 ///
 /// ```
-/// assert_eq!(idem_core::failure_key("payments:charge:42"), "payments::failures:charge:42");
+/// assert_eq!(idem_core::store::failure_key("payments:charge:42"), "payments::failures:charge:42");
 /// ```
 pub fn failure_key(record_key: &str) -> String {
     let (namespace, rest) = record_key.split_once(':').unwrap_or((record_key, ""));

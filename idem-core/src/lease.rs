@@ -86,7 +86,7 @@ struct State {
     lost: AtomicBool,
     notify: Notify,
     /// Whether the call's store takes outgoing messages with its result
-    /// ([`Store::has_outbox`](crate::Store::has_outbox)).
+    /// ([`Store::has_outbox`](crate::store::Store::has_outbox)).
     outbox: bool,
     /// What the body staged for the outbox ([`crate::outbox::stage`]), in
     /// order: written with the result, or dropped with a failed body.

@@ -81,16 +81,6 @@ pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::FailMode;
 pub use store::{KeyState, MemoryStore, RecordInfo};
-#[cfg(feature = "redis")]
-pub use store::{RedisStore, RedisStoreConfig};
-
-// Store authors' items at their former root paths, so that stores written
-// against them keep compiling; documented (and to be named) in `store`.
-#[doc(hidden)]
-pub use store::{
-    Claim, ClaimReply, Completed, Invalidation, InvalidationSink, KeyWatch, ScanPage, StepRecord,
-    Store, Token, ValueKind, WriteReply, failure_key,
-};
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may
 /// change in any release.

@@ -8,7 +8,7 @@ use std::fmt;
 /// successor.
 ///
 /// ```
-/// use idem_core::Token;
+/// use idem_core::store::Token;
 /// let (a, b) = (Token::random(), Token::random());
 /// assert_ne!(a, b);
 /// assert_eq!(a.as_str().len(), 32);
@@ -32,7 +32,7 @@ impl Token {
     /// A fresh token from the thread-local CSPRNG.
     ///
     /// ```
-    /// let t = idem_core::Token::random();
+    /// let t = idem_core::store::Token::random();
     /// assert!(t.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
     /// ```
     pub fn random() -> Token {
@@ -42,7 +42,7 @@ impl Token {
     /// A token with the given bits (tests and model checks use fixed tokens).
     ///
     /// ```
-    /// assert_eq!(idem_core::Token::from_u128(255).as_str(), "000000000000000000000000000000ff");
+    /// assert_eq!(idem_core::store::Token::from_u128(255).as_str(), "000000000000000000000000000000ff");
     /// ```
     pub fn from_u128(bits: u128) -> Token {
         Token::from_raw(bits.to_be_bytes())
@@ -52,7 +52,7 @@ impl Token {
     /// significant first), for stores that keep tokens as bytes.
     ///
     /// ```
-    /// use idem_core::Token;
+    /// use idem_core::store::Token;
     /// let t = Token::random();
     /// assert_eq!(Token::from_raw(*t.as_raw()), t);
     /// assert_eq!(Token::from_raw([0xab; 16]).as_str(), "ab".repeat(16));
@@ -69,7 +69,7 @@ impl Token {
     /// keeps bytes rather than hex digits writes and compares.
     ///
     /// ```
-    /// let t = idem_core::Token::from_u128(0x0102);
+    /// let t = idem_core::store::Token::from_u128(0x0102);
     /// assert_eq!(t.as_raw()[14..], [1, 2]);
     /// ```
     pub fn as_raw(&self) -> &[u8; 16] {
@@ -79,7 +79,7 @@ impl Token {
     /// The 32 hex digits.
     ///
     /// ```
-    /// assert_eq!(idem_core::Token::from_u128(1).as_str().len(), 32);
+    /// assert_eq!(idem_core::store::Token::from_u128(1).as_str().len(), 32);
     /// ```
     pub fn as_str(&self) -> &str {
         // Only ASCII hex digits are ever written into the array.
@@ -89,7 +89,7 @@ impl Token {
     /// The 32 hex digits as bytes (the raw bytes are [`Token::as_raw`]).
     ///
     /// ```
-    /// assert_eq!(idem_core::Token::from_u128(0).as_bytes(), &[b'0'; 32]);
+    /// assert_eq!(idem_core::store::Token::from_u128(0).as_bytes(), &[b'0'; 32]);
     /// ```
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.hex

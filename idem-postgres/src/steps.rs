@@ -90,7 +90,7 @@ impl StepInTx for Steps {
                 max_value_size,
             } => (Some(key), token, max_value_size),
             // Unprotected (FailMode::Open): run, record nothing.
-            _ => (None, idem_core::Token::from_u128(0), usize::MAX),
+            _ => (None, idem_core::store::Token::from_u128(0), usize::MAX),
         };
         let pool = &store.inner.pool;
         let mut txn = pool

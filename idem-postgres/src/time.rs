@@ -1,30 +1,22 @@
 //! Durations as the stores count them, and as PostgreSQL answers them.
 
+use idem_core::store::{record_ttl, store_lease};
 use sqlx::postgres::types::PgInterval;
 use std::time::Duration;
 
-/// Longest lease or TTL kept, in ms (about 317 years), as idem-core's
-/// stores clamp it, so that timestamps never overflow.
-const MAX_STORE_MS: u64 = 10_000_000_000_000;
+// A duration as every store counts it: whole ms, at least 1, clamped.
+pub(crate) use idem_core::store::millis;
 
-/// A duration as the stores count it: whole ms, at least 1, clamped.
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis())
-        .unwrap_or(u64::MAX)
-        .clamp(1, MAX_STORE_MS)
-}
-
-/// The lease as idem-core's stores count it: at most half the longest TTL.
+/// The lease as every store counts it (`idem_core::store::store_lease`),
+/// in ms.
 pub(crate) fn lease_ms(lease: Duration) -> u64 {
-    millis(lease).min(MAX_STORE_MS / 2)
+    millis(store_lease(lease))
 }
 
-/// How long a claimed record is kept: the result TTL and at least two
-/// leases, so that a lease that runs out leaves a record and the next claim
-/// counts a takeover instead of finding a fresh key. The same rule as
-/// idem-core's `record_ttl` (crate-private there).
+/// How long a claimed record is kept (`idem_core::store::record_ttl`: the
+/// result TTL and at least two leases), in ms.
 pub(crate) fn record_ttl_ms(ttl: Duration, lease: Duration) -> u64 {
-    millis(ttl).max(lease_ms(lease) * 2)
+    millis(record_ttl(ttl, lease))
 }
 
 /// Milliseconds as PostgreSQL's `bigint` binds them, saturating.

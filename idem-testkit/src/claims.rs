@@ -8,7 +8,7 @@ use std::time::Duration;
 /// the time left.
 ///
 /// ```
-/// let token = idem_core::Token::random();
+/// let token = idem_core::store::Token::random();
 /// let c = idem_testkit::claim("k", &token, 300, 60_000, None);
 /// assert_eq!((c.key, c.lease.as_millis(), c.ttl.as_millis()), ("k", 300, 60_000));
 /// ```

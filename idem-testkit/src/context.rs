@@ -5,8 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use idem_core::store::Store;
-use idem_core::{Idempotency, IdempotencyBuilder, MemoryStore, RedisStore, RedisStoreConfig};
+use idem_core::{Idempotency, IdempotencyBuilder, MemoryStore};
 use idem_postgres::{PgStore, PgStoreConfig};
+use idem_redis::{RedisStore, RedisStoreConfig};
 use std::time::Duration;
 
 use crate::record::{RecordPeek, RecordState, record_state};

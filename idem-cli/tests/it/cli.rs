@@ -1,7 +1,8 @@
 //! The `idem` binary against a real redis-server: output and exit codes.
 
 use idem_core::store::{Claim, Store, Token};
-use idem_core::{Error, Idempotency, RedisStore};
+use idem_core::{Error, Idempotency};
+use idem_redis::RedisStore;
 use idem_testkit::RedisServer;
 use std::process::{Command, Output};
 use std::time::Duration;

@@ -4,7 +4,8 @@
 use idem_consumer::{
     Consumer, ConsumerError, DeadLetterReason, Decision, ErrorClass, KeyDeriver, KeySource, Message,
 };
-use idem_core::{Idempotency, MemoryStore, Outcome, RedisStore};
+use idem_core::{Idempotency, MemoryStore, Outcome};
+use idem_redis::RedisStore;
 use idem_testkit::{Ledger, RedisServer};
 use std::time::Duration;
 

@@ -35,7 +35,8 @@ use idem_consumer::{
     Classify, Consumer, ConsumerError, ErrorClass, KeyDeriver, KeySource, Message, PollReport,
     dead_letter_field,
 };
-use idem_core::{Idempotency, RedisStore};
+use idem_core::Idempotency;
+use idem_redis::RedisStore;
 use idem_testkit::{FileLedger, KafkaBroker, Ledger, RedisServer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;

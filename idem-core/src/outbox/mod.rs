@@ -9,20 +9,16 @@
 //! ([`message_id`]) in the broker's own id field, and an idem consumer on
 //! the other side runs its effect once however often the relay re-sends.
 //!
-//! Sources live beside their stores (idem-postgres), sinks beside the
+//! Sources live beside their stores (idem-redis, idem-postgres), sinks beside the
 //! consumer adapters (idem-consumer, feature `outbox`); this module is the
 //! one definition both sides share.
 
 pub(crate) mod message;
-#[cfg(feature = "redis")]
-mod redis;
 mod relaying;
 mod sink;
 mod stage;
 
 pub use self::message::{MAX_OUTBOX_FIELD, OutboxMessage, message_id};
-#[cfg(feature = "redis")]
-pub use self::redis::{RedisOutbox, RedisRelay};
 pub use self::relaying::{Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves};
 pub use self::sink::{Sink, SinkError};
 pub use self::stage::{check_field, encode_payload, stage};

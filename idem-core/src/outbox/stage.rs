@@ -8,7 +8,7 @@ use serde::Serialize;
 
 /// Stages an outgoing message that the store writes **in the same atomic
 /// step as the call's result**: both are stored, or neither. A relay
-/// ([`RedisRelay`](super::RedisRelay) for a `RedisStore`) publishes it
+/// (idem-redis's `RedisRelay` for a `RedisStore`) publishes it
 /// afterwards, at least once, under an id derived from the call, which an
 /// idem consumer on the other side de-duplicates.
 ///
@@ -35,15 +35,14 @@ use serde::Serialize;
 /// `run_in_tx`).
 ///
 /// ```no_run
-/// use idem_core::{Error, Idempotency, RedisStore, outbox};
+/// use idem_core::{Error, Idempotency, outbox};
 ///
 /// #[derive(serde::Serialize, serde::Deserialize)]
 /// struct Order { id: String, amount: u64 }
 ///
-/// # async fn demo() -> Result<(), Error> {
-/// let idem = Idempotency::builder(RedisStore::connect("redis://127.0.0.1/").await?)
-///     .namespace("shop")
-///     .build();
+/// // `idem` is built on a store with an outbox, such as idem-redis's
+/// // `RedisStore`: `Idempotency::builder(RedisStore::connect(url).await?)`.
+/// # async fn demo(idem: Idempotency) -> Result<(), Error> {
 /// let order: Order = idem
 ///     .call("orders.create", "req-42")
 ///     .run(|| async {

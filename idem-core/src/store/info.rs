@@ -49,7 +49,8 @@ impl KeyState {
     /// The state of a completed record of this kind.
     ///
     /// ```
-    /// use idem_core::{KeyState, ValueKind};
+    /// use idem_core::KeyState;
+    /// use idem_core::store::ValueKind;
     /// assert_eq!(KeyState::of_kind(ValueKind::Lz4Json), KeyState::Completed);
     /// ```
     pub fn of_kind(kind: ValueKind) -> KeyState {
@@ -156,7 +157,8 @@ impl RecordInfo {
     /// in the info only when `with_value`.
     ///
     /// ```
-    /// use idem_core::{KeyState, RecordInfo, ValueKind};
+    /// use idem_core::{KeyState, RecordInfo};
+    /// use idem_core::store::ValueKind;
     /// let info = RecordInfo::completed(ValueKind::Json, bytes::Bytes::from_static(b"42"), None, None, false);
     /// assert_eq!((info.state, info.value_size, info.value), (KeyState::Completed, Some(2), None));
     /// ```
@@ -220,7 +222,7 @@ impl RecordInfo {
 /// One page of a [`Store::scan`](super::Store::scan).
 ///
 /// ```
-/// let page = idem_core::ScanPage { records: vec![], cursor: None };
+/// let page = idem_core::store::ScanPage { records: vec![], cursor: None };
 /// assert!(page.cursor.is_none()); // the scan is done
 /// ```
 #[derive(Debug, Default)]

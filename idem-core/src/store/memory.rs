@@ -54,7 +54,7 @@ struct Map {
 }
 
 /// Records in this process's memory, with exactly the semantics of
-/// [`RedisStore`](crate::RedisStore): leases, takeovers, owner tokens,
+/// idem-redis's `RedisStore`: leases, takeovers, owner tokens,
 /// fingerprints and TTLs.
 ///
 /// For a single process (a CLI, a worker that owns its queue, development

@@ -2,8 +2,9 @@
 //! backend implements, and the types of its requests and replies
 //! ([`Claim`], [`ClaimReply`], [`WriteReply`], [`Completed`], [`ValueKind`],
 //! [`Token`], [`KeyWatch`], …). An application needs none of them: it builds
-//! a store ([`MemoryStore`], `RedisStore`, idem-postgres's `PgStore`) and
-//! hands it to `Idempotency::builder`; the crate root has what it writes.
+//! a store ([`MemoryStore`], idem-redis's `RedisStore`, idem-postgres's
+//! `PgStore`) and hands it to `Idempotency::builder`; the crate root has
+//! what it writes.
 //!
 //! A key is absent, pending (claimed by one owner token until a lease
 //! deadline) or completed (holding a stored value until its TTL). `claim`
@@ -11,18 +12,30 @@
 //! reports the rest; `complete`, `release` and `extend` act only for the
 //! token that holds the pending record. `lua/README.md` gives the Redis
 //! encoding; [`MemoryStore`] keeps the same machine in process memory.
+//!
+//! Besides the contract, this module has the pieces every store shares, so
+//! that a store in a crate of its own (idem-redis, idem-postgres) behaves
+//! as [`MemoryStore`] does without copying them:
+//!
+//! - how leases and TTLs are counted: [`millis`], [`store_duration`],
+//!   [`store_lease`], [`record_ttl`] and [`MAX_STORE_MS`];
+//! - how waiters are woken without polling: [`Hub`] (with [`OnLast`]), which
+//!   hands out [`KeyWatch`]es and feeds [`InvalidationSink`]s, and
+//!   [`namespace_prefix`], the part of a key a forget is announced under;
+//! - how a batch is answered key by key: [`key_waves`], [`in_waves`] and
+//!   [`Finish::run_on`].
+//!
+//! A complete store of your own, written against this module (and the
+//! crate's [`Error`] and [`Fingerprint`]), is in the [`Store`] trait's
+//! documentation.
 
 mod info;
 mod memory;
-#[cfg(feature = "redis")]
-pub(crate) mod redis;
 mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
-#[cfg(feature = "redis")]
-pub use self::redis::{RedisStore, RedisStoreConfig};
-pub use self::watch::{Invalidation, InvalidationSink, KeyWatch};
+pub use self::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, OnLast, namespace_prefix};
 pub use crate::key::failure_key;
 pub use crate::token::Token;
 
@@ -35,7 +48,7 @@ use std::time::Duration;
 /// One claim request.
 ///
 /// ```
-/// use idem_core::{Claim, Token};
+/// use idem_core::store::{Claim, Token};
 /// use std::time::Duration;
 /// let token = Token::random();
 /// let c = Claim { key: "idem:charge:42", token: &token, lease: Duration::from_secs(30), ttl: Duration::from_secs(86_400), fingerprint: None, want_ttl_left: false };
@@ -64,7 +77,7 @@ pub struct Claim<'a> {
 /// How a completed record's value is stored.
 ///
 /// ```
-/// use idem_core::ValueKind;
+/// use idem_core::store::ValueKind;
 /// assert_eq!(ValueKind::from_tag(ValueKind::Json.tag()), Some(ValueKind::Json));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,7 +99,7 @@ impl ValueKind {
     /// The one-byte tag in the stored record.
     ///
     /// ```
-    /// assert_eq!(idem_core::ValueKind::Json.tag(), b'C');
+    /// assert_eq!(idem_core::store::ValueKind::Json.tag(), b'C');
     /// ```
     pub fn tag(self) -> u8 {
         match self {
@@ -100,7 +113,7 @@ impl ValueKind {
     /// The kind for a stored tag, `None` for an unknown one.
     ///
     /// ```
-    /// assert_eq!(idem_core::ValueKind::from_tag(b'?'), None);
+    /// assert_eq!(idem_core::store::ValueKind::from_tag(b'?'), None);
     /// ```
     pub fn from_tag(tag: u8) -> Option<ValueKind> {
         Some(match tag {
@@ -116,7 +129,7 @@ impl ValueKind {
 /// A completed record, as a claim finds it.
 ///
 /// ```
-/// use idem_core::{Completed, ValueKind};
+/// use idem_core::store::{Completed, ValueKind};
 /// let c = Completed { kind: ValueKind::Json, value: bytes::Bytes::from_static(b"42"), fingerprint: None, ttl_left: None };
 /// assert_eq!(&c.value[..], b"42");
 /// ```
@@ -135,7 +148,7 @@ pub struct Completed {
 /// What a claim found.
 ///
 /// ```
-/// use idem_core::ClaimReply;
+/// use idem_core::store::ClaimReply;
 /// let r = ClaimReply::Acquired { attempt: 2 };
 /// assert!(matches!(r, ClaimReply::Acquired { attempt } if attempt > 1)); // a takeover
 /// ```
@@ -161,7 +174,7 @@ pub enum ClaimReply {
 /// What a `complete`, `release` or `extend` did.
 ///
 /// ```
-/// use idem_core::WriteReply;
+/// use idem_core::store::WriteReply;
 /// assert!(WriteReply::Done.is_done());
 /// assert!(!WriteReply::Missing.is_done());
 /// ```
@@ -181,7 +194,7 @@ impl WriteReply {
     /// True when the write happened.
     ///
     /// ```
-    /// assert!(idem_core::WriteReply::Done.is_done());
+    /// assert!(idem_core::store::WriteReply::Done.is_done());
     /// ```
     pub fn is_done(self) -> bool {
         self == WriteReply::Done
@@ -340,11 +353,12 @@ pub struct StepRecord {
 /// A backend that keeps idempotency records.
 ///
 /// Implementations must be atomic per key: each method is one indivisible
-/// step of the state machine described in this module. [`RedisStore`] does
-/// it with one Lua script per method; [`MemoryStore`] under a mutex.
+/// step of the state machine described in this module. idem-redis's
+/// `RedisStore` does it with one Lua script per method; [`MemoryStore`]
+/// under a mutex.
 ///
 /// ```
-/// use idem_core::{Claim, ClaimReply, MemoryStore, Store, Token, WriteReply};
+/// use idem_core::store::{Claim, ClaimReply, MemoryStore, Store, Token, WriteReply};
 /// use std::time::Duration;
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -353,6 +367,167 @@ pub struct StepRecord {
 /// assert_eq!(store.claim(claim).await?, ClaimReply::Acquired { attempt: 1 });
 /// assert_eq!(store.release("k", &token).await?, WriteReply::Done);
 /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+/// ```
+///
+/// # A store of your own
+///
+/// A store implements the four required methods, `claim`, `complete`,
+/// `release` and `extend`; every other method has a default (answering
+/// [`Error::Unsupported`], no steps, no notifications) that a store
+/// overrides to offer more. It counts leases and TTLs as every store does
+/// ([`store_lease`], [`record_ttl`]), and is written with
+/// `#[idem_core::async_trait]` (`#[idem::async_trait]` through the facade):
+/// no dependency of its own. This one keeps its records in a map under one
+/// lock, which makes each method one atomic step:
+///
+/// ```
+/// use idem_core::store::{
+///     Claim, ClaimReply, Completed, Store, Token, ValueKind, WriteReply, record_ttl, store_lease,
+/// };
+/// use idem_core::{Error, Fingerprint, Idempotency, Outcome};
+/// use std::collections::HashMap;
+/// use std::sync::{Mutex, MutexGuard};
+/// use std::time::{Duration, Instant};
+///
+/// enum State {
+///     /// Claimed by `token` until `lease_end`; `attempt` counts takeovers.
+///     Pending { token: Token, lease_end: Instant, attempt: u32 },
+///     /// The body's stored result.
+///     Completed { kind: ValueKind, value: bytes::Bytes },
+/// }
+///
+/// struct Record {
+///     state: State,
+///     fingerprint: Option<Fingerprint>,
+///     /// The record is gone after this (the result TTL, counted from the claim).
+///     expires: Instant,
+/// }
+///
+/// /// Records in a map, one lock for every step.
+/// #[derive(Default)]
+/// struct MapStore {
+///     records: Mutex<HashMap<String, Record>>,
+/// }
+///
+/// impl MapStore {
+///     /// The live records (expired ones dropped first).
+///     fn records(&self, now: Instant) -> MutexGuard<'_, HashMap<String, Record>> {
+///         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+///         records.retain(|_, r| r.expires > now);
+///         records
+///     }
+///
+///     /// The owner check of `complete`, `release` and `extend`: the record
+///     /// must be pending and held by `token`.
+///     fn owned<'r>(records: &'r mut HashMap<String, Record>, key: &str, token: &Token)
+///         -> Result<&'r mut Record, WriteReply>
+///     {
+///         match records.get_mut(key) {
+///             None => Err(WriteReply::Missing),
+///             Some(Record { state: State::Completed { .. }, .. }) => Err(WriteReply::AlreadyCompleted),
+///             Some(r) => match r.state {
+///                 State::Pending { token: holder, .. } if holder == *token => Ok(r),
+///                 _ => Err(WriteReply::OtherOwner),
+///             },
+///         }
+///     }
+/// }
+///
+/// #[idem_core::async_trait]
+/// impl Store for MapStore {
+///     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
+///         let now = Instant::now();
+///         let lease_end = now + store_lease(c.lease);
+///         let mut records = self.records(now);
+///         let attempt = match records.get(c.key) {
+///             None => 1,
+///             Some(r) => {
+///                 if matches!((c.fingerprint, &r.fingerprint), (Some(a), Some(b)) if a != b) {
+///                     return Ok(ClaimReply::Mismatch);
+///                 }
+///                 match &r.state {
+///                     State::Completed { kind, value } => {
+///                         return Ok(ClaimReply::Completed(Completed {
+///                             kind: *kind,
+///                             value: value.clone(),
+///                             fingerprint: r.fingerprint,
+///                             ttl_left: Some(r.expires - now),
+///                         }));
+///                     }
+///                     // Our own claim, re-sent after its reply was lost.
+///                     State::Pending { token, attempt, .. } if token == c.token => *attempt,
+///                     State::Pending { lease_end, .. } if *lease_end > now => {
+///                         return Ok(ClaimReply::InProgress { retry_after: *lease_end - now });
+///                     }
+///                     // The holder's lease ran out: take the key over.
+///                     State::Pending { attempt, .. } => attempt + 1,
+///                 }
+///             }
+///         };
+///         let fingerprint = c.fingerprint.copied().or(records.get(c.key).and_then(|r| r.fingerprint));
+///         let state = State::Pending { token: *c.token, lease_end, attempt };
+///         let expires = now + record_ttl(c.ttl, c.lease);
+///         records.insert(c.key.to_owned(), Record { state, fingerprint, expires });
+///         Ok(ClaimReply::Acquired { attempt })
+///     }
+///
+///     async fn complete(
+///         &self,
+///         key: &str,
+///         token: &Token,
+///         _fingerprint: Option<&Fingerprint>,
+///         kind: ValueKind,
+///         value: &[u8],
+///     ) -> Result<WriteReply, Error> {
+///         let mut records = self.records(Instant::now());
+///         Ok(match Self::owned(&mut records, key, token) {
+///             Ok(r) => {
+///                 // The expiry stays: the result TTL counts from the claim.
+///                 r.state = State::Completed { kind, value: bytes::Bytes::copy_from_slice(value) };
+///                 WriteReply::Done
+///             }
+///             Err(reply) => reply,
+///         })
+///     }
+///
+///     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+///         let mut records = self.records(Instant::now());
+///         Ok(match Self::owned(&mut records, key, token) {
+///             Ok(_) => {
+///                 records.remove(key);
+///                 WriteReply::Done
+///             }
+///             Err(reply) => reply,
+///         })
+///     }
+///
+///     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+///         let now = Instant::now();
+///         let mut records = self.records(now);
+///         Ok(match Self::owned(&mut records, key, token) {
+///             Ok(r) => {
+///                 if let State::Pending { lease_end, .. } = &mut r.state {
+///                     *lease_end = now + store_lease(lease);
+///                 }
+///                 WriteReply::Done
+///             }
+///             Err(reply) => reply,
+///         })
+///     }
+///
+///     fn name(&self) -> &'static str {
+///         "map"
+///     }
+/// }
+///
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let idem = Idempotency::builder(MapStore::default()).namespace("shop").build();
+/// let charge = || async { Ok::<_, Error>("receipt-7".to_owned()) };
+/// let first = idem.call("charge", "order-7").run_outcome(charge).await?;
+/// let again = idem.call("charge", "order-7").run_outcome(charge).await?;
+/// assert_eq!(first, ("receipt-7".to_owned(), Outcome::Executed));
+/// assert_eq!(again, ("receipt-7".to_owned(), Outcome::Replayed));
+/// # Ok::<(), Error>(()) }).unwrap();
 /// ```
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -379,7 +554,7 @@ pub trait Store: Send + Sync + 'static {
     /// default is `false`.
     ///
     /// ```
-    /// use idem_core::{MemoryStore, Store};
+    /// use idem_core::store::{MemoryStore, Store};
     /// assert!(!MemoryStore::new().has_outbox());
     /// ```
     fn has_outbox(&self) -> bool {
@@ -540,7 +715,7 @@ pub trait Store: Send + Sync + 'static {
     /// The default is `custom`.
     ///
     /// ```
-    /// use idem_core::{MemoryStore, Store};
+    /// use idem_core::store::{MemoryStore, Store};
     /// assert_eq!(MemoryStore::new().name(), "memory");
     /// ```
     fn name(&self) -> &'static str {
@@ -614,7 +789,7 @@ pub trait Store: Send + Sync + 'static {
     /// [`scan`]: Store::scan
     ///
     /// ```
-    /// use idem_core::{MemoryStore, Store};
+    /// use idem_core::store::{MemoryStore, Store};
     /// use std::time::Duration;
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// let store = MemoryStore::new();
@@ -645,35 +820,78 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
-/// Longest lease or TTL a store keeps, in ms (about 317 years). The builder
-/// caps TTLs at a year; longer durations given to a `Store` directly are
-/// clamped so that memory never overflows an `Instant` and Lua (whose
-/// numbers print as integers only below 1e14) never writes an unusable one.
-const MAX_STORE_MS: u64 = 10_000_000_000_000;
+/// The longest lease or TTL a store keeps, in ms (about 317 years). The
+/// builder caps TTLs at a year; longer durations given to a `Store`
+/// directly are clamped to this, so that a store never overflows an
+/// `Instant` or a timestamp, and Lua (whose numbers print as integers only
+/// below 1e14) never writes an unusable one. A store author clamps through
+/// [`millis`] rather than reading this.
+///
+/// ```
+/// use idem_core::store::{MAX_STORE_MS, millis};
+/// assert_eq!(millis(std::time::Duration::MAX), MAX_STORE_MS);
+/// ```
+pub const MAX_STORE_MS: u64 = 10_000_000_000_000;
 
-/// Whole milliseconds, at least 1, at most `MAX_STORE_MS`: stores count
-/// leases and TTLs in ms.
-pub(crate) fn millis(d: Duration) -> u64 {
+/// A duration as every store counts it: whole milliseconds, at least 1, at
+/// most [`MAX_STORE_MS`]. A store that sends leases and TTLs to its
+/// backend in ms (Redis `PX`, a PostgreSQL interval) converts them here, so
+/// that every store rounds and clamps alike and a call behaves the same on
+/// each.
+///
+/// ```
+/// use idem_core::store::millis;
+/// use std::time::Duration;
+/// assert_eq!(millis(Duration::from_micros(1500)), 1); // whole ms, rounded down
+/// assert_eq!(millis(Duration::ZERO), 1);               // never 0: "no expiry" to a backend
+/// ```
+pub fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
         .clamp(1, MAX_STORE_MS)
 }
 
 /// How long a claimed record is kept: the result TTL, and at least two
-/// leases, so that a lease that runs out leaves a record behind and the next
-/// claim counts a takeover (`Outcome::Recovered`) instead of finding a fresh
-/// key. A result whose TTL is under two leases is kept that long.
-pub(crate) fn record_ttl(ttl: Duration, lease: Duration) -> Duration {
+/// leases, so that a lease that runs out leaves a record behind and the
+/// next claim counts a takeover (`Outcome::Recovered`) instead of finding a
+/// fresh key. A result whose TTL is under two leases is kept that long. A
+/// store sets its records' expiry at a claim ([`Claim::ttl`],
+/// [`Claim::lease`]) from this.
+///
+/// ```
+/// use idem_core::store::record_ttl;
+/// use std::time::Duration;
+/// let s = Duration::from_secs;
+/// assert_eq!(record_ttl(s(86_400), s(30)), s(86_400));
+/// assert_eq!(record_ttl(s(10), s(30)), s(60)); // two leases
+/// ```
+pub fn record_ttl(ttl: Duration, lease: Duration) -> Duration {
     store_duration(ttl).max(store_lease(lease) * 2)
 }
 
-/// A lease as the stores count it: as [`store_duration`], and at most half
-/// the longest TTL, so that two leases of record always fit.
-pub(crate) fn store_lease(lease: Duration) -> Duration {
+/// A lease as every store counts it: as [`store_duration`], and at most
+/// half of [`MAX_STORE_MS`], so that the two leases of [`record_ttl`]
+/// always fit. A store computes a lease deadline (at a claim, in
+/// [`Store::extend`]) from this.
+///
+/// ```
+/// use idem_core::store::{MAX_STORE_MS, store_lease};
+/// use std::time::Duration;
+/// assert_eq!(store_lease(Duration::MAX), Duration::from_millis(MAX_STORE_MS / 2));
+/// ```
+pub fn store_lease(lease: Duration) -> Duration {
     store_duration(lease).min(Duration::from_millis(MAX_STORE_MS / 2))
 }
 
-/// `d` as the stores count it (see [`millis`]), so memory and Redis agree.
-pub(crate) fn store_duration(d: Duration) -> Duration {
+/// `d` as every store counts it ([`millis`]), as a `Duration`: for a store
+/// that keeps time itself (an `Instant` deadline, as [`MemoryStore`] does),
+/// so that it agrees with the stores that count in ms.
+///
+/// ```
+/// use idem_core::store::store_duration;
+/// use std::time::Duration;
+/// assert_eq!(store_duration(Duration::from_micros(2_700)), Duration::from_millis(2));
+/// ```
+pub fn store_duration(d: Duration) -> Duration {
     Duration::from_millis(millis(d))
 }

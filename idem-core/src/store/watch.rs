@@ -19,10 +19,10 @@ use tokio::sync::watch;
 /// taken is seen by [`changed`](KeyWatch::changed). Dropping the last watch
 /// of a key unsubscribes.
 ///
-/// [`Store::watch`]: crate::Store::watch
+/// [`Store::watch`]: crate::store::Store::watch
 ///
 /// ```
-/// use idem_core::{Claim, MemoryStore, Store, Token};
+/// use idem_core::store::{Claim, MemoryStore, Store, Token};
 /// use std::time::Duration;
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -58,7 +58,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::Store;
+    /// # use idem_core::store::Store;
     /// let store = idem_core::MemoryStore::new();
     /// let mut w = store.watch("k").await.unwrap();
     /// let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), w.changed()).await;
@@ -81,7 +81,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::Store;
+    /// # use idem_core::store::Store;
     /// assert!(idem_core::MemoryStore::new().watch("k").await.unwrap().is_live());
     /// # });
     /// ```
@@ -97,11 +97,11 @@ impl Drop for KeyWatch {
 }
 
 /// What a store tells a local replay cache, from
-/// [`Store::watch_forgotten`](crate::Store::watch_forgotten).
+/// [`Store::watch_forgotten`](crate::store::Store::watch_forgotten).
 ///
 /// ```
-/// let i = idem_core::Invalidation::Key("idem:charge:42");
-/// assert_ne!(i, idem_core::Invalidation::All);
+/// let i = idem_core::store::Invalidation::Key("idem:charge:42");
+/// assert_ne!(i, idem_core::store::Invalidation::All);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -125,11 +125,59 @@ pub type InvalidationSink = Arc<dyn Fn(Invalidation<'_>) + Send + Sync>;
 
 type WeakSink = std::sync::Weak<dyn Fn(Invalidation<'_>) + Send + Sync>;
 
-/// Called with a channel whose last watcher left (Redis: `SUNSUBSCRIBE`).
-type OnLast = Box<dyn Fn(&str) + Send + Sync>;
+/// What a [`Hub`] calls with a key whose last [`KeyWatch`] was dropped, so
+/// that the store stops listening for it (Redis: `SUNSUBSCRIBE`). Called
+/// under the hub's lock: a watch of the same key taken meanwhile asks to
+/// subscribe after this returns, never before. Keep it short and
+/// non-blocking (send the request to a task).
+pub type OnLast = Box<dyn Fn(&str) + Send + Sync>;
 
-/// The watched keys of one store in this process.
-pub(crate) struct Hub {
+/// The watched keys of one store in this process, and the local caches'
+/// invalidation sinks: what a store hands out from [`Store::watch`] and
+/// [`Store::watch_forgotten`], and wakes when it hears of a change.
+///
+/// A store that can tell this process when a key changed (a pub/sub
+/// channel, a `LISTEN`, its own memory) keeps one `Hub` behind an `Arc`:
+///
+/// - [`Store::watch`]: [`join`](Hub::join) the key; when it is the key's
+///   first watch, subscribe on the backend *before* handing the watch out
+///   (the caller re-reads the record after it, so nothing is missed);
+/// - on a change of a key (completed, released, forgotten):
+///   [`notify`](Hub::notify) it; on a forget, also
+///   [`invalidate`](Hub::invalidate) the key's [`namespace_prefix`];
+/// - [`Store::watch_forgotten`]: [`add_feed`](Hub::add_feed), subscribing
+///   the prefix's channel when it is the first sink;
+/// - when deliveries stop or may have been lost (a dropped connection):
+///   [`set_live`](Hub::set_live)`(false)`, [`notify_all`](Hub::notify_all)
+///   and [`invalidate_all`](Hub::invalidate_all) with
+///   [`Invalidation::Paused`]; once they flow again, `set_live(true)`,
+///   `notify_all`, [`Invalidation::Resumed`], and subscribe again what
+///   [`feed_prefixes`](Hub::feed_prefixes) lists.
+///
+/// `Hub::default()` is an in-process hub, always live, with nothing to
+/// unsubscribe: what [`MemoryStore`](super::MemoryStore) uses.
+///
+/// [`Store::watch`]: super::Store::watch
+/// [`Store::watch_forgotten`]: super::Store::watch_forgotten
+///
+/// ```
+/// use idem_core::store::{Hub, OnLast};
+/// use std::sync::{Arc, Mutex};
+/// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+/// let unsubscribed = Arc::new(Mutex::new(Vec::new()));
+/// let log = Arc::clone(&unsubscribed);
+/// let on_last: OnLast = Box::new(move |key: &str| log.lock().unwrap().push(key.to_owned()));
+/// let hub = Arc::new(Hub::new(true, Some(on_last)));
+///
+/// let (mut watch, first) = hub.join("ns:charge:42");
+/// assert!(first); // the store subscribes to the key now, then returns the watch
+/// hub.notify("ns:charge:42"); // the backend said the key changed
+/// watch.changed().await; // the waiter wakes and reads the record again
+/// drop(watch);
+/// assert_eq!(*unsubscribed.lock().unwrap(), ["ns:charge:42"]);
+/// # });
+/// ```
+pub struct Hub {
     keys: Mutex<HashMap<String, watch::Sender<u64>>>,
     /// Invalidation sinks by namespace prefix; weak, so a dropped
     /// `Idempotency` (which holds its sink) stops hearing.
@@ -160,7 +208,11 @@ impl Default for Hub {
 }
 
 impl Hub {
-    pub(crate) fn new(live: bool, on_last: Option<OnLast>) -> Hub {
+    /// A hub with no watches. `live` says whether notifications flow from
+    /// the start (a store that must first open a subscriber connection
+    /// starts with `false`: its waiters poll until then); `on_last` is
+    /// called with each key whose last watch goes.
+    pub fn new(live: bool, on_last: Option<OnLast>) -> Hub {
         Hub {
             keys: Mutex::new(HashMap::new()),
             feeds: Mutex::new(HashMap::new()),
@@ -169,9 +221,9 @@ impl Hub {
         }
     }
 
-    /// A watch of `key`, and whether it is the key's first (the store
-    /// must subscribe before the watch is handed out).
-    pub(crate) fn join(self: &Arc<Hub>, key: &str) -> (KeyWatch, bool) {
+    /// A watch of `key`, and whether it is the key's first: then the store
+    /// must subscribe to the key before it hands the watch out.
+    pub fn join(self: &Arc<Hub>, key: &str) -> (KeyWatch, bool) {
         let mut keys = lock(&self.keys);
         let (rx, first) = match keys.get(key) {
             Some(tx) => (tx.subscribe(), false),
@@ -205,38 +257,39 @@ impl Hub {
         }
     }
 
-    /// Wakes the watchers of `key`, if any.
-    pub(crate) fn notify(&self, key: &str) {
+    /// Wakes the watchers of `key`, if any: the store heard that it
+    /// changed.
+    pub fn notify(&self, key: &str) {
         if let Some(tx) = lock(&self.keys).get(key) {
             tx.send_modify(|g| *g = g.wrapping_add(1));
         }
     }
 
-    /// Wakes every watcher (notifications may have been lost).
-    // Used by the Redis notifier only.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn notify_all(&self) {
+    /// Wakes every watcher: notifications may have been lost (a
+    /// subscriber connection dropped or came back), so each reads its
+    /// record again.
+    pub fn notify_all(&self) {
         for tx in lock(&self.keys).values() {
             tx.send_modify(|g| *g = g.wrapping_add(1));
         }
     }
 
-    // Used by the Redis notifier only.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn set_live(&self, live: bool) {
+    /// Says whether notifications flow now ([`KeyWatch::is_live`]): while
+    /// they do not, waiters poll as they would without a watch.
+    pub fn set_live(&self, live: bool) {
         self.live.store(live, Ordering::Release);
     }
 
-    // Used by the Redis notifier only.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn is_live(&self) -> bool {
+    /// Whether notifications flow now, as last [`set_live`](Hub::set_live).
+    pub fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
     }
 
     /// Adds an invalidation sink for keys under `prefix` (once, however
-    /// often it is registered); true when it is the prefix's first (the
-    /// store must subscribe).
-    pub(crate) fn add_feed(&self, prefix: &str, sink: &InvalidationSink) -> bool {
+    /// often it is registered; kept weakly, so it is heard while its owner
+    /// holds it); true when it is the prefix's first live sink: then the
+    /// store must subscribe to the prefix's forgets.
+    pub fn add_feed(&self, prefix: &str, sink: &InvalidationSink) -> bool {
         let mut feeds = lock(&self.feeds);
         let list = feeds.entry(prefix.to_owned()).or_default();
         list.retain(|s| s.strong_count() > 0);
@@ -247,11 +300,9 @@ impl Hub {
         list.len() == 1
     }
 
-    /// The prefixes some live sink listens to (a restarted subscriber
-    /// subscribes them again).
-    // Used by the Redis notifier only.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn feed_prefixes(&self) -> Vec<String> {
+    /// The prefixes some live sink listens to, for a subscriber connection
+    /// that was opened again and must subscribe them again.
+    pub fn feed_prefixes(&self) -> Vec<String> {
         let mut feeds = lock(&self.feeds);
         feeds.retain(|_, list| {
             list.retain(|s| s.strong_count() > 0);
@@ -260,8 +311,10 @@ impl Hub {
         feeds.keys().cloned().collect()
     }
 
-    /// Tells the sinks of `prefix` about `what`.
-    pub(crate) fn invalidate(&self, prefix: &str, what: Invalidation<'_>) {
+    /// Tells the sinks of `prefix` about `what` (a forgotten key, or
+    /// [`Invalidation::All`] when that prefix's messages may have been
+    /// lost).
+    pub fn invalidate(&self, prefix: &str, what: Invalidation<'_>) {
         let sinks: Vec<InvalidationSink> = lock(&self.feeds)
             .get(prefix)
             .map(|l| l.iter().filter_map(|s| s.upgrade()).collect())
@@ -272,11 +325,9 @@ impl Hub {
     }
 
     /// Tells every sink `what` ([`Invalidation::Paused`] or
-    /// [`Invalidation::Resumed`]: the one subscriber connection carries
-    /// every feed).
-    // Used by the Redis notifier only.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn invalidate_all(&self, what: Invalidation<'_>) {
+    /// [`Invalidation::Resumed`], for a store whose one subscriber
+    /// connection carries every feed).
+    pub fn invalidate_all(&self, what: Invalidation<'_>) {
         let sinks: Vec<InvalidationSink> = lock(&self.feeds)
             .values()
             .flatten()
@@ -288,10 +339,17 @@ impl Hub {
     }
 }
 
-/// The namespace prefix of a stored key (`namespace:`), where forget
-/// invalidations are published: parts escape `:` (`key.rs`), so the first
-/// one ends the namespace.
-pub(crate) fn namespace_prefix(key: &str) -> &str {
+/// The namespace prefix of a stored key (`namespace:`, with its colon):
+/// where a store announces a forget of the key to other processes' local
+/// caches, and what [`Store::watch_forgotten`](super::Store::watch_forgotten)
+/// is given. A stored key is `namespace:scope:key` with a `:` inside a
+/// part escaped, so the first `:` ends the namespace.
+///
+/// ```
+/// use idem_core::store::namespace_prefix;
+/// assert_eq!(namespace_prefix("payments:charge:42"), "payments:");
+/// ```
+pub fn namespace_prefix(key: &str) -> &str {
     match key.find(':') {
         Some(at) => &key[..=at],
         None => key,

@@ -4,7 +4,8 @@
 
 use futures_util::StreamExt;
 use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
-use idem_core::{Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore};
+use idem_core::{Error, Idempotency, KeyState, MemoryStore, Outcome};
+use idem_redis::{RedisStore, redis};
 use idem_testkit::{RedisCluster, RedisServer, TestContext};
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -12,7 +12,8 @@ use idem_consumer::{
     Adapter, Classify, Consumer, ConsumerError, ErrorClass, KeyDeriver, KeySource, Message,
     PollReport,
 };
-use idem_core::{Idempotency, RedisStore};
+use idem_core::Idempotency;
+use idem_redis::RedisStore;
 use idem_testkit::{FileLedger, Ledger, RedisServer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;

@@ -21,14 +21,14 @@ use self::reply::{
     parse_write, protocol, server_error,
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
-use super::{
+use async_trait::async_trait;
+use idem_core::Error;
+use idem_core::Fingerprint;
+use idem_core::store::Token;
+use idem_core::store::{
     Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
     ValueKind, WriteReply, millis, store_lease,
 };
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::token::Token;
-use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -52,7 +52,7 @@ enum Conn {
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idem_core::Error> {
-/// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+/// let store = idem_redis::RedisStore::connect("redis://127.0.0.1:6379/").await?;
 /// let idem = idem_core::Idempotency::builder(store).namespace("payments").build();
 /// # Ok(()) }
 /// ```
@@ -88,7 +88,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// let store = idem_redis::RedisStore::connect("redis://127.0.0.1:6379/").await?;
     /// # Ok(()) }
     /// ```
     pub async fn connect(url: &str) -> Result<RedisStore, Error> {
@@ -99,7 +99,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// use idem_core::{RedisStore, RedisStoreConfig};
+    /// use idem_redis::{RedisStore, RedisStoreConfig};
     /// let cfg = RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(200));
     /// let store = RedisStore::connect_with("redis://127.0.0.1:6379/", cfg).await?;
     /// # Ok(()) }
@@ -142,7 +142,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// let store = idem_core::RedisStore::connect_cluster(&["redis://127.0.0.1:7001/", "redis://127.0.0.1:7002/"]).await?;
+    /// let store = idem_redis::RedisStore::connect_cluster(&["redis://127.0.0.1:7001/", "redis://127.0.0.1:7002/"]).await?;
     /// # Ok(()) }
     /// ```
     pub async fn connect_cluster(urls: &[&str]) -> Result<RedisStore, Error> {
@@ -153,7 +153,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// use idem_core::{RedisStore, RedisStoreConfig};
+    /// use idem_redis::{RedisStore, RedisStoreConfig};
     /// let store = RedisStore::connect_cluster_with(&["redis://127.0.0.1:7001/"], RedisStoreConfig::default()).await?;
     /// # Ok(()) }
     /// ```
@@ -198,7 +198,7 @@ impl RedisStore {
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
     /// let client = redis::Client::open("redis://127.0.0.1:6379/")?;
     /// let manager = redis::aio::ConnectionManager::new(client).await?;
-    /// let store = idem_core::RedisStore::from_manager(manager);
+    /// let store = idem_redis::RedisStore::from_manager(manager);
     /// # Ok(()) }
     /// ```
     pub fn from_manager(manager: ConnectionManager) -> RedisStore {
@@ -216,7 +216,7 @@ impl RedisStore {
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
     /// let client = redis::cluster::ClusterClient::new(vec!["redis://127.0.0.1:7001/"])?;
-    /// let store = idem_core::RedisStore::from_cluster(client.get_async_connection().await?);
+    /// let store = idem_redis::RedisStore::from_cluster(client.get_async_connection().await?);
     /// # Ok(()) }
     /// ```
     pub fn from_cluster(conn: ClusterConnection) -> RedisStore {
@@ -440,7 +440,7 @@ impl Store for RedisStore {
         fingerprint: Option<&Fingerprint>,
         kind: ValueKind,
         value: &[u8],
-        messages: &[crate::outbox::message::OutboxMessage],
+        messages: &[idem_core::outbox::OutboxMessage],
     ) -> Result<WriteReply, Error> {
         self.complete_outbox(key, token, fingerprint, kind, value, messages)
             .await

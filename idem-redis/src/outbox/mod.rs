@@ -1,20 +1,20 @@
 //! The outbox of a [`RedisStore`]: messages a body staged
-//! ([`stage`](super::stage)) sit in a Redis Stream, appended by the script
+//! ([`stage`](idem_core::outbox::stage)) sit in a Redis Stream, appended by the script
 //! that stored the call's result; [`RedisRelay`] publishes them.
 //!
 //! Each message is one stream entry (`id`, `topic`, `key`, `payload`); a
 //! parked message keeps its entry, with its reason in a hash beside the
-//! stream. The keys are laid out in `store/redis/outbox.rs`.
+//! stream. The keys are laid out in `store/outbox.rs`.
 
 mod relay;
 
 pub use self::relay::RedisRelay;
 
-use crate::error::Error;
-use crate::outbox::message::OutboxMessage;
-use crate::outbox::relaying::{Backlog, Parked};
-use crate::store::RedisStore;
-use crate::store::redis::outbox::{StreamKeys, index_key, outbox_error};
+use crate::RedisStore;
+use crate::store::outbox::{StreamKeys, index_key, outbox_error};
+use idem_core::Error;
+use idem_core::outbox::OutboxMessage;
+use idem_core::outbox::{Backlog, Parked};
 use redis::{RedisError, Value};
 use std::collections::HashMap;
 use std::sync::LazyLock;
@@ -29,17 +29,17 @@ pub(crate) struct Scripts {
 }
 
 pub(crate) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    lock: redis::Script::new(include_str!("../../../../lua/outbox_lock.lua")),
-    unlock: redis::Script::new(include_str!("../../../../lua/outbox_unlock.lua")),
-    park: redis::Script::new(include_str!("../../../../lua/outbox_park.lua")),
-    prune: redis::Script::new(include_str!("../../../../lua/outbox_prune.lua")),
+    lock: redis::Script::new(include_str!("../../lua/outbox_lock.lua")),
+    unlock: redis::Script::new(include_str!("../../lua/outbox_unlock.lua")),
+    park: redis::Script::new(include_str!("../../lua/outbox_park.lua")),
+    prune: redis::Script::new(include_str!("../../lua/outbox_prune.lua")),
 });
 
 /// The outbox of a [`RedisStore`], for operators and relays: what waits,
 /// what is parked, and sending parked messages again or dropping them.
 ///
 /// ```no_run
-/// use idem_core::RedisStore;
+/// use idem_redis::RedisStore;
 /// # async fn demo() -> Result<(), idem_core::Error> {
 /// let store = RedisStore::connect("redis://127.0.0.1/").await?;
 /// let outbox = store.outbox();
@@ -67,11 +67,11 @@ impl From<RedisStore> for RedisOutbox {
 }
 
 impl RedisStore {
-    /// This store's outbox: where [`stage`](crate::outbox::stage)d messages
+    /// This store's outbox: where [`stage`](idem_core::outbox::stage)d messages
     /// wait for a [`RedisRelay`].
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// println!("{} waiting", store.outbox().backlog().await?.pending);
     /// # Ok(()) }
     /// ```
@@ -249,7 +249,7 @@ impl RedisOutbox {
     /// age of the oldest pending one.
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// let b = store.outbox().backlog().await?;
     /// if b.parked > 0 { eprintln!("{} parked: `idem outbox list`", b.parked); }
     /// # Ok(()) }
@@ -297,7 +297,7 @@ impl RedisOutbox {
     /// Parked messages, oldest first, at most `limit`.
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// for m in store.outbox().parked(50).await? {
     ///     eprintln!("{} (key {}): {}", m.id, m.key, m.reason.unwrap_or_default());
     /// }
@@ -369,7 +369,7 @@ impl RedisOutbox {
     /// when no parked message has that id.
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// store.outbox().retry("9f1c0e6a2b7d4c1e8f3a5b6c7d8e9f01").await?;
     /// # Ok(()) }
     /// ```
@@ -391,7 +391,7 @@ impl RedisOutbox {
     /// Sends every parked message again; answers how many.
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// let n = store.outbox().retry_all().await?;
     /// # Ok(()) }
     /// ```
@@ -415,7 +415,7 @@ impl RedisOutbox {
     /// message has that id.
     ///
     /// ```no_run
-    /// # async fn demo(store: idem_core::RedisStore) -> Result<(), idem_core::Error> {
+    /// # async fn demo(store: idem_redis::RedisStore) -> Result<(), idem_core::Error> {
     /// if let Some(m) = store.outbox().drop_parked("9f1c0e6a2b7d4c1e8f3a5b6c7d8e9f01").await? {
     ///     eprintln!("dropped {} to {}", m.id, m.topic);
     /// }

@@ -10,12 +10,12 @@
 //! nothing: the next holder sends those messages again, with the same ids.
 
 use super::{Entry, Listed, ParkedMark, RedisOutbox, SCRIPTS, now_ms};
-use crate::error::Error;
-use crate::outbox::message::OutboxMessage;
-use crate::outbox::relaying::{RelayReport, SendPolicy, Waves, send_in_waves};
-use crate::outbox::sink::Sink;
-use crate::store::redis::outbox::{StreamKeys, index_key, outbox_error};
-use crate::token::Token;
+use crate::store::outbox::{StreamKeys, index_key, outbox_error};
+use idem_core::Error;
+use idem_core::outbox::OutboxMessage;
+use idem_core::outbox::Sink;
+use idem_core::outbox::{RelayReport, SendPolicy, Waves, send_in_waves};
+use idem_core::store::Token;
 use redis::Value;
 use std::collections::{HashMap, HashSet};
 use std::pin::pin;
@@ -47,10 +47,11 @@ struct Retry {
 /// Publishes a [`RedisOutbox`] through a [`Sink`].
 ///
 /// ```no_run
-/// use idem_core::outbox::{RedisRelay, Sink};
+/// use idem_core::outbox::Sink;
+/// use idem_redis::outbox::RedisRelay;
 /// use std::time::Duration;
 ///
-/// # async fn demo(store: idem_core::RedisStore, sink: impl Sink + 'static) {
+/// # async fn demo(store: idem_redis::RedisStore, sink: impl Sink + 'static) {
 /// let relay = RedisRelay::new(&store, sink).batch_size(500).poll_interval(Duration::from_millis(50));
 /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
 /// let running = tokio::spawn(async move { relay.run(async { let _ = stopped.await; }).await });
@@ -106,8 +107,8 @@ impl<S: Sink> RedisRelay<S> {
     /// and retries backing off from 200 ms to 30 s.
     ///
     /// ```no_run
-    /// # fn demo(store: idem_core::RedisStore, sink: impl idem_core::outbox::Sink) {
-    /// let relay = idem_core::outbox::RedisRelay::new(&store, sink);
+    /// # fn demo(store: idem_redis::RedisStore, sink: impl idem_core::outbox::Sink) {
+    /// let relay = idem_redis::outbox::RedisRelay::new(&store, sink);
     /// # }
     /// ```
     pub fn new(outbox: impl Into<RedisOutbox>, sink: S) -> RedisRelay<S> {
@@ -127,7 +128,7 @@ impl<S: Sink> RedisRelay<S> {
     /// Messages a pass takes (1 to 10,000; default 256).
     ///
     /// ```no_run
-    /// # fn demo(r: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// # fn demo(r: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
     /// let r = r.batch_size(1000);
     /// # }
     /// ```
@@ -140,7 +141,7 @@ impl<S: Sink> RedisRelay<S> {
     /// one lock renewal and two reads per stream, ten times a second).
     ///
     /// ```no_run
-    /// # fn demo(r: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// # fn demo(r: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
     /// let r = r.poll_interval(std::time::Duration::from_millis(20));
     /// # }
     /// ```
@@ -153,7 +154,7 @@ impl<S: Sink> RedisRelay<S> {
     /// (default 30 s); unconfirmed messages are retried (same ids).
     ///
     /// ```no_run
-    /// # fn demo(r: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// # fn demo(r: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
     /// let r = r.send_timeout(std::time::Duration::from_secs(5));
     /// # }
     /// ```
@@ -167,7 +168,7 @@ impl<S: Sink> RedisRelay<S> {
     ///
     /// ```no_run
     /// # use std::time::Duration;
-    /// # fn demo(r: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// # fn demo(r: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
     /// let r = r.retry_backoff(Duration::from_millis(50), Duration::from_secs(5));
     /// # }
     /// ```
@@ -184,7 +185,7 @@ impl<S: Sink> RedisRelay<S> {
     /// sink failures are not errors, they are counted in the report.
     ///
     /// ```no_run
-    /// # async fn demo(relay: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) -> Result<(), idem_core::Error> {
+    /// # async fn demo(relay: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) -> Result<(), idem_core::Error> {
     /// while relay.drain_once().await?.sent > 0 {}
     /// # Ok(()) }
     /// ```
@@ -487,7 +488,7 @@ impl<S: Sink> RedisRelay<S> {
     /// broker being down is logged and retried, never returned.
     ///
     /// ```no_run
-    /// # async fn demo(relay: idem_core::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
+    /// # async fn demo(relay: idem_redis::outbox::RedisRelay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
     /// let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
     /// let report = relay.run(async { let _ = stopped.await; }).await;
     /// # }

@@ -17,7 +17,7 @@
 //! local cache stops serving (a forget would go unheard), and when it is
 //! back every local cache starts again empty.
 
-use super::super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch};
+use idem_core::store::{Hub, Invalidation, InvalidationSink, KeyWatch};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;

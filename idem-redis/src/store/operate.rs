@@ -4,13 +4,13 @@
 
 use super::notify::FORGOTTEN;
 use super::record::{self, Code, Record, unreadable, wrong_type};
-use super::reply::{as_int, classify, protocol};
+use super::reply::{as_int, classify, protocol, unavailable};
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
-use crate::error::Error;
-use crate::key::failure_key;
-use crate::store::watch::namespace_prefix;
-use crate::store::{RecordInfo, ScanPage, millis};
+use idem_core::Error;
+use idem_core::store::failure_key;
+use idem_core::store::namespace_prefix;
+use idem_core::store::{RecordInfo, ScanPage, millis};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{RedisError, Value};
 use std::time::Duration;
@@ -234,7 +234,7 @@ impl RedisStore {
                     }
                 };
                 let idx = masters.iter().position(|m| *m == here).ok_or_else(|| {
-                    Error::redis_unavailable(
+                    unavailable(
                         "scan",
                         format!(
                             "the cluster's masters changed during the scan ({}:{} is no longer one); start the scan again",

@@ -21,12 +21,12 @@ use super::reply::{
 };
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis, record_ttl};
-use crate::store::{Store, in_waves, store_lease};
-use crate::token::Token;
 use futures_util::future::join_all;
+use idem_core::Error;
+use idem_core::Fingerprint;
+use idem_core::store::Token;
+use idem_core::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis, record_ttl};
+use idem_core::store::{Store, in_waves, store_lease};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use std::collections::HashMap;

@@ -16,13 +16,13 @@
 use super::reply::{classify, parse_write};
 use super::scripts::SCRIPTS;
 use super::{Conn, RedisStore};
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::outbox::message::OutboxMessage;
-use crate::store::ValueKind;
-use crate::store::WriteReply;
-use crate::store::redis::record::CompletedRecord;
-use crate::token::Token;
+use crate::store::record::CompletedRecord;
+use idem_core::Error;
+use idem_core::Fingerprint;
+use idem_core::outbox::OutboxMessage;
+use idem_core::store::Token;
+use idem_core::store::ValueKind;
+use idem_core::store::WriteReply;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use std::collections::HashMap;
@@ -121,7 +121,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1/").await?.with_outbox_prefix("shop:outbox")?;
+    /// let store = idem_redis::RedisStore::connect("redis://127.0.0.1/").await?.with_outbox_prefix("shop:outbox")?;
     /// # Ok(()) }
     /// ```
     pub fn with_outbox_prefix(mut self, prefix: &str) -> Result<RedisStore, Error> {

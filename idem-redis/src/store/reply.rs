@@ -2,9 +2,9 @@
 //! mapped to `idem_core::Error` with what to do about them.
 
 use super::record::{Code, Record, decode_completed, unreadable, wrong_type};
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::store::{Claim, ClaimReply, WriteReply};
+use idem_core::Error;
+use idem_core::Fingerprint;
+use idem_core::store::{Claim, ClaimReply, WriteReply};
 use redis::{RedisError, ServerErrorKind, Value};
 use std::time::Duration;
 
@@ -89,11 +89,20 @@ pub(super) fn classify(op: &'static str, e: RedisError) -> Error {
         _ if e.is_timeout() => format!("no reply within the response timeout ({e})"),
         _ => e.to_string(),
     };
-    Error::redis_unavailable(op, reason).with_source(e)
+    unavailable(op, reason).with_source(e)
+}
+
+/// Redis's unavailability: the reason ends with what to check. (Other
+/// stores' crates build `Unavailable` with their own advice.)
+pub(super) fn unavailable(op: &'static str, reason: impl std::fmt::Display) -> Error {
+    Error::unavailable(
+        op,
+        format!("{reason}; check that Redis is up and reachable"),
+    )
 }
 
 pub(super) fn protocol(op: &'static str, v: &Value) -> Error {
-    Error::redis_unavailable(
+    unavailable(
         op,
         format!("unexpected reply from the idem script: {v:?}; is this Redis 7 or newer?"),
     )

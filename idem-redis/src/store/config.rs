@@ -5,7 +5,7 @@ use std::time::Duration;
 /// Timeouts and reconnection for [`RedisStore`](crate::RedisStore).
 ///
 /// ```
-/// use idem_core::RedisStoreConfig;
+/// use idem_redis::RedisStoreConfig;
 /// use std::time::Duration;
 /// let cfg = RedisStoreConfig::default().response_timeout(Duration::from_millis(250));
 /// assert_eq!(cfg.get_response_timeout(), Duration::from_millis(250));
@@ -31,7 +31,7 @@ impl RedisStoreConfig {
     /// How long to wait for a TCP connection (default 1 s).
     ///
     /// ```
-    /// let c = idem_core::RedisStoreConfig::default().connection_timeout(std::time::Duration::from_secs(2));
+    /// let c = idem_redis::RedisStoreConfig::default().connection_timeout(std::time::Duration::from_secs(2));
     /// assert_eq!(c.get_connection_timeout().as_secs(), 2);
     /// ```
     pub fn connection_timeout(mut self, d: Duration) -> Self {
@@ -44,7 +44,7 @@ impl RedisStoreConfig {
     /// the script answers as the same claim.
     ///
     /// ```
-    /// let c = idem_core::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
+    /// let c = idem_redis::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
     /// assert_eq!(c.get_response_timeout().as_millis(), 300);
     /// ```
     pub fn response_timeout(mut self, d: Duration) -> Self {
@@ -56,7 +56,7 @@ impl RedisStoreConfig {
     /// request fails (default 1; idem re-sends claims itself).
     ///
     /// ```
-    /// let c = idem_core::RedisStoreConfig::default().reconnect_retries(5);
+    /// let c = idem_redis::RedisStoreConfig::default().reconnect_retries(5);
     /// assert_eq!(c.get_reconnect_retries(), 5);
     /// ```
     pub fn reconnect_retries(mut self, n: usize) -> Self {
@@ -67,7 +67,7 @@ impl RedisStoreConfig {
     /// The connection timeout.
     ///
     /// ```
-    /// assert_eq!(idem_core::RedisStoreConfig::default().get_connection_timeout().as_secs(), 1);
+    /// assert_eq!(idem_redis::RedisStoreConfig::default().get_connection_timeout().as_secs(), 1);
     /// ```
     pub fn get_connection_timeout(&self) -> Duration {
         self.connection_timeout
@@ -76,7 +76,7 @@ impl RedisStoreConfig {
     /// The response timeout.
     ///
     /// ```
-    /// assert_eq!(idem_core::RedisStoreConfig::default().get_response_timeout().as_secs(), 1);
+    /// assert_eq!(idem_redis::RedisStoreConfig::default().get_response_timeout().as_secs(), 1);
     /// ```
     pub fn get_response_timeout(&self) -> Duration {
         self.response_timeout
@@ -85,7 +85,7 @@ impl RedisStoreConfig {
     /// The reconnection attempts.
     ///
     /// ```
-    /// assert_eq!(idem_core::RedisStoreConfig::default().get_reconnect_retries(), 1);
+    /// assert_eq!(idem_redis::RedisStoreConfig::default().get_reconnect_retries(), 1);
     /// ```
     pub fn get_reconnect_retries(&self) -> usize {
         self.reconnect_retries

@@ -14,9 +14,9 @@
 use super::record::{CompletedRecord, PendingRecord};
 use super::reply::classify;
 use super::{Conn, RedisStore};
-use crate::error::Error;
-use crate::store::{ValueKind, WriteReply};
-use crate::token::Token;
+use idem_core::Error;
+use idem_core::store::Token;
+use idem_core::store::{ValueKind, WriteReply};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ToRedisArgs, Value};
 use std::collections::HashMap;
@@ -239,7 +239,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// let store = idem_redis::RedisStore::connect("redis://127.0.0.1:6379/").await?;
     /// println!("complete: {} on {}", store.complete_path(), store.server());
     /// # Ok(()) }
     /// ```
@@ -253,7 +253,7 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), idem_core::Error> {
-    /// let store = idem_core::RedisStore::connect("redis://127.0.0.1:6379/").await?;
+    /// let store = idem_redis::RedisStore::connect("redis://127.0.0.1:6379/").await?;
     /// assert!(store.server().starts_with("redis") || store.server().starts_with("valkey"));
     /// # Ok(()) }
     /// ```

@@ -2,11 +2,11 @@
 //! Rust definition of versions, state bytes, reply codes, encoding and
 //! decoding. The scripts' side is `lua/prelude.lua`.
 
-use crate::error::Error;
-use crate::fingerprint::Fingerprint;
-use crate::store::{Completed, StepRecord, ValueKind};
-use crate::token::Token;
 use bytes::Bytes;
+use idem_core::Error;
+use idem_core::Fingerprint;
+use idem_core::store::Token;
+use idem_core::store::{Completed, StepRecord, ValueKind};
 use redis::{RedisWrite, ToRedisArgs};
 use std::io::Write;
 use std::time::Duration;
@@ -425,7 +425,7 @@ mod tests {
     /// as the Rust side does, and its reply codes are `Code`'s.
     #[tokio::test]
     async fn golden_records_and_codes_in_lua() {
-        use crate::store::redis::scripts::PRELUDE;
+        use crate::store::scripts::PRELUDE;
         let server = idem_testkit::RedisServer::start();
         let mut con = server.connection();
         let codes: Vec<i64> = redis::Script::new(&format!(

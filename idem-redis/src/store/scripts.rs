@@ -11,15 +11,15 @@ macro_rules! script {
             "#!lua",
             $flags,
             "\n",
-            include_str!("../../../../lua/prelude.lua"),
-            include_str!(concat!("../../../../lua/", $file))
+            include_str!("../../lua/prelude.lua"),
+            include_str!(concat!("../../lua/", $file))
         )
     };
 }
 
 /// The prelude alone, for tests that check it against the Rust side.
 #[cfg(test)]
-pub(super) const PRELUDE: &str = include_str!("../../../../lua/prelude.lua");
+pub(super) const PRELUDE: &str = include_str!("../../lua/prelude.lua");
 
 /// A script and its source: `EVALSHA` by hash, and the source to load on a
 /// node that no longer has it.
