@@ -128,7 +128,13 @@ fn find_binary(name: &str) -> Option<PathBuf> {
         .unwrap_or_default();
     from_path
         .into_iter()
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        // Debian puts nats-server and rabbitmq-server in /usr/sbin, which a
+        // user's PATH lacks.
+        .chain(
+            ["/usr/bin", "/usr/local/bin", "/usr/sbin", "/usr/local/sbin"]
+                .into_iter()
+                .map(PathBuf::from),
+        )
         .map(|dir| dir.join(name))
         .find(|candidate| is_executable(candidate))
 }
