@@ -108,7 +108,7 @@ impl Idempotency {
     /// let call = idem.call("s", "k").in_group(&group);
     /// ```
     pub fn group(&self, n: usize) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&self.inner.store), n, true)
+        CallGroup::for_store(Arc::clone(&self.inner.store), n)
     }
 
     /// A group that any number of calls may join, for a loop that runs as
@@ -125,7 +125,7 @@ impl Idempotency {
     /// # });
     /// ```
     pub fn group_unbounded(&self) -> CallGroup {
-        CallGroup::for_store(Arc::clone(&self.inner.store), usize::MAX, true)
+        CallGroup::for_store(Arc::clone(&self.inner.store), usize::MAX)
     }
 
     /// Counts one more failed run of `(scope, key)` and returns the count so

@@ -438,3 +438,112 @@ async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_postgres() {
     let ctx = TestContext::postgres().await;
     a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.pg_store().clone()).await;
 }
+
+/// A body that panics in a batch frees its key by token, as a single call
+/// does, and the panic goes on up through the batch's future.
+#[tokio::test]
+async fn a_panicking_body_frees_its_key_and_unwinds_the_batch() {
+    let idem = Idempotency::builder(MemoryStore::new()).build();
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["fine", "boom"].iter().map(|k| idem.call("s", k)).collect();
+            batch
+                .run_outcome(|i| async move {
+                    if i == 1 {
+                        panic!("the body of boom panics");
+                    }
+                    Ok::<_, Error>(i)
+                })
+                .await
+        }
+    });
+    let joined = run.await;
+    assert!(joined.is_err_and(|e| e.is_panic()));
+    // Freed at once, in a task of its own: the next call runs the body.
+    let ledger = Ledger::new();
+    for _ in 0..50 {
+        if idem.inspect("s", "boom").await.unwrap().is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (_, o) = idem
+        .call("s", "boom")
+        .run_outcome(|| async {
+            ledger.record("boom");
+            Ok::<_, Error>(7)
+        })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Executed);
+    assert_eq!(ledger.count("boom"), 1);
+}
+
+/// Calls of two runtimes over two stores in one batch: each call answers
+/// from its own store (the batch's round trips carry only the first
+/// store's calls; the others go on their own).
+#[tokio::test]
+async fn a_batch_of_calls_over_two_stores_answers_each_from_its_own() {
+    let (a, b) = (MemoryStore::new(), MemoryStore::new());
+    let (ia, ib) = (
+        Idempotency::builder(a).build(),
+        Idempotency::builder(b).build(),
+    );
+    let first: Result<u32, Error> = ib.call("s", "k").run(|| async { Ok(99) }).await;
+    assert_eq!(first.unwrap(), 99);
+    let mut batch = Batch::new();
+    batch.push(ia.call("s", "k"));
+    batch.push(ib.call("s", "k"));
+    let results = batch
+        .run_outcome(|i| async move { Ok::<_, Error>(i as u32) })
+        .await;
+    let results: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+    assert_eq!(results, [(0, Outcome::Executed), (99, Outcome::Replayed)]);
+}
+
+/// Bodies waiting for their turn under `concurrency(1)` hold their keys
+/// for longer than a lease: their leases are kept alive meanwhile, so a
+/// racer never takes a waiting key over and each body runs once.
+/// (Paused time: a busy machine cannot stretch a lease.)
+#[tokio::test(start_paused = true)]
+async fn bodies_waiting_for_their_turn_keep_their_keys_past_a_lease() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_millis(300))
+        .build();
+    let ledger = Ledger::new();
+    let keys = ["a", "b", "c", "d", "e"];
+    let batch: Batch = keys.iter().map(|k| idem.call("s", k)).collect();
+    let run = batch.concurrency(1).run_outcome(|i| {
+        let ledger = &ledger;
+        async move {
+            ledger.record(keys[i]);
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            Ok::<_, Error>(i)
+        }
+    });
+    let racer = async {
+        // Past two leases of waiting for the last key: never ours.
+        for _ in 0..20 {
+            for k in keys {
+                let r: Result<usize, Error> = idem
+                    .call("s", k)
+                    .run(|| async {
+                        ledger.record(k);
+                        Ok(100)
+                    })
+                    .await;
+                assert!(
+                    matches!(r, Err(Error::InProgress { .. })) || r.is_ok(),
+                    "{r:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    };
+    let (results, ()) = tokio::join!(run, racer);
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    for k in keys {
+        assert_eq!(ledger.count(k), 1, "{k}");
+    }
+}

@@ -7,10 +7,8 @@ use crate::outcome::Outcome;
 use crate::store::Store;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::future::{Future, poll_fn};
-use std::pin::pin;
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
-use tokio::sync::Semaphore;
 
 /// Several [`Call`]s run together: their claims go to the store as one
 /// batch ([`Store::claim_batch`](crate::store::Store::claim_batch): one
@@ -113,38 +111,7 @@ impl<'a> Batch<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        let Some(first) = self.calls.first() else {
-            return Vec::new();
-        };
-        let group = CallGroup::for_store(Arc::clone(&first.inner.store), self.calls.len(), false);
-        let driver = Arc::clone(&group.inner);
-        let gate = self.concurrency.map(Semaphore::new);
-        let (body, gate) = (&body, gate.as_ref());
-        let calls: Vec<Call<'a>> = self.calls.into_iter().map(|c| c.in_group(&group)).collect();
-        drop(group);
-        let runs = calls.into_iter().enumerate().map(|(i, call)| {
-            async move {
-                let body = || async move {
-                    // Closed only if dropped, which it is not while in use.
-                    let _turn = match gate {
-                        Some(g) => g.acquire().await.ok(),
-                        None => None,
-                    };
-                    body(i).await
-                };
-                call.run_outcome(body).await
-            }
-        });
-        // One future: what its calls queued during a poll pass goes out at
-        // the end of that pass, in one round trip per phase.
-        let mut all = pin!(futures_util::future::join_all(runs));
-        poll_fn(|cx| {
-            let polled = all.as_mut().poll(cx);
-            driver.claims.send_queued();
-            driver.finishes.send_queued();
-            polled
-        })
-        .await
+        super::drive::drive(self.calls, self.concurrency, body).await
     }
 
     /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.
@@ -234,12 +201,12 @@ impl std::fmt::Debug for CallGroup {
 
 impl CallGroup {
     /// A group of calls to `store`: `n` places (`usize::MAX`: unbounded),
-    /// sent by the scheduler turn when `self_timed`, else by the driver.
-    pub(crate) fn for_store(store: Arc<dyn Store>, n: usize, self_timed: bool) -> CallGroup {
+    /// sent at the next scheduler turn.
+    pub(crate) fn for_store(store: Arc<dyn Store>, n: usize) -> CallGroup {
         CallGroup {
             inner: Arc::new(Places {
-                claims: Arc::new(Gather::new(Arc::clone(&store), n, self_timed)),
-                finishes: Arc::new(Gather::new(Arc::clone(&store), n, self_timed)),
+                claims: Arc::new(Gather::new(Arc::clone(&store), n)),
+                finishes: Arc::new(Gather::new(Arc::clone(&store), n)),
                 store,
                 left: Mutex::new(n),
             }),

@@ -17,7 +17,7 @@ use crate::lease::{Lease, Staged};
 use crate::outbox::message::{OutboxMessage, message_id};
 use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
-use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, WriteReply};
+use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::Retryable;
 use bytes::Bytes;
@@ -59,6 +59,26 @@ pub(super) struct Exec<'a> {
     pub(super) steps: Option<Steps>,
 }
 
+/// A claim's reply, with when it was sent and the cache generation seen
+/// before it.
+pub(super) struct FirstClaim {
+    pub(super) sent: Instant,
+    pub(super) seen: Generation,
+    pub(super) reply: Result<ClaimReply, Error>,
+}
+
+/// What a call does after a claim's reply ([`Exec::decide`]).
+pub(super) enum Next<T> {
+    /// The key is ours: run the body (`attempt` > 1 after a takeover).
+    Execute { attempt: u32 },
+    /// The call's answer: a replay, or an error already reported.
+    Answer(Result<(T, Outcome), Error>),
+    /// The store is down and the call fails open: run unprotected.
+    Unprotected(Error),
+    /// Another holder has the key and this call waits.
+    InProgress { retry_after: Duration },
+}
+
 impl Exec<'_> {
     /// Reports the call once, after all its store work: the hook never runs
     /// inside a round trip, and a slow hook delays only this caller.
@@ -88,6 +108,22 @@ impl Exec<'_> {
         if let Some(hit) = &self.cached {
             return self.replay(hit).map_err(E::from);
         }
+        self.run_from(None, body).await
+    }
+
+    /// The claim loop, from a first claim reply already in (`first`, the
+    /// batch driver's) or from a claim of its own.
+    pub(super) async fn run_from<F, Fut, T, E>(
+        &self,
+        mut first: Option<FirstClaim>,
+        body: F,
+    ) -> Result<(T, Outcome), E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
         // Capped so that an absurd wait (`Duration::MAX`) waits "forever"
         // instead of overflowing the clock.
         let give_up_at = self
@@ -99,68 +135,91 @@ impl Exec<'_> {
         let mut watch: Option<KeyWatch> = None;
         let mut asked = false;
         loop {
-            let sent = Instant::now();
-            let seen = self.before_read().await;
-            let reply = self.claim().await;
-            if !matches!(reply, Ok(ClaimReply::Acquired { .. })) {
-                // Whatever comes next, this call stores nothing with its
-                // batch (a later takeover completes on its own).
-                self.leave_batch();
-            }
-            let reply = match reply {
-                Ok(reply) => reply,
-                Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
-                    return self.run_unprotected(body, e).await;
+            let FirstClaim { sent, seen, reply } = match first.take() {
+                Some(first) => first,
+                None => {
+                    let sent = Instant::now();
+                    let seen = self.before_read().await;
+                    let reply = self.claim().await;
+                    FirstClaim { sent, seen, reply }
                 }
-                Err(e) => return Err(self.fail(e)),
             };
-            match reply {
-                ClaimReply::Acquired { attempt } => {
-                    return self.execute(body, attempt, sent, seen).await;
-                }
-                ClaimReply::Completed(record) => {
-                    if let Some(cache) = &self.inner.cache {
-                        cache.insert(&self.key, record.clone(), sent, seen);
-                    }
-                    return self.replay(&record).map_err(E::from);
-                }
-                ClaimReply::Mismatch => return Err(self.fail(Error::FingerprintMismatch)),
-                ClaimReply::InProgress { retry_after } => {
-                    let now = Instant::now();
-                    match give_up_at {
-                        Some(end) if now < end => {
-                            if !asked {
-                                asked = true;
-                                watch = self.store.watch(&self.key).await;
-                                if watch.is_some() {
-                                    // Subscribed: read again, so a change
-                                    // between the claim and the subscription
-                                    // is not missed.
-                                    poll = NOTIFIED_POLL;
-                                    continue;
-                                }
-                            }
-                            // Never past the holder's lease (it may have
-                            // died, and no one will tell) or our deadline.
-                            let nap = poll.min(retry_after).min(end - now);
-                            match watch.as_mut().filter(|w| w.is_live()) {
-                                // Woken by the holder's complete or release;
-                                // the slow poll only covers a lost message.
-                                Some(w) => {
-                                    let _ = timeout(nap, w.changed()).await;
-                                    poll = (poll * 2).min(NOTIFIED_POLL_MAX);
-                                }
-                                // Poll fast at first (most bodies are short).
-                                None => {
-                                    sleep(nap).await;
-                                    poll = (poll * 2).min(Duration::from_millis(250));
-                                }
-                            }
+            let retry_after = match self.decide(reply, sent, seen) {
+                Next::Execute { attempt } => return self.execute(body, attempt, sent, seen).await,
+                Next::Answer(result) => return result.map_err(E::from),
+                Next::Unprotected(cause) => return self.run_unprotected(body, cause).await,
+                Next::InProgress { retry_after } => retry_after,
+            };
+            let now = Instant::now();
+            match give_up_at {
+                Some(end) if now < end => {
+                    if !asked {
+                        asked = true;
+                        watch = self.store.watch(&self.key).await;
+                        if watch.is_some() {
+                            // Subscribed: read again, so a change
+                            // between the claim and the subscription
+                            // is not missed.
+                            poll = NOTIFIED_POLL;
+                            continue;
                         }
-                        _ => return Err(self.fail(Error::InProgress { retry_after })),
+                    }
+                    // Never past the holder's lease (it may have
+                    // died, and no one will tell) or our deadline.
+                    let nap = poll.min(retry_after).min(end - now);
+                    match watch.as_mut().filter(|w| w.is_live()) {
+                        // Woken by the holder's complete or release;
+                        // the slow poll only covers a lost message.
+                        Some(w) => {
+                            let _ = timeout(nap, w.changed()).await;
+                            poll = (poll * 2).min(NOTIFIED_POLL_MAX);
+                        }
+                        // Poll fast at first (most bodies are short).
+                        None => {
+                            sleep(nap).await;
+                            poll = (poll * 2).min(Duration::from_millis(250));
+                        }
                     }
                 }
+                _ => return Err(self.fail(Error::InProgress { retry_after })),
             }
+        }
+    }
+
+    /// What a claim's reply means for this call: the one definition both
+    /// drivers (a single call's loop, a batch's) act on.
+    pub(super) fn decide<T: DeserializeOwned>(
+        &self,
+        reply: Result<ClaimReply, Error>,
+        sent: Instant,
+        seen: Generation,
+    ) -> Next<T> {
+        if !matches!(reply, Ok(ClaimReply::Acquired { .. })) {
+            // Whatever comes next, this call stores nothing with its
+            // batch (a later takeover completes on its own).
+            self.leave_batch();
+        }
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) if self.inner.fail_mode == FailMode::Open && is_unavailable(&e) => {
+                return Next::Unprotected(e);
+            }
+            Err(e) => return Next::Answer(Err(self.fail(e))),
+        };
+        match reply {
+            ClaimReply::Acquired { attempt } => Next::Execute { attempt },
+            ClaimReply::Completed(record) => {
+                if let Some(cache) = &self.inner.cache {
+                    cache.insert(&self.key, record.clone(), sent, seen);
+                }
+                Next::Answer(self.replay(&record))
+            }
+            ClaimReply::Mismatch => Next::Answer(Err(self.fail(Error::FingerprintMismatch))),
+            // Without a wait, in flight is the answer.
+            ClaimReply::InProgress { retry_after } if self.wait.is_none() => {
+                Next::Answer(Err(self.fail(Error::InProgress { retry_after })))
+            }
+            ClaimReply::InProgress { retry_after } => Next::InProgress { retry_after },
         }
     }
 
@@ -181,7 +240,10 @@ impl Exec<'_> {
         E::from(e)
     }
 
-    fn replay<T: DeserializeOwned>(&self, record: &Completed) -> Result<(T, Outcome), Error> {
+    pub(super) fn replay<T: DeserializeOwned>(
+        &self,
+        record: &Completed,
+    ) -> Result<(T, Outcome), Error> {
         if let (Some(given), Some(stored)) = (&self.fingerprint, &record.fingerprint) {
             if given != stored {
                 return Err(self.fail(Error::FingerprintMismatch));
@@ -198,7 +260,7 @@ impl Exec<'_> {
     /// cache's feed of forgotten keys kept up (one atomic load once it is),
     /// then the invalidations the read could miss, which keep its record
     /// out of the cache if a forget is heard before it returns.
-    async fn before_read(&self) -> Generation {
+    pub(super) async fn before_read(&self) -> Generation {
         let Some(cache) = &self.inner.cache else {
             return Generation::default();
         };
@@ -270,7 +332,11 @@ impl Exec<'_> {
         result
     }
 
-    async fn run_unprotected<F, Fut, T, E>(&self, body: F, cause: Error) -> Result<(T, Outcome), E>
+    pub(super) async fn run_unprotected<F, Fut, T, E>(
+        &self,
+        body: F,
+        cause: Error,
+    ) -> Result<(T, Outcome), E>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -305,19 +371,7 @@ impl Exec<'_> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        let span = tracing::Span::current();
-        span.record("attempt", attempt);
-        let outcome = if attempt > 1 {
-            tracing::warn!(
-                attempt,
-                "took over a key whose holder stopped renewing its lease; the body runs again"
-            );
-            Outcome::Recovered
-        } else {
-            Outcome::Executed
-        };
-        self.report.attempt(attempt);
-        let lease = Lease::with_outbox(self.store.has_outbox());
+        let (outcome, lease) = self.begin(attempt);
         if let Some(steps) = &self.steps {
             if let Err(e) = steps
                 .attach(self.store, &self.key, self.token, attempt, lease.clone())
@@ -331,6 +385,55 @@ impl Exec<'_> {
                 return Err(self.fail(e));
             }
         }
+        match self.run_body(body, &lease, claimed).await {
+            Err(panic) => {
+                self.release_or_suspend("the body panicked").await;
+                self.report.outcome(CallOutcome::BodyError);
+                self.finish();
+                std::panic::resume_unwind(panic)
+            }
+            Ok(Err(e)) => {
+                self.body_failed();
+                self.release_or_suspend("the body returned an error").await;
+                Err(e)
+            }
+            Ok(Ok(value)) => {
+                let messages = self.outgoing(lease.take_staged());
+                let stored = self.complete(&value, &messages, seen).await;
+                Ok((value, self.settled(outcome, stored)))
+            }
+        }
+    }
+
+    /// A body starts under a won claim: what it is (`Recovered` after a
+    /// takeover) and the lease its staged messages and steps go through.
+    pub(super) fn begin(&self, attempt: u32) -> (Outcome, Lease) {
+        tracing::Span::current().record("attempt", attempt);
+        let outcome = if attempt > 1 {
+            tracing::warn!(
+                attempt,
+                "took over a key whose holder stopped renewing its lease; the body runs again"
+            );
+            Outcome::Recovered
+        } else {
+            Outcome::Executed
+        };
+        self.report.attempt(attempt);
+        (outcome, Lease::with_outbox(self.store.has_outbox()))
+    }
+
+    /// Runs the body, its lease kept alive, and times it; a panic comes
+    /// back as its payload.
+    pub(super) async fn run_body<F, Fut>(
+        &self,
+        body: F,
+        lease: &Lease,
+        claimed: Instant,
+    ) -> Result<Fut::Output, Box<dyn std::any::Any + Send>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future,
+    {
         // Dropped mid-body, the call keeps its key (no longer renewed) until
         // the lease ends: the body may have made effects, and releasing would
         // let a redelivery run them again as `Executed`. Only a body declared
@@ -344,7 +447,7 @@ impl Exec<'_> {
         #[cfg(feature = "metrics")]
         let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
         let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
-        let result = self.keep_alive(body, &lease, claimed).await;
+        let result = self.keep_alive(body, lease, claimed).await;
         #[cfg(feature = "metrics")]
         drop(in_flight);
         if let Some(body_start) = body_start {
@@ -360,31 +463,26 @@ impl Exec<'_> {
         if let Some(steps) = &self.steps {
             steps.close();
         }
-        match result {
-            Err(panic) => {
-                self.release_or_suspend("the body panicked").await;
-                self.report.outcome(CallOutcome::BodyError);
-                self.finish();
-                std::panic::resume_unwind(panic)
-            }
-            Ok(Err(e)) => {
-                span.record("outcome", "released");
-                self.release_or_suspend("the body returned an error").await;
-                self.report.outcome(CallOutcome::BodyError);
-                Err(e)
-            }
-            Ok(Ok(value)) => {
-                let messages = self.outgoing(lease.take_staged());
-                let outcome = match self.complete(&value, &messages, seen).await {
-                    Stored::Yes => outcome,
-                    Stored::LeaseLost => Outcome::LeaseLost,
-                    Stored::No => Outcome::NotStored,
-                };
-                span.record("outcome", outcome.as_str());
-                self.report.outcome(CallOutcome::from(outcome));
-                Ok((value, outcome))
-            }
-        }
+        result
+    }
+
+    /// The body returned `Err`: the call's outcome, before its key is freed.
+    pub(super) fn body_failed(&self) {
+        tracing::Span::current().record("outcome", "released");
+        self.report.outcome(CallOutcome::BodyError);
+    }
+
+    /// The body succeeded and its result was `stored` (or not): the
+    /// call's outcome.
+    pub(super) fn settled(&self, ran: Outcome, stored: Stored) -> Outcome {
+        let outcome = match stored {
+            Stored::Yes => ran,
+            Stored::LeaseLost => Outcome::LeaseLost,
+            Stored::No => Outcome::NotStored,
+        };
+        tracing::Span::current().record("outcome", outcome.as_str());
+        self.report.outcome(CallOutcome::from(outcome));
+        outcome
     }
 }
 
@@ -406,17 +504,13 @@ impl Exec<'_> {
         messages: &[OutboxMessage],
         seen: Generation,
     ) -> Stored {
-        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
-        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
-            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
-        }
-        let value: Bytes = encoded.bytes.into();
+        let (kind, value) = self.encoded(value);
         let completion = Completion {
             store: self.store,
             key: &self.key,
             token: self.token,
             fingerprint: self.fingerprint,
-            kind: encoded.kind,
+            kind,
             value: &value,
             lease: self.lease,
             messages,
@@ -437,7 +531,7 @@ impl Exec<'_> {
                     key: self.key.clone(),
                     token: self.token,
                     fingerprint: self.fingerprint,
-                    kind: encoded.kind,
+                    kind,
                     value: value.clone(),
                     lease: self.lease,
                 };
@@ -453,24 +547,46 @@ impl Exec<'_> {
             // re-sends (a re-sent complete that finds its result is `Done`).
             _ => completion.run_to_the_end().await,
         };
-        if stored == Stored::Yes {
-            if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
-                let record = Completed {
-                    kind: encoded.kind,
-                    value: value.clone(),
-                    fingerprint: self.fingerprint,
-                    // The record's TTL runs from the claim, sent after this.
-                    ttl_left: Some(self.ttl),
-                };
-                cache.insert(&self.key, record, started, seen);
-            }
-        }
+        self.remember(stored, kind, &value, seen);
         stored
+    }
+
+    /// The result as the store keeps it; a result that cannot be stored
+    /// (too big, say) is stored as a marker later calls answer with.
+    pub(super) fn encoded<T: Serialize>(&self, value: &T) -> (ValueKind, Bytes) {
+        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
+        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
+            tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
+        }
+        (encoded.kind, encoded.bytes.into())
+    }
+
+    /// A result the store took enters the local cache, if there is one.
+    pub(super) fn remember(
+        &self,
+        stored: Stored,
+        kind: ValueKind,
+        value: &Bytes,
+        seen: Generation,
+    ) {
+        if stored != Stored::Yes {
+            return;
+        }
+        if let (Some(cache), Some(started)) = (&self.inner.cache, self.started) {
+            let record = Completed {
+                kind,
+                value: value.clone(),
+                fingerprint: self.fingerprint,
+                // The record's TTL runs from the claim, sent after this.
+                ttl_left: Some(self.ttl),
+            };
+            cache.insert(&self.key, record, started, seen);
+        }
     }
 
     /// The staged messages as the store writes them: each with its id, made
     /// from the record key and its name (`topic`, then `topic#1`…).
-    fn outgoing(&self, staged: Vec<Staged>) -> Vec<OutboxMessage> {
+    pub(super) fn outgoing(&self, staged: Vec<Staged>) -> Vec<OutboxMessage> {
         let mut per_topic: HashMap<&str, u32> = HashMap::new();
         let mut names = Vec::with_capacity(staged.len());
         for m in &staged {

@@ -1,19 +1,19 @@
-//! Sharing store round trips between the calls of a [`Batch`](super::Batch):
-//! each call's first claim, and its first complete or release, wait for the
-//! other calls of the batch and go to the store together, as one
-//! [`Store::claim_batch`] or [`Store::finish_batch`].
+//! Sharing store round trips between calls started apart, the members of
+//! a [`CallGroup`](super::CallGroup): each call's first claim, and its
+//! first complete or release, wait for the group's other calls and go to
+//! the store together, as one [`Store::claim_batch`] or
+//! [`Store::finish_batch`]. (A [`Batch`](super::Batch) is one object and
+//! needs none of this: its driver, `drive.rs`, builds its round trips
+//! itself and sends them with [`send_wave`].)
 //!
 //! Every call holds one ticket per phase. A call that submits an operation
 //! spends its ticket; a call that will not (a cache hit, a refusal, a body
 //! that failed before the phase) drops it. Once no ticket is left open, the
-//! queued operations are sent at once. Otherwise they are sent at the end
-//! of the poll pass in which they were queued (a [`Batch`](super::Batch)
-//! is one future: after each time it is polled), or, for a group of calls
-//! polled apart, one scheduler turn after the first was queued. The calls
-//! ready together (bodies that finished together) go together, and a result
-//! is never held back for a slower sibling body, so a crash between a
-//! body's end and its stored result costs no more runs than it does for a
-//! single call.
+//! queued operations are sent at once; otherwise one scheduler turn after
+//! the first was queued. The calls ready together (bodies that finished
+//! together) go together, and a result is never held back for a slower
+//! sibling body, so a crash between a body's end and its stored result
+//! costs no more runs than it does for a single call.
 //!
 //! The send itself runs in a task of its own: a call dropped while its
 //! operation is queued or in flight (the batch cancelled at shutdown) still
@@ -212,20 +212,16 @@ struct State<Op: BatchOp> {
     queued: Vec<(Op, Reply<Op>)>,
     /// A send of what is queued is due at the next scheduler turn.
     due: bool,
-    /// Whether a queued op schedules that send itself; off when the
-    /// group's driver sends after each of its poll passes.
-    self_timed: bool,
 }
 
 impl<Op: BatchOp> Gather<Op> {
-    pub(super) fn new(store: Arc<dyn Store>, tickets: usize, self_timed: bool) -> Gather<Op> {
+    pub(super) fn new(store: Arc<dyn Store>, tickets: usize) -> Gather<Op> {
         Gather {
             store,
             state: Mutex::new(State {
                 open: tickets,
                 queued: Vec::new(),
                 due: false,
-                self_timed,
             }),
         }
     }
@@ -286,6 +282,63 @@ impl<Op: BatchOp> Gather<Op> {
     }
 }
 
+/// Sends `ops` as one batch in a task of its own (a batch's round trip,
+/// not a per-call queue): the returned future waits for them back with
+/// their replies, in order; `None` when the task could not answer (no
+/// runtime to run it). Dropped before, it leaves every reply to
+/// [`BatchOp::orphaned`].
+pub(super) fn send_wave<Op: BatchOp>(store: Arc<dyn Store>, ops: Vec<Op>) -> Wave<Op> {
+    let (to, reply) = oneshot::channel();
+    let send = Op::send(Arc::clone(&store), ops);
+    let orphans = Arc::clone(&store);
+    detach("a batch with store writes in flight", async move {
+        if let Err(replies) = to.send(send.await) {
+            for (op, reply) in replies {
+                Op::orphaned(Arc::clone(&orphans), op, reply);
+            }
+        }
+    });
+    Wave {
+        reply,
+        store,
+        answered: false,
+    }
+}
+
+/// A batch's round trip, awaited by its driver.
+pub(super) struct Wave<Op: BatchOp> {
+    reply: oneshot::Receiver<Vec<(Op, Op::Reply)>>,
+    store: Arc<dyn Store>,
+    answered: bool,
+}
+
+impl<Op: BatchOp> Future for Wave<Op> {
+    type Output = Option<Vec<(Op, Op::Reply)>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let out = std::task::ready!(Pin::new(&mut this.reply).poll(cx)).ok();
+        this.answered = true;
+        Poll::Ready(out)
+    }
+}
+
+impl<Op: BatchOp> Drop for Wave<Op> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        // As for a single op (`Submitted`): exactly one side acts on the
+        // replies of a driver that is gone.
+        self.reply.close();
+        if let Ok(replies) = self.reply.try_recv() {
+            for (op, reply) in replies {
+                Op::orphaned(Arc::clone(&self.store), op, reply);
+            }
+        }
+    }
+}
+
 /// A batch on its way: each op back with its reply, in order.
 pub(super) type Sent<Op> = Pin<Box<dyn Future<Output = Vec<(Op, <Op as BatchOp>::Reply)>> + Send>>;
 
@@ -312,7 +365,7 @@ impl<Op: BatchOp> Ticket<Op> {
             let mut state = self.gather.lock();
             state.queued.push((op, to));
             state.open = state.open.saturating_sub(1);
-            let first = state.self_timed && !state.due;
+            let first = !state.due;
             state.due = true;
             (state.open == 0, first)
         };
@@ -426,8 +479,7 @@ mod tests {
 
     #[tokio::test]
     async fn sends_once_every_ticket_is_spent_or_dropped() {
-        let gather: Arc<Gather<FinishOp>> =
-            Arc::new(Gather::new(Arc::new(MemoryStore::new()), 3, true));
+        let gather: Arc<Gather<FinishOp>> = Arc::new(Gather::new(Arc::new(MemoryStore::new()), 3));
         let (a, b, c) = (gather.ticket(), gather.ticket(), gather.ticket());
         drop(c);
         let (ra, rb) = tokio::join!(a.submit(release("a")), b.submit(release("b")));
@@ -437,8 +489,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_queued_call_never_waits_for_a_ticket_still_held() {
-        let gather: Arc<Gather<FinishOp>> =
-            Arc::new(Gather::new(Arc::new(MemoryStore::new()), 2, true));
+        let gather: Arc<Gather<FinishOp>> = Arc::new(Gather::new(Arc::new(MemoryStore::new()), 2));
         let (a, _held) = (gather.ticket(), gather.ticket());
         let r = a.submit(release("a")).await;
         assert!(matches!(r, Some((_, Ok(WriteReply::Missing)))));

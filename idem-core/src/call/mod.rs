@@ -4,6 +4,7 @@
 mod backoff;
 mod batch;
 mod completion;
+mod drive;
 mod exec;
 mod gather;
 mod guard;
@@ -289,6 +290,21 @@ impl<'a> Call<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
+        let (span, exec) = self.open();
+        let mut exec = match exec {
+            Ok(exec) => exec,
+            Err(refused) => return Err(E::from(refused)),
+        };
+        exec.steps = steps;
+        let result = exec.run(body).instrument(span).await;
+        exec.finish();
+        result
+    }
+
+    /// The call's span and its prepared state; a call refused before it
+    /// reaches the store (bad key, bad settings) is reported here and
+    /// comes back as its error.
+    fn open(self) -> (tracing::Span, Result<Exec<'a>, Error>) {
         let span = tracing::info_span!(
             "idem.call",
             scope = self.scope,
@@ -300,33 +316,25 @@ impl<'a> Call<'a> {
         // a call costs what it did before they existed.
         let (inner, scope) = (self.inner, self.scope);
         let call_start = inner.observing().then(Instant::now);
-        let exec = match self.prepare(&span, call_start) {
-            Ok(mut exec) => {
-                exec.steps = steps;
-                exec
+        let exec = self.prepare(&span, call_start);
+        if let Err(e) = &exec {
+            span.record("outcome", "refused");
+            let _enter = span.enter();
+            tracing::warn!(error = %e, "idempotent call refused before reaching the store");
+            if let Some(start) = call_start {
+                observe(
+                    inner,
+                    scope,
+                    None,
+                    CallOutcome::of_error(e),
+                    None,
+                    start,
+                    None,
+                    0,
+                );
             }
-            Err(e) => {
-                span.record("outcome", "refused");
-                let _enter = span.enter();
-                tracing::warn!(error = %e, "idempotent call refused before reaching the store");
-                if let Some(start) = call_start {
-                    observe(
-                        inner,
-                        scope,
-                        None,
-                        CallOutcome::of_error(&e),
-                        None,
-                        start,
-                        None,
-                        0,
-                    );
-                }
-                return Err(E::from(e));
-            }
-        };
-        let result = exec.run(body).instrument(span).await;
-        exec.finish();
-        result
+        }
+        (span, exec)
     }
 
     fn prepare(self, span: &tracing::Span, call_start: Option<Instant>) -> Result<Exec<'a>, Error> {

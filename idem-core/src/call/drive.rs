@@ -1,0 +1,385 @@
+//! The batch driver: a [`Batch`](super::Batch) run as one object rather
+//! than as N single calls gathered.
+//!
+//! Its claims are built straight from the prepared calls and go to the
+//! store as one round trip; the bodies that won their key are polled by
+//! the batch's own future; the results of the bodies that finish in one
+//! poll pass go to the store as one more. Every decision is the single
+//! call's ([`Exec::decide`], [`Exec::run_body`], [`Exec::settled`],
+//! [`Completion::judge`]): only the driving differs. A call that must wait
+//! for another holder, re-send to an unreachable store, run unprotected
+//! or store staged outbox messages goes on as a single call from its batch
+//! claim's reply, so those rules stay defined once.
+//!
+//! What a dropped batch leaves behind is what dropped single calls leave:
+//! round trips in flight run in a task of their own and act on their
+//! replies for the calls that no longer wait ([`BatchOp::orphaned`]:
+//! a won claim is released, a result is still stored); a body dropped
+//! mid-run keeps its key until its lease ends, unless it releases on
+//! cancel.
+//!
+//! [`BatchOp::orphaned`]: super::gather::BatchOp::orphaned
+
+use super::Call;
+use super::completion::Completion;
+use super::exec::{Exec, FirstClaim, Next};
+use super::gather::{ClaimOp, FinishOp, send_wave};
+use super::guard::{detach, free, log_release};
+use super::is_unavailable;
+use crate::cache::Generation;
+use crate::error::Error;
+use crate::hook::CallOutcome;
+use crate::outbox::message::OutboxMessage;
+use crate::outcome::Outcome;
+use crate::store::{ClaimReply, Store, ValueKind, WriteReply};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::{Future, poll_fn};
+use std::sync::Arc;
+use std::task::Poll;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+/// A prepared call of the batch.
+struct Slot<'a> {
+    /// Its place in the batch's replies.
+    index: usize,
+    exec: Exec<'a>,
+    span: tracing::Span,
+    /// The cache generation read before its claim.
+    seen: Generation,
+}
+
+/// A body's result on its way to the store.
+struct Storing<T> {
+    value: T,
+    ran: Outcome,
+    kind: ValueKind,
+    bytes: Bytes,
+}
+
+const RELEASE_WHY: &str = "the body returned an error";
+
+/// Runs `calls`, `body(i)` being the body of the `i`-th: one result per
+/// call, in order, each what the call alone would answer.
+pub(super) async fn drive<'a, F, Fut, T, E>(
+    calls: Vec<Call<'a>>,
+    concurrency: Option<usize>,
+    body: F,
+) -> Vec<Result<(T, Outcome), E>>
+where
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    T: Serialize + DeserializeOwned,
+    E: From<Error>,
+{
+    let Some(first) = calls.first() else {
+        return Vec::new();
+    };
+    let store = Arc::clone(&first.inner.store);
+    let n = calls.len();
+    let mut results: Vec<Option<Result<(T, Outcome), E>>> = (0..n).map(|_| None).collect();
+    let mut slots: Vec<Slot<'a>> = Vec::with_capacity(n);
+    for (index, call) in calls.into_iter().enumerate() {
+        match call.open() {
+            (span, Ok(exec)) => slots.push(Slot {
+                index,
+                exec,
+                span,
+                seen: Generation::default(),
+            }),
+            (_, Err(refused)) => results[index] = Some(Err(E::from(refused))),
+        }
+    }
+
+    // The claims, built straight from the calls: one round trip.
+    let sent = Instant::now();
+    let mut claims: Vec<ClaimOp> = Vec::with_capacity(slots.len());
+    let mut claimed: Vec<usize> = Vec::with_capacity(slots.len());
+    let mut alone: Vec<usize> = Vec::new();
+    for (k, slot) in slots.iter_mut().enumerate() {
+        let exec = &slot.exec;
+        if let Some(hit) = &exec.cached {
+            results[slot.index] = Some(slot.span.in_scope(|| exec.replay(hit)).map_err(E::from));
+            continue;
+        }
+        // A call of a runtime over another store goes on its own.
+        if !Arc::ptr_eq(exec.store, &store) {
+            alone.push(k);
+            continue;
+        }
+        slot.seen = exec.before_read().await;
+        claims.push(ClaimOp {
+            key: exec.key.clone(),
+            token: exec.token,
+            lease: exec.lease,
+            ttl: exec.ttl,
+            fingerprint: exec.fingerprint,
+            want_ttl_left: exec.inner.cache.is_some(),
+            keep_steps: false,
+        });
+        claimed.push(k);
+    }
+    let replies = if claims.is_empty() {
+        Some(Vec::new())
+    } else {
+        send_wave(Arc::clone(&store), claims).await
+    };
+
+    let slots = &slots;
+    let gate = concurrency.map(|n| Semaphore::new(n.max(1)));
+    let (body, gate) = (&body, gate.as_ref());
+    let gated = move |i: usize| async move {
+        // Closed only if dropped, which it is not while in use.
+        let _turn = match gate {
+            Some(g) => g.acquire().await.ok(),
+            None => None,
+        };
+        body(i).await
+    };
+    // A won claim: the body, under its kept-alive lease.
+    let run_body = |k: usize, attempt: u32| {
+        let slot = &slots[k];
+        let exec = &slot.exec;
+        async move {
+            let (ran, lease) = exec.begin(attempt);
+            let ended = exec.run_body(|| gated(slot.index), &lease, sent).await;
+            (k, ran, lease.take_staged(), ended)
+        }
+        .instrument(slot.span.clone())
+    };
+    // Anything else goes on as a single call from the batch's reply.
+    let go_on = |k: usize, first: Option<FirstClaim>, unprotected: Option<Error>| {
+        let slot = &slots[k];
+        let exec = &slot.exec;
+        async move {
+            let result = match unprotected {
+                Some(cause) => exec.run_unprotected(|| gated(slot.index), cause).await,
+                None => exec.run_from(first, || gated(slot.index)).await,
+            };
+            (k, result)
+        }
+        .instrument(slot.span.clone())
+    };
+    // A result stored on its own: with outbox messages, or re-sent after
+    // the batch's round trip did not reach the store.
+    let store_alone = |k: usize, value: T, messages: Vec<OutboxMessage>, ran: Outcome| {
+        let slot = &slots[k];
+        let exec = &slot.exec;
+        async move {
+            let stored = exec.complete(&value, &messages, slot.seen).await;
+            (k, value, ran, stored)
+        }
+        .instrument(slot.span.clone())
+    };
+
+    let mut bodies = FuturesUnordered::new();
+    let mut rest = FuturesUnordered::new();
+    match replies {
+        Some(replies) => {
+            let mut replies = replies.into_iter();
+            for &k in &claimed {
+                let slot = &slots[k];
+                let reply = match replies.next() {
+                    Some((_, reply)) => reply,
+                    None => {
+                        rest.push(go_on(k, None, None));
+                        continue;
+                    }
+                };
+                let reply = match reply {
+                    // Not reached: on its own, with the same token, as a
+                    // single call re-sends.
+                    Err(e) if is_unavailable(&e) => {
+                        rest.push(go_on(k, None, None));
+                        continue;
+                    }
+                    reply => reply,
+                };
+                let next = slot
+                    .span
+                    .in_scope(|| slot.exec.decide::<T>(reply, sent, slot.seen));
+                match next {
+                    Next::Execute { attempt } => bodies.push(run_body(k, attempt)),
+                    Next::Answer(result) => results[slot.index] = Some(result.map_err(E::from)),
+                    Next::Unprotected(cause) => rest.push(go_on(k, None, Some(cause))),
+                    Next::InProgress { retry_after } => {
+                        let first = FirstClaim {
+                            sent,
+                            seen: slot.seen,
+                            reply: Ok(ClaimReply::InProgress { retry_after }),
+                        };
+                        rest.push(go_on(k, Some(first), None));
+                    }
+                }
+            }
+        }
+        // The round trip's task is gone (no runtime to run it): each call
+        // claims on its own.
+        None => {
+            for &k in &claimed {
+                rest.push(go_on(k, None, None));
+            }
+        }
+    }
+    for k in alone {
+        rest.push(go_on(k, None, None));
+    }
+
+    // Bodies polled here; what finished in one pass goes in one round trip.
+    let mut storing: Vec<Option<Storing<T>>> = (0..slots.len()).map(|_| None).collect();
+    let mut finishing: Vec<FinishOp> = Vec::new();
+    let mut finishing_of: Vec<usize> = Vec::new();
+    let mut waves = FuturesUnordered::new();
+    let mut alone_stores = FuturesUnordered::new();
+    let panicked = poll_fn(|cx| {
+        loop {
+            while let Poll::Ready(Some((k, ran, staged, ended))) = bodies.poll_next_unpin(cx) {
+                let slot: &Slot<'_> = &slots[k];
+                let exec = &slot.exec;
+                let _enter = slot.span.enter();
+                match ended {
+                    Err(panic) => {
+                        // Freed by token, as a single call does before the
+                        // panic goes on up.
+                        detach(
+                            "a batch whose body panicked",
+                            free(Arc::clone(exec.store), exec.key.clone(), exec.token, false),
+                        );
+                        exec.report.outcome(CallOutcome::BodyError);
+                        return Poll::Ready(Some((k, panic)));
+                    }
+                    Ok(Err(e)) => {
+                        exec.body_failed();
+                        finishing.push(FinishOp::Release {
+                            key: exec.key.clone(),
+                            token: exec.token,
+                        });
+                        finishing_of.push(k);
+                        results[slot.index] = Some(Err(e));
+                    }
+                    Ok(Ok(value)) => {
+                        let messages = exec.outgoing(staged);
+                        if !messages.is_empty() {
+                            // The finish round trip carries no messages.
+                            alone_stores.push(store_alone(k, value, messages, ran));
+                            continue;
+                        }
+                        let (kind, bytes) = exec.encoded(&value);
+                        finishing.push(FinishOp::Complete {
+                            key: exec.key.clone(),
+                            token: exec.token,
+                            fingerprint: exec.fingerprint,
+                            kind,
+                            value: bytes.clone(),
+                            lease: exec.lease,
+                        });
+                        finishing_of.push(k);
+                        storing[k] = Some(Storing {
+                            value,
+                            ran,
+                            kind,
+                            bytes,
+                        });
+                    }
+                }
+            }
+            if !finishing.is_empty() {
+                let ops = std::mem::take(&mut finishing);
+                let of = std::mem::take(&mut finishing_of);
+                let wave = send_wave(Arc::clone(&store), ops);
+                waves.push(async move { (of, wave.await) });
+            }
+            let mut more = false;
+            while let Poll::Ready(Some((of, replies))) = waves.poll_next_unpin(cx) {
+                let mut replies = replies.unwrap_or_default().into_iter();
+                for k in of {
+                    let slot = &slots[k];
+                    let reply = replies.next().map(|(_, reply)| reply);
+                    let _enter = slot.span.enter();
+                    match storing[k].take() {
+                        Some(done) => match reply {
+                            // Not answered, or the store was not reached:
+                            // on its own, with re-sends (a re-sent complete
+                            // that finds its result is `Done`).
+                            None => {
+                                alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
+                                more = true;
+                            }
+                            Some(Err(e)) if is_unavailable(&e) => {
+                                alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
+                                more = true;
+                            }
+                            Some(reply) => {
+                                let exec = &slot.exec;
+                                let stored = Completion::judge(reply);
+                                exec.remember(stored, done.kind, &done.bytes, slot.seen);
+                                let outcome = exec.settled(done.ran, stored);
+                                results[slot.index] = Some(Ok((done.value, outcome)));
+                            }
+                        },
+                        None => released(&store, &slot.exec, reply),
+                    }
+                }
+            }
+            while let Poll::Ready(Some((k, value, ran, stored))) = alone_stores.poll_next_unpin(cx)
+            {
+                let slot = &slots[k];
+                let outcome = slot.span.in_scope(|| slot.exec.settled(ran, stored));
+                results[slot.index] = Some(Ok((value, outcome)));
+            }
+            while let Poll::Ready(Some((k, result))) = rest.poll_next_unpin(cx) {
+                results[slots[k].index] = Some(result);
+            }
+            if more || !finishing.is_empty() {
+                continue;
+            }
+            if bodies.is_empty() && waves.is_empty() && alone_stores.is_empty() && rest.is_empty() {
+                return Poll::Ready(None);
+            }
+            return Poll::Pending;
+        }
+    })
+    .await;
+    if let Some((k, panic)) = panicked {
+        slots[k].exec.finish();
+        std::panic::resume_unwind(panic);
+    }
+    for slot in slots {
+        slot.exec.finish();
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                // Every call is answered above; were one not, in flight is
+                // the answer that loses nothing (a retry asks the store).
+                tracing::error!("a call of a batch was left unanswered (a defect of idem's batch driver); answered InProgress");
+                Err(E::from(Error::InProgress {
+                    retry_after: std::time::Duration::from_secs(1),
+                }))
+            })
+        })
+        .collect()
+}
+
+/// A failed body's release came back: tried once more on its own when the
+/// store was not reached, as a single call does.
+fn released(store: &Arc<dyn Store>, exec: &Exec<'_>, reply: Option<Result<WriteReply, Error>>) {
+    match reply {
+        Some(Err(e)) if is_unavailable(&e) => resend_release(store, exec),
+        None => resend_release(store, exec),
+        Some(reply) => log_release(RELEASE_WHY, reply),
+    }
+}
+
+fn resend_release(store: &Arc<dyn Store>, exec: &Exec<'_>) {
+    let (store, key, token) = (Arc::clone(store), exec.key.clone(), exec.token);
+    detach("a batch whose body failed", async move {
+        log_release(RELEASE_WHY, store.release(&key, &token).await);
+    });
+}
