@@ -1,7 +1,7 @@
 //! A fetched batch: bounded concurrency, one decision per message, and
 //! copies of one message inside the batch run once.
 
-use crate::consumer::{Consumer, Handled, message_span, report, run_handler};
+use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler};
 use crate::decision::{Classify, Decision};
 use crate::message::Message;
 use futures_util::future::join_all;
@@ -123,13 +123,32 @@ impl<C> Consumer<C> {
                 run_handler(handler, &msgs[run.index], run.over_valve).instrument(run.span.clone())
             })
             .await;
-        let judged = runs.iter().zip(results).map(|(run, result)| {
-            self.judge(&msgs[run.index], run.key.clone(), result)
-                .instrument(run.span.clone())
-        });
-        for (run, handled) in runs.iter().zip(join_all(judged).await) {
-            report(&run.span, &handled);
-            done[run.index] = Some(handled);
+        // Decided here, but for retryable failures, counted in the store
+        // together.
+        let mut counting = Vec::new();
+        for (run, result) in runs.into_iter().zip(results) {
+            let judged = run
+                .span
+                .in_scope(|| self.judge_now(&msgs[run.index], run.key, result));
+            match judged {
+                Judged::Now(handled) => {
+                    report(&run.span, &handled);
+                    done[run.index] = Some(handled);
+                }
+                Judged::Count(retry) => counting.push((run.index, run.span, retry)),
+            }
+        }
+        if !counting.is_empty() {
+            let counted = counting.into_iter().map(|(index, span, retry)| {
+                async move {
+                    let handled = self.judge_retry(retry).instrument(span.clone()).await;
+                    report(&span, &handled);
+                    (index, handled)
+                }
+            });
+            for (index, handled) in join_all(counted).await {
+                done[index] = Some(handled);
+            }
         }
         // A copy's first copy comes earlier in the batch, so its decision
         // is known when the copy is reached.

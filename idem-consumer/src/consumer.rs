@@ -520,6 +520,24 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
+        match self.judge_now(msg, key, result) {
+            Judged::Now(handled) => handled,
+            Judged::Count(retry) => self.judge_retry(retry).await,
+        }
+    }
+
+    /// The decision for `msg`, when it needs no store round trip (all but
+    /// a retryable handler failure, whose count the store keeps).
+    pub(crate) fn judge_now<T, E>(
+        &self,
+        msg: &Message,
+        key: String,
+        result: Result<(T, Outcome), Failure<E>>,
+    ) -> Judged<T>
+    where
+        E: fmt::Display,
+        C: Classify<E>,
+    {
         let deliveries = msg.delivery_count();
         let decision = match result {
             Ok((value, outcome)) => {
@@ -528,13 +546,13 @@ impl<C> Consumer<C> {
                     // redelivery would only run it again.
                     tracing::warn!(outcome = %outcome, "handler ran but its result is not stored");
                 }
-                return Handled {
+                return Judged::Now(Handled {
                     decision: Decision::Ack,
                     outcome: Some(outcome),
                     value: Some(value),
                     key: Some(key),
                     duplicate_of: None,
-                };
+                });
             }
             Err(Failure::OverValve) => Decision::DeadLetter {
                 reason: DeadLetterReason::MaxDeliveries {
@@ -551,11 +569,25 @@ impl<C> Consumer<C> {
                 ErrorClass::Permanent => Decision::DeadLetter {
                     reason: DeadLetterReason::Permanent(e.to_string()),
                 },
-                ErrorClass::Retryable => self.after_failure(&key, deliveries, e.to_string()).await,
+                ErrorClass::Retryable => {
+                    return Judged::Count(Retry {
+                        key,
+                        deliveries,
+                        last_error: e.to_string(),
+                    });
+                }
             },
             Err(Failure::Idem(e)) => self.decide_idem_error(e, deliveries),
         };
-        Handled::decided(decision, Some(key))
+        Judged::Now(Handled::decided(decision, Some(key)))
+    }
+
+    /// The decision after a retryable handler failure, once it is counted.
+    pub(crate) async fn judge_retry<T>(&self, retry: Retry) -> Handled<T> {
+        let decision = self
+            .after_failure(&retry.key, retry.deliveries, retry.last_error)
+            .await;
+        Handled::decided(decision, Some(retry.key))
     }
 
     /// Counts a retryable handler failure for `key` and decides between
@@ -624,6 +656,19 @@ impl<C> Consumer<C> {
             }
         }
     }
+}
+
+/// A message's decision: known now, or after its failure is counted.
+pub(crate) enum Judged<T> {
+    Now(Handled<T>),
+    Count(Retry),
+}
+
+/// A retryable handler failure, to be counted before it is decided.
+pub(crate) struct Retry {
+    key: String,
+    deliveries: u32,
+    last_error: String,
 }
 
 /// The span every message's handling runs in.
