@@ -89,7 +89,6 @@ use rdkafka::{Offset, TopicPartitionList};
 use schedule::{Attempts, Step};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::pin;
@@ -114,11 +113,72 @@ enum End {
 }
 
 /// One finished record, back in the handler loop.
-struct Done {
-    taken: Taken,
+struct Done<'a> {
+    held: Held<'a>,
     gates: Vec<String>,
     end: End,
     report: KafkaReport,
+}
+
+/// A started record, owned by its handler future until that future hands
+/// it back in a [`Done`] and `finish` accounts for it.
+///
+/// Created before the future is first polled (it is an argument of
+/// `process`), so that a future dropped at any point still drops it. If
+/// the future is dropped unfinished (still running at the drain deadline,
+/// or `run` itself dropped), the drop does what `finish` would have: the
+/// record is no longer in flight (a revocation need not wait for it), it
+/// stays undecided (its offset holds the commit back), and it is kept for
+/// the next `run` of this consumer, which handles it again. Its idem key
+/// keeps the dropped handler's claim (the body may have made effects), so
+/// that run waits, fail-closed as for any key in flight elsewhere, until
+/// the lease ends, then takes over (`Recovered`); a late completion of the
+/// dropped body cannot happen (the future is gone). Without a next `run`,
+/// the partition's next owner reads it from the commit and does the same.
+struct Held<'a> {
+    taken: Taken,
+    owner: &'a KafkaConsumer,
+    /// `finish` accounted for it: the drop does nothing.
+    settled: bool,
+}
+
+impl<'a> Held<'a> {
+    /// `taken`, counted in flight by [`Shared::begin`].
+    fn new(owner: &'a KafkaConsumer, taken: Taken) -> Held<'a> {
+        Held {
+            taken,
+            owner,
+            settled: false,
+        }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        self.owner.shared.dropped(&self.taken);
+        // A clone, as a value with a destructor cannot give its fields
+        // away: this only happens when a run ends with handlers unfinished.
+        self.owner.keep([self.taken.clone()]);
+    }
+}
+
+/// The run loop's queue of records waiting to start. When the run ends
+/// (a shutdown starts nothing more; or `run` is dropped), what is still in
+/// it is kept for the next `run` of the consumer: taken from the poll
+/// thread's channel, these records are not read again from the broker
+/// while the partition stays ours, and their offsets hold its commit back.
+struct Backlog<'a> {
+    queue: StartQueue<Waiting>,
+    owner: &'a KafkaConsumer,
+}
+
+impl Drop for Backlog<'_> {
+    fn drop(&mut self) {
+        self.owner.keep(self.queue.drain().map(|w| w.taken));
+    }
 }
 
 /// A record waiting for its turn (its key is in flight).
@@ -159,6 +219,15 @@ pub struct KafkaConsumer {
     producer: FutureProducer,
     shared: Arc<Shared>,
     rx: Mutex<mpsc::Receiver<Taken>>,
+    /// Records a `run` ended without deciding, for the next `run`: taken
+    /// from `rx` but not started (shutdown starts nothing more), paused
+    /// between attempts at shutdown, or dropped with their handler at the
+    /// drain deadline. Their partition's offsets are still undecided and
+    /// the broker does not send them again while the partition is ours, so
+    /// without this they would hold that partition's commit back for good
+    /// (until a rebalance), unhandled. Only `run`, which holds `rx`'s lock,
+    /// touches it.
+    kept: StdMutex<Vec<Taken>>,
     cfg: Arc<KafkaConfig>,
     stop: Arc<AtomicBool>,
 }
@@ -235,6 +304,7 @@ impl KafkaConsumer {
             producer,
             shared,
             rx: Mutex::new(rx),
+            kept: StdMutex::new(Vec::new()),
             cfg,
             stop,
         })
@@ -282,8 +352,17 @@ impl KafkaConsumer {
     /// does; [`KafkaConfig::revoke_deadline`] is for rebalances) and
     /// commits what is decided. A handler still running at the
     /// deadline is dropped: its offset stays uncommitted and its idem key
-    /// keeps its lease, so the next owner waits and replays, or takes over
-    /// after the lease (`Recovered`).
+    /// keeps its lease.
+    ///
+    /// Records a run ends without deciding (not started yet, paused, or
+    /// dropped at the deadline; also when the `run` future itself is
+    /// dropped) are kept, and the next `run` of this consumer handles them
+    /// first, in the order they arrived, so calling `run` again after a
+    /// shutdown (a supervisor restarting the loop) loses nothing and the
+    /// commits move on. A dropped handler's key is still held: that run
+    /// waits for its lease to end and takes over (`Recovered`). If this
+    /// consumer is not run again, the partition's next owner reads them
+    /// from the last commit and does the same.
     ///
     /// Fails with [`ConsumerError::Config`] if `run` is already running on
     /// this consumer.
@@ -308,45 +387,59 @@ impl KafkaConsumer {
         // round trips to idem's store; none waits for another.
         let group = consumer.idem().group_unbounded();
         let mut report = KafkaReport::default();
+        let mut waiting = Backlog {
+            queue: StartQueue::default(),
+            owner: self,
+        };
+        // What the last run left undecided goes first, in arrival order, as
+        // if it had just come from the channel: the tracker and the
+        // partitions' in-flight counts hold each such record once (taken,
+        // undecided, not in flight), so it is begun, decided and released
+        // once here. One of a partition given up meanwhile is refused by
+        // `begin` (the next owner reads it from the commit).
+        let kept = self.take_kept();
+        if !kept.is_empty() {
+            tracing::info!(
+                records = kept.len(),
+                "handling first the records the last run left undecided"
+            );
+        }
+        for taken in kept {
+            waiting.queue.push(self.gated(consumer, taken));
+        }
         let mut running = FuturesUnordered::new();
-        let mut waiting: StartQueue<Waiting> = StartQueue::default();
         let mut ticker = tokio::time::interval(self.cfg.commit_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let limit = consumer.batch_concurrency();
         let mut closed = false;
         let mut committing: Option<tokio::task::JoinHandle<()>> = None;
-        // Records started and not finished, per partition assignment: those
-        // dropped at the shutdown deadline are released from the count.
-        let mut in_flight: HashMap<(Arc<str>, i32, u64), usize> = HashMap::new();
         self.shared.set_closing(false);
         loop {
             // Start what the gate rule lets start. A record of a partition
             // revoked meanwhile is dropped (the next owner reads it from the
             // last commit).
             let room = limit.saturating_sub(running.len());
-            for w in waiting.start(room, |w| self.shared.begin(&w.taken)) {
-                let t = &w.taken;
-                *in_flight
-                    .entry((t.topic.clone(), t.partition, t.epoch))
-                    .or_default() += 1;
+            for w in waiting.queue.start(room, |w| self.shared.begin(&w.taken)) {
                 report.fetched += 1;
                 if w.taken.msg.delivery_count() > 1 {
                     report.redelivered += 1;
                 }
-                running.push(self.process(consumer, handler, w, &group));
+                let Waiting { taken, key, gates } = w;
+                let held = Held::new(self, taken);
+                running.push(self.process(consumer, handler, held, key, gates, &group));
             }
-            let room = !closed && waiting.len() < self.cfg.buffer;
+            let room = !closed && waiting.queue.len() < self.cfg.buffer;
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
                 Some(done) = running.next(), if !running.is_empty() => {
-                    self.finish(done, &mut waiting, &mut in_flight, &mut report);
+                    self.finish(done, &mut waiting.queue, &mut report);
                 }
                 Some(_) = OptionFuture::from(committing.as_mut()), if committing.is_some() => {
                     committing = None;
                 }
                 taken = rx.recv(), if room => match taken {
-                    Some(taken) => waiting.push(self.gated(consumer, taken)),
+                    Some(taken) => waiting.queue.push(self.gated(consumer, taken)),
                     None => closed = true,
                 },
                 _ = ticker.tick(), if committing.is_none() => {
@@ -365,13 +458,13 @@ impl KafkaConsumer {
         // a record in flight (a paused one is abandoned at once); running
         // handlers get the consumer's drain deadline; then whatever is decided is
         // committed. A handler dropped at the deadline keeps its idem lease
-        // (the next owner replays it, or takes over after the lease) and
-        // its offset stays uncommitted.
+        // and its offset stays uncommitted. Every record left undecided is
+        // kept for the next run (see `kept`).
         self.shared.set_closing(true);
         let end = Instant::now() + consumer.drain_deadline();
         while !running.is_empty() {
             match tokio::time::timeout_at(end, running.next()).await {
-                Ok(Some(done)) => self.finish(done, &mut waiting, &mut in_flight, &mut report),
+                Ok(Some(done)) => self.finish(done, &mut waiting.queue, &mut report),
                 Ok(None) => break,
                 Err(_) => {
                     tracing::warn!(
@@ -382,10 +475,19 @@ impl KafkaConsumer {
                 }
             }
         }
+        // Each dropped handler's `Held` releases its record from the
+        // in-flight count and keeps it; then the records that never
+        // started are kept after them (the next run sorts them back into
+        // arrival order).
+        report.abandoned += running.len();
         drop(running);
-        for ((topic, partition, epoch), n) in in_flight {
-            report.abandoned += n;
-            self.shared.dropped(&topic, partition, epoch, n);
+        self.keep(waiting.queue.drain().map(|w| w.taken));
+        let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if kept > 0 {
+            tracing::info!(
+                records = kept,
+                "records left undecided, kept for the next run of this consumer"
+            );
         }
         if let Some(c) = committing.take() {
             let _ = c.await;
@@ -394,6 +496,20 @@ impl KafkaConsumer {
             let _ = c.await;
         }
         Ok(report)
+    }
+
+    /// Keeps records this run ends without deciding, for the next run;
+    /// those of a partition no longer ours are the next owner's.
+    fn keep(&self, records: impl IntoIterator<Item = Taken>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.extend(records.into_iter().filter(|t| self.shared.owns(t)));
+    }
+
+    /// The records the last run kept, in arrival order.
+    fn take_kept(&self) -> Vec<Taken> {
+        let mut kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|p| p.into_inner()));
+        kept.sort_by_key(|t| t.seq);
+        kept
     }
 
     /// Keys and gates of a record just taken.
@@ -411,31 +527,29 @@ impl KafkaConsumer {
         Waiting { taken, key, gates }
     }
 
-    fn finish(
-        &self,
-        done: Done,
-        waiting: &mut StartQueue<Waiting>,
-        in_flight: &mut HashMap<(Arc<str>, i32, u64), usize>,
-        report: &mut KafkaReport,
-    ) {
-        waiting.release(&done.gates);
-        let t = &done.taken;
-        let at = (t.topic.clone(), t.partition, t.epoch);
-        if let Some(n) = in_flight.get_mut(&at) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                in_flight.remove(&at);
-            }
-        }
-        report.add(done.report);
-        let t = &done.taken;
-        match done.end {
+    fn finish(&self, done: Done<'_>, waiting: &mut StartQueue<Waiting>, report: &mut KafkaReport) {
+        let Done {
+            mut held,
+            gates,
+            end,
+            report: handled,
+        } = done;
+        waiting.release(&gates);
+        report.add(handled);
+        // Accounted for below: its drop does nothing more.
+        held.settled = true;
+        let t = &held.taken;
+        match end {
             End::Abandoned => {
                 report.abandoned += 1;
                 self.shared.abandon(t);
+                // Stopped by a shutdown, its partition still ours: the next
+                // run handles it. Stopped by a revocation: `keep` leaves it
+                // to the next owner.
+                self.keep([t.clone()]);
             }
             End::Acked | End::Moved(_) => {
-                match &done.end {
+                match &end {
                     End::Acked => report.acked += 1,
                     End::Moved(Destination::Retry(_)) => report.retry_published += 1,
                     _ => report.dead_lettered += 1,
@@ -491,13 +605,15 @@ impl KafkaConsumer {
 
     /// One record from start to decision: handler runs through idem,
     /// in-process retries, then the hand-off to another topic when needed.
-    async fn process<C, T, E, H, Fut>(
-        &self,
+    async fn process<'a, C, T, E, H, Fut>(
+        &'a self,
         consumer: &Consumer<C>,
         handler: &H,
-        w: Waiting,
+        mut held: Held<'a>,
+        key: Result<String, ConsumerError>,
+        gates: Vec<String>,
         group: &idem_core::CallGroup,
-    ) -> Done
+    ) -> Done<'a>
     where
         H: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -505,13 +621,8 @@ impl KafkaConsumer {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let Waiting {
-            mut taken,
-            key,
-            gates,
-        } = w;
         let mut report = KafkaReport::default();
-        let fingerprint = consumer.fingerprint_of(&taken.msg);
+        let fingerprint = consumer.fingerprint_of(&held.taken.msg);
         // The handler's last error, for the reason header when it is moved.
         let last_error: StdMutex<Option<String>> = StdMutex::new(None);
         let ran = AtomicBool::new(false);
@@ -527,12 +638,12 @@ impl KafkaConsumer {
                 out
             }
         };
-        let mut attempts = Attempts::new(&self.cfg, taken.topic.clone());
+        let mut attempts = Attempts::new(&self.cfg, held.taken.topic.clone());
         let dest = loop {
             ran.store(false, Ordering::Relaxed);
             let handled = consumer
                 .handle_keyed(
-                    &taken.msg,
+                    &held.taken.msg,
                     key.clone(),
                     Some(fingerprint),
                     Some(group),
@@ -542,7 +653,7 @@ impl KafkaConsumer {
             let step = attempts.next(
                 handled.decision,
                 ran.load(Ordering::Relaxed),
-                taken.msg.delivery_count(),
+                held.taken.msg.delivery_count(),
                 || last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             );
             let (delay, run_again) = match step {
@@ -553,7 +664,7 @@ impl KafkaConsumer {
                         _ => {}
                     }
                     return Done {
-                        taken,
+                        held,
                         gates,
                         end: End::Acked,
                         report,
@@ -566,9 +677,9 @@ impl KafkaConsumer {
                 }
                 Step::Retry(delay) => (delay, true),
             };
-            if !self.pause(&taken, delay).await {
+            if !self.pause(&held.taken, delay).await {
                 return Done {
-                    taken,
+                    held,
                     gates,
                     end: End::Abandoned,
                     report,
@@ -576,30 +687,30 @@ impl KafkaConsumer {
             }
             if run_again {
                 report.retried += 1;
-                let next = taken.msg.delivery_count().saturating_add(1);
-                taken.msg = taken.msg.clone().with_delivery_count(next);
+                let next = held.taken.msg.delivery_count().saturating_add(1);
+                held.taken.msg = held.taken.msg.clone().with_delivery_count(next);
             }
         };
-        self.move_aside(consumer, taken, gates, dest, report).await
+        self.move_aside(consumer, held, gates, dest, report).await
     }
 
     /// Publishes `taken` to `dest`, retrying with the consumer's backoff for
     /// as long as the partition is ours: the offset is decided only once
     /// the broker has the copy, so a failed publish never loses the record.
-    async fn move_aside<C>(
-        &self,
+    async fn move_aside<'a, C>(
+        &'a self,
         consumer: &Consumer<C>,
-        taken: Taken,
+        held: Held<'a>,
         gates: Vec<String>,
         dest: Destination,
         report: KafkaReport,
-    ) -> Done {
-        let runs = taken.msg.delivery_count();
+    ) -> Done<'a> {
+        let runs = held.taken.msg.delivery_count();
         let mut failures = 0u32;
         loop {
             let published = hand_off::publish(
                 &self.producer,
-                &taken,
+                &held.taken,
                 &dest,
                 runs,
                 self.cfg.publish_timeout,
@@ -611,14 +722,14 @@ impl KafkaConsumer {
                     failures = failures.saturating_add(1);
                     let pause = consumer.backoff_for(failures);
                     tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "could not move the record aside; retrying");
-                    if self.pause(&taken, pause).await {
+                    if self.pause(&held.taken, pause).await {
                         continue;
                     }
                     End::Abandoned
                 }
             };
             return Done {
-                taken,
+                held,
                 gates,
                 end,
                 report,

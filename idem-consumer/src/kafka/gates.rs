@@ -77,6 +77,12 @@ impl<T: Gated> StartQueue<T> {
         start
     }
 
+    /// Takes every record still waiting, in arrival order, leaving the
+    /// queue empty (gates held by running records stay held).
+    pub(super) fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.waiting.drain(..)
+    }
+
     /// Frees the gates of a record that finished.
     pub(super) fn release(&mut self, gates: &[String]) {
         for g in gates {
@@ -173,6 +179,22 @@ mod tests {
         let started = q.start(10, |i| i.0 != "gone");
         assert_eq!(names(&started), ["b"]);
         assert_eq!(q.len(), 0);
+    }
+
+    #[test]
+    fn drain_hands_back_every_waiting_record_in_arrival_order() {
+        let mut q = queue(vec![
+            item("a", &["k:x"]),
+            item("b", &["k:x"]),
+            item("c", &["k:c"]),
+        ]);
+        assert_eq!(names(&q.start(1, all)), ["a"]);
+        let left: Vec<Item> = q.drain().collect();
+        assert_eq!(names(&left), ["b", "c"]);
+        assert_eq!(q.len(), 0);
+        // a still holds its gate until released.
+        q.push(item("d", &["k:x"]));
+        assert!(q.start(10, all).is_empty());
     }
 
     #[test]

@@ -23,11 +23,17 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 
 /// One record taken from a partition, on its way through the handler loop.
-#[derive(Debug)]
+///
+/// `Clone` only for a record a `run` stops without deciding (kept for the
+/// next `run`, see `KafkaConsumer::kept`): never on the per-record path.
+#[derive(Debug, Clone)]
 pub(super) struct Taken {
     pub(super) topic: Arc<str>,
     pub(super) partition: i32,
     pub(super) offset: i64,
+    /// Arrival order over every partition (the poll thread's count): the
+    /// records a `run` leaves are queued again in this order by the next.
+    pub(super) seq: u64,
     /// The partition's assignment when the record was taken: a completion
     /// from an older assignment must not decide an offset of a newer one.
     pub(super) epoch: u64,
@@ -125,9 +131,13 @@ impl Shared {
     /// Whether `t` may try again: its partition is still ours (same
     /// assignment, not being revoked) and `run` is not shutting down.
     pub(super) fn is_live(&self, t: &Taken) -> bool {
-        if self.closing.load(Ordering::Relaxed) {
-            return false;
-        }
+        !self.closing.load(Ordering::Relaxed) && self.owns(t)
+    }
+
+    /// Whether `t`'s partition is still ours: the same assignment, not
+    /// being revoked. A record of a partition given up is the next owner's
+    /// (it reads it again from the last commit).
+    pub(super) fn owns(&self, t: &Taken) -> bool {
         let mut st = self.lock();
         Self::part_is(&mut st, t).is_some_and(|p| !p.revoking)
     }
@@ -141,17 +151,14 @@ impl Shared {
         }
     }
 
-    /// `n` records of `partition` (assignment `epoch`) whose handling was
-    /// dropped unfinished at shutdown: no longer in flight, still
-    /// undecided, so a revocation need not wait for them.
-    pub(super) fn dropped(&self, topic: &Arc<str>, partition: i32, epoch: u64, n: usize) {
+    /// `t`'s handling was dropped unfinished (its handler future dropped at
+    /// the drain deadline, or with `run` itself): no longer in flight, so a
+    /// revocation need not wait for it; still undecided, so the commit
+    /// stays before it.
+    pub(super) fn dropped(&self, t: &Taken) {
         let mut st = self.lock();
-        if let Some(p) = st
-            .parts
-            .get_mut(&(topic.clone(), partition))
-            .filter(|p| p.epoch == epoch)
-        {
-            p.in_flight = p.in_flight.saturating_sub(n);
+        if let Some(p) = Self::part_is(&mut st, t) {
+            p.in_flight = p.in_flight.saturating_sub(1);
         }
         self.finished.notify_all();
     }
@@ -363,6 +370,7 @@ pub(super) fn poll_loop(
     stop: Arc<AtomicBool>,
 ) {
     let mut topics: HashMap<String, Arc<str>> = HashMap::new();
+    let mut seq: u64 = 0;
     while !stop.load(Ordering::Relaxed) {
         let Some(polled) = consumer.poll(Duration::from_millis(100)) else {
             continue;
@@ -388,12 +396,14 @@ pub(super) fn poll_loop(
             topic,
             partition: m.partition(),
             offset: m.offset(),
+            seq,
             epoch,
             record_key: m.key().map(<[u8]>::to_vec),
             headers,
             msg,
         };
         drop(m);
+        seq = seq.wrapping_add(1);
         if tx.blocking_send(taken).is_err() {
             break;
         }

@@ -39,8 +39,10 @@ pub struct KafkaReport {
     pub retry_published: usize,
     /// Moved to the dead-letter topic.
     pub dead_lettered: usize,
-    /// Left undecided because their partition was revoked or `run` shut
-    /// down (the next owner handles them; idem replays what was done).
+    /// Started and left undecided because their partition was revoked or
+    /// `run` shut down: after a revocation the next owner handles them;
+    /// after a shutdown the next `run` of the same consumer does (or, if
+    /// there is none, the next owner); idem replays what was done.
     pub abandoned: usize,
 }
 

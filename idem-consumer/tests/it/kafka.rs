@@ -322,6 +322,24 @@ impl Topic {
             .await;
     }
 
+    /// Publishes one record with a record key (Kafka's, not idem's) and
+    /// its id in the key header.
+    async fn publish_keyed(&self, partition: i32, record_key: &str, id: &str, payload: &[u8]) {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: header_names::IDEMPOTENCY_KEY,
+            value: Some(id.as_bytes()),
+        });
+        let record = FutureRecord::<str, [u8]>::to(&self.name)
+            .partition(partition)
+            .key(record_key)
+            .payload(payload)
+            .headers(headers);
+        self.producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|(e, _)| panic!("cannot publish to {}/{partition}: {e}", self.name));
+    }
+
     /// Publishes one record with any bytes in the key header.
     async fn publish_raw(&self, partition: i32, id: Option<&[u8]>, payload: &[u8]) {
         let mut headers = OwnedHeaders::new();
@@ -464,11 +482,12 @@ const STALL: Duration = Duration::from_secs(2);
 ///
 /// * `poll` is a slice of [`KafkaConsumer::run`]: it ends once nothing is
 ///   undecided for [`IDLE`], or once records wait without progress for
-///   [`STALL`]. Records left undecided by a slice (waiting for the store,
-///   or taken and not started) are not handed to the next `run` of the
-///   same consumer, so the member then leaves the group, and the next
-///   slice joins again and reads from the group's commit, as a new member
-///   would.
+///   [`STALL`]. When a slice leaves records undecided (waiting for the
+///   store, or taken and not started) the member then leaves the group,
+///   and the next slice joins again and reads from the group's commit, as
+///   a new member would: the shared scenarios restart consumers. (The next
+///   `run` of the same consumer would handle them too: see
+///   `records_waiting_at_shutdown_are_handled_once_by_the_next_run_in_order`.)
 /// * Its report counts as nacked what Kafka retries in process or waits
 ///   for (the handler failed, or could not run): a nack elsewhere.
 /// * `handle_unsettled` runs the handler of every record the topic holds
@@ -1186,7 +1205,8 @@ async fn a_revoked_partition_gives_its_handler_the_deadline_then_the_next_owner_
 /// Shutdown drains: a record whose handler failed when shutdown came gets
 /// no further attempt (it is neither retried nor moved to the dead-letter
 /// topic), the record decided before it is committed, and the broker's
-/// offset stays at the undecided one.
+/// offset stays at the undecided one. The next `run` of the same consumer
+/// runs it again and the offset moves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_starts_no_further_attempt_and_commits_only_what_is_decided() {
     let t = Topic::create("drain", 1).await;
@@ -1242,6 +1262,28 @@ async fn shutdown_starts_no_further_attempt_and_commits_only_what_is_decided() {
         vec![Some(1)],
         "o-0 committed, o-1 (offset 1) not"
     );
+    // The next run (a supervisor restarting the loop, the bank back up).
+    let succeed = |m: Message| {
+        let ledger = &ledger;
+        async move {
+            ledger.record(&order_of(&m));
+            Ok::<_, String>(())
+        }
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (second, ()) = tokio::join!(kc.run(&consumer, &succeed, stopped), check);
+    let second = second.unwrap();
+    assert_eq!(
+        (ledger.count("o-0"), ledger.count("o-1")),
+        (1, 2),
+        "o-1 ran again, once: {second:?}"
+    );
+    assert_eq!((second.fetched, second.acked), (1, 1), "{second:?}");
+    assert_eq!(t.committed().await, vec![Some(2)]);
 }
 
 /// Two copies of one record (same key and payload) in one partition, the
@@ -1284,6 +1326,183 @@ async fn copies_in_one_partition_with_a_failing_first_are_decided_once_each() {
     assert_eq!(report.acked, 3, "every offset decided once: {report:?}");
     assert_eq!(report.replayed, 1, "the copy replayed: {report:?}");
     assert_eq!(report.dead_lettered, 0, "{report:?}");
+}
+
+/// `n` records in partition 0 under one record key (so, in order-per-key
+/// mode, each waits for the one before it), ids `o-0`…
+async fn publish_behind_one_record_key(t: &Topic, n: usize) {
+    for i in 0..n {
+        t.publish_keyed(0, "customer-7", &format!("o-{i}"), &order(i, 1))
+            .await;
+    }
+}
+
+/// Resolves once `o-0`'s handler started and every one of `n` records was
+/// taken from the broker, and then a moment more (nothing else to do, the
+/// run loop moves them from the poll thread's channel into its queue of
+/// records waiting to start: the state the defect lost). The moment only
+/// decides whether the test can see the defect, never whether it passes.
+async fn until_all_taken_and_o0_started(kc: &KafkaConsumer, started: &Ledger, n: usize) {
+    until(
+        "o-0 started and every record taken",
+        Duration::from_secs(30),
+        async || started.count("o-0") >= 1 && kc.undecided() == n,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// A `run` shut down while many records wait behind a slow one (the same
+/// record key, in order-per-key mode) starts none of them; the next `run`
+/// of the same consumer handles every one of them exactly once, in offset
+/// order, and the group's offset reaches the end. (Before the fix they
+/// were dropped with the first run's queue: never handled, their offsets
+/// holding the partition's commit at 1 for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_waiting_at_shutdown_are_handled_once_by_the_next_run_in_order() {
+    const N: usize = 30;
+    let t = Topic::create("rerun", 1).await;
+    let redis = RedisServer::start();
+    publish_behind_one_record_key(&t, N).await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    );
+    let (started, charged) = (Ledger::new(), Ledger::new());
+    let order_done = std::sync::Mutex::new(Vec::new());
+    let (release, released) = tokio::sync::watch::channel(false);
+    let charge = |m: Message| {
+        let (started, charged, order_done) = (&started, &charged, &order_done);
+        let mut released = released.clone();
+        async move {
+            let o = order_of(&m);
+            started.record(&o);
+            if o == "o-0" {
+                let _ = released.wait_for(|r| *r).await;
+            }
+            charged.record(&o);
+            order_done.lock().unwrap().push(o);
+            Ok::<_, String>(())
+        }
+    };
+    let kc = KafkaConsumer::connect(t.cfg().in_order_per_key(true)).unwrap();
+    // Run 1: shut down while o-0 runs and the rest wait behind it; o-0 is
+    // let go as shutdown comes, so it finishes in the drain.
+    let shutdown = async {
+        until_all_taken_and_o0_started(&kc, &started, N).await;
+        release.send(true).unwrap();
+    };
+    let first = kc.run(&consumer, &charge, shutdown).await.unwrap();
+    assert_eq!(started.total(), 1, "shutdown started nothing more");
+    assert_eq!((first.fetched, first.acked), (1, 1), "{first:?}");
+    assert_eq!(kc.undecided(), N - 1, "the rest taken, undecided");
+    assert_eq!(t.committed().await, vec![Some(1)], "o-0 committed");
+    // Run 2, on the same consumer: the records left waiting come first.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (second, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let second = second.unwrap();
+    for i in 0..N {
+        let o = format!("o-{i}");
+        assert_eq!(
+            (started.count(&o), charged.count(&o)),
+            (1, 1),
+            "{o} ran exactly once"
+        );
+    }
+    assert_eq!(
+        (second.fetched, second.acked, second.replayed),
+        (N - 1, N - 1, 0),
+        "{second:?}"
+    );
+    let expected: Vec<String> = (0..N).map(|i| format!("o-{i}")).collect();
+    assert_eq!(
+        *order_done.lock().unwrap(),
+        expected,
+        "one record key: offset order, across both runs"
+    );
+    assert_eq!(t.committed().await, vec![Some(N as i64)]);
+    assert_eq!(kc.undecided(), 0);
+}
+
+/// A handler still running at the drain deadline is dropped; the next
+/// `run` of the same consumer handles its record again first: its idem key
+/// keeps the dropped handler's lease, so that run waits (fail-closed) and
+/// takes over once the lease ends (`Recovered`, the body's second start),
+/// then handles the records that waited behind it, each once, and the
+/// group's offset reaches the end. (Before the fix the dropped record and
+/// those behind it were never handled again by this consumer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_dropped_at_the_drain_deadline_is_taken_over_by_the_next_run_after_its_lease() {
+    const N: usize = 10;
+    let t = Topic::create("rerun-drop", 1).await;
+    let redis = RedisServer::start();
+    publish_behind_one_record_key(&t, N).await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_millis(1500)).await,
+        "orders.charge",
+    )
+    .drain_timeout(Duration::from_millis(100))
+    .backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let (started, charged) = (Ledger::new(), Ledger::new());
+    let charge = |m: Message| {
+        let (started, charged) = (&started, &charged);
+        async move {
+            let o = order_of(&m);
+            if started.record(&o) == 1 && o == "o-0" {
+                // The first start of o-0 never ends: dropped at the deadline.
+                std::future::pending::<()>().await;
+            }
+            charged.record(&o);
+            Ok::<_, String>(())
+        }
+    };
+    let kc = KafkaConsumer::connect(t.cfg().in_order_per_key(true)).unwrap();
+    let first = kc
+        .run(
+            &consumer,
+            &charge,
+            until_all_taken_and_o0_started(&kc, &started, N),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.fetched, first.acked, first.abandoned),
+        (1, 0, 1),
+        "{first:?}"
+    );
+    assert_eq!(charged.total(), 0);
+    assert_eq!(kc.undecided(), N);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (second, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let second = second.unwrap();
+    assert_eq!(started.count("o-0"), 2, "o-0 started again once");
+    for i in 0..N {
+        let o = format!("o-{i}");
+        assert_eq!(charged.count(&o), 1, "{o} completed exactly once");
+        if i > 0 {
+            assert_eq!(started.count(&o), 1, "{o} ran once");
+        }
+    }
+    assert_eq!(
+        (
+            second.fetched,
+            second.acked,
+            second.recovered,
+            second.replayed
+        ),
+        (N, N, 1, 0),
+        "{second:?}"
+    );
+    assert_eq!(t.committed().await, vec![Some(N as i64)]);
+    assert_eq!(kc.undecided(), 0);
 }
 
 // ------------------------------------------------------ processes (re-exec)
