@@ -21,12 +21,14 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub struct Message {
     payload: Bytes,
-    id: Option<String>,
+    // Shared, not owned: a handler gets its message by value, and a clone
+    // per handler must not copy the id and position again.
+    id: Option<Arc<str>>,
     id_error: Option<String>,
     delivery_count: u32,
     broker: &'static str,
     source: Arc<str>,
-    position: Option<String>,
+    position: Option<Arc<str>>,
 }
 
 impl Message {
@@ -45,7 +47,7 @@ impl Message {
 
     /// The producer's message id (`Nats-Msg-Id`, AMQP `message_id`, a field…).
     pub fn with_id(mut self, id: impl Into<String>) -> Message {
-        self.id = Some(id.into());
+        self.id = Some(Arc::from(id.into()));
         self
     }
 
@@ -82,7 +84,7 @@ impl Message {
     /// assert_eq!(m.position(), Some("3@1042"));
     /// ```
     pub fn with_position(mut self, position: impl Into<String>) -> Message {
-        self.position = Some(position.into());
+        self.position = Some(Arc::from(position.into()));
         self
     }
 
@@ -202,10 +204,10 @@ impl KeySource {
             return Err(ConsumerError::UnreadableId(why.clone()));
         }
         let key = match self {
-            KeySource::MessageId => msg.id.clone().ok_or(ConsumerError::MissingId)?,
+            KeySource::MessageId => msg.id.as_deref().ok_or(ConsumerError::MissingId)?.to_owned(),
             KeySource::Payload(d) => d.derive(&msg.payload)?,
             KeySource::IdOrPayload(d) => match &msg.id {
-                Some(id) => id.clone(),
+                Some(id) => id.to_string(),
                 None => d.derive(&msg.payload)?,
             },
             KeySource::Custom(f) => f(msg)?,

@@ -587,6 +587,9 @@ impl Exec<'_> {
     /// The staged messages as the store writes them: each with its id, made
     /// from the record key and its name (`topic`, then `topic#1`…).
     pub(super) fn outgoing(&self, staged: Vec<Staged>) -> Vec<OutboxMessage> {
+        if staged.is_empty() {
+            return Vec::new();
+        }
         let mut per_topic: HashMap<&str, u32> = HashMap::new();
         let mut names = Vec::with_capacity(staged.len());
         for m in &staged {
