@@ -9,16 +9,20 @@
 //! ([`message_id`]) in the broker's own id field, and an idem consumer on
 //! the other side runs its effect once however often the relay re-sends.
 //!
-//! Sources live beside their stores (idem-redis, idem-postgres), sinks beside the
-//! consumer adapters (idem-consumer, feature `outbox`); this module is the
-//! one definition both sides share.
+//! The relay itself is here once ([`OutboxRelay`]), over a [`RelaySource`]
+//! that each store implements beside itself (idem-redis's `RedisRelay`,
+//! idem-postgres's `PgRelay`); sinks live beside the consumer adapters
+//! (idem-consumer, feature `outbox`). This module is the one definition
+//! both sides share.
 
 pub(crate) mod message;
+mod relay;
 mod relaying;
 mod sink;
 mod stage;
 
 pub use self::message::{MAX_OUTBOX_FIELD, OutboxMessage, message_id};
+pub use self::relay::{OutboxRelay, RelaySource};
 pub use self::relaying::{Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves};
 pub use self::sink::{Sink, SinkError};
 pub use self::stage::{check_field, encode_payload, stage};

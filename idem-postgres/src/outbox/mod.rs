@@ -32,7 +32,7 @@ pub(crate) mod table;
 pub use idem_core::outbox::{Backlog, Parked, RelayReport};
 pub use publish::publish;
 pub(crate) use publish::{Publishing, scope};
-pub use relay::Relay;
+pub use relay::{PgRelay, PgSource, Relay};
 
 use crate::config::PgStoreConfig;
 use crate::errors;

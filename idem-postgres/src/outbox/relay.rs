@@ -1,5 +1,5 @@
-//! The relay: drains the outbox table into a [`Sink`], at least once, in
-//! order per key, with any number of relays running at once.
+//! [`PgRelay`]: the relay ([`OutboxRelay`]) over the outbox table: at least
+//! once, in order per key, with any number of relays running at once.
 //!
 //! One pass is one transaction: lock the heads of the oldest waiting keys
 //! (skipping keys another relay holds), read those keys' rows, send them in
@@ -12,15 +12,13 @@
 use super::Outbox;
 use crate::errors;
 use idem_core::Error;
-use idem_core::outbox::{OutboxMessage, RelayReport, SendPolicy, Sink, Waves, send_in_waves};
+use idem_core::outbox::{Failed, OutboxMessage, OutboxRelay, RelayReport, RelaySource};
 use sqlx::postgres::PgListener;
-use sqlx::{AssertSqlSafe, Row};
-use std::pin::pin;
+use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use std::fmt;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
-
-/// Messages a pass takes by default.
-const DEFAULT_BATCH: usize = 256;
 /// How often (at least) a pass scans the table from its start rather than
 /// from where the previous pass began: the deleted rows at the table's old end cost a
 /// scan one visit each until vacuum removes them (longer while any long
@@ -55,17 +53,19 @@ struct Scan {
     every: Duration,
 }
 
-/// Publishes an [`Outbox`] through a [`Sink`]. Cheap to share: run several
-/// (in one process or many) for throughput or availability; they never send
-/// one key's messages at once.
+/// Publishes an [`Outbox`] through a [`Sink`](idem_core::outbox::Sink): the
+/// relay over a [`PgSource`]. Cheap to share: run several (in one process
+/// or many) for throughput or availability; they never send one key's
+/// messages at once. Inserts wake a sleeping relay (`LISTEN`/`NOTIFY`);
+/// its poll (default 5 s) is the insurance.
 ///
 /// ```no_run
 /// use idem_core::outbox::Sink;
-/// use idem_postgres::{PgStore, outbox::Relay};
+/// use idem_postgres::{PgStore, outbox::PgRelay};
 /// use std::time::Duration;
 ///
 /// # async fn demo(store: PgStore, sink: impl Sink + 'static) {
-/// let relay = Relay::new(&store, sink)
+/// let relay = PgRelay::new(&store, sink)
 ///     .batch_size(500)
 ///     .poll_interval(Duration::from_secs(10))
 ///     .send_timeout(Duration::from_secs(15));
@@ -76,22 +76,64 @@ struct Scan {
 /// let report = running.await.unwrap();
 /// # }
 /// ```
-pub struct Relay<S> {
+pub type PgRelay<K> = OutboxRelay<PgSource, K>;
+
+/// [`PgRelay`]'s name before the relay was one for every store; the same
+/// type (`Relay::new(&store, sink)` still works).
+///
+/// ```no_run
+/// # fn demo(store: idem_postgres::PgStore, sink: impl idem_core::outbox::Sink) {
+/// let relay: idem_postgres::outbox::Relay<_> = idem_postgres::outbox::PgRelay::new(&store, sink);
+/// # }
+/// ```
+pub type Relay<K> = PgRelay<K>;
+
+/// The outbox table as a relay drains it: one shard, shared with other
+/// relays key by key through row locks (`FOR UPDATE SKIP LOCKED`), and
+/// where this relay's next pass starts scanning. Made from a
+/// [`PgStore`](crate::PgStore), a pool (the default table) or an [`Outbox`] by
+/// [`PgRelay::new`]; one a relay.
+///
+/// ```no_run
+/// # fn demo(store: idem_postgres::PgStore) {
+/// let source = idem_postgres::outbox::PgSource::from(&store);
+/// # }
+/// ```
+pub struct PgSource {
     outbox: Outbox,
-    sink: S,
-    batch: usize,
-    poll: Duration,
-    policy: SendPolicy,
-    scan: std::sync::Mutex<Scan>,
+    scan: Mutex<Scan>,
 }
 
-impl<S> std::fmt::Debug for Relay<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay")
+/// A pass's transaction: the rows it read stay locked until it ends.
+pub struct PgHold(Transaction<'static, Postgres>);
+
+/// A `run`'s wake-ups: the `LISTEN` connection, and whether this relay
+/// asked inserts to notify (`<table>_outbox_wake`) — only while it sleeps,
+/// since notifying commits run one at a time.
+pub struct PgWake {
+    listener: Option<PgListener>,
+    idle: bool,
+}
+
+/// From a [`PgStore`](crate::PgStore) (its outbox), a pool (the default
+/// table's) or an [`Outbox`].
+impl<O: Into<Outbox>> From<O> for PgSource {
+    fn from(outbox: O) -> PgSource {
+        PgSource {
+            outbox: outbox.into(),
+            scan: Mutex::new(Scan {
+                from: 0,
+                rescanned: Instant::now(),
+                every: RESCAN,
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for PgSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgSource")
             .field("table", &self.outbox.sql.table)
-            .field("batch", &self.batch)
-            .field("poll", &self.poll)
-            .field("send_timeout", &self.policy.send_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -119,139 +161,61 @@ struct Failures {
     retry_ms: Vec<i64>,
 }
 
-impl<S: Sink> Relay<S> {
-    /// A relay of `outbox` (a [`PgStore`](crate::PgStore)'s, a pool's
-    /// default table, or an [`Outbox::new`]) into `sink`, with 256 messages a pass, a 5 s poll
-    /// behind `LISTEN`, a 30 s send timeout and retries backing off from
-    /// 200 ms to 30 s.
-    ///
-    /// ```no_run
-    /// # fn demo(store: idem_postgres::PgStore, sink: impl idem_core::outbox::Sink) {
-    /// let relay = idem_postgres::outbox::Relay::new(&store, sink);
-    /// # }
-    /// ```
-    pub fn new(outbox: impl Into<Outbox>, sink: S) -> Relay<S> {
-        Relay {
-            outbox: outbox.into(),
-            sink,
-            batch: DEFAULT_BATCH,
-            poll: Duration::from_secs(5),
-            policy: SendPolicy::default(),
-            scan: std::sync::Mutex::new(Scan {
-                from: 0,
-                rescanned: Instant::now(),
-                every: RESCAN,
-            }),
-        }
+impl RelaySource for PgSource {
+    /// The table's name.
+    type Shard = String;
+    type Hold = PgHold;
+    type At = i64;
+    type Wake = PgWake;
+
+    const POLL: Duration = Duration::from_secs(5);
+    const MIN_POLL: Duration = Duration::from_millis(10);
+
+    async fn shards(&self) -> Result<Vec<String>, Error> {
+        Ok(vec![self.outbox.sql.table.clone()])
     }
 
-    /// Messages a pass takes (1 to 10,000; default 256).
-    ///
-    /// ```no_run
-    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let r = r.batch_size(1000);
-    /// # }
-    /// ```
-    pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch = n.clamp(1, 10_000);
-        self
+    /// Begins the pass's transaction: its reads lock the rows they take.
+    async fn lock(&self, _: &String, _batch: usize) -> Result<Option<PgHold>, Error> {
+        let tx = self
+            .outbox
+            .pool
+            .begin_with(PASS)
+            .await
+            .map_err(self.outbox.fail("outbox relay"))?;
+        Ok(Some(PgHold(tx)))
     }
 
-    /// How long the relay sleeps without a notification before looking
-    /// anyway (default 5 s): the insurance behind `LISTEN`/`NOTIFY`, which
-    /// loses notifications while its connection is down.
-    ///
-    /// ```no_run
-    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let r = r.poll_interval(std::time::Duration::from_secs(1));
-    /// # }
-    /// ```
-    pub fn poll_interval(mut self, every: Duration) -> Self {
-        self.poll = every.max(Duration::from_millis(10));
-        self
-    }
-
-    /// How long one wave of sends may wait for the broker's confirmations
-    /// (default 30 s); unconfirmed messages are retried (the broker may have
-    /// them: their ids make the copies harmless).
-    ///
-    /// ```no_run
-    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let r = r.send_timeout(std::time::Duration::from_secs(5));
-    /// # }
-    /// ```
-    pub fn send_timeout(mut self, limit: Duration) -> Self {
-        self.policy.send_timeout = limit.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The retry delay after a failed send: `first`, doubling per attempt up
-    /// to `max` (default 200 ms to 30 s). The key's later messages wait.
-    ///
-    /// ```no_run
-    /// # use std::time::Duration;
-    /// # fn demo(r: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let r = r.retry_backoff(Duration::from_millis(50), Duration::from_secs(5));
-    /// # }
-    /// ```
-    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.policy.first_backoff = first;
-        self.policy.max_backoff = max.max(first);
-        self
-    }
-
-    /// The `seq` this pass scans after: where the last pass began, or the
-    /// table's start once per [`RESCAN`].
-    /// Also says whether this pass rescans.
-    fn scan_from(&self) -> (i64, bool) {
-        let mut scan = self.scan.lock().unwrap_or_else(|p| p.into_inner());
-        if scan.rescanned.elapsed() >= scan.every {
-            scan.rescanned = Instant::now();
-            scan.from = 0;
-            return (0, true);
-        }
-        (scan.from, false)
-    }
-
-    /// One pass: sends up to a batch of waiting messages and writes back the
-    /// outcome. Fails with [`Error::Unavailable`] when PostgreSQL cannot be
-    /// reached (nothing is lost: the rows stay); sink failures are not
-    /// errors, they are counted in the report.
-    ///
-    /// ```no_run
-    /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) -> Result<(), idem_core::Error> {
-    /// // Drain everything (a test, a one-shot job):
-    /// while relay.drain_once().await?.sent > 0 {}
-    /// # Ok(()) }
-    /// ```
-    pub async fn drain_once(&self) -> Result<RelayReport, Error> {
+    /// Locks the heads of the oldest waiting keys (skipping keys another
+    /// relay holds), then reads those keys' later rows.
+    async fn read(
+        &self,
+        _: &String,
+        hold: &mut PgHold,
+        batch: usize,
+    ) -> Result<Vec<(i64, OutboxMessage)>, Error> {
         let sql = &self.outbox.sql;
         let fail = self.outbox.fail("outbox relay");
-        let mut tx = self.outbox.pool.begin_with(PASS).await.map_err(&fail)?;
-        let limit = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        let tx = &mut hold.0;
+        let limit = i64::try_from(batch).unwrap_or(i64::MAX);
         let (from, rescan) = self.scan_from();
         let started = Instant::now();
         let heads = sqlx::query(AssertSqlSafe(sql.heads.as_str()))
             .bind(from)
             .bind(limit)
-            .fetch_all(&mut *tx)
+            .fetch_all(&mut **tx)
             .await
             .map_err(&fail)?;
         if rescan {
             let took = started.elapsed().saturating_mul(10);
-            self.scan.lock().unwrap_or_else(|p| p.into_inner()).every =
-                took.clamp(RESCAN, Duration::from_secs(60));
+            locked(&self.scan).every = took.clamp(RESCAN, Duration::from_secs(60));
         }
         if let Some(first) = heads.first() {
             // Everything before this pass's first head was sent, or waits
             // (blocked, backing off, another relay's): the next passes start
             // here, and a rescan from the start picks the waiting ones up.
             let seq: i64 = first.try_get("seq").map_err(&fail)?;
-            self.scan.lock().unwrap_or_else(|p| p.into_inner()).from = seq - 1;
-        }
-        if heads.is_empty() {
-            tx.rollback().await.map_err(&fail)?;
-            return Ok(RelayReport::default());
+            locked(&self.scan).from = seq - 1;
         }
         let mut owned = Vec::with_capacity(heads.len());
         let mut longer = Vec::new();
@@ -264,14 +228,14 @@ impl<S: Sink> Relay<S> {
         }
         // Keys with later rows (the common case of distinct keys has none):
         // their next messages go in later waves of this pass.
-        let room = self.batch.saturating_sub(owned.len());
+        let room = batch.saturating_sub(owned.len());
         if !longer.is_empty() && room > 0 {
             let seen: Vec<i64> = owned.iter().map(|o| o.0).collect();
             let rows = sqlx::query(AssertSqlSafe(sql.batch.as_str()))
                 .bind(&longer)
                 .bind(&seen)
                 .bind(i64::try_from(room).unwrap_or(i64::MAX))
-                .fetch_all(&mut *tx)
+                .fetch_all(&mut **tx)
                 .await
                 .map_err(&fail)?;
             for r in &rows {
@@ -279,11 +243,26 @@ impl<S: Sink> Relay<S> {
             }
             owned.sort_by_key(|o| o.0);
         }
-        let Waves {
-            sent,
-            failed,
-            report,
-        } = send_in_waves(&self.sink, &self.policy, owned).await;
+        Ok(owned)
+    }
+
+    async fn delete(&self, _: &String, hold: &mut PgHold, sent: &[i64]) -> Result<(), Error> {
+        sqlx::query(AssertSqlSafe(self.outbox.sql.delete.as_str()))
+            .bind(sent)
+            .execute(&mut *hold.0)
+            .await
+            .map_err(self.outbox.fail("outbox relay"))?;
+        Ok(())
+    }
+
+    /// Parks the refused rows and sets the others' attempts and retry
+    /// time, in one statement.
+    async fn park(
+        &self,
+        _: &String,
+        hold: &mut PgHold,
+        failed: Vec<Failed<i64>>,
+    ) -> Result<(), Error> {
         let mut failures = Failures::default();
         for f in failed {
             failures.seq.push(f.at);
@@ -293,125 +272,104 @@ impl<S: Sink> Relay<S> {
                 .retry_ms
                 .push(i64::try_from(f.retry_in.as_millis()).unwrap_or(i64::MAX));
         }
-        if !sent.is_empty() {
-            sqlx::query(AssertSqlSafe(sql.delete.as_str()))
-                .bind(&sent)
-                .execute(&mut *tx)
+        sqlx::query(AssertSqlSafe(self.outbox.sql.failed.as_str()))
+            .bind(&failures.seq)
+            .bind(&failures.reason)
+            .bind(&failures.park)
+            .bind(&failures.retry_ms)
+            .execute(&mut *hold.0)
+            .await
+            .map_err(self.outbox.fail("outbox relay"))?;
+        Ok(())
+    }
+
+    /// Commits the pass (a pass that found nothing rolls back).
+    async fn commit(&self, _: &String, hold: PgHold, report: &RelayReport) -> Result<(), Error> {
+        let sql = &self.outbox.sql;
+        if report.handled() == 0 {
+            return hold
+                .0
+                .rollback()
                 .await
-                .map_err(&fail)?;
-        }
-        if !failures.seq.is_empty() {
-            sqlx::query(AssertSqlSafe(sql.failed.as_str()))
-                .bind(&failures.seq)
-                .bind(&failures.reason)
-                .bind(&failures.park)
-                .bind(&failures.retry_ms)
-                .execute(&mut *tx)
-                .await
-                .map_err(&fail)?;
+                .map_err(self.outbox.fail("outbox relay"));
         }
         // Failing here after the broker confirmed: the rows stay and are
         // sent again, with the same ids.
-        tx.commit().await.map_err(|e| {
+        hold.0.commit().await.map_err(|e| {
             let e = errors::map("outbox relay commit", &sql.table, e);
             tracing::warn!(error = %e, sent = report.sent, "the relay could not record what the broker confirmed; those messages will be sent again (same ids)");
             e
-        })?;
-        Ok(report)
+        })
     }
 
-    /// Runs passes until `shutdown` completes: at once while there is work,
-    /// else when an insert notifies, a retry falls due or the poll interval
-    /// ends. A pass under way when `shutdown` completes finishes first (it
-    /// is bounded by the send timeout), so nothing is sent twice because of
-    /// the stop. PostgreSQL or the broker being down is logged and retried,
-    /// never returned: the relay outlives outages.
-    ///
-    /// ```no_run
-    /// # async fn demo(relay: idem_postgres::outbox::Relay<std::sync::Arc<dyn idem_core::outbox::Sink>>) {
-    /// let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
-    /// let report = relay.run(async { let _ = stopped.await; }).await;
-    /// # }
-    /// ```
-    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> RelayReport {
-        let mut shutdown = pin!(shutdown);
-        let mut listener: Option<PgListener> = None;
-        let mut totals = RelayReport::default();
-        let mut next_retry: Option<Instant> = None;
-        let mut outages = 0u32;
-        // Whether this relay asked inserts to notify (`<table>_outbox_wake`):
-        // only while it sleeps, since notifying commits run one at a time.
-        let mut idle = false;
-        tracing::info!(table = %self.outbox.sql.table, sink = %self.sink.describe(), "outbox relay started");
-        loop {
-            if listener.is_none() {
-                listener = self.listen().await;
-            }
-            // Notifications that arrived during the last pass are covered
-            // by the next one.
-            if let Some(l) = listener.as_mut() {
-                while l.next_buffered().is_some() {}
-            }
-            let now = Instant::now();
-            if next_retry.is_some_and(|at| at <= now) {
-                next_retry = None;
-            }
-            let wait = match self.drain_once().await {
-                Ok(pass) => {
-                    outages = 0;
-                    totals.add(pass);
-                    if let Some(d) = pass.retry_in {
-                        let at = now + d;
-                        next_retry = Some(next_retry.map_or(at, |n| n.min(at)));
-                    }
-                    if pass.handled() > 0 {
-                        // Busy: straight to the next pass, and no wake-ups
-                        // needed meanwhile.
-                        if idle {
-                            idle = !self.set_idle(false).await;
-                        }
-                        Duration::ZERO
-                    } else if !idle && listener.is_some() {
-                        // About to sleep: inserts notify from now on; one
-                        // more pass covers a row committed before that.
-                        idle = self.set_idle(true).await;
-                        Duration::ZERO
-                    } else {
-                        next_retry.map_or(self.poll, |at| {
-                            at.saturating_duration_since(now).min(self.poll)
-                        })
-                    }
-                }
-                Err(e) => {
-                    outages = outages.saturating_add(1);
-                    let wait = self.policy.backoff(outages);
-                    tracing::warn!(error = %e, retry_in = ?wait, "outbox relay pass failed; nothing is lost, retrying");
-                    wait
-                }
-            };
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                () = tokio::time::sleep(wait) => {}
-                woke = notified(&mut listener) => {
-                    if let Err(e) = woke {
-                        tracing::debug!(error = %e, "outbox LISTEN connection lost; polling until it is back");
-                        listener = None;
-                    }
-                }
-            }
+    fn start(&self, sink: &str) -> PgWake {
+        tracing::info!(table = %self.outbox.sql.table, sink = %sink, "outbox relay started");
+        PgWake {
+            listener: None,
+            idle: false,
         }
-        // Sleeping peers are woken by inserts again.
-        if !idle {
+    }
+
+    /// (Re)connects the `LISTEN`; drops the notifications that arrived
+    /// during the last pass: the coming one covers them.
+    async fn listen(&self, wake: &mut PgWake) {
+        if wake.listener.is_none() {
+            wake.listener = self.connect_listener().await;
+        }
+        if let Some(l) = wake.listener.as_mut() {
+            while l.next_buffered().is_some() {}
+        }
+    }
+
+    /// Busy (the pass handled anything): straight to the next pass, and no
+    /// wake-ups needed meanwhile. About to sleep: inserts notify from now
+    /// on, and one more pass covers a row committed before that.
+    async fn rest(&self, wake: &mut PgWake, pass: &RelayReport) -> bool {
+        if pass.handled() > 0 {
+            if wake.idle {
+                wake.idle = !self.set_idle(false).await;
+            }
+            true
+        } else if !wake.idle && wake.listener.is_some() {
+            wake.idle = self.set_idle(true).await;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The next notification; never without a listener (one lost is
+    /// dropped: the poll covers the time until it is back).
+    async fn woken(&self, wake: &mut PgWake) {
+        let Some(l) = wake.listener.as_mut() else {
+            return std::future::pending().await;
+        };
+        if let Err(e) = l.recv().await {
+            tracing::debug!(error = %e, "outbox LISTEN connection lost; polling until it is back");
+            wake.listener = None;
+        }
+    }
+
+    /// Sleeping peers are woken by inserts again.
+    async fn stop(&self, wake: PgWake) {
+        if !wake.idle {
             self.set_idle(true).await;
         }
-        tracing::info!(
-            sent = totals.sent,
-            parked = totals.parked,
-            failed = totals.failed,
-            "outbox relay stopped"
-        );
-        totals
+    }
+}
+
+impl PgSource {
+    /// The `seq` this pass scans after: where the last pass began, or the
+    /// table's start once per [`RESCAN`].
+    /// Also says whether this pass rescans.
+    fn scan_from(&self) -> (i64, bool) {
+        let mut scan = locked(&self.scan);
+        if scan.rescanned.elapsed() >= scan.every {
+            scan.rescanned = Instant::now();
+            scan.from = 0;
+            return (0, true);
+        }
+        (scan.from, false)
     }
 
     /// Sets whether inserts notify; `true` when it was written.
@@ -429,7 +387,7 @@ impl<S: Sink> Relay<S> {
         }
     }
 
-    async fn listen(&self) -> Option<PgListener> {
+    async fn connect_listener(&self) -> Option<PgListener> {
         let listen = async {
             let mut l = PgListener::connect_with(&self.outbox.pool).await?;
             l.listen(&self.outbox.sql.channel).await?;
@@ -438,17 +396,14 @@ impl<S: Sink> Relay<S> {
         match listen.await {
             Ok(l) => Some(l),
             Err(e) => {
-                tracing::debug!(error = %e, "outbox relay cannot LISTEN; polling every {:?}", self.poll);
+                tracing::debug!(error = %e, "outbox relay cannot LISTEN; polling");
                 None
             }
         }
     }
 }
 
-/// The next notification, or never without a listener.
-async fn notified(listener: &mut Option<PgListener>) -> Result<(), sqlx::Error> {
-    match listener {
-        Some(l) => l.recv().await.map(|_| ()),
-        None => std::future::pending().await,
-    }
+/// The relay's own state, whatever a panicking holder left in it.
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

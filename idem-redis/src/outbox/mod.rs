@@ -8,7 +8,7 @@
 
 mod relay;
 
-pub use self::relay::RedisRelay;
+pub use self::relay::{RedisRelay, RedisSource};
 
 use crate::RedisStore;
 use crate::store::outbox::{StreamKeys, index_key, outbox_error};
