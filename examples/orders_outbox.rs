@@ -18,7 +18,7 @@
 //!   `created` then `paid`, both to the Kafka topic `SHIP_TOPIC` (the event
 //!   is in the payload). Row, messages and idem's record commit together;
 //!   a duplicate (same message, or the order published again) replays.
-//! - **relay**: publishes the outbox to Kafka (`Relay` into a `KafkaSink`)
+//! - **relay**: publishes the outbox to Kafka (`PgRelay` into a `KafkaSink`)
 //!   until Ctrl-C or SIGTERM, in order per order id, each message under its
 //!   deterministic id (header `idempotency-key`).
 //! - **ship**: consumes `SHIP_TOPIC` in the consumer group `SHIP_GROUP`
@@ -81,7 +81,7 @@ use idem::consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapi
 use idem::consumer::{
     Adapter, Consumer, ConsumerError, DeadLetterReason, Decision, ErrorClass, Message,
 };
-use idem::outbox::{self, KafkaSink, OutboxMessage, Relay, RelayReport, Sink, SinkError};
+use idem::outbox::{self, KafkaSink, OutboxMessage, PgRelay, RelayReport, Sink, SinkError};
 use idem::postgres::sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use idem::postgres::{PgStore, RunInTx, sqlx};
 use serde::{Deserialize, Serialize};
@@ -695,7 +695,7 @@ pub async fn relay(env: &Env, mut stop: Stop) -> Result<RelayReport, ExampleErro
         return Ok(RelayReport::default());
     }
     let sink = Printed(KafkaSink::from_brokers(&env.brokers)?);
-    let relay = Relay::new(&store, sink)
+    let relay = PgRelay::new(&store, sink)
         // Quick to pick up a peer's leftovers and to retry after an
         // outage: this is a demo, not a fleet.
         .poll_interval(Duration::from_secs(1))

@@ -122,12 +122,15 @@ pub use idem_postgres as postgres;
 /// per key, with ids the consumer on the other side de-duplicates on.
 ///
 /// - always: the contract ([`Sink`](outbox::Sink),
-///   [`OutboxMessage`](outbox::OutboxMessage), [`message_id`](outbox::message_id))
-///   and [`stage`](outbox::stage) (a message stored with the result by a
-///   store that has an outbox);
-/// - feature `redis` (default): `RedisRelay`, `RedisOutbox`;
+///   [`OutboxMessage`](outbox::OutboxMessage), [`message_id`](outbox::message_id)),
+///   [`stage`](outbox::stage) (a message stored with the result by a
+///   store that has an outbox), and the one relay,
+///   [`OutboxRelay`](outbox::OutboxRelay), over any
+///   [`RelaySource`](outbox::RelaySource);
+/// - feature `redis` (default): `RedisRelay` (the relay over a
+///   `RedisSource`), `RedisOutbox`;
 /// - feature `postgres`: `publish` (in a `run_in_tx` body), `Outbox`,
-///   `Relay`;
+///   `PgRelay` (the relay over a `PgSource`; `Relay` is its earlier name);
 /// - features `redis-streams`, `nats`, `rabbitmq`, `kafka`: the brokers'
 ///   sinks.
 ///

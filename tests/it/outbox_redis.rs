@@ -658,3 +658,57 @@ async fn a_parked_key_with_a_long_backlog_hides_no_other_key() {
         .collect();
     assert_eq!(&got[1..], &expected[..]);
 }
+
+/// A relay that lost its stream while a message backed off (its lock
+/// lapsed, as after a stall as long as the lease, and a peer took over and
+/// sent the message) still sleeps its poll between passes: the retry it
+/// scheduled falls due once, and the relay does not wait on it again. (Its
+/// wake-ups come from its passes' reports; they came from its own retry
+/// table, where such an entry stayed due forever and the relay passed again
+/// at once, in a loop.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_backing_off_message_a_peer_sent_sleeps_between_passes() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.redis_store().clone();
+    let idem = idem(&store);
+    place(&idem, "r-1", "o-1").await.unwrap();
+    let down = Arc::new(Broker::default());
+    down.down.store(true, Ordering::SeqCst);
+    let first = RedisRelay::new(&store, Arc::clone(&down))
+        .retry_backoff(Duration::from_millis(50), Duration::from_millis(50))
+        .poll_interval(Duration::from_millis(100));
+    assert_eq!(first.drain_once().await.unwrap().failed, 1);
+    // The first relay's lock lapses; a peer takes the stream and sends it.
+    ctx.server().cli(&["DEL", "idem-outbox.relay"]);
+    let broker = Arc::new(Broker::default());
+    let peer = RedisRelay::new(&store, Arc::clone(&broker));
+    drain(&peer).await;
+    assert_eq!(broker.ids().len(), 2);
+    assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
+    // The first relay runs on while the peer holds the stream: each pass
+    // is one lock attempt (`EVALSHA`), refused.
+    ctx.server().cli(&["CONFIG", "RESETSTAT"]);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        first
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.send(()).unwrap();
+    assert_eq!(running.await.unwrap().handled(), 0);
+    let stats = ctx.server().cli(&["INFO", "commandstats"]);
+    let lock_attempts: u64 = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .expect("INFO commandstats counts EVALSHA");
+    // About ten at a 100 ms poll; a relay in a loop makes thousands.
+    assert!(
+        (3..=40).contains(&lock_attempts),
+        "{lock_attempts} lock attempts in 1 s at a 100 ms poll"
+    );
+}

@@ -1,5 +1,5 @@
 //! The transactional outbox: messages for the next system, written in the
-//! same transaction as a call's stored result, and a [`Relay`] that
+//! same transaction as a call's stored result, and a [`PgRelay`] that
 //! publishes them to a broker at least once, in order per key, each with a
 //! deterministic id that the consumer on the other side de-duplicates on.
 //!
@@ -14,11 +14,11 @@
 //!
 //! ```no_run
 //! use idem_core::outbox::{OutboxMessage, Sink, SinkError};
-//! use idem_postgres::{PgStore, outbox::Relay};
+//! use idem_postgres::{PgStore, outbox::PgRelay};
 //!
 //! # async fn demo(store: PgStore, sink: impl Sink + 'static) -> Result<(), idem_core::Error> {
 //! store.migrate().await?; // creates idem_keys_outbox too
-//! let relay = Relay::new(&store, sink);
+//! let relay = PgRelay::new(&store, sink);
 //! let (_stop, stopped) = tokio::sync::oneshot::channel::<()>(); // send on `_stop` at shutdown
 //! let report = relay.run(async { let _ = stopped.await; }).await;
 //! tracing::info!(sent = report.sent, parked = report.parked, "relay stopped");
@@ -72,7 +72,7 @@ impl From<&PgStore> for Outbox {
 }
 
 /// The outbox of the default table (`idem_keys_outbox`) on `pool`, so that
-/// `Relay::new(pool, sink)` works without a store.
+/// `PgRelay::new(pool, sink)` works without a store.
 impl From<PgPool> for Outbox {
     fn from(pool: PgPool) -> Outbox {
         Outbox {

@@ -61,7 +61,7 @@ pub(crate) async fn scope<F: Future>(publishing: Arc<Publishing>, body: F) -> F:
 
 /// Writes an outgoing message in the transaction of the `run_in_tx` body
 /// that calls it: it commits with the call's stored result, or not at all,
-/// and a relay ([`Relay`](super::Relay)) publishes it later.
+/// and a relay ([`PgRelay`](super::PgRelay)) publishes it later.
 ///
 /// - `topic`: where the message goes (a stream, subject, topic or routing
 ///   key, as the relay's sink reads it);
