@@ -4,7 +4,7 @@ use crate::cache::ReplayCache;
 use crate::call::{Call, CallGroup};
 use crate::error::{Error, KeyPart};
 use crate::hook::{Hook, OutcomeEvent};
-use crate::key::{push_escaped, storage_key, validate_key_part};
+use crate::key::{push_escaped, shared_storage_key, storage_key, validate_key_part};
 use crate::settings::{FailMode, Forgets, Inner, validate_ttl_lease};
 use crate::store::Store;
 use std::fmt;
@@ -95,7 +95,7 @@ impl Idempotency {
         Call::new(
             inner,
             scope,
-            storage_key(&inner.prefix, scope, key).map_err(Error::from),
+            shared_storage_key(&inner.prefix, scope, key).map_err(Error::from),
         )
     }
 

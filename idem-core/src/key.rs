@@ -1,7 +1,9 @@
 //! Validation of keys and the layout of the stored key `namespace:scope:key`.
 
 use crate::error::{KeyError, KeyPart};
+use std::cell::RefCell;
 use std::fmt::{self, Write};
+use std::sync::Arc;
 
 /// Longest accepted key, scope or namespace, in bytes: the HTTP key's
 /// limit (`idem_key::MAX_KEY_LEN`), so a key that crosses HTTP always fits.
@@ -65,10 +67,42 @@ pub(crate) fn storage_key(
     scope: &str,
     key: impl fmt::Display,
 ) -> Result<String, KeyError> {
-    validate_key_part(KeyPart::Scope, scope)?;
     let mut out = String::with_capacity(prefix.len() + scope.len() + 40);
+    write_storage_key(&mut out, prefix, scope, key)?;
+    Ok(out)
+}
+
+/// [`storage_key`], shared: a call and the round trips that carry it
+/// refer to one copy. Rendered in a reused per-thread buffer, so the
+/// shared copy is the key's one allocation.
+pub(crate) fn shared_storage_key(
+    prefix: &str,
+    scope: &str,
+    key: impl fmt::Display,
+) -> Result<Arc<str>, KeyError> {
+    thread_local! {
+        static RENDERED: RefCell<String> = const { RefCell::new(String::new()) };
+    }
+    RENDERED.with(|buf| match buf.try_borrow_mut() {
+        Ok(mut out) => {
+            out.clear();
+            write_storage_key(&mut out, prefix, scope, &key)?;
+            Ok(Arc::from(out.as_str()))
+        }
+        // A key whose Display renders another key on this thread.
+        Err(_) => storage_key(prefix, scope, &key).map(Arc::from),
+    })
+}
+
+fn write_storage_key(
+    out: &mut String,
+    prefix: &str,
+    scope: &str,
+    key: impl fmt::Display,
+) -> Result<(), KeyError> {
+    validate_key_part(KeyPart::Scope, scope)?;
     out.push_str(prefix);
-    push_escaped(&mut out, scope);
+    push_escaped(out, scope);
     out.push(':');
     let start = out.len();
     // Writing to a String cannot fail; a Display impl that errors yields an
@@ -76,8 +110,7 @@ pub(crate) fn storage_key(
     if write!(out, "{key}").is_err() {
         out.truncate(start);
     }
-    validate_key_part(KeyPart::Key, &out[start..])?;
-    Ok(out)
+    validate_key_part(KeyPart::Key, &out[start..])
 }
 
 /// What follows a namespace's `:` in the stored key of a failure counter.

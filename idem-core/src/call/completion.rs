@@ -120,7 +120,7 @@ impl Drop for DetachOnDrop<'_> {
         };
         Detached {
             store: Arc::clone(c.store),
-            key: c.key.to_owned(),
+            key: Arc::from(c.key),
             token: c.token,
             fingerprint: c.fingerprint,
             kind: c.kind,
@@ -137,7 +137,7 @@ impl Drop for DetachOnDrop<'_> {
 /// round trip in flight.
 pub(super) struct Detached {
     pub(super) store: Arc<dyn Store>,
-    pub(super) key: String,
+    pub(super) key: Arc<str>,
     pub(super) token: Token,
     pub(super) fingerprint: Option<Fingerprint>,
     pub(super) kind: ValueKind,

@@ -40,7 +40,7 @@ pub(super) struct Exec<'a> {
     /// What the call ended with, once it has (for the hook and metrics).
     pub(super) report: Report,
     pub(super) store: &'a Arc<dyn Store>,
-    pub(super) key: String,
+    pub(super) key: Arc<str>,
     pub(super) token: Token,
     pub(super) ttl: Duration,
     pub(super) lease: Duration,

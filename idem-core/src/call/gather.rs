@@ -53,7 +53,7 @@ pub(super) trait BatchOp: Send + Sized + 'static {
 
 /// A call's first claim.
 pub(super) struct ClaimOp {
-    pub(super) key: String,
+    pub(super) key: Arc<str>,
     pub(super) token: Token,
     pub(super) lease: Duration,
     pub(super) ttl: Duration,
@@ -108,7 +108,7 @@ impl BatchOp for ClaimOp {
 /// A call's first complete (its body succeeded) or release (it failed).
 pub(super) enum FinishOp {
     Complete {
-        key: String,
+        key: Arc<str>,
         token: Token,
         fingerprint: Option<Fingerprint>,
         kind: ValueKind,
@@ -117,7 +117,7 @@ pub(super) enum FinishOp {
         lease: Duration,
     },
     Release {
-        key: String,
+        key: Arc<str>,
         token: Token,
     },
 }
@@ -472,7 +472,7 @@ mod tests {
 
     fn release(key: &str) -> FinishOp {
         FinishOp::Release {
-            key: key.to_owned(),
+            key: Arc::from(key),
             token: Token::random(),
         }
     }

@@ -76,7 +76,7 @@ impl Drop for ReleaseGuard<'_> {
         if !self.armed {
             return;
         }
-        let (store, key, token) = (Arc::clone(self.store), self.key.to_owned(), *self.token);
+        let (store, key, token) = (Arc::clone(self.store), Arc::from(self.key), *self.token);
         detach(
             "a call cancelled while it held or was claiming its key",
             free(store, key, token, self.keep_steps),
@@ -87,7 +87,7 @@ impl Drop for ReleaseGuard<'_> {
 /// Frees a key this call gives up: releases it, or suspends it (keeping
 /// recorded steps) for a `run_steps` call. Best effort: a key that could
 /// not be freed frees itself when its lease runs out.
-pub(super) async fn free(store: Arc<dyn Store>, key: String, token: Token, keep_steps: bool) {
+pub(super) async fn free(store: Arc<dyn Store>, key: Arc<str>, token: Token, keep_steps: bool) {
     let freed = if keep_steps {
         store.suspend(&key, &token).await
     } else {

@@ -24,6 +24,7 @@ use exec::Exec;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -55,7 +56,7 @@ use tracing::field::Empty;
 pub struct Call<'a> {
     inner: &'a Inner,
     scope: &'a str,
-    key: Result<String, Error>,
+    key: Result<Arc<str>, Error>,
     ttl: Duration,
     /// Set for this call; else the builder's, capped at the TTL.
     lease: Option<Duration>,
@@ -68,7 +69,7 @@ pub struct Call<'a> {
 }
 
 impl<'a> Call<'a> {
-    pub(crate) fn new(inner: &'a Inner, scope: &'a str, key: Result<String, Error>) -> Call<'a> {
+    pub(crate) fn new(inner: &'a Inner, scope: &'a str, key: Result<Arc<str>, Error>) -> Call<'a> {
         Call {
             inner,
             scope,
