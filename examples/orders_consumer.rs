@@ -74,7 +74,7 @@ const CHARGE_DELAY_ENV: &str = "ORDERS_CHARGE_DELAY_MS";
 
 /// What to do, from the command line.
 #[derive(Debug, Clone)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// Publish its own events, consume them, clean up.
     Demo,
     /// Consume `source` until stopped, charges appended to `ledger`.
@@ -83,7 +83,7 @@ pub enum Mode {
 
 impl Mode {
     /// `[]` → demo; `consume <source> [ledger]` → consume.
-    pub fn from_args(mut args: impl Iterator<Item = String>) -> Result<Mode, String> {
+    pub(crate) fn from_args(mut args: impl Iterator<Item = String>) -> Result<Mode, String> {
         match args.next().as_deref() {
             None => Ok(Mode::Demo),
             Some("consume") => {
@@ -157,18 +157,18 @@ fn events(run: &str) -> Vec<(String, String)> {
 /// The ledger of charges: an append-only file, one `key order amount`
 /// line per charge, written (and synced) before the charge counts as done.
 #[derive(Debug, Clone)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     path: PathBuf,
 }
 
 impl Ledger {
     /// The ledger in `path` (created at the first charge).
-    pub fn at(path: impl Into<PathBuf>) -> Ledger {
+    pub(crate) fn at(path: impl Into<PathBuf>) -> Ledger {
         Ledger { path: path.into() }
     }
 
     /// Every charge so far: (key, order, amount).
-    pub fn charges(&self) -> std::io::Result<Vec<(String, String, i64)>> {
+    pub(crate) fn charges(&self) -> std::io::Result<Vec<(String, String, i64)>> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -246,7 +246,7 @@ impl Shop {
 
 /// What happened to the messages of one run.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Tally {
+pub(crate) struct Tally {
     /// Charged now, for the first time.
     pub executed: usize,
     /// Duplicates of done work: the stored receipt, nothing charged.
@@ -465,7 +465,7 @@ async fn main() {
 }
 
 /// Runs the example in `mode`, on the broker the environment names.
-pub async fn run(mode: Mode) -> Result<Tally, Box<dyn std::error::Error>> {
+pub(crate) async fn run(mode: Mode) -> Result<Tally, Box<dyn std::error::Error>> {
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
     let store =
         match tokio::time::timeout(Duration::from_secs(3), RedisStore::connect(&redis_url)).await {
@@ -751,7 +751,7 @@ mod kafka {
     use std::future::Future;
     use std::time::{Duration, Instant};
 
-    pub async fn drain<C, H, Fut>(
+    pub(crate) async fn drain<C, H, Fut>(
         brokers: &str,
         run: &str,
         events: &[(String, String)],

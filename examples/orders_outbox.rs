@@ -100,7 +100,7 @@ const SHIP_SCOPE: &str = "orders.ship";
 /// second insert of one order would show as a second row).
 const ORDERS_TABLE: &str = "orders_outbox_example";
 /// The two events every order publishes, in this order.
-pub const EVENTS: [&str; 2] = ["created", "paid"];
+pub(crate) const EVENTS: [&str; 2] = ["created", "paid"];
 /// idem's lease: how long a key whose holder was killed stays held before
 /// a redelivery takes over (`recovered`). Renewed while a body runs.
 const LEASE: Duration = Duration::from_secs(3);
@@ -116,7 +116,7 @@ const DEMO_DEADLINE: Duration = Duration::from_secs(60);
 
 /// What to run, from the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// Consume orders from RabbitMQ into PostgreSQL and the outbox.
     Take,
     /// Publish the outbox to Kafka.
@@ -129,7 +129,7 @@ pub enum Mode {
 
 impl Mode {
     /// `[]` or `demo`, `take`, `relay`, `ship`.
-    pub fn from_args(mut args: impl Iterator<Item = String>) -> Result<Mode, ExampleError> {
+    pub(crate) fn from_args(mut args: impl Iterator<Item = String>) -> Result<Mode, ExampleError> {
         match args.next().as_deref() {
             None | Some("demo") => Ok(Mode::Demo),
             Some("take") => Ok(Mode::Take),
@@ -145,7 +145,7 @@ impl Mode {
 
 /// Why a stage could not run.
 #[derive(Debug)]
-pub enum ExampleError {
+pub(crate) enum ExampleError {
     /// A bad command line or environment variable.
     Usage(String),
     /// PostgreSQL refused something the setup needs.
@@ -216,7 +216,7 @@ impl From<std::io::Error> for ExampleError {
 
 /// The settings every mode reads from the environment.
 #[derive(Debug, Clone)]
-pub struct Env {
+pub(crate) struct Env {
     /// `DATABASE_URL`.
     pub database_url: String,
     /// `AMQP_URL`.
@@ -239,7 +239,7 @@ pub struct Env {
 
 impl Env {
     /// Reads the environment (see the table at the top).
-    pub fn from_env() -> Result<Env, ExampleError> {
+    pub(crate) fn from_env() -> Result<Env, ExampleError> {
         let var =
             |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
         let number = |name: &str, default: u32| -> Result<u32, ExampleError> {
@@ -269,7 +269,7 @@ impl Env {
 
 /// An order, as the producer publishes it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Order {
+pub(crate) struct Order {
     /// The order id: idem's key in the take stage, the outbox key after.
     pub order: String,
     /// Its amount.
@@ -278,7 +278,7 @@ pub struct Order {
 
 /// A shipping event, as the outbox publishes it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ShipEvent {
+pub(crate) struct ShipEvent {
     /// The order.
     pub order: String,
     /// `created` or `paid`.
@@ -290,17 +290,17 @@ pub struct ShipEvent {
 /// A shutdown request shared by the stages: Ctrl-C or SIGTERM in a stage
 /// process, the demo itself when it is done.
 #[derive(Debug, Clone)]
-pub struct Stop(watch::Receiver<bool>);
+pub(crate) struct Stop(watch::Receiver<bool>);
 
 impl Stop {
     /// A stop that `trigger` sets.
-    pub fn new() -> (watch::Sender<bool>, Stop) {
+    pub(crate) fn new() -> (watch::Sender<bool>, Stop) {
         let (tx, rx) = watch::channel(false);
         (tx, Stop(rx))
     }
 
     /// A stop set by Ctrl-C or SIGTERM, both caught from this call on.
-    pub fn on_signals() -> std::io::Result<Stop> {
+    pub(crate) fn on_signals() -> std::io::Result<Stop> {
         use tokio::signal::unix::{SignalKind, signal};
         let (mut int, mut term) = (
             signal(SignalKind::interrupt())?,
@@ -318,7 +318,7 @@ impl Stop {
     }
 
     /// Resolves once stopped.
-    pub async fn wait(&mut self) {
+    pub(crate) async fn wait(&mut self) {
         // A dropped sender stops too: nobody can start the stage again.
         let _ = self.0.wait_for(|stopped| *stopped).await;
     }
@@ -372,18 +372,18 @@ async fn database(env: &Env, stop: &mut Stop) -> Result<Option<(PgPool, PgStore)
 /// The ledger of shipping effects: an append-only file, one `order event`
 /// line per applied event.
 #[derive(Debug, Clone)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     path: PathBuf,
 }
 
 impl Ledger {
     /// The ledger in `path` (created at the first line).
-    pub fn at(path: impl Into<PathBuf>) -> Ledger {
+    pub(crate) fn at(path: impl Into<PathBuf>) -> Ledger {
         Ledger { path: path.into() }
     }
 
     /// Every applied event so far, (order, event), in file order.
-    pub fn entries(&self) -> std::io::Result<Vec<(String, String)>> {
+    pub(crate) fn entries(&self) -> std::io::Result<Vec<(String, String)>> {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
@@ -437,7 +437,7 @@ impl From<sqlx::Error> for TakeError {
 
 /// What the take stage did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct TakeTally {
+pub(crate) struct TakeTally {
     /// Orders inserted (with their events) now.
     pub executed: usize,
     /// Duplicates: the stored result, nothing inserted.
@@ -547,7 +547,7 @@ fn backoff(delivery: u32) -> Duration {
 }
 
 /// The take stage: consumes `env.queue` until `stop`.
-pub async fn take(env: &Env, mut stop: Stop) -> Result<TakeTally, ExampleError> {
+pub(crate) async fn take(env: &Env, mut stop: Stop) -> Result<TakeTally, ExampleError> {
     let mut tally = TakeTally::default();
     let Some((pool, store)) = database(env, &mut stop).await? else {
         return Ok(tally);
@@ -658,7 +658,7 @@ impl<S: Sink> Sink for Printed<S> {
 }
 
 /// Creates the shipping topic and its dead-letter topic when missing.
-pub async fn ensure_topics(env: &Env) -> Result<(), ExampleError> {
+pub(crate) async fn ensure_topics(env: &Env) -> Result<(), ExampleError> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", &env.brokers)
         .create()?;
@@ -680,7 +680,7 @@ pub async fn ensure_topics(env: &Env) -> Result<(), ExampleError> {
 }
 
 /// The relay stage: publishes the outbox to Kafka until `stop`.
-pub async fn relay(env: &Env, mut stop: Stop) -> Result<RelayReport, ExampleError> {
+pub(crate) async fn relay(env: &Env, mut stop: Stop) -> Result<RelayReport, ExampleError> {
     let Some((_pool, store)) = database(env, &mut stop).await? else {
         return Ok(RelayReport::default());
     };
@@ -729,7 +729,7 @@ impl std::fmt::Display for ShipError {
 
 /// What the ship stage did.
 #[derive(Debug, Default, Clone)]
-pub struct ShipTally {
+pub(crate) struct ShipTally {
     /// Events appended to the ledger now.
     pub applied: usize,
     /// Events found in the ledger already: a consumer was killed after
@@ -787,7 +787,7 @@ async fn apply(ledger: &Ledger, delay: Duration, m: Message) -> Result<bool, Shi
 }
 
 /// The ship stage: consumes the shipping topic into the ledger until `stop`.
-pub async fn ship(env: &Env, mut stop: Stop) -> Result<ShipTally, ExampleError> {
+pub(crate) async fn ship(env: &Env, mut stop: Stop) -> Result<ShipTally, ExampleError> {
     let Some((_pool, store)) = database(env, &mut stop).await? else {
         return Ok(ShipTally::default());
     };
@@ -848,7 +848,7 @@ pub async fn ship(env: &Env, mut stop: Stop) -> Result<ShipTally, ExampleError> 
 
 /// What the demo saw.
 #[derive(Debug, Default, Clone)]
-pub struct Summary {
+pub(crate) struct Summary {
     /// The take stage.
     pub take: TakeTally,
     /// The relay.
@@ -1003,7 +1003,7 @@ async fn main() {
 
 /// Runs `mode` with the settings of the environment, printing a summary
 /// when it stops.
-pub async fn run(mode: Mode) -> Result<(), ExampleError> {
+pub(crate) async fn run(mode: Mode) -> Result<(), ExampleError> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

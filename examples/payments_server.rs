@@ -45,7 +45,7 @@ use std::time::Duration;
 
 /// The body of `POST /payments`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ChargeRequest {
+pub(crate) struct ChargeRequest {
     pub order_id: String,
     pub amount_cents: u64,
     pub currency: String,
@@ -53,7 +53,7 @@ pub struct ChargeRequest {
 
 /// What a successful charge returns.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Receipt {
+pub(crate) struct Receipt {
     pub receipt_id: String,
     pub order_id: String,
     pub amount_cents: u64,
@@ -61,7 +61,7 @@ pub struct Receipt {
 }
 
 #[derive(Debug)]
-pub enum PaymentError {
+pub(crate) enum PaymentError {
     /// The processor refused the card: a final answer (stored and replayed).
     Declined(String),
     /// Idempotency failed (order in flight elsewhere, store down, …).
@@ -75,13 +75,13 @@ impl From<idem::Error> for PaymentError {
 }
 
 /// Stands in for the card processor: counts real charges.
-pub struct Payments {
+pub(crate) struct Payments {
     idem: Idempotency,
     charges: AtomicU64,
 }
 
 impl Payments {
-    pub fn new(idem: Idempotency) -> Payments {
+    pub(crate) fn new(idem: Idempotency) -> Payments {
         Payments {
             idem,
             charges: AtomicU64::new(0),
@@ -113,7 +113,7 @@ impl Payments {
     }
 
     /// How many times a card was really charged.
-    pub fn charges(&self) -> u64 {
+    pub(crate) fn charges(&self) -> u64 {
         self.charges.load(Ordering::SeqCst)
     }
 }
@@ -157,7 +157,7 @@ async fn stats(State(payments): State<Arc<Payments>>) -> Json<serde_json::Value>
 
 /// The whole API: `POST /payments` behind the idempotency layer, and
 /// `GET /stats` (passes through: the layer only handles POST and PATCH).
-pub fn app(idem: Idempotency) -> Router {
+pub(crate) fn app(idem: Idempotency) -> Router {
     let payments = Arc::new(Payments::new(idem.clone()));
     Router::new()
         .route("/payments", post(create_payment))
@@ -174,12 +174,15 @@ pub fn app(idem: Idempotency) -> Router {
 /// Adds `GET /metrics`: everything recorded on the `metrics` facade, idem's
 /// counters and histograms included, as Prometheus scrapes it.
 #[cfg(feature = "metrics")]
-pub fn with_metrics(app: Router, handle: metrics_exporter_prometheus::PrometheusHandle) -> Router {
+pub(crate) fn with_metrics(
+    app: Router,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+) -> Router {
     app.route("/metrics", get(move || std::future::ready(handle.render())))
 }
 
 /// Redis from `REDIS_URL`, else the in-process `MemoryStore`.
-pub async fn idempotency_from_env() -> Result<Idempotency, idem::Error> {
+pub(crate) async fn idempotency_from_env() -> Result<Idempotency, idem::Error> {
     let builder = match std::env::var("REDIS_URL") {
         Ok(url) => {
             let store = RedisStore::connect(&url).await?;

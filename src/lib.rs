@@ -75,7 +75,6 @@
 //! With feature `client`, [`client`] is a retrying HTTP client that keeps
 //! one key per operation; with feature `http`, [`http`] is a tower layer
 //! giving axum services `Idempotency-Key` semantics.
-#![warn(missing_docs)]
 
 /// `#[idem::async_trait]`: implements a trait with `async fn`s, such as
 /// [`outbox::Sink`], with no `async-trait` dependency of your own.

@@ -91,8 +91,6 @@
 //! `GET`). Each attempt emits a `tracing` event with the method, path, key,
 //! attempt number, status or error, and the chosen delay.
 
-#![warn(missing_docs)]
-#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(

@@ -50,7 +50,6 @@
 //! assert_eq!(again.outcome, Some(idem_core::Outcome::Replayed));
 //! # });
 //! ```
-#![warn(missing_docs)]
 
 mod adapter;
 mod batch;

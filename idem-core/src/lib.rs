@@ -26,7 +26,6 @@
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`store::Store`] for the state machine both
 //! stores implement.
-#![warn(missing_docs)]
 
 mod cache;
 mod call;

@@ -242,8 +242,6 @@
 //! `500`: a stored response cannot be replayed, or the configuration is invalid.
 //! ### store-unavailable
 //! `503`: the idempotency store is unreachable; the handler did not run.
-#![warn(missing_docs)]
-#![forbid(unsafe_code)]
 // Nothing on a request's path may panic: errors are responses.
 #![cfg_attr(
     not(test),

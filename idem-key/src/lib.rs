@@ -31,8 +31,6 @@
 //! assert_eq!(decode(b"5f0c7a3e-1c2b").unwrap(), decode(br#""5f0c7a3e-1c2b""#).unwrap());
 //! assert!(encode("tab\there").is_err());
 //! ```
-#![warn(missing_docs)]
-#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(

@@ -77,23 +77,23 @@ pub(crate) struct Args {
 pub(crate) struct Errors(Option<syn::Error>);
 
 impl Errors {
-    pub fn push(&mut self, e: syn::Error) {
+    pub(crate) fn push(&mut self, e: syn::Error) {
         match &mut self.0 {
             Some(all) => all.combine(e),
             None => self.0 = Some(e),
         }
     }
 
-    pub fn push_spanned(&mut self, span: Span, msg: impl std::fmt::Display) {
+    pub(crate) fn push_spanned(&mut self, span: Span, msg: impl std::fmt::Display) {
         self.push(syn::Error::new(span, msg));
     }
 
-    pub fn into_result(self) -> syn::Result<()> {
+    pub(crate) fn into_result(self) -> syn::Result<()> {
         self.0.map_or(Ok(()), Err)
     }
 
     /// Every error so far, followed by `last`.
-    pub fn ending_with(self, last: syn::Error) -> syn::Error {
+    pub(crate) fn ending_with(self, last: syn::Error) -> syn::Error {
         match self.0 {
             Some(mut all) => {
                 all.combine(last);

@@ -6,7 +6,7 @@ use idem::idempotent;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Debug)]
-pub enum PaymentError {
+enum PaymentError {
     Idem(idem::Error),
 }
 

@@ -47,7 +47,6 @@
 //! expired rows: [`PgStore::reap`] and [`PgStore::spawn_reaper`], or whole
 //! partitions with tables partitioned by time
 //! ([`PgStoreConfig::partitioned`], [`PgStore::maintain`]).
-#![warn(missing_docs)]
 
 mod batch;
 mod claim_path;

@@ -26,7 +26,6 @@
 //! items at the paths applications already use (`idem::RedisStore`,
 //! `idem::outbox::RedisRelay`). The store contract it implements is
 //! [`idem_core::store::Store`].
-#![warn(missing_docs)]
 
 pub mod outbox;
 mod store;

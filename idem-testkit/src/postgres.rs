@@ -277,8 +277,7 @@ impl Drop for PgServer {
 }
 
 fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    rustix::process::geteuid().is_root()
 }
 
 /// `name` on PATH, else the newest `/usr/lib/postgresql/*/bin/name`.

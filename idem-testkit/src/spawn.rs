@@ -45,20 +45,24 @@ pub(crate) fn spawn(command: Command) -> io::Result<Child> {
 }
 
 #[cfg(target_os = "linux")]
+// The crate's one unsafe block (idem-testkit denies unsafe_code where the
+// other crates forbid it): `CommandExt::pre_exec` is an unsafe fn, and no
+// safe API sets a child's parent-death signal between fork and exec. The
+// calls inside are rustix's safe wrappers of raw syscalls.
+#[allow(unsafe_code)]
 fn tie_to_parent(command: &mut Command) {
+    use rustix::process::{Signal, getpid, getppid, set_parent_process_death_signal};
     use std::os::unix::process::CommandExt;
-    let parent = std::process::id() as libc::pid_t;
-    // SAFETY: the closure runs in the forked child before exec and only calls
-    // async-signal-safe functions (prctl, getppid); it allocates nothing.
+    let parent = getpid();
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // two syscalls (prctl, getppid), async-signal-safe; it allocates nothing
+    // (an `io::Error` from an `Errno` is a raw OS code).
     unsafe {
         command.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // The parent may have died between fork and prctl. (No
-            // allocation here: build the error from a raw OS code.)
-            if libc::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            set_parent_process_death_signal(Some(Signal::KILL))?;
+            // The parent may have died between fork and prctl.
+            if getppid() != Some(parent) {
+                return Err(rustix::io::Errno::SRCH.into());
             }
             Ok(())
         });

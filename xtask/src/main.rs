@@ -20,9 +20,6 @@
 //! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672. Redis and
 //! Kafka need nothing running: the suites spawn private servers.
 
-#![warn(missing_docs)]
-#![forbid(unsafe_code)]
-
 use std::env;
 use std::fs;
 use std::net::{SocketAddr, TcpStream};

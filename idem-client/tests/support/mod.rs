@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 
 /// One scripted answer.
 #[derive(Clone, Debug)]
-pub struct Reply {
+pub(crate) struct Reply {
     status: u16,
     headers: Vec<(String, String)>,
     body: String,
@@ -26,7 +26,7 @@ pub struct Reply {
 }
 
 impl Reply {
-    pub fn status(status: u16) -> Self {
+    pub(crate) fn status(status: u16) -> Self {
         Reply {
             status,
             headers: Vec::new(),
@@ -36,34 +36,34 @@ impl Reply {
         }
     }
 
-    pub fn json(status: u16, body: &str) -> Self {
+    pub(crate) fn json(status: u16, body: &str) -> Self {
         Self::status(status)
             .header("content-type", "application/json")
             .body(body)
     }
 
-    pub fn problem(status: u16, body: &str) -> Self {
+    pub(crate) fn problem(status: u16, body: &str) -> Self {
         Self::status(status)
             .header("content-type", "application/problem+json")
             .body(body)
     }
 
-    pub fn header(mut self, name: &str, value: &str) -> Self {
+    pub(crate) fn header(mut self, name: &str, value: &str) -> Self {
         self.headers.push((name.to_owned(), value.to_owned()));
         self
     }
 
-    pub fn body(mut self, body: &str) -> Self {
+    pub(crate) fn body(mut self, body: &str) -> Self {
         self.body = body.to_owned();
         self
     }
 
-    pub fn retry_after_date(mut self, from_now: Duration) -> Self {
+    pub(crate) fn retry_after_date(mut self, from_now: Duration) -> Self {
         self.retry_after_date = Some(from_now);
         self
     }
 
-    pub fn delay(mut self, delay: Duration) -> Self {
+    pub(crate) fn delay(mut self, delay: Duration) -> Self {
         self.delay = Some(delay);
         self
     }
@@ -71,7 +71,7 @@ impl Reply {
 
 /// What the server saw for one request.
 #[derive(Clone, Debug)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub method: Method,
     pub path: String,
     pub key: Option<String>,
@@ -89,14 +89,14 @@ struct Inner {
 /// A scripted server: the n-th request gets the n-th reply; the last reply
 /// repeats once the script is used up.
 #[derive(Clone)]
-pub struct Server {
+pub(crate) struct Server {
     inner: Arc<Inner>,
     addr: Arc<Mutex<Option<SocketAddr>>>,
 }
 
 impl Server {
     /// A server that is not listening yet; see [`Server::serve`].
-    pub fn new(script: Vec<Reply>) -> Self {
+    pub(crate) fn new(script: Vec<Reply>) -> Self {
         assert!(!script.is_empty(), "a script needs at least one reply");
         Server {
             inner: Arc::new(Inner {
@@ -108,7 +108,7 @@ impl Server {
     }
 
     /// Binds 127.0.0.1:0 and serves the script.
-    pub async fn start(script: Vec<Reply>) -> Self {
+    pub(crate) async fn start(script: Vec<Reply>) -> Self {
         let server = Self::new(script);
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         server.serve(listener);
@@ -116,7 +116,7 @@ impl Server {
     }
 
     /// Serves the script on `listener` in a background task.
-    pub fn serve(&self, listener: TcpListener) {
+    pub(crate) fn serve(&self, listener: TcpListener) {
         *self.addr.lock().unwrap() = Some(listener.local_addr().expect("local addr"));
         let app = Router::new()
             .fallback(handle)
@@ -127,14 +127,14 @@ impl Server {
         });
     }
 
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!(
             "http://{}",
             self.addr.lock().unwrap().expect("server not serving")
         )
     }
 
-    pub fn seen(&self) -> Vec<Seen> {
+    pub(crate) fn seen(&self) -> Vec<Seen> {
         self.inner.seen.lock().unwrap().clone()
     }
 }
@@ -185,7 +185,7 @@ async fn handle(
 }
 
 /// A free port on 127.0.0.1 with nothing listening on it (yet).
-pub fn unused_port() -> u16 {
+pub(crate) fn unused_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     listener.local_addr().expect("local addr").port()
 }

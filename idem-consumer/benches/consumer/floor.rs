@@ -18,13 +18,13 @@ const TTL_MS: u64 = 86_400_000;
 
 /// The two Redis writes per message, one pipeline each per batch.
 #[derive(Clone)]
-pub struct RedisFloor {
+pub(crate) struct RedisFloor {
     conn: redis::aio::MultiplexedConnection,
     prefix: String,
 }
 
 impl RedisFloor {
-    pub async fn connect(url: &str, run: usize) -> RedisFloor {
+    pub(crate) async fn connect(url: &str, run: usize) -> RedisFloor {
         let conn = redis::Client::open(url)
             .expect("floor: redis url")
             .get_multiplexed_async_connection()
@@ -37,7 +37,7 @@ impl RedisFloor {
     }
 
     /// Claims then stores one batch; returns how many claims were won.
-    pub async fn dedup<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+    pub(crate) async fn dedup<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
         let mut conn = self.conn.clone();
         let key = |k: &K| [self.prefix.as_bytes(), k.as_ref()].concat();
         let mut claims = redis::pipe();
@@ -67,12 +67,12 @@ impl RedisFloor {
 }
 
 /// The two PostgreSQL writes per message, one statement each per batch.
-pub struct PgFloor {
+pub(crate) struct PgFloor {
     pool: PgPool,
 }
 
 impl PgFloor {
-    pub async fn new(pool: PgPool) -> PgFloor {
+    pub(crate) async fn new(pool: PgPool) -> PgFloor {
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS floor_records \
              (key text PRIMARY KEY, value text NOT NULL, expires_at timestamptz NOT NULL)",
@@ -83,11 +83,11 @@ impl PgFloor {
         PgFloor { pool }
     }
 
-    pub async fn dedup_owned(&self, keys: Vec<String>) -> usize {
+    pub(crate) async fn dedup_owned(&self, keys: Vec<String>) -> usize {
         self.dedup(&keys).await
     }
 
-    pub async fn dedup(&self, keys: &[String]) -> usize {
+    pub(crate) async fn dedup(&self, keys: &[String]) -> usize {
         let won = sqlx::query(
             "INSERT INTO floor_records (key, value, expires_at) \
              SELECT k, $2, now() + interval '1 day' FROM unnest($1::text[]) AS k \

@@ -158,7 +158,7 @@ async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 
 /// One round: a fresh topic each for the bare loop, the floor and the
 /// adapter. Returns (bare, floor, idem).
 /// The floor's and idem's rates come with their allocations per message.
-pub async fn round(
+pub(crate) async fn round(
     kafka: &KafkaBroker,
     redis_url: &str,
     run: usize,

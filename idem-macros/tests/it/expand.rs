@@ -7,7 +7,7 @@ use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 #[derive(Debug)]
-pub enum PaymentError {
+pub(crate) enum PaymentError {
     #[allow(dead_code)] // shown by Debug in failed assertions
     Idem(idem::Error),
     Declined,
@@ -20,13 +20,13 @@ impl From<idem::Error> for PaymentError {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Receipt {
+pub(crate) struct Receipt {
     pub order_id: String,
     pub amount: u64,
     pub run: usize,
 }
 
-pub struct ChargeRequest {
+pub(crate) struct ChargeRequest {
     pub order_id: String,
     pub amount: u64,
 }
@@ -99,13 +99,13 @@ async fn each_key_runs_once() {
     assert_eq!(GREETINGS.load(Ordering::SeqCst), 2);
 }
 
-pub struct Payments {
+pub(crate) struct Payments {
     idem: Idempotency,
     refunds: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Refund {
+pub(crate) struct Refund {
     pub order_id: String,
     pub amount: u64,
     pub currency: String,

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 /// One dead-lettered message as the broker keeps it, with idem's fields
 /// (`DeadLetterReason::fields`); what a place does not record is `None`.
 #[derive(Debug, Clone)]
-pub struct DeadLetter {
+pub(crate) struct DeadLetter {
     pub id: Option<String>,
     pub kind: Option<String>,
     pub reason: Option<String>,
@@ -41,7 +41,7 @@ pub struct DeadLetter {
 /// (brokers with per-message acks, through the shared fetch → handle →
 /// settle loop), and Kafka's group member, whose own `run` decides records
 /// and commits offsets (`kafka.rs` says how it polls).
-pub trait Member: Send + Sync {
+pub(crate) trait Member: Send + Sync {
     /// Handles what arrives within a short wait and settles it
     /// ([`Adapter::poll`]).
     fn poll<C, T, E, H, Fut>(
@@ -141,7 +141,7 @@ impl<A: Adapter> Member for A {
 
 /// A uniquely named stream, queue or topic on a real broker, with a
 /// dead-letter destination; deleted on drop by the place that created it.
-pub trait Place: Send + Sync + Sized + 'static {
+pub(crate) trait Place: Send + Sync + Sized + 'static {
     /// The consumer under test.
     type Adapter: Member + 'static;
     /// Prefix of the environment variables handed to worker processes.
@@ -183,7 +183,7 @@ pub trait Place: Send + Sync + Sized + 'static {
 /// Runs `cleanup` to completion from a `Drop` (which cannot await), on a
 /// short-lived runtime of its own on another thread, so it also works
 /// inside the test's runtime.
-pub fn clean_up_aside(cleanup: impl Future<Output = ()> + Send + 'static) {
+pub(crate) fn clean_up_aside(cleanup: impl Future<Output = ()> + Send + 'static) {
     let _ = std::thread::spawn(move || {
         if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -195,7 +195,7 @@ pub fn clean_up_aside(cleanup: impl Future<Output = ()> + Send + 'static) {
     .join();
 }
 
-pub fn order(i: usize, sent_at: u64) -> Vec<u8> {
+pub(crate) fn order(i: usize, sent_at: u64) -> Vec<u8> {
     format!(
         r#"{{"order":"o-{i}","amount":{},"sent_at":{sent_at}}}"#,
         100 + i
@@ -203,18 +203,18 @@ pub fn order(i: usize, sent_at: u64) -> Vec<u8> {
     .into_bytes()
 }
 
-pub fn order_of(m: &Message) -> String {
+pub(crate) fn order_of(m: &Message) -> String {
     let v: serde_json::Value = m.json().unwrap_or_default();
     v["order"].as_str().unwrap_or("?").to_owned()
 }
 
 /// One charge per order: keys from the payload without its timestamp, so
 /// a re-publish under a new id is a duplicate too.
-pub fn order_key() -> KeySource {
+pub(crate) fn order_key() -> KeySource {
     KeySource::Payload(KeyDeriver::new().exclude("/sent_at").unwrap())
 }
 
-pub async fn idem_on(url: &str, lease: Duration) -> Idempotency {
+pub(crate) async fn idem_on(url: &str, lease: Duration) -> Idempotency {
     let store = RedisStore::connect(url).await.unwrap();
     Idempotency::builder(store)
         .namespace("consumer-test")
@@ -223,12 +223,12 @@ pub async fn idem_on(url: &str, lease: Duration) -> Idempotency {
 }
 
 /// A consumer on `url` charging orders.
-pub async fn orders_consumer(url: &str, lease: Duration) -> Consumer {
+pub(crate) async fn orders_consumer(url: &str, lease: Duration) -> Consumer {
     Consumer::new(idem_on(url, lease).await, "orders.charge").keys(order_key())
 }
 
 /// Runs `step` until it says done, failing after `deadline`.
-pub async fn until(what: &str, deadline: Duration, mut step: impl AsyncFnMut() -> bool) {
+pub(crate) async fn until(what: &str, deadline: Duration, mut step: impl AsyncFnMut() -> bool) {
     let end = Instant::now() + deadline;
     while !step().await {
         assert!(
@@ -240,7 +240,7 @@ pub async fn until(what: &str, deadline: Duration, mut step: impl AsyncFnMut() -
 
 /// Waits until the broker agrees that everything was settled (acks may be
 /// sent without waiting for the broker's answer).
-pub async fn assert_drained<P: Place>(place: &P) {
+pub(crate) async fn assert_drained<P: Place>(place: &P) {
     until(
         "the broker has nothing left",
         Duration::from_secs(10),
@@ -258,7 +258,7 @@ pub async fn assert_drained<P: Place>(place: &P) {
 /// Publishes `n` orders with ids `o-i`, then duplicates: every 5th again
 /// with the same id and payload, every 7th under a new id with a new
 /// timestamp. Returns how many messages went out.
-pub async fn publish_orders<P: Place>(place: &P, n: usize) -> usize {
+pub(crate) async fn publish_orders<P: Place>(place: &P, n: usize) -> usize {
     for i in 0..n {
         place.publish(Some(&format!("o-{i}")), &order(i, 1)).await;
     }
@@ -296,7 +296,7 @@ fn settled(r: &PollReport) -> usize {
 /// N orders plus duplicates (same id, and the same order under a new id),
 /// four consumer tasks: every order charged once, every message acked
 /// exactly once.
-pub async fn four_tasks_run_each_order_once<P: Place>(place: P) {
+pub(crate) async fn four_tasks_run_each_order_once<P: Place>(place: P) {
     let redis = RedisServer::start();
     let n = 200;
     let added = publish_orders(&place, n).await;
@@ -357,7 +357,7 @@ pub async fn four_tasks_run_each_order_once<P: Place>(place: P) {
 /// In a batch of 8, a permanent error is dead-lettered after its first
 /// delivery, a retryable one at its third failure (`max_failures(3)`); the
 /// rest is acked.
-pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P) {
+pub(crate) async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P) {
     let redis = RedisServer::start();
     for i in 0..8 {
         let body = match i {
@@ -434,7 +434,7 @@ pub async fn poison_messages_are_dead_lettered_the_rest_acked<P: Place>(place: P
 
 /// idem's store down (fail-closed): nothing runs, every message is nacked;
 /// once the store is back each is processed exactly once.
-pub async fn store_down_nothing_runs_then_everything_once<P: Place>(place: P) {
+pub(crate) async fn store_down_nothing_runs_then_everything_once<P: Place>(place: P) {
     let mut store_server = RedisServer::start();
     for i in 0..5 {
         let body = format!(r#"{{"i":{i}}}"#);
@@ -484,7 +484,7 @@ pub async fn store_down_nothing_runs_then_everything_once<P: Place>(place: P) {
 
 /// Bad input (published by the caller): every message dead-lettered as a
 /// bad message whose reason mentions one of `reasons` each, nothing run.
-pub async fn bad_input_is_dead_lettered_and_runs_nothing<P: Place>(
+pub(crate) async fn bad_input_is_dead_lettered_and_runs_nothing<P: Place>(
     place: &P,
     keys: KeySource,
     reasons: &[&str],
@@ -535,7 +535,7 @@ pub async fn bad_input_is_dead_lettered_and_runs_nothing<P: Place>(
 /// The broker restarted under a running consumer: [`Adapter::run`] (made
 /// again when it gives up on a dead channel) processes the messages from
 /// before and after exactly once, and every one is acked.
-pub async fn run_survives_a_broker_restart<P: Place>(place: &P, bounce: impl FnOnce()) {
+pub(crate) async fn run_survives_a_broker_restart<P: Place>(place: &P, bounce: impl FnOnce()) {
     let redis = RedisServer::start();
     let consumer = Consumer::new(idem_on(&redis.url(), Duration::from_secs(5)).await, "r")
         .backoff(Duration::from_millis(50), Duration::from_millis(200));
@@ -613,7 +613,7 @@ pub async fn run_survives_a_broker_restart<P: Place>(place: &P, bounce: impl FnO
 /// appears, writing how many they settled; `crash-before-ack`: SIGKILL
 /// after the side effects of a batch, before its acks; `crash-mid-handler`:
 /// SIGKILL inside the first handler, after its side effect.
-pub fn worker<P: Place>() {
+pub(crate) fn worker<P: Place>() {
     let Ok(mode) = std::env::var(format!("{}_WORKER", P::WORKER_ENV)) else {
         return;
     };
@@ -624,8 +624,9 @@ pub fn worker<P: Place>() {
         let place = P::from_env().await;
         let ledger = FileLedger::at(dir.join("ledger"));
         let consumer = orders_consumer(&redis, Duration::from_millis(1500)).await;
-        let kill_self = || unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
+        let kill_self = || {
+            use rustix::process::{Signal, getpid, kill_process};
+            let _ = kill_process(getpid(), Signal::KILL);
         };
         let pid = std::process::id();
         match mode.as_str() {
@@ -699,7 +700,7 @@ pub fn worker<P: Place>() {
 
 /// Every adapter of one test shares `redeliver_after` (on JetStream it is
 /// the durable consumer's `ack_wait`).
-pub fn spawn_worker<P: Place>(
+pub(crate) fn spawn_worker<P: Place>(
     place: &P,
     mode: &str,
     redis: &str,
@@ -741,7 +742,7 @@ fn settled_by_children(dir: &Path) -> usize {
 
 /// Two processes of two consumer tasks each on N orders plus duplicates:
 /// every order charged once, every message settled once, nothing left.
-pub async fn two_processes_run_every_order_once<P: Place>(place: P) {
+pub(crate) async fn two_processes_run_every_order_once<P: Place>(place: P) {
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().unwrap();
     let n = 150;
@@ -787,7 +788,7 @@ pub async fn two_processes_run_every_order_once<P: Place>(place: P) {
 /// The seeds' crash: a consumer process SIGKILLed after its side effects,
 /// before its acks. The broker redelivers; the redeliveries replay (no
 /// second side effect) and are acked.
-pub async fn killed_before_the_ack_the_redelivery_replays<P: Place>(
+pub(crate) async fn killed_before_the_ack_the_redelivery_replays<P: Place>(
     place: P,
     redeliver_after: Duration,
 ) {
@@ -846,7 +847,7 @@ pub async fn killed_before_the_ack_the_redelivery_replays<P: Place>(
 /// while the dead holder's lease (1.5 s) lives the redeliveries get
 /// `InProgress` and are nacked; then one takes over (`Recovered`): exactly
 /// one extra run, and the message is acked.
-pub async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
+pub(crate) async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
     place: P,
     redeliver_after: Duration,
 ) {
@@ -903,7 +904,7 @@ pub async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
 /// never ran; failures are now counted per key in idem's store, so
 /// nothing is dead-lettered, nothing lost, and each kill costs at most the
 /// one run it interrupted.
-pub async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place>(
+pub(crate) async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place>(
     place: P,
     redeliver_after: Duration,
 ) {
@@ -960,7 +961,7 @@ pub async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place>(
 /// Issue 21 item 4: `run`'s shutdown lets the batch in flight finish and
 /// settles it. It used to drop the batch, release its keys, and leave the
 /// messages to be run again (as `Executed`) by the next consumer.
-pub async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
+pub(crate) async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
     let redis = RedisServer::start();
     let n = 3;
     for i in 0..n {
@@ -1000,7 +1001,7 @@ pub async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
 /// abandoned, not released: its key stays held until the lease runs out,
 /// and the redelivery takes over as `Recovered` (one extra run, after the
 /// lease), never as a fresh `Executed`.
-pub async fn shutdown_past_the_deadline_keeps_the_key_until_the_lease<P: Place>(place: P) {
+pub(crate) async fn shutdown_past_the_deadline_keeps_the_key_until_the_lease<P: Place>(place: P) {
     let redis = RedisServer::start();
     place.publish(Some("o-0"), &order(0, 1)).await;
     let outcomes = Arc::new(std::sync::Mutex::new(Vec::new()));

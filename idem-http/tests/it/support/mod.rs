@@ -22,11 +22,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 /// The problem-type base every harness layer is built with.
-pub const PROBLEM_BASE: &str = "https://errors.example.com/idempotency/";
+pub(crate) const PROBLEM_BASE: &str = "https://errors.example.com/idempotency/";
 
 /// What the test handlers did, shared with the test through the app state.
 #[derive(Clone, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// Handler runs (every handler increments it first).
     pub runs: Arc<AtomicUsize>,
     /// Slow handlers that finished.
@@ -42,7 +42,7 @@ pub struct Counters {
 
 /// Holds `/gated` back mid-body until the test adds a permit.
 #[derive(Clone)]
-pub struct Gate(pub Arc<tokio::sync::Semaphore>);
+pub(crate) struct Gate(pub Arc<tokio::sync::Semaphore>);
 
 impl Default for Gate {
     fn default() -> Self {
@@ -51,13 +51,13 @@ impl Default for Gate {
 }
 
 impl Counters {
-    pub fn runs(&self) -> usize {
+    pub(crate) fn runs(&self) -> usize {
         self.runs.load(SeqCst)
     }
 }
 
 /// A 201 with a JSON body, numbered `x-payment-id`, repeated headers and a cookie.
-pub async fn pay(State(c): State<Counters>, body: Bytes) -> Response {
+pub(crate) async fn pay(State(c): State<Counters>, body: Bytes) -> Response {
     let n = c.runs.fetch_add(1, SeqCst) + 1;
     let mut r = (
         StatusCode::CREATED,
@@ -84,7 +84,7 @@ async fn binary(State(c): State<Counters>) -> Response {
 }
 
 /// Counts a future dropped before it finished (disarmed by taking the counter).
-pub struct CancelGuard(Option<Arc<AtomicUsize>>);
+pub(crate) struct CancelGuard(Option<Arc<AtomicUsize>>);
 impl Drop for CancelGuard {
     fn drop(&mut self) {
         if let Some(c) = self.0.take() {
@@ -128,7 +128,7 @@ async fn panic_once(State(c): State<Counters>) -> Response {
 }
 
 /// Bytes of the `/big` response: over the default 1 MiB response limit.
-pub const BIG: usize = 2 * 1024 * 1024;
+pub(crate) const BIG: usize = 2 * 1024 * 1024;
 
 async fn big(State(c): State<Counters>) -> Response {
     let n = c.runs.fetch_add(1, SeqCst) + 1;
@@ -261,7 +261,7 @@ async fn key_echo(State(c): State<Counters>, Extension(key): Extension<Idempoten
 }
 
 /// Every test handler at its path, over the given counters.
-pub fn routes(c: &Counters) -> Router {
+pub(crate) fn routes(c: &Counters) -> Router {
     Router::new()
         .route("/pay", post(pay).get(pay).put(pay).patch(pay))
         .route("/pay2", post(pay))
@@ -288,7 +288,7 @@ pub fn routes(c: &Counters) -> Router {
 }
 
 /// A private Redis, the routes behind one configured layer, and an HTTP client.
-pub struct Harness {
+pub(crate) struct Harness {
     pub url: String,
     pub counters: Counters,
     pub http: reqwest::Client,
@@ -297,7 +297,9 @@ pub struct Harness {
 
 impl Harness {
     /// Redis, a runtime over it, and the routes behind `configure(layer)`.
-    pub async fn start(configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) -> Harness {
+    pub(crate) async fn start(
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> Harness {
         let redis = RedisServer::start();
         let idem = idem_over(&redis).await;
         let counters = Counters::default();
@@ -312,14 +314,14 @@ impl Harness {
         }
     }
 
-    pub fn post(&self, path: &str, key: &str) -> reqwest::RequestBuilder {
+    pub(crate) fn post(&self, path: &str, key: &str) -> reqwest::RequestBuilder {
         self.http
             .post(format!("{}{path}", self.url))
             .header("idempotency-key", key)
             .body(r#"{"amount":500}"#)
     }
 
-    pub fn runs(&self) -> usize {
+    pub(crate) fn runs(&self) -> usize {
         self.counters.runs()
     }
 
@@ -327,7 +329,7 @@ impl Harness {
     /// running any handler: a direct call claims it, runs nothing of the
     /// app's, and says whether it executed. Waits out a claim still being
     /// released.
-    pub async fn key_is_free(&self, key: &str) -> bool {
+    pub(crate) async fn key_is_free(&self, key: &str) -> bool {
         let idem = idem_over(&self.redis).await;
         let end = Instant::now() + Duration::from_secs(5);
         loop {
@@ -347,7 +349,7 @@ impl Harness {
 }
 
 /// An idem runtime over `redis` with short timeouts, so a killed server fails fast.
-pub async fn idem_over(redis: &RedisServer) -> Idempotency {
+pub(crate) async fn idem_over(redis: &RedisServer) -> Idempotency {
     let config = RedisStoreConfig::default()
         .connection_timeout(Duration::from_millis(300))
         .response_timeout(Duration::from_millis(300))
@@ -362,7 +364,7 @@ pub async fn idem_over(redis: &RedisServer) -> Idempotency {
 }
 
 /// Serves `app` on a free port of 127.0.0.1 and returns its base URL.
-pub async fn serve(app: Router) -> String {
+pub(crate) async fn serve(app: Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -374,29 +376,29 @@ pub async fn serve(app: Router) -> String {
 }
 
 /// A response read to the end: status, headers and body.
-pub struct Answer {
+pub(crate) struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
 
 impl Answer {
-    pub fn replayed(&self) -> bool {
+    pub(crate) fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true")
     }
 
-    pub fn header(&self, name: &str) -> Option<&str> {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
-    pub fn json(&self) -> serde_json::Value {
+    pub(crate) fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).expect("a JSON body")
     }
 
     /// Asserts an RFC 9457 problem of the given status and type slug.
-    pub fn assert_problem(&self, status: u16, slug: &str) {
+    pub(crate) fn assert_problem(&self, status: u16, slug: &str) {
         assert_eq!(self.status.as_u16(), status, "body: {:?}", self.body);
         assert_eq!(
             self.header("content-type"),
@@ -412,7 +414,7 @@ impl Answer {
 }
 
 /// Sends `request` and reads the whole response.
-pub async fn send(request: reqwest::RequestBuilder) -> Answer {
+pub(crate) async fn send(request: reqwest::RequestBuilder) -> Answer {
     let response = request.send().await.expect("request sent");
     Answer {
         status: response.status(),
@@ -422,7 +424,7 @@ pub async fn send(request: reqwest::RequestBuilder) -> Answer {
 }
 
 /// Waits (at most 10 s) until `done` holds; never asserts how fast.
-pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+pub(crate) async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     eventually(what, Duration::from_secs(10), || {
         std::future::ready(done().then_some(()))
     })

@@ -3,10 +3,10 @@
 
 use idem_core::{Idempotency, IdempotencyBuilder};
 use idem_postgres::PgStore;
-pub use idem_testkit::PgTestDb as TestDb;
+pub(crate) use idem_testkit::PgTestDb as TestDb;
 
 /// A migrated store over the test database's pool.
-pub trait DbStore {
+pub(crate) trait DbStore {
     async fn store(&self) -> PgStore;
     async fn builder(&self) -> IdempotencyBuilder;
 }
