@@ -139,12 +139,10 @@ impl<C> Consumer<C> {
             }
         }
         if !counting.is_empty() {
-            let counted = counting.into_iter().map(|(index, span, retry)| {
-                async move {
-                    let handled = self.judge_retry(retry).instrument(span.clone()).await;
-                    report(&span, &handled);
-                    (index, handled)
-                }
+            let counted = counting.into_iter().map(|(index, span, retry)| async move {
+                let handled = self.judge_retry(retry).instrument(span.clone()).await;
+                report(&span, &handled);
+                (index, handled)
             });
             for (index, handled) in join_all(counted).await {
                 done[index] = Some(handled);

@@ -204,7 +204,11 @@ impl KeySource {
             return Err(ConsumerError::UnreadableId(why.clone()));
         }
         let key = match self {
-            KeySource::MessageId => msg.id.as_deref().ok_or(ConsumerError::MissingId)?.to_owned(),
+            KeySource::MessageId => msg
+                .id
+                .as_deref()
+                .ok_or(ConsumerError::MissingId)?
+                .to_owned(),
             KeySource::Payload(d) => d.derive(&msg.payload)?,
             KeySource::IdOrPayload(d) => match &msg.id {
                 Some(id) => id.to_string(),
