@@ -5,7 +5,8 @@
 --
 -- ARGV[1] is the pending record to write, built by the client ("1P", FPLEN,
 -- FP, TOKEN, LEASE_END, ":1"), ARGV[2] the TTL in ms, ARGV[3] "1" when a
--- completed record's remaining TTL is wanted. Leases are measured against
+-- completed record's remaining TTL is wanted, ARGV[4] (optional) "1" when the caller
+-- is subscribed to the key's channel and will wait (see below). Leases are measured against
 -- the key's own expiry (server time): LEASE_END is the PTTL at which the
 -- lease runs out, so no TIME call is needed.
 local key, mine = KEYS[1], ARGV[1]
@@ -18,9 +19,10 @@ local state, n = header(mine)
 local lease_end = state == PENDING
   and string.match(mine, '^%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x%x(%d+):1$', 4 + n)
 if not lease_end or #lease_end > 15 or tonumber(lease_end) < 1
-    or tonumber(lease_end) >= (tonumber(ARGV[2]) or 0) or #KEYS ~= 1 or #ARGV ~= 3 then
+    or tonumber(lease_end) >= (tonumber(ARGV[2]) or 0) or #KEYS ~= 1 or #ARGV < 3 or #ARGV > 4 then
   return redis.error_reply('ERR idem claim: expected 1 key, a pending record ("1P", '
-    .. 'fingerprint length, fingerprint, 32 hex digit token, lease end below the ttl, ":1"), ttl ms, want_ttl')
+    .. 'fingerprint length, fingerprint, 32 hex digit token, lease end below the ttl, ":1"), ttl ms, want_ttl, '
+    .. 'optionally waiting')
 end
 
 -- A malformed TTL makes SET fail before it writes anything.
@@ -56,7 +58,7 @@ if found ~= PENDING then
   return {COMPLETED, rec}
 end
 
-local owner, held_end, attempt, steps = pending(rec, fplen)
+local owner, held_end, attempt, steps, waited = pending(rec, fplen)
 if not owner then
   return {UNREADABLE, rec}
 end
@@ -69,6 +71,14 @@ local token = string.sub(mine, 4 + n, 35 + n)
 if owner ~= token then
   local left = redis.call('PTTL', key) - tonumber(held_end)
   if left > 0 then
+    -- A caller that will wait for the holder, subscribed to the key's
+    -- channel before this claim, marks the record (once), so that the
+    -- holder's complete publishes: complete wakes only marked records,
+    -- and a holder's SET IFEQ of the bytes it wrote no longer matches.
+    -- The TTL and every other field stay as they are.
+    if ARGV[4] == '1' and not waited then
+      redis.call('SET', key, rec .. WAITED, 'KEEPTTL')
+    end
     return {IN_PROGRESS, left}
   end
   -- The holder stopped renewing: take over and count the attempt. The

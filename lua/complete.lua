@@ -22,7 +22,7 @@ if not kind or kind == PENDING or #token ~= 32 or #KEYS < 1 or #KEYS > 2
     .. 'stream as a second key, (id, topic, key, payload) per message')
 end
 
-local old, on, done, dn = owned(key, token)
+local old, on, done, dn, _, waited = owned(key, token)
 if not old then
   -- Completed already. Holding exactly this result, it is this same
   -- complete sent again (a reply lost, the connection re-sent it): done.
@@ -54,5 +54,9 @@ for i = 3, #ARGV, 4 do
   redis.call('XADD', stream, '*', 'id', ARGV[i], 'topic', ARGV[i + 1], 'key', ARGV[i + 2],
     'payload', ARGV[i + 3])
 end
-notify(key, 'completed')
+-- Only a record a waiter marked (its claim, made once it was subscribed,
+-- wrote WAITED) has anyone to wake: an unmarked one publishes nothing.
+if waited then
+  notify(key, 'completed')
+end
 return DONE

@@ -8,6 +8,11 @@ local MISSING, DONE, OTHER_OWNER, COMPLETED, IN_PROGRESS, MISMATCH, UNREADABLE, 
   0, 1, 2, 3, 4, 5, 6, 7
 -- State bytes: pending, and the completed kinds (Rust: ValueKind::tag).
 local PENDING, KINDS = 'P', 'CZLU'
+-- The waiter mark of a pending record (Rust: record::WAITED): a step with
+-- an empty name and an empty value among its steps, written by the claim
+-- of a caller subscribed to the key, so that complete publishes only then.
+-- A step's shape, so parsers from before the mark read such a record.
+local WAITED = '|0:0:'
 
 -- The record's state byte and fingerprint length, or nil when it is not a
 -- record of this format version ("1").
@@ -24,11 +29,12 @@ local function header(rec)
 end
 
 -- Walks the finished steps of a pending record (run_steps), from pos to the
--- end: each is "|" NAMELEN ":" NAME VALUELEN ":" VALUE, lengths decimal.
--- Returns nil when they are malformed; else true, and whether one of them
--- is named `name` (when given).
+-- end: each is "|" NAMELEN ":" NAME VALUELEN ":" VALUE, lengths decimal,
+-- or the waiter mark (NAMELEN and VALUELEN 0). Returns nil when they are
+-- malformed; else true, whether one of them is named `name` (when given),
+-- and whether the mark is among them.
 local function steps_find(rec, pos, name)
-  local found = false
+  local found, waited = false, false
   while pos <= #rec do
     local nl, p = string.match(rec, '^|(%d+):()', pos)
     if not nl or #nl > 9 then
@@ -39,7 +45,12 @@ local function steps_find(rec, pos, name)
     if not vl or #vl > 9 then
       return nil
     end
-    if name and string.sub(rec, p, p + nl - 1) == name then
+    if nl == 0 then
+      if tonumber(vl) ~= 0 then
+        return nil
+      end
+      waited = true
+    elseif name and string.sub(rec, p, p + nl - 1) == name then
       found = true
     end
     pos = q + tonumber(vl)
@@ -47,19 +58,24 @@ local function steps_find(rec, pos, name)
   if pos ~= #rec + 1 then
     return nil
   end
-  return true, found
+  return true, found, waited
 end
 
 -- A pending record's owner token, lease end and attempt (both digit
--- strings) and its steps (the tail after ATTEMPT, '' when none), or nil
--- when the body is malformed.
+-- strings), its steps (the tail after ATTEMPT, '' when none, the waiter
+-- mark included) and whether it carries the mark, or nil when the body is
+-- malformed.
 local function pending(rec, n)
   local owner = string.sub(rec, 4 + n, 35 + n)
   local lease_end, attempt, at = string.match(rec, '^(%d+):(%d+)()', 36 + n)
-  if #owner ~= 32 or not lease_end or not steps_find(rec, at) then
+  if #owner ~= 32 or not lease_end then
     return nil
   end
-  return owner, lease_end, attempt, string.sub(rec, at)
+  local ok, _, waited = steps_find(rec, at)
+  if not ok then
+    return nil
+  end
+  return owner, lease_end, attempt, string.sub(rec, at), waited
 end
 
 -- An error reply from redis.pcall: WRONGTYPE as its code (not our key),
@@ -71,7 +87,8 @@ local function failed(reply)
   return reply
 end
 
--- The caller's pending record at key: rec, fplen, lease end, attempt, steps. Or
+-- The caller's pending record at key: rec, fplen, lease end, attempt, steps,
+-- whether a waiter marked it. Or
 -- nil and the reply code that says why not (or the error to pass back),
 -- then the record itself when it is completed.
 local function owned(key, token)
@@ -89,19 +106,21 @@ local function owned(key, token)
   if state ~= PENDING then
     return nil, COMPLETED, rec, n
   end
-  local owner, lease_end, attempt, steps = pending(rec, n)
+  local owner, lease_end, attempt, steps, waited = pending(rec, n)
   if not owner then
     return nil, UNREADABLE
   end
   if owner ~= token then
     return nil, OTHER_OWNER
   end
-  return rec, n, lease_end, attempt, steps
+  return rec, n, lease_end, attempt, steps, waited
 end
 
 
 -- Wakes the processes waiting on key (Call::wait): a sharded publish on the
 -- channel named as the key, so on a cluster it stays on the key's slot.
+-- complete calls it only for a record a waiter marked (WAITED); release,
+-- suspend and forget always (they are rare).
 -- pcall: an ACL that denies SPUBLISH or the channel, or a server without
 -- sharded pub/sub, must not fail the write (waiters then poll).
 local function notify(key, what)

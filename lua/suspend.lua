@@ -10,7 +10,8 @@ local rec, n, _, attempt, steps = owned(key, token)
 if not rec then
   return n
 end
-if steps == '' then
+-- The waiter mark alone is no step: nothing to keep.
+if steps == '' or steps == WAITED then
   redis.call('DEL', key)
 else
   -- The lease is live while PTTL > LEASE_END: LEASE_END = PTTL ends it now.

@@ -643,9 +643,12 @@ async fn wait_round(
 
 /// With the documented ACL, waiters are notified (a shard channel is
 /// subscribed while they wait) and nothing is denied; without the pub/sub
-/// grants (the ACL of earlier releases), the scripts' SPUBLISH and the
-/// subscriber's SSUBSCRIBE are refused, and waiters fall back to polling:
-/// the same results, the body run once.
+/// grants (the ACL of earlier releases), the subscriber's SSUBSCRIBE is
+/// refused, and waiters fall back to polling: the same results, the body
+/// run once. (The scripts' SPUBLISH is refused too when it is sent, but a
+/// complete publishes only for a record a subscribed waiter marked, and
+/// here none can subscribe: it is sent at most when a claim marks the
+/// record in the moment before the refusal comes back.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_poll_when_pub_sub_is_denied() {
     let server = RedisServer::start();
@@ -706,8 +709,8 @@ async fn waiters_poll_when_pub_sub_is_denied() {
         } else {
             assert_eq!(subscribed, 0);
             assert!(
-                denied.iter().any(|d| d == "ssubscribe") && denied.iter().any(|d| d == "spublish"),
-                "expected SSUBSCRIBE and SPUBLISH refusals: {denied:?}"
+                denied.iter().any(|d| d == "ssubscribe"),
+                "expected SSUBSCRIBE refusals: {denied:?}"
             );
         }
     }

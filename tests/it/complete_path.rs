@@ -49,13 +49,131 @@ fn expected_path(server: &RedisServer) -> &'static str {
 
 /// How many `EVALSHA` calls the server has run since its last reset.
 fn evalsha_calls(server: &RedisServer) -> u64 {
-    info_field(server, "commandstats", "cmdstat_evalsha")
+    calls(server, "evalsha")
+}
+
+/// How many times the server ran `command` since its last reset, scripts'
+/// calls included (`INFO commandstats`).
+fn calls(server: &RedisServer, command: &str) -> u64 {
+    info_field(server, "commandstats", &format!("cmdstat_{command}"))
         .and_then(|s| {
             s.split(',')
                 .find_map(|kv| kv.strip_prefix("calls=").map(str::to_owned))
         })
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// The raw record under `key`.
+fn raw(server: &RedisServer, key: &str) -> Vec<u8> {
+    redis::cmd("GET")
+        .arg(key)
+        .query(&mut server.connection())
+        .expect("GET the record")
+}
+
+/// Publish only when someone waits (issue 37, item 3): a caller subscribed
+/// to the key marks the pending record with its claim (the record's bytes
+/// change, its TTL and fields stay, the holder's `extend` keeps the mark);
+/// the holder's complete then does not match its `SET … IFEQ` (Valkey
+/// 8.1+) and the script, which publishes for a marked record, wakes the
+/// waiter. Exactly one `SPUBLISH`, on either path.
+#[tokio::test]
+async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
+    let server = RedisServer::start();
+    let holder = connect(&server).await;
+    let waiter = connect(&server).await;
+    let path = expected_path(&server);
+    let (mine, theirs) = (Token::random(), Token::random());
+    let long = |key, token| Claim {
+        lease: Duration::from_secs(30),
+        ..claim(key, token, None)
+    };
+    assert_eq!(
+        holder.claim(long("k:w", &mine)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
+    let written = raw(&server, "k:w");
+    // A claim before subscribing marks nothing.
+    assert!(matches!(
+        waiter.claim(long("k:w", &theirs)).await.unwrap(),
+        ClaimReply::InProgress { .. }
+    ));
+    assert_eq!(
+        raw(&server, "k:w"),
+        written,
+        "an unsubscribed claim marked the record"
+    );
+    let mut watch = waiter
+        .watch("k:w")
+        .await
+        .expect("a store from a URL watches keys");
+    for _ in 0..2 {
+        // Marked once: the second claim finds the mark and writes nothing.
+        assert!(matches!(
+            waiter.claim(long("k:w", &theirs)).await.unwrap(),
+            ClaimReply::InProgress { .. }
+        ));
+        assert_eq!(raw(&server, "k:w"), [&written[..], b"|0:0:"].concat());
+    }
+    let left: i64 = server.cli(&["PTTL", "k:w"]).parse().unwrap();
+    assert!(
+        left > 50_000 && left <= 60_000,
+        "PTTL {left}: the mark kept the TTL"
+    );
+    // The holder renews its lease: the mark stays.
+    assert_eq!(
+        holder
+            .extend("k:w", &mine, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    assert!(
+        raw(&server, "k:w").ends_with(b"|0:0:"),
+        "extend dropped the mark"
+    );
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    assert_eq!(
+        holder
+            .complete("k:w", &mine, None, ValueKind::Json, b"5")
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        calls(&server, "spublish"),
+        1,
+        "{path}: the marked record's complete"
+    );
+    assert_eq!(evalsha_calls(&server), 1, "{path}: the script completed it");
+    tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("no notification for the completed key");
+    assert_eq!(raw(&server, "k:w"), b"1C\x005");
+
+    // Without the extend, on the plain SET path: the IFEQ does not match
+    // the marked record, the script completes and publishes.
+    let (mine, theirs) = (Token::random(), Token::random());
+    holder.claim(long("k:w2", &mine)).await.unwrap();
+    assert!(matches!(
+        waiter.claim(long("k:w2", &theirs)).await.unwrap(),
+        ClaimReply::InProgress { .. }
+    ));
+    let mut watch = waiter.watch("k:w2").await.expect("watches");
+    waiter.claim(long("k:w2", &theirs)).await.unwrap();
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    assert_eq!(
+        holder
+            .complete("k:w2", &mine, None, ValueKind::Json, b"6")
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(calls(&server, "spublish"), 1, "{path}");
+    tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("no notification for the completed key");
 }
 
 async fn connect(server: &RedisServer) -> RedisStore {
@@ -77,10 +195,6 @@ async fn complete_takes_the_servers_path_and_keeps_ttl_and_fingerprint() {
         store.claim(claim("k:1", &token, Some(&fp))).await.unwrap(),
         ClaimReply::Acquired { attempt: 1 }
     );
-    let mut watch = store
-        .watch("k:1")
-        .await
-        .expect("a store from a URL watches keys");
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     let reply = store
         .complete("k:1", &token, Some(&other_fp), ValueKind::Json, b"42")
@@ -92,10 +206,12 @@ async fn complete_takes_the_servers_path_and_keeps_ttl_and_fingerprint() {
         "set-ifeq" => assert_eq!(scripts, 0, "the plain SET path ran a script"),
         _ => assert_eq!(scripts, 1, "the script path ran {scripts} scripts"),
     }
-    // Waiters are woken as the script would wake them.
-    tokio::time::timeout(Duration::from_secs(10), watch.changed())
-        .await
-        .expect("no notification for the completed key");
+    // No one waited: nothing published, on either path.
+    assert_eq!(
+        calls(&server, "spublish"),
+        0,
+        "{path}: a complete no one waits on published"
+    );
 
     // The claim's fingerprint and the claim's TTL stay.
     let left: i64 = server.cli(&["PTTL", "k:1"]).parse().unwrap();

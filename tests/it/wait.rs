@@ -8,14 +8,15 @@
 
 use async_trait::async_trait;
 use idem::store::{
-    Claim, ClaimReply, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
+    Claim, ClaimReply, Hub, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
-use idem::{Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo};
+use idem::{Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo, RedisStore};
 use idem_testkit::{Ledger, TestContext};
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, oneshot};
 
 /// A store that counts the claims it forwards.
 struct Counting<S> {
@@ -351,4 +352,202 @@ async fn waiters_survive_a_cut_subscriber() {
         assert_eq!(r.as_ref().unwrap(), &(7, Outcome::Replayed));
     }
     assert_eq!(ledger.count("cut"), 1);
+}
+
+/// A waiter's store that tells whether a publish reached it: its watches
+/// are its own hub's, fed by a task that waits on the inner store's watch
+/// and records each notification before it passes it on. It also records
+/// whether a claim it forwarded while subscribed (the claim that marks the
+/// record) answered `InProgress`, i.e. whether the caller then depended on
+/// being woken.
+struct Told<S> {
+    inner: S,
+    hub: Arc<Hub>,
+    /// The forwarders' stop signals, by key, fired when the last watch of
+    /// the key goes.
+    stops: Arc<std::sync::Mutex<HashMap<String, oneshot::Sender<()>>>>,
+    /// A claim made while subscribed answered `InProgress`.
+    must_be_woken: AtomicBool,
+    /// A notification came from the inner store.
+    woken: Arc<AtomicBool>,
+}
+
+impl<S> Told<S> {
+    fn new(inner: S) -> Told<S> {
+        let stops: Arc<std::sync::Mutex<HashMap<String, oneshot::Sender<()>>>> = Arc::default();
+        let on_last = {
+            let stops = Arc::clone(&stops);
+            Box::new(move |key: &str| {
+                if let Some(stop) = stops.lock().unwrap().remove(key) {
+                    let _ = stop.send(());
+                }
+            })
+        };
+        Told {
+            inner,
+            hub: Arc::new(Hub::new(true, Some(on_last))),
+            stops,
+            must_be_woken: AtomicBool::new(false),
+            woken: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Told<S> {
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        let subscribed = self.hub.is_watched(claim.key);
+        let reply = self.inner.claim(claim).await;
+        if subscribed && matches!(reply, Ok(ClaimReply::InProgress { .. })) {
+            self.must_be_woken.store(true, Ordering::SeqCst);
+        }
+        reply
+    }
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        self.inner
+            .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.inner.release(key, token).await
+    }
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        self.inner.extend(key, token, lease).await
+    }
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        let (outer, first) = self.hub.join(key);
+        if first {
+            // The inner subscription is active when this returns, and the
+            // forwarder holds it until the last outer watch goes.
+            let mut inner = self.inner.watch(key).await?;
+            let (stop, mut stopped) = oneshot::channel();
+            self.stops.lock().unwrap().insert(key.to_owned(), stop);
+            let (hub, woken, key) = (
+                Arc::clone(&self.hub),
+                Arc::clone(&self.woken),
+                key.to_owned(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = inner.changed() => {
+                            woken.store(true, Ordering::SeqCst);
+                            hub.notify(&key);
+                        }
+                        _ = &mut stopped => return,
+                    }
+                }
+            });
+        }
+        Some(outer)
+    }
+}
+
+/// The race of publish-on-mark (issue 37, item 3): the holder's complete
+/// and the waiters' first claims, subscription and marking claim start at
+/// the same moment, round after round, with the holder's complete moved a
+/// little later each round so that every interleaving comes up. Every
+/// waiter gets the holder's result, and every waiter whose claim after
+/// subscribing found the key still in progress (so it depended on being
+/// told) was told by a publish: none was left to the safety poll. No
+/// timing is asserted: the poll would still answer in time, the record of
+/// who was woken is what fails. The holder uses a store of its own (on
+/// Valkey 8.1+ its completes are plain `SET … IFEQ`s, which send no
+/// publish). Redis 7 here; Valkey with `IDEM_REDIS_SERVER`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_complete_racing_the_waiters_wakes_every_one_that_waits() {
+    let ctx = TestContext::redis().await;
+    let holder = Idempotency::builder(ctx.connect().await)
+        .namespace("race")
+        .build();
+    let waiting_store = ctx.connect().await;
+    let (waiters, rounds) = (4, 120);
+    let (mut told, mut replayed_at_once) = (0, 0);
+    for round in 0..rounds {
+        let key = format!("r{round}");
+        let go = Arc::new(tokio::sync::Barrier::new(waiters + 1));
+        let stores: Vec<Arc<Told<RedisStore>>> = (0..waiters)
+            .map(|_| Arc::new(Told::new(waiting_store.clone())))
+            .collect();
+        let tasks: Vec<_> = stores
+            .iter()
+            .map(|store| {
+                let idem = Idempotency::builder(Shared(Arc::clone(store)))
+                    .namespace("race")
+                    .build();
+                let (go, key) = (Arc::clone(&go), key.clone());
+                tokio::spawn(async move {
+                    go.wait().await;
+                    idem.call("op", &key)
+                        .wait(Duration::from_secs(30))
+                        .run_outcome(|| async { Ok::<_, Error>(0_u64) })
+                        .await
+                })
+            })
+            .collect();
+        // The holder's complete, from 0 to 4.5 ms after the waiters start.
+        let delay = Duration::from_micros(500 * (round % 10));
+        let held = holder
+            .call("op", &key)
+            .run_outcome(|| async {
+                go.wait().await;
+                tokio::time::sleep(delay).await;
+                Ok::<_, Error>(round)
+            })
+            .await
+            .unwrap();
+        assert_eq!(held, (round, Outcome::Executed));
+        for (task, store) in tasks.into_iter().zip(&stores) {
+            let got = task.await.unwrap();
+            assert_eq!(got.unwrap(), (round, Outcome::Replayed), "round {round}");
+            if store.must_be_woken.load(Ordering::SeqCst) {
+                assert!(
+                    store.woken.load(Ordering::SeqCst),
+                    "round {round}: a waiter marked the record, found it in progress, and was never told of the complete"
+                );
+                told += 1;
+            } else {
+                replayed_at_once += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{rounds} rounds × {waiters} waiters: {told} waited and were told, {replayed_at_once} found the result without waiting"
+    );
+}
+
+/// A store shared by reference (the test keeps a handle to read it).
+struct Shared<S>(Arc<S>);
+
+#[async_trait]
+impl<S: Store> Store for Shared<S> {
+    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        self.0.claim(claim).await
+    }
+    async fn complete(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        self.0.complete(key, token, fingerprint, kind, value).await
+    }
+    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
+        self.0.release(key, token).await
+    }
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        self.0.extend(key, token, lease).await
+    }
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        self.0.watch(key).await
+    }
 }

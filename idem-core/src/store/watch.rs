@@ -257,6 +257,15 @@ impl Hub {
         }
     }
 
+    /// Whether someone in this process watches `key` now (from
+    /// [`join`](Hub::join) until its last watch is dropped). A store whose
+    /// writes notify only keys someone waits on asks this in a claim: the
+    /// claim a waiter makes after subscribing then tells the store it
+    /// waits.
+    pub fn is_watched(&self, key: &str) -> bool {
+        lock(&self.keys).contains_key(key)
+    }
+
     /// Wakes the watchers of `key`, if any: the store heard that it
     /// changed.
     pub fn notify(&self, key: &str) {

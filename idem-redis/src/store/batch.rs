@@ -63,15 +63,25 @@ pub(super) fn set_nx_get_cmd(key: &str, record: &PendingRecord<'_>, ttl: u64) ->
 }
 
 /// The claim script's invocation, for a claim that found a pending record.
-pub(super) fn claim_script_cmd(claim: &Claim<'_>, record: &PendingRecord<'_>, ttl: u64) -> Cmd {
+///
+/// `waiting`: a caller in this process is subscribed to the key and waits
+/// on it, so a pending record another token holds is marked (`WAITED`)
+/// and the holder's complete publishes.
+pub(super) fn claim_script_cmd(
+    claim: &Claim<'_>,
+    record: &PendingRecord<'_>,
+    ttl: u64,
+    waiting: bool,
+) -> Cmd {
     let want = if claim.want_ttl_left { "1" } else { "0" };
+    let waiting = if waiting { "1" } else { "0" };
     let mut cmd = invocation(
         SCRIPTS.claim.script.get_hash(),
         claim.key,
-        3,
-        3 + 16 + 32 + 2 * MS_DIGITS + 3,
+        4,
+        3 + 16 + 32 + 2 * MS_DIGITS + 4,
     );
-    cmd.arg(record).arg(ttl).arg(want);
+    cmd.arg(record).arg(ttl).arg(want).arg(waiting);
     cmd
 }
 
@@ -242,7 +252,10 @@ impl RedisStore {
         let scripted = contended
             .iter()
             .filter_map(|&i| Some((claims.get(i)?, plans.get(i)?)))
-            .map(|(c, (record, ttl))| (c.key, vec![claim_script_cmd(c, record, *ttl)]))
+            .map(|(c, (record, ttl))| {
+                let waiting = self.waited_on(c.key);
+                (c.key, vec![claim_script_cmd(c, record, *ttl, waiting)])
+            })
             .collect();
         let mut scripted = contended
             .into_iter()

@@ -10,6 +10,12 @@
 //! other answer (no match, an error reply) falls back to the script, which
 //! tells Missing / OtherOwner / AlreadyCompleted (or a re-sent complete)
 //! apart.
+//!
+//! No `SPUBLISH` goes with it: a caller that waits on the key marks the
+//! pending record first (its `claim`, lua/README.md "The waiter mark"), so
+//! the record's bytes are no longer the ones this process wrote, the `IFEQ`
+//! does not match, and the script, which publishes for a marked record,
+//! answers. A complete no one waits on is one plain `SET`.
 
 use super::record::{CompletedRecord, PendingRecord};
 use super::reply::classify;
@@ -23,10 +29,6 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use tokio::sync::OnceCell;
 
-/// The channel message waiters get on a completed key (as `notify(key,
-/// 'completed')` in `lua/complete.lua`).
-const COMPLETED: &str = "completed";
-
 /// Remembered pending records at most; past this the cache starts over
 /// (claims abandoned without a complete or release would otherwise stay).
 /// Forgetting costs only a script call, never an outcome.
@@ -39,8 +41,9 @@ const MAX_REMEMBERED: usize = 32_768;
 pub(super) enum CompletePath {
     /// The `complete` Lua script (Redis 7, unknown servers).
     Script,
-    /// `SET … IFEQ … KEEPTTL` and `SPUBLISH`, pipelined (Valkey 8.1+,
-    /// Redis 8.4+); the script only when that does not match.
+    /// `SET … IFEQ … KEEPTTL` (Valkey 8.1+, Redis 8.4+); the script
+    /// only when that does not match (a waiter marked the record, among
+    /// others).
     SetIfEq,
 }
 
@@ -149,17 +152,18 @@ impl Server {
         self.lock().remove(token)
     }
 
-    /// The commands of a complete without the script: `SET key completed
-    /// IFEQ pending KEEPTTL`, then the `SPUBLISH` the script would send.
-    /// `None` when nothing is remembered of `token`'s pending record (the
-    /// script must answer). The reply of the `SET` is `OK` when it wrote.
+    /// The command of a complete without the script: `SET key completed
+    /// IFEQ pending KEEPTTL`. `None` when nothing is remembered of
+    /// `token`'s pending record (the script must answer). Its reply is
+    /// `OK` when it wrote. No `SPUBLISH`: a record someone waits on is
+    /// marked, so it does not match and the script publishes.
     pub(super) fn complete_plain_cmds(
         &self,
         key: &str,
         token: &Token,
         kind: ValueKind,
         value: &[u8],
-    ) -> Option<[Cmd; 2]> {
+    ) -> Option<[Cmd; 1]> {
         let pending = self.take(token)?;
         // The completed record keeps the claim's fingerprint, as the
         // script does: the one inside the pending record.
@@ -176,13 +180,7 @@ impl Server {
             .arg("IFEQ")
             .arg(&*pending)
             .arg("KEEPTTL");
-        // Sent even when the SET does not match: a waiter woken for
-        // nothing reads the record again and waits on; the script that
-        // then runs publishes again if it writes. A refused SPUBLISH (ACL)
-        // leaves the write done, as the script's `pcall` does.
-        let mut publish = redis::cmd("SPUBLISH");
-        publish.arg(key).arg(COMPLETED);
-        Some([set, publish])
+        Some([set])
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Box<[u8]>>> {
@@ -292,8 +290,8 @@ impl RedisStore {
         kind
     }
 
-    /// The complete as `SET key completed IFEQ pending KEEPTTL`, with the
-    /// script's `SPUBLISH` pipelined behind it (one round trip). `None`
+    /// The complete as `SET key completed IFEQ pending KEEPTTL` (one round
+    /// trip, no `SPUBLISH`: a record someone waits on does not match). `None`
     /// when the script must answer: nothing remembered of this token, the
     /// record is not the pending one this process wrote, or the server
     /// refused the `SET` (out of memory: the script may still write;

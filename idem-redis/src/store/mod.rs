@@ -353,8 +353,20 @@ impl RedisStore {
         ttl: u64,
     ) -> Result<ClaimReply, Error> {
         let lua = &SCRIPTS.claim;
-        let cmd = batch::claim_script_cmd(claim, &record, ttl);
+        let waiting = self.waited_on(claim.key);
+        let cmd = batch::claim_script_cmd(claim, &record, ttl, waiting);
         parse_claim(self.eval("claim", lua, claim.key, &cmd).await?)
+    }
+
+    /// Whether a caller in this process is subscribed to `key` (a
+    /// `Call::wait` between its `watch` and its end): its claims, sent
+    /// after the subscription is active, mark a record another token holds
+    /// (lua/README.md, "The waiter mark"), and `complete` publishes only
+    /// for marked records. So a complete that lands before the marking
+    /// claim is seen by that claim; one after it publishes to a
+    /// subscription already there: no wake-up is lost.
+    fn waited_on(&self, key: &str) -> bool {
+        self.notifier.as_ref().is_some_and(|n| n.watches(key))
     }
 
     /// The record of `key` and its `PTTL`, read with plain `GET` and `PTTL`

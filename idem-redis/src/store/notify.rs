@@ -2,7 +2,8 @@
 //! sharded pub/sub) multiplexing every key this process waits on, and the
 //! forget invalidations of its local caches.
 //!
-//! The scripts `complete`, `release` and `forget` `SPUBLISH` on a channel
+//! The scripts `complete` (for a record a waiter marked), `release` and
+//! `forget` `SPUBLISH` on a channel
 //! named exactly as the key, so it hashes to the key's slot: on a cluster
 //! the message is published by the key's primary and heard by a
 //! subscription routed to that node (redis-rs's cluster `ssubscribe`).
@@ -104,6 +105,12 @@ impl Notifier {
     pub(super) async fn watch(&self, key: &str) -> Option<KeyWatch> {
         let (watch, _) = self.hub.join(key);
         self.subscribe(key).await.then_some(watch)
+    }
+
+    /// Whether a caller in this process watches `key` (see `watch`): its
+    /// claims then mark the record, so the holder's complete publishes.
+    pub(super) fn watches(&self, key: &str) -> bool {
+        self.hub.is_watched(key)
     }
 
     /// Registers a cache's sink for keys forgotten under `prefix`.

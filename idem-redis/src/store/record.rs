@@ -24,6 +24,14 @@ pub(crate) const MS_DIGITS: usize = 20;
 /// `ValueKind::tag`).
 pub(crate) const PENDING: u8 = b'P';
 
+/// The waiter mark (`WAITED` in `lua/prelude.lua`): among a pending
+/// record's steps, a step with an empty name and an empty value. The
+/// `claim` script of a caller subscribed to the key appends it; `complete`
+/// publishes only for a marked record. Shaped as a step so that parsers
+/// from before the mark read marked records (as a nameless step).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) const WAITED: &[u8] = b"|0:0:";
+
 /// The scripts' reply codes (`lua/prelude.lua` names the same numbers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Code {
@@ -131,6 +139,8 @@ pub(crate) struct Pending {
     pub(crate) attempt: u32,
     /// The finished steps of a `run_steps` call, in order.
     pub(crate) steps: Vec<StepRecord>,
+    /// Whether a waiter marked the record ([`WAITED`]).
+    pub(crate) waited: bool,
 }
 
 /// Any record, as a plain `GET` finds it.
@@ -165,6 +175,7 @@ fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
     }
     let (lease_end, tail) = digits(tail)?;
     let (attempt, tail) = digits(tail.strip_prefix(b":")?)?;
+    let (steps, waited) = decode_steps(tail)?;
     Some(Pending {
         fingerprint: Fingerprint::from_bytes(fp),
         token: token.try_into().ok()?,
@@ -175,7 +186,8 @@ fn decode_pending(rest: &[u8], fplen: usize) -> Option<Pending> {
             .parse::<u64>()
             .ok()?
             .min(u64::from(u32::MAX)) as u32,
-        steps: decode_steps(tail)?,
+        steps,
+        waited,
     })
 }
 
@@ -195,21 +207,30 @@ fn length(s: &[u8]) -> Option<(usize, &[u8])> {
     Some((n, rest.strip_prefix(b":")?))
 }
 
-/// `STEPS = *("|" NAMELEN ":" NAME VALUELEN ":" VALUE)`, the whole tail.
-fn decode_steps(mut tail: &[u8]) -> Option<Vec<StepRecord>> {
+/// `STEPS = *(STEP / WAITED)`, the whole tail: the steps, and whether the
+/// waiter mark is among them (a nameless step with a value is refused).
+fn decode_steps(mut tail: &[u8]) -> Option<(Vec<StepRecord>, bool)> {
     let mut steps = Vec::new();
+    let mut waited = false;
     while !tail.is_empty() {
         let (len, rest) = length(tail.strip_prefix(b"|")?)?;
         let (name, rest) = rest.split_at_checked(len)?;
         let (len, rest) = length(rest)?;
         let (value, rest) = rest.split_at_checked(len)?;
+        tail = rest;
+        if name.is_empty() {
+            if !value.is_empty() {
+                return None;
+            }
+            waited = true;
+            continue;
+        }
         steps.push(StepRecord {
             name: String::from_utf8(name.to_vec()).ok()?,
             value: Bytes::copy_from_slice(value),
         });
-        tail = rest;
     }
-    Some(steps)
+    Some((steps, waited))
 }
 
 /// One step as the `step` script appends it (for tests and tools).
@@ -401,8 +422,32 @@ mod tests {
                 None,
             ),
             ("pending, short token", b"1P\x00abc15:1".to_vec(), None),
+            (
+                "pending, marked",
+                [format!("1P\x00{token}1500:1").as_bytes(), WAITED].concat(),
+                Some((b'P', 0)),
+            ),
+            (
+                "pending with steps, marked between them",
+                [
+                    format!("1P\x00{token}1500:2").as_bytes(),
+                    &encode_step("reserve", b"7"),
+                    WAITED,
+                    &encode_step("charge", b"\"|0:0:\""),
+                ]
+                .concat(),
+                Some((b'P', 0)),
+            ),
+            (
+                "pending, a nameless step with a value",
+                format!("1P\x00{token}1500:1|0:1:x").into_bytes(),
+                None,
+            ),
         ]
     }
+
+    /// The golden records that carry the waiter mark.
+    const MARKED: [&str; 2] = ["pending, marked", "pending with steps, marked between them"];
 
     #[test]
     fn golden_records_in_rust() {
@@ -410,7 +455,9 @@ mod tests {
             let read = decode(rec.clone(), 1000);
             match (expected, read) {
                 (Some((b'P', n)), Ok(Record::Pending(p))) => {
-                    assert_eq!(p.fingerprint.map_or(0, |_| 16), n, "{what}")
+                    assert_eq!(p.fingerprint.map_or(0, |_| 16), n, "{what}");
+                    assert_eq!(p.waited, MARKED.contains(&what), "{what}");
+                    assert!(p.steps.iter().all(|s| !s.name.is_empty()), "{what}");
                 }
                 (Some((tag, _)), Ok(Record::Completed(c))) => {
                     assert_eq!(c.kind.tag(), tag, "{what}")
@@ -454,17 +501,28 @@ mod tests {
             "{PRELUDE}\n\
              local state, n = header(ARGV[1])\n\
              if not state then return {{}} end\n\
-             if state == PENDING and not pending(ARGV[1], n) then return {{}} end\n\
-             return {{state, n}}"
+             if state ~= PENDING then return {{state, n, 0}} end\n\
+             local owner, _, _, _, waited = pending(ARGV[1], n)\n\
+             if not owner then return {{}} end\n\
+             return {{state, n, waited and 1 or 0}}"
         ));
         for (what, rec, expected) in golden() {
             let got: Vec<redis::Value> = read.arg(rec.as_slice()).invoke(&mut con).expect(what);
-            let got = match got.as_slice() {
-                [redis::Value::BulkString(s), redis::Value::Int(n)] => Some((s[0], *n as usize)),
-                [] => None,
+            let (got, waited) = match got.as_slice() {
+                [
+                    redis::Value::BulkString(s),
+                    redis::Value::Int(n),
+                    redis::Value::Int(w),
+                ] => (Some((s[0], *n as usize)), *w == 1),
+                [] => (None, false),
                 other => panic!("{what}: {other:?}"),
             };
             assert_eq!(got, expected, "{what}: Lua reads it differently");
+            assert_eq!(waited, MARKED.contains(&what), "{what}: the mark, in Lua");
         }
+        let mark: Vec<u8> = redis::Script::new(&format!("{PRELUDE}\nreturn WAITED"))
+            .invoke(&mut con)
+            .expect("prelude runs");
+        assert_eq!(mark, WAITED, "Lua's waiter mark is record::WAITED");
     }
 }
