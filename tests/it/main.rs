@@ -23,6 +23,7 @@ mod outbox_redis_processes;
 mod processes;
 mod readme_consumers;
 mod semantics;
+mod shared_store;
 mod stale_cache;
 mod steps;
 mod steps_processes;

@@ -4,6 +4,7 @@
 //! after a cluster reconnection. Real Redis servers (private, so that
 //! `PUBSUB SHARDCHANNELS` sees only this test's subscribers).
 
+use crate::shared_store::Shared;
 use async_trait::async_trait;
 use idem::store::{
     Claim, ClaimReply, Invalidation, InvalidationSink, KeyWatch, Store, Token, ValueKind,
@@ -217,41 +218,6 @@ async fn a_forget_racing_a_completion_is_not_cached() {
         (2, Outcome::Executed),
         "B replayed the forgotten value from its local cache"
     );
-}
-
-/// `Arc<Paused>` as a store, so the test keeps a handle on its pauses.
-struct Shared(Arc<Paused>);
-
-#[async_trait]
-impl Store for Shared {
-    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        self.0.claim(claim).await
-    }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.0.complete(key, token, fingerprint, kind, value).await
-    }
-    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        self.0.release(key, token).await
-    }
-    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        self.0.extend(key, token, lease).await
-    }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.0.forget(key, force).await
-    }
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.0.watch(key).await
-    }
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.0.watch_forgotten(prefix, sink).await
-    }
 }
 
 /// Whether some client of `server` subscribes the namespace's channel.

@@ -6,6 +6,7 @@
 //! the re-read after subscribing, the read after the wake-up), a polling
 //! one about seven times over the same hold.
 
+use crate::shared_store::Shared;
 use async_trait::async_trait;
 use idem::store::{
     Claim, ClaimReply, Hub, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
@@ -521,33 +522,4 @@ async fn a_complete_racing_the_waiters_wakes_every_one_that_waits() {
     eprintln!(
         "{rounds} rounds × {waiters} waiters: {told} waited and were told, {replayed_at_once} found the result without waiting"
     );
-}
-
-/// A store shared by reference (the test keeps a handle to read it).
-struct Shared<S>(Arc<S>);
-
-#[async_trait]
-impl<S: Store> Store for Shared<S> {
-    async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        self.0.claim(claim).await
-    }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.0.complete(key, token, fingerprint, kind, value).await
-    }
-    async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        self.0.release(key, token).await
-    }
-    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        self.0.extend(key, token, lease).await
-    }
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.0.watch(key).await
-    }
 }

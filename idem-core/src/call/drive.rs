@@ -24,7 +24,7 @@ use super::Call;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next};
 use super::gather::{ClaimOp, FinishOp, send_wave};
-use super::guard::{detach, free, log_release};
+use super::guard::{detach, free, log_release, release};
 use super::is_unavailable;
 use crate::cache::Generation;
 use crate::error::Error;
@@ -380,6 +380,6 @@ fn released(store: &Arc<dyn Store>, exec: &Exec<'_>, reply: Option<Result<WriteR
 fn resend_release(store: &Arc<dyn Store>, exec: &Exec<'_>) {
     let (store, key, token) = (Arc::clone(store), exec.key.clone(), exec.token);
     detach("a batch whose body failed", async move {
-        log_release(RELEASE_WHY, store.release(&key, &token).await);
+        release(store.as_ref(), &key, &token, RELEASE_WHY).await;
     });
 }
