@@ -106,6 +106,11 @@ pub use idem_client as client;
 #[cfg(feature = "http")]
 pub use idem_http as http;
 
+/// Exactly-once unary RPCs for tonic servers, and the retrying client side
+/// (feature `grpc`); see [`idem_grpc`].
+#[cfg(feature = "grpc")]
+pub use idem_grpc as grpc;
+
 /// Exactly-once message consumers: the broker-agnostic core and the Redis
 /// Streams, NATS JetStream, RabbitMQ and Kafka adapters (feature `consumer`,
 /// plus `redis-streams`, `nats`, `rabbitmq`, `kafka`); see [`idem_consumer`].

@@ -6,8 +6,6 @@ use crate::problem::{ProblemKind, problem_response};
 use axum::body::Body;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Response, header};
-use sha2::{Digest, Sha256};
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,35 +52,15 @@ impl TenantSource {
     }
 }
 
-/// `cred:` and the first 128 bits of a SHA-256 over the named headers'
-/// values, or `None` when the request carries none of them.
-///
-/// The credentials themselves never reach the store, only this digest. The
-/// prefix keeps the digest apart from anything else that could name a tenant.
+/// The digest tenant of the named headers' values (`idem_key::scope`'s,
+/// shared with the gRPC layer), or `None` when the request carries none.
 fn credentials_digest(headers: &HeaderMap, names: &[HeaderName]) -> Option<String> {
-    let mut hasher: Option<Sha256> = None;
-    for name in names {
-        for value in headers.get_all(name) {
-            let h = hasher.get_or_insert_with(|| {
-                let mut h = Sha256::new();
-                h.update(b"idem-http tenant v1\0");
-                h
-            });
-            // Length-prefixed, so that no two header sets hash alike.
-            h.update((name.as_str().len() as u64).to_be_bytes());
-            h.update(name.as_str().as_bytes());
-            h.update((value.as_bytes().len() as u64).to_be_bytes());
-            h.update(value.as_bytes());
-        }
-    }
-    let digest = hasher?.finalize();
-    let mut out = String::with_capacity(5 + 32);
-    out.push_str("cred:");
-    for b in digest.iter().take(16) {
-        // Writing to a String cannot fail.
-        let _ = write!(out, "{b:02x}");
-    }
-    Some(out)
+    idem_key::scope::credentials_tenant(names.iter().flat_map(|name| {
+        headers
+            .get_all(name)
+            .iter()
+            .map(move |value| (name.as_str(), value.as_bytes()))
+    }))
 }
 
 #[derive(Clone)]

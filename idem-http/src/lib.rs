@@ -261,7 +261,6 @@ mod key;
 mod layer;
 mod problem;
 mod run;
-mod scope;
 mod service;
 mod stored;
 

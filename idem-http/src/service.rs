@@ -6,7 +6,6 @@ use crate::config::Config;
 use crate::key::{IdempotencyKey, key_from_headers};
 use crate::problem::ProblemKind;
 use crate::run::Job;
-use crate::scope;
 use axum::body::Body;
 use axum::extract::OriginalUri;
 use bytes::Bytes;
@@ -223,7 +222,7 @@ where
         }
     };
     let tenant = cfg.tenant.tenant_of(&parts);
-    let scope = scope::compose(&cfg.scope, tenant.as_deref());
+    let scope = idem_key::scope::compose(&cfg.scope, tenant.as_deref());
 
     let body = match read_request_body(body, cfg.max_request_body).await {
         Ok(body) => body,

@@ -42,6 +42,7 @@
 )]
 
 mod limits;
+pub mod scope;
 
 pub use limits::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 

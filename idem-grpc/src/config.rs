@@ -1,0 +1,162 @@
+//! The layer's settings, shared by [`IdempotencyLayer`](crate::IdempotencyLayer)
+//! (which builds them) and the service (which reads them), and the
+//! statuses the layer answers itself.
+
+use crate::RETRY_PUSHBACK;
+use crate::method::UnaryMethod;
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::Code;
+use tonic::metadata::MetadataMap;
+
+/// The tenant hook's type: names the tenant of a request from its metadata.
+pub(crate) type TenantFn = dyn Fn(&MetadataMap) -> Option<String> + Send + Sync + 'static;
+
+/// Where a request's tenant (its own key space) comes from.
+#[derive(Clone)]
+pub(crate) enum TenantSource {
+    /// A digest of these metadata entries (credentials), when any is present.
+    Credentials(Vec<HeaderName>),
+    /// The value of this metadata entry, as it is (a tenant id).
+    Metadata(HeaderName),
+    /// The user's hook.
+    Hook(Arc<TenantFn>),
+    /// No tenant: every request shares one key space (explicit opt-in).
+    Shared,
+}
+
+impl fmt::Debug for TenantSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TenantSource::Credentials(names) => f.debug_tuple("Credentials").field(names).finish(),
+            TenantSource::Metadata(name) => f.debug_tuple("Metadata").field(name).finish(),
+            TenantSource::Hook(_) => f.write_str("Hook"),
+            TenantSource::Shared => f.write_str("Shared"),
+        }
+    }
+}
+
+impl TenantSource {
+    /// The tenant of a request, `None` for the tenant-less key space.
+    pub(crate) fn tenant_of(&self, headers: &HeaderMap) -> Option<String> {
+        match self {
+            TenantSource::Credentials(names) => {
+                idem_key::scope::credentials_tenant(names.iter().flat_map(|name| {
+                    headers
+                        .get_all(name)
+                        .iter()
+                        .map(move |value| (name.as_str(), value.as_bytes()))
+                }))
+            }
+            TenantSource::Metadata(name) => headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            TenantSource::Hook(hook) => hook(&MetadataMap::from_headers(headers.clone())),
+            TenantSource::Shared => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) methods: HashMap<String, UnaryMethod>,
+    pub(crate) require_key: bool,
+    pub(crate) retry_after: Duration,
+    pub(crate) retention: Duration,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) wait: Duration,
+    pub(crate) tenant: TenantSource,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) stored_codes: Vec<Code>,
+}
+
+impl Config {
+    /// Whether an answer with this status is stored (and replayed).
+    pub(crate) fn stores(&self, code: i32) -> bool {
+        code == 0 || self.stored_codes.iter().any(|c| *c as i32 == code)
+    }
+}
+
+/// Why the layer answers a request itself; the slug travels in the
+/// [`IDEM_ERROR`](crate::IDEM_ERROR) metadata entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    InvalidKey,
+    MissingKey,
+    UnreadableRequest,
+    CompressedRequest,
+    RequestTooLarge,
+    NotUnary,
+    KeyInUse,
+    KeyReused,
+    ResponseNotKept,
+    StoreUnavailable,
+    HandlerPanicked,
+    ResponseFailed,
+    Internal,
+}
+
+impl Refusal {
+    pub(crate) fn slug(self) -> &'static str {
+        match self {
+            Refusal::InvalidKey => "invalid-key",
+            Refusal::MissingKey => "missing-key",
+            Refusal::UnreadableRequest => "unreadable-request",
+            Refusal::CompressedRequest => "compressed-request",
+            Refusal::RequestTooLarge => "request-too-large",
+            Refusal::NotUnary => "not-unary",
+            Refusal::KeyInUse => "key-in-use",
+            Refusal::KeyReused => "key-reused",
+            Refusal::ResponseNotKept => "response-not-kept",
+            Refusal::StoreUnavailable => "store-unavailable",
+            Refusal::HandlerPanicked => "handler-panicked",
+            Refusal::ResponseFailed => "response-failed",
+            Refusal::Internal => "internal-error",
+        }
+    }
+
+    pub(crate) fn code(self) -> Code {
+        match self {
+            Refusal::InvalidKey | Refusal::MissingKey | Refusal::UnreadableRequest => {
+                Code::InvalidArgument
+            }
+            Refusal::CompressedRequest | Refusal::NotUnary => Code::Unimplemented,
+            Refusal::RequestTooLarge => Code::ResourceExhausted,
+            Refusal::KeyInUse => Code::Aborted,
+            Refusal::KeyReused | Refusal::ResponseNotKept => Code::FailedPrecondition,
+            Refusal::StoreUnavailable => Code::Unavailable,
+            Refusal::HandlerPanicked | Refusal::ResponseFailed | Refusal::Internal => {
+                Code::Internal
+            }
+        }
+    }
+
+    /// Whether the answer carries the retry hint: only when retrying with
+    /// the same key can succeed soon.
+    fn pushback(self) -> bool {
+        matches!(self, Refusal::KeyInUse | Refusal::StoreUnavailable)
+    }
+}
+
+/// A trailers-only answer: the status, its message, the slug and, for
+/// retryable refusals, `grpc-retry-pushback-ms`.
+pub(crate) fn refuse(cfg: &Config, why: Refusal, message: &str) -> Response<tonic::body::Body> {
+    let mut metadata = MetadataMap::new();
+    metadata.insert(
+        "idem-error",
+        tonic::metadata::MetadataValue::from_static(why.slug()),
+    );
+    let mut response = tonic::Status::with_metadata(why.code(), message, metadata)
+        .into_http::<tonic::body::Body>();
+    if why.pushback() {
+        let ms = u64::try_from(cfg.retry_after.as_millis()).unwrap_or(u64::MAX);
+        response
+            .headers_mut()
+            .insert(RETRY_PUSHBACK, HeaderValue::from(ms));
+    }
+    response
+}

@@ -1,0 +1,315 @@
+//! `IdempotencyLayer`: the configuration, and the tower `Layer` impl.
+
+use crate::config::{Config, TenantSource};
+use crate::method::UnaryMethod;
+use crate::service::IdempotencyService;
+use http::HeaderName;
+use idem_core::Idempotency;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::Code;
+use tonic::metadata::MetadataMap;
+use tower_layer::Layer;
+
+/// Default limit on a buffered request message: 4 MiB, gRPC's default
+/// largest message.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// Default limit on a stored reply: 1 MiB (base64 in the record makes it
+/// about 1.4 MiB, under the runtime's 4 MiB `max_value_size`).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// A tower [`Layer`] giving the unary RPCs you name exactly-once semantics
+/// per idempotency key, with an [`Idempotency`] runtime (Redis,
+/// PostgreSQL or memory) as arbiter. Put it on a tonic server
+/// (`Server::builder().layer(..)`) or around one generated service.
+///
+/// Only the methods named with [`unary`](Self::unary) or
+/// [`method`](Self::method) are protected. A request that carries an
+/// `idempotency-key` to any other method (a streaming one, say) is refused
+/// with `UNIMPLEMENTED` rather than run without protection; requests
+/// without a key to other methods pass through untouched.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_grpc::{IdempotencyLayer, UnaryMethod};
+/// use std::time::Duration;
+///
+/// # #[derive(Clone, PartialEq, prost::Message)]
+/// # struct CreatePaymentRequest { #[prost(string, tag = "1")] request_id: String }
+/// let idem = Idempotency::builder(MemoryStore::new()).namespace("payments").build();
+/// let layer = IdempotencyLayer::new(idem)
+///     // key: the request's own AIP-155 `request_id`
+///     .method(
+///         UnaryMethod::new("/payments.v1.Payments/CreatePayment")
+///             .key_from_request(|r: &CreatePaymentRequest| Some(r.request_id.clone())),
+///     )
+///     // key: the `idempotency-key` metadata entry
+///     .unary("/payments.v1.Payments/RefundPayment")
+///     .require_key(true)
+///     .wait(Duration::from_secs(5));
+/// // tonic::transport::Server::builder().layer(layer).add_service(..)
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+#[must_use]
+pub struct IdempotencyLayer {
+    idem: Idempotency,
+    config: Config,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("idem", &self.idem)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `idem` protecting no method yet (add them with
+    /// [`unary`](Self::unary) or [`method`](Self::method)), with the
+    /// defaults: key optional, `grpc-retry-pushback-ms: 1000` on `ABORTED`
+    /// and `UNAVAILABLE`, 4 MiB request and 1 MiB stored reply limits, one
+    /// key space per `authorization` value, the runtime's `result_ttl` as
+    /// retention, only `OK` answers stored, no waiting for an in-flight
+    /// duplicate.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).unary("/shop.v1.Orders/PlaceOrder");
+    /// ```
+    pub fn new(idem: Idempotency) -> IdempotencyLayer {
+        let retention = idem.result_ttl();
+        IdempotencyLayer {
+            idem,
+            config: Config {
+                methods: HashMap::new(),
+                require_key: false,
+                retry_after: Duration::from_secs(1),
+                retention,
+                lease: None,
+                wait: Duration::ZERO,
+                tenant: TenantSource::Credentials(vec![http::header::AUTHORIZATION]),
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                stored_codes: Vec::new(),
+            },
+        }
+    }
+
+    /// Protects the unary method at `path` (`/package.Service/Method`),
+    /// keyed by the `idempotency-key` metadata entry.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem)
+    ///     .unary("/payments.v1.Payments/CreatePayment")
+    ///     .unary("/payments.v1.Payments/RefundPayment");
+    /// ```
+    pub fn unary(self, path: impl Into<String>) -> Self {
+        self.method(UnaryMethod::new(path))
+    }
+
+    /// Protects a unary method configured with [`UnaryMethod`] (its key
+    /// from the request message, its fingerprint over a part of it, its
+    /// scope). A second entry for the same path replaces the first.
+    ///
+    /// ```
+    /// # #[derive(Clone, PartialEq, prost::Message)]
+    /// # struct CreatePaymentRequest { #[prost(string, tag = "1")] request_id: String }
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use idem_grpc::UnaryMethod;
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).method(
+    ///     UnaryMethod::new("/payments.v1.Payments/CreatePayment")
+    ///         .key_from_request(|r: &CreatePaymentRequest| Some(r.request_id.clone())),
+    /// );
+    /// ```
+    pub fn method(mut self, method: impl Into<UnaryMethod>) -> Self {
+        let method = method.into();
+        self.config.methods.insert(method.path.clone(), method);
+        self
+    }
+
+    /// Whether a request to a protected method without a key is refused
+    /// with `INVALID_ARGUMENT` (`true`) or runs without idempotency
+    /// (`false`, the default: AIP-155 makes `request_id` optional).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).require_key(true);
+    /// ```
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config.require_key = required;
+        self
+    }
+
+    /// The retry hint sent as `grpc-retry-pushback-ms` with `ABORTED` (a
+    /// call with this key is in flight) and `UNAVAILABLE` (store down);
+    /// default 1 s. gRPC clients with a retry policy honour it.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).retry_after(std::time::Duration::from_millis(250));
+    /// ```
+    pub fn retry_after(mut self, hint: Duration) -> Self {
+        self.config.retry_after = hint;
+        self
+    }
+
+    /// How long a stored answer is replayed (default: the runtime's
+    /// `result_ttl`, 24 h unless configured).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).retention(std::time::Duration::from_secs(3600));
+    /// ```
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// The lease of each call (default: the runtime's): how long after a
+    /// server dies mid-call its key stays in flight before a retry takes
+    /// it over and runs the handler again.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).lease(std::time::Duration::from_secs(10));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = Some(lease);
+        self
+    }
+
+    /// A duplicate that arrives while the first call runs waits up to `d`
+    /// for its answer (then gets it replayed) instead of `ABORTED` at once.
+    /// As in idem-http, the wait is woken by the store (Redis pub/sub), not
+    /// a poll.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).wait(std::time::Duration::from_secs(5));
+    /// ```
+    pub fn wait(mut self, d: Duration) -> Self {
+        self.config.wait = d;
+        self
+    }
+
+    /// Error statuses stored and replayed like `OK` (default: none, so any
+    /// error releases the key and a retry runs the handler again). Opt in
+    /// for final refusals of your own, as Stripe stores 4xx: a declined
+    /// card's `FAILED_PRECONDITION` replays instead of charging on retry.
+    /// `UNAVAILABLE`, `ABORTED`, `RESOURCE_EXHAUSTED`, `DEADLINE_EXCEEDED`
+    /// and `INTERNAL` are transient by nature; storing them turns a
+    /// momentary failure into a permanent one.
+    ///
+    /// ```
+    /// use tonic::Code;
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem)
+    ///     .store_error_codes([Code::InvalidArgument, Code::FailedPrecondition, Code::NotFound]);
+    /// ```
+    pub fn store_error_codes(mut self, codes: impl IntoIterator<Item = Code>) -> Self {
+        self.config.stored_codes = codes.into_iter().filter(|c| *c != Code::Ok).collect();
+        self
+    }
+
+    /// Largest request body (the framed message) buffered to fingerprint it
+    /// (default 4 MiB); a larger one is refused with `RESOURCE_EXHAUSTED`.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_request_bytes(64 * 1024);
+    /// ```
+    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_request_bytes = bytes;
+        self
+    }
+
+    /// Largest reply stored for replay (default 1 MiB). A larger one is sent
+    /// as it is and recorded as "processed, answer not kept": a retry gets
+    /// `FAILED_PRECONDITION` (`response-not-kept`), never a second run.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_response_bytes(256 * 1024);
+    /// ```
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.config.max_response_bytes = bytes;
+        self
+    }
+
+    /// The tenant is the value of this metadata entry (an API client or
+    /// account id set by your gateway or an auth interceptor), instead of
+    /// the default digest of `authorization`. Requests without it share the
+    /// tenant-less key space.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem)
+    ///     .tenant_from_metadata(http::HeaderName::from_static("x-tenant-id"));
+    /// ```
+    pub fn tenant_from_metadata(mut self, name: HeaderName) -> Self {
+        self.config.tenant = TenantSource::Metadata(name);
+        self
+    }
+
+    /// The tenant is a SHA-256 digest of these metadata entries'
+    /// values (credentials never reach the store), replacing the default,
+    /// `authorization`. The same digest as idem-http's, so one credential
+    /// has the same tenant over HTTP and gRPC.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem)
+    ///     .tenant_from_credentials([http::header::AUTHORIZATION, HeaderName::from_static("x-api-key")]);
+    /// ```
+    pub fn tenant_from_credentials(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.tenant = TenantSource::Credentials(names.into_iter().collect());
+        self
+    }
+
+    /// A hook naming a request's tenant from its metadata; `None` puts it
+    /// in the tenant-less key space. Any string works: it is escaped (and
+    /// hashed when long) before it becomes part of the stored key.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).tenant(|md: &tonic::metadata::MetadataMap| {
+    ///     md.get("x-account")?.to_str().ok().map(str::to_owned)
+    /// });
+    /// ```
+    pub fn tenant<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&MetadataMap) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config.tenant = TenantSource::Hook(Arc::new(hook));
+        self
+    }
+
+    /// One key space for every caller: the same key from two clients is
+    /// the same operation. Only for keys that cannot collide across
+    /// clients (minted by the server, say).
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).shared_keys();
+    /// ```
+    pub fn shared_keys(mut self) -> Self {
+        self.config.tenant = TenantSource::Shared;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> IdempotencyService<S> {
+        IdempotencyService::new(inner, self.idem.clone(), Arc::new(self.config.clone()))
+    }
+}

@@ -1,0 +1,659 @@
+//! The service the layer wraps around a tonic server: picks the protected
+//! unary calls, reads their key and message, and runs each in a task of its
+//! own (claim, run the handler, store its answer, answer the client).
+
+use crate::body::{Chain, Complete};
+use crate::config::{Config, Refusal, refuse};
+use crate::frame::{self, FrameError};
+use crate::method::{KeySource, UnaryMethod};
+use crate::stored::{self, FORMAT_VERSION, NotKept, StoredRpc};
+use crate::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body::Body as HttpBody;
+use http_body_util::{BodyExt, Limited};
+use idem_core::{Error, Fingerprint, Idempotency, Outcome};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::sync::oneshot;
+use tonic::body::Body;
+use tower_service::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The future of [`IdempotencyService::call`].
+pub type ResponseFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+
+/// The service [`IdempotencyLayer`](crate::IdempotencyLayer) wraps around
+/// a tonic server or service. See the [crate documentation](crate).
+///
+/// ```
+/// use idem_grpc::{IdempotencyLayer, IdempotencyService};
+/// use tower_layer::Layer;
+/// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+/// # #[derive(Clone)] struct MyService;
+/// let svc: IdempotencyService<MyService> = IdempotencyLayer::new(idem).unary("/a.B/C").layer(MyService);
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    idem: Idempotency,
+    cfg: Arc<Config>,
+}
+
+impl<S> std::fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("idem", &self.idem)
+            .field("config", &self.cfg)
+            .finish()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, idem: Idempotency, cfg: Arc<Config>) -> IdempotencyService<S> {
+        IdempotencyService { inner, idem, cfg }
+    }
+}
+
+impl<S, ResBody> Service<Request<Body>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone is the one not polled ready: keep the ready one for this call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let cfg = self.cfg.clone();
+        let Some(method) = cfg.methods.get(request.uri().path()).cloned() else {
+            if request.headers().contains_key(IDEMPOTENCY_KEY) {
+                // A caller asking for idempotency never gets a run without it.
+                let path = request.uri().path().to_owned();
+                tracing::debug!(%path, "idempotency-key sent to a method not declared unary: refused");
+                return Box::pin(async move {
+                    Ok(refuse(
+                        &cfg,
+                        Refusal::NotUnary,
+                        &format!(
+                            "{path} is not protected by the idempotency layer (streaming methods never are; unary ones must be declared with IdempotencyLayer::unary); the request was not processed. Send it without idempotency-key, or declare the method"
+                        ),
+                    ))
+                });
+            }
+            let call = inner.call(request);
+            return Box::pin(async move { call.await.map(|r| r.map(Body::new)) });
+        };
+        let idem = self.idem.clone();
+        Box::pin(protect(inner, idem, cfg, method, request))
+    }
+}
+
+/// A protected unary call: key, message, fingerprint, then the run task.
+async fn protect<S, ResBody>(
+    mut inner: S,
+    idem: Idempotency,
+    cfg: Arc<Config>,
+    method: UnaryMethod,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let metadata_key = match key_from_metadata(&parts.headers) {
+        Ok(key) => key,
+        Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
+    };
+    let bytes = match read_body(body, cfg.max_request_bytes).await {
+        Ok(bytes) => bytes,
+        Err(ReadError::TooLarge) => {
+            return Ok(refuse(
+                &cfg,
+                Refusal::RequestTooLarge,
+                &format!(
+                    "the request message is over the idempotency layer's {}-byte limit; the request was not processed",
+                    cfg.max_request_bytes
+                ),
+            ));
+        }
+        Err(ReadError::Failed(e)) => {
+            return Ok(refuse(
+                &cfg,
+                Refusal::UnreadableRequest,
+                &format!("the request body could not be read ({e}); the request was not processed"),
+            ));
+        }
+    };
+    let message = match frame::messages(&bytes) {
+        Ok(messages) => match messages.as_slice() {
+            [one] => *one,
+            [] => {
+                return Ok(refuse(
+                    &cfg,
+                    Refusal::UnreadableRequest,
+                    "a unary request carries exactly one message and this one has none; the request was not processed",
+                ));
+            }
+            _ => {
+                return Ok(refuse(
+                    &cfg,
+                    Refusal::NotUnary,
+                    &format!(
+                        "{} was declared unary but the request carries {} messages: client-streaming methods are never protected; the request was not processed",
+                        method.path,
+                        messages.len()
+                    ),
+                ));
+            }
+        },
+        Err(e) => {
+            let why = match e {
+                FrameError::Truncated => "the body ends inside a message".to_owned(),
+                FrameError::BadFlag(f) => format!("compression flag {f}"),
+            };
+            return Ok(refuse(
+                &cfg,
+                Refusal::UnreadableRequest,
+                &format!(
+                    "the request is not a gRPC message ({why}); the request was not processed"
+                ),
+            ));
+        }
+    };
+    let needs_decoding = matches!(method.key, KeySource::Message(_)) || method.part.is_some();
+    if message.compressed && needs_decoding {
+        return Ok(refuse(
+            &cfg,
+            Refusal::CompressedRequest,
+            &format!(
+                "{} reads its idempotency key or fingerprint from the request message, which the layer cannot read compressed; send the request uncompressed",
+                method.path
+            ),
+        ));
+    }
+    let key = match &method.key {
+        KeySource::Metadata => metadata_key,
+        KeySource::Message(read) => match read(message.bytes) {
+            Ok(Some(key)) => match idem_key::validate(&key) {
+                Ok(()) => Some(key),
+                Err(e) => {
+                    return Ok(refuse(
+                        &cfg,
+                        Refusal::InvalidKey,
+                        &format!("the request's idempotency key field is refused: {e}"),
+                    ));
+                }
+            },
+            Ok(None) => None,
+            Err(e) => {
+                return Ok(refuse(
+                    &cfg,
+                    Refusal::UnreadableRequest,
+                    &format!(
+                        "the request message does not decode ({e}), so its idempotency key cannot be read; the request was not processed"
+                    ),
+                ));
+            }
+        },
+    };
+    let request = Request::from_parts(parts, full(bytes.clone()));
+    let Some(key) = key else {
+        if cfg.require_key {
+            let where_ = match method.key {
+                KeySource::Metadata => "an idempotency-key metadata entry",
+                KeySource::Message(_) => "its idempotency key field set",
+            };
+            return Ok(refuse(
+                &cfg,
+                Refusal::MissingKey,
+                &format!(
+                    "{} requires {where_} (a UUID per operation, the same on every retry); the request was not processed",
+                    method.path
+                ),
+            ));
+        }
+        tracing::debug!(path = %method.path, "no idempotency key: passed through unprotected");
+        return inner.call(request).await.map(|r| r.map(Body::new));
+    };
+    let fingerprint = match &method.part {
+        None => Fingerprint::of_parts(&[
+            b"idem-grpc v1",
+            method.path.as_bytes(),
+            &[u8::from(message.compressed)],
+            message.bytes,
+        ]),
+        Some(part) => match part(message.bytes) {
+            Ok(part) => {
+                Fingerprint::of_parts(&[b"idem-grpc part v1", method.path.as_bytes(), &part])
+            }
+            Err(e) => {
+                return Ok(refuse(
+                    &cfg,
+                    Refusal::UnreadableRequest,
+                    &format!(
+                        "the request message does not decode ({e}); the request was not processed"
+                    ),
+                ));
+            }
+        },
+    };
+    let tenant = cfg.tenant.tenant_of(&request.headers().clone());
+    let scope = idem_key::scope::compose(
+        method.scope.as_deref().unwrap_or(&method.path),
+        tenant.as_deref(),
+    );
+    let (tx, rx) = oneshot::channel();
+    let job = Job {
+        inner,
+        idem,
+        cfg: cfg.clone(),
+        scope,
+        key,
+        fingerprint,
+        request,
+    };
+    // A task of its own: a client that goes away (hyper drops this future)
+    // does not stop a started handler, and its answer is still stored.
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) => {
+            handle.spawn(job.run(tx));
+        }
+        Err(_) => {
+            return Ok(refuse(
+                &cfg,
+                Refusal::Internal,
+                "the idempotency layer needs a Tokio runtime; the request was not processed",
+            ));
+        }
+    }
+    match rx.await {
+        Ok(answer) => answer,
+        Err(_) => Ok(refuse(
+            &cfg,
+            Refusal::Internal,
+            "the idempotent run ended without an answer; retry with the same key",
+        )),
+    }
+}
+
+/// The key in the `idempotency-key` metadata entry, if any; the error
+/// message says what is wrong and what to send.
+fn key_from_metadata(headers: &HeaderMap) -> Result<Option<String>, String> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(
+            "the idempotency-key metadata entry was sent more than once; send exactly one"
+                .to_owned(),
+        );
+    }
+    idem_key::decode(first.as_bytes())
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+enum ReadError {
+    TooLarge,
+    Failed(BoxError),
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
+        return Err(ReadError::TooLarge);
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ReadError::TooLarge),
+        Err(e) => Err(ReadError::Failed(e)),
+    }
+}
+
+fn full(bytes: Bytes) -> Body {
+    Body::new(Complete::new(bytes, None))
+}
+
+/// Where the run sends the call's answer; the service future waits on it.
+type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+
+/// Why the run stored nothing.
+enum RunError<E> {
+    /// The runtime refused or failed (in flight, mismatch, store down, …).
+    Idem(Error),
+    /// An answer to send as it is, the key released: a status that is not
+    /// stored, a panic or a failed reply.
+    Respond(Response<Body>),
+    /// The inner service's own error, passed on (the key is released).
+    Inner(E),
+}
+
+impl<E> From<Error> for RunError<E> {
+    fn from(e: Error) -> Self {
+        RunError::Idem(e)
+    }
+}
+
+/// What one run stores, and the answer of the call that ran the handler.
+struct Ran {
+    stored: StoredRpc,
+    /// In a mutex only to be `Sync` (tonic's body is not): the runtime
+    /// holds a reference to the value while it stores it.
+    live: std::sync::Mutex<Option<Response<Body>>>,
+}
+
+impl Ran {
+    fn new(stored: StoredRpc, live: Option<Response<Body>>) -> Ran {
+        Ran {
+            stored,
+            live: std::sync::Mutex::new(live),
+        }
+    }
+
+    fn take_live(self) -> Option<Response<Body>> {
+        // A poisoned lock still holds the response: nothing panics while
+        // it is held.
+        self.live
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl serde::Serialize for Ran {
+    fn serialize<Ser: serde::Serializer>(&self, s: Ser) -> Result<Ser::Ok, Ser::Error> {
+        self.stored.serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Ran {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Ran::new(StoredRpc::deserialize(d)?, None))
+    }
+}
+
+/// Everything one idempotent run needs, owned, so it can be a task.
+struct Job<S> {
+    inner: S,
+    idem: Idempotency,
+    cfg: Arc<Config>,
+    scope: String,
+    key: String,
+    fingerprint: Fingerprint,
+    request: Request<Body>,
+}
+
+impl<S, ResBody> Job<S>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    async fn run(self, reply: Reply<S::Error>) {
+        let Job {
+            inner,
+            idem,
+            cfg,
+            scope,
+            key,
+            fingerprint,
+            request,
+        } = self;
+        let mut reply = Some(reply);
+        let mut call = idem
+            .call(&scope, key.as_str())
+            .fingerprint_raw(fingerprint)
+            .ttl(cfg.retention)
+            .wait(cfg.wait);
+        if let Some(lease) = cfg.lease {
+            call = call.lease(lease);
+        }
+        let config: &Config = &cfg;
+        let result = call
+            .run_outcome(|| execute(inner, request, config, &mut reply))
+            .await;
+        let answer = match result {
+            Ok((ran, Outcome::Replayed)) => {
+                tracing::debug!(code = ran.stored.code, "replaying the stored answer");
+                Some(Ok(replay(ran.stored, config)))
+            }
+            Ok((ran, outcome)) => {
+                tracing::debug!(%outcome, code = ran.stored.code, kept = ran.stored.not_kept.is_none(), "handler ran; answer stored");
+                ran.take_live().map(Ok)
+            }
+            Err(RunError::Respond(response)) => Some(Ok(response)),
+            Err(RunError::Inner(e)) => Some(Err(e)),
+            Err(RunError::Idem(e)) => Some(Ok(idem_error(e, config))),
+        };
+        if let (Some(answer), Some(reply)) = (answer, reply.take()) {
+            // The client may be gone; the answer is stored all the same.
+            let _ = reply.send(answer);
+        }
+    }
+}
+
+/// Runs the handler once and reads its reply: a unary reply (one message,
+/// then trailers) is kept whole and stored if its status is stored; a
+/// stream, or a reply over the limit, is sent on as it comes and stored as
+/// "processed, not kept".
+async fn execute<S, ResBody>(
+    mut inner: S,
+    request: Request<Body>,
+    cfg: &Config,
+    reply: &mut Option<Reply<S::Error>>,
+) -> Result<Ran, RunError<S::Error>>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    // A panicking handler becomes INTERNAL here, so its key is released (by
+    // the Err) and the client gets an answer instead of a reset stream.
+    let outcome = AssertUnwindSafe(async move { inner.call(request).await })
+        .catch_unwind()
+        .await;
+    let response = match outcome {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => {
+            tracing::debug!("the inner service failed; key released");
+            return Err(RunError::Inner(e));
+        }
+        Err(_) => {
+            tracing::error!(
+                "the handler panicked: answering INTERNAL and releasing the idempotency key"
+            );
+            return Err(RunError::Respond(refuse(
+                cfg,
+                Refusal::HandlerPanicked,
+                "the handler failed and nothing was recorded; it is safe to retry with the same key",
+            )));
+        }
+    };
+    let (parts, body) = response.into_parts();
+    let mut body = Body::new(body);
+    let mut data = BytesMut::new();
+    let mut trailers: Option<HeaderMap> = None;
+    loop {
+        let frame = AssertUnwindSafe(body.frame()).catch_unwind().await;
+        let frame = match frame {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(status))) => {
+                tracing::warn!(error = %status, "the reply failed: key released");
+                return Err(RunError::Respond(refuse(
+                    cfg,
+                    Refusal::ResponseFailed,
+                    "the reply could not be produced and nothing was recorded; retry with the same key",
+                )));
+            }
+            Err(_) => {
+                tracing::error!("the reply panicked: key released");
+                return Err(RunError::Respond(refuse(
+                    cfg,
+                    Refusal::HandlerPanicked,
+                    "the handler failed and nothing was recorded; it is safe to retry with the same key",
+                )));
+            }
+        };
+        match frame.into_data() {
+            Ok(chunk) => {
+                data.extend_from_slice(&chunk);
+                let why = if frame::count_messages(&data) > 1 {
+                    Some(NotKept::Streamed)
+                } else if data.len() > cfg.max_response_bytes {
+                    Some(NotKept::TooLarge)
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    // The handler ran: record that, and let the client read on.
+                    tracing::debug!(
+                        reason = why.explain(),
+                        "reply passed through; stored as processed, not kept"
+                    );
+                    if let Some(reply) = reply.take() {
+                        let _ = reply.send(Ok(Response::from_parts(
+                            parts,
+                            Body::new(Chain::new(data.freeze(), body)),
+                        )));
+                    }
+                    return Ok(Ran::new(StoredRpc::not_kept(why), None));
+                }
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    match &mut trailers {
+                        Some(all) => all.extend(t),
+                        None => trailers = Some(t),
+                    }
+                }
+            }
+        }
+    }
+    let data = data.freeze();
+    let code = status_code(trailers.as_ref()).or_else(|| status_code(Some(&parts.headers)));
+    let live = Response::from_parts(
+        parts,
+        Body::new(Complete::new(data.clone(), trailers.clone())),
+    );
+    match code {
+        Some(code) if cfg.stores(code) => {
+            let stored = StoredRpc::kept(code, live.headers(), &data, trailers.as_ref());
+            Ok(Ran::new(stored, Some(live)))
+        }
+        code => {
+            tracing::debug!(
+                ?code,
+                "status is not stored: key released, a retry runs the handler again"
+            );
+            Err(RunError::Respond(live))
+        }
+    }
+}
+
+fn status_code(headers: Option<&HeaderMap>) -> Option<i32> {
+    headers?
+        .get("grpc-status")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// A replay: the stored metadata, messages and trailers, marked as a
+/// replay; or, for a marker, the `response-not-kept` refusal.
+fn replay(stored: StoredRpc, cfg: &Config) -> Response<Body> {
+    if let Some(why) = stored.not_kept {
+        return refuse(
+            cfg,
+            Refusal::ResponseNotKept,
+            &format!(
+                "the call with this idempotency key was processed, but its answer was not kept because {}, so it cannot be replayed; do not send it again under this key or a new one, look its result up another way",
+                why.explain()
+            ),
+        );
+    }
+    match rebuild(&stored) {
+        Ok(response) => response,
+        Err(why) => {
+            tracing::error!(reason = %why, "a stored answer cannot be replayed");
+            refuse(
+                cfg,
+                Refusal::Internal,
+                "the stored answer for this idempotency key cannot be replayed",
+            )
+        }
+    }
+}
+
+fn rebuild(stored: &StoredRpc) -> Result<Response<Body>, String> {
+    if stored.version != FORMAT_VERSION {
+        return Err(format!("unknown record format version {}", stored.version));
+    }
+    let mut headers = stored::rebuild(&stored.headers)?;
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let trailers = stored::rebuild(&stored.trailers)?;
+    let body = stored
+        .body
+        .to_bytes()
+        .map_err(|e| format!("stored messages: {e}"))?;
+    let trailers = (!trailers.is_empty()).then_some(trailers);
+    let mut response = Response::new(Body::new(Complete::new(body, trailers)));
+    *response.headers_mut() = headers;
+    Ok(response)
+}
+
+/// Maps a runtime error to the layer's answer.
+fn idem_error(e: Error, cfg: &Config) -> Response<Body> {
+    match e {
+        Error::InProgress { .. } => refuse(
+            cfg,
+            Refusal::KeyInUse,
+            "a call with this idempotency key is in flight; retry after grpc-retry-pushback-ms with the same key to get its answer",
+        ),
+        Error::FingerprintMismatch => refuse(
+            cfg,
+            Refusal::KeyReused,
+            "this idempotency key was already used with a different request; use a new key for a new operation",
+        ),
+        Error::Unavailable { .. } => {
+            tracing::warn!(error = %e, "idempotency store unavailable: UNAVAILABLE, handler not run");
+            refuse(
+                cfg,
+                Refusal::StoreUnavailable,
+                "the call was not processed because the idempotency store is unavailable; retry later with the same key",
+            )
+        }
+        Error::InvalidKey(k) => refuse(cfg, Refusal::InvalidKey, &k.to_string()),
+        other => {
+            tracing::error!(error = %other, "idempotency layer failure: INTERNAL");
+            refuse(
+                cfg,
+                Refusal::Internal,
+                "the idempotency layer failed; the call may not have been processed",
+            )
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Concurrent duplicates: one execution, every caller the same answer.
+
+use crate::support::{CREATE_PAYMENT, TestServer, payment};
+use idem_grpc::IdempotencyLayer;
+use idem_testkit::TestContext;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_duplicates_run_once_and_get_one_answer() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-dup");
+    let layer = IdempotencyLayer::new(ctx.idem())
+        .unary(CREATE_PAYMENT)
+        .wait(Duration::from_secs(60));
+    let server = TestServer::start(layer, ctx.ledger().clone()).await;
+    let raw = server.raw();
+    let mut message = payment(500);
+    // Long enough that the duplicates arrive while the first runs.
+    message.sleep_ms = 300;
+    let calls: Vec<_> = (0..64)
+        .map(|_| {
+            let raw = raw.clone();
+            let message = message.clone();
+            tokio::spawn(async move {
+                raw.call(CREATE_PAYMENT, &[("idempotency-key", "dup-1")], &message)
+                    .await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for c in calls {
+        answers.push(c.await.unwrap());
+    }
+    assert_eq!(server.ledger.count("dup-1"), 1, "exactly one execution");
+    let first = &answers[0];
+    assert_eq!(first.grpc_status().as_deref(), Some("0"));
+    assert_eq!(first.payment().run, 1);
+    for a in &answers {
+        assert_eq!(a.body, first.body, "same message bytes");
+        assert_eq!(a.trailers, first.trailers, "same trailers");
+        assert_eq!(a.comparable_headers(), first.comparable_headers());
+    }
+    assert_eq!(
+        answers.iter().filter(|a| !a.replayed()).count(),
+        1,
+        "one caller ran it, 63 got it replayed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_wait_a_duplicate_in_flight_is_aborted_with_a_retry_hint() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-busy");
+    let layer = IdempotencyLayer::new(ctx.idem())
+        .unary(CREATE_PAYMENT)
+        .retry_after(Duration::from_millis(250));
+    let server = TestServer::start(layer, ctx.ledger().clone()).await;
+    let mut slow = payment(500);
+    slow.sleep_ms = 2_000;
+    let raw = server.raw();
+    let first = {
+        let raw = raw.clone();
+        let slow = slow.clone();
+        tokio::spawn(async move {
+            raw.call(CREATE_PAYMENT, &[("idempotency-key", "busy")], &slow)
+                .await
+        })
+    };
+    idem_testkit::eventually("the first call runs", Duration::from_secs(30), || async {
+        (server.ledger.count("busy") == 1).then_some(())
+    })
+    .await;
+    let dup = raw
+        .call(CREATE_PAYMENT, &[("idempotency-key", "busy")], &slow)
+        .await;
+    assert_eq!(dup.grpc_status().as_deref(), Some("10"), "ABORTED: {dup:?}");
+    assert_eq!(dup.headers["idem-error"], "key-in-use");
+    assert_eq!(dup.headers["grpc-retry-pushback-ms"], "250");
+    let first = first.await.unwrap();
+    assert_eq!(first.grpc_status().as_deref(), Some("0"));
+    let again = raw
+        .call(CREATE_PAYMENT, &[("idempotency-key", "busy")], &slow)
+        .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(server.ledger.count("busy"), 1);
+}
