@@ -126,7 +126,7 @@
 )]
 
 mod body;
-
+pub mod client;
 mod config;
 mod frame;
 mod layer;

@@ -42,7 +42,10 @@
 )]
 
 mod limits;
+mod retry;
 pub mod scope;
+
+pub use retry::RetryPolicy;
 
 pub use limits::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 

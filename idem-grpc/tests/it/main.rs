@@ -4,6 +4,7 @@
 
 mod support;
 
+mod client;
 mod codegen;
 mod concurrency;
 mod failures;
