@@ -9,4 +9,5 @@ mod codegen;
 mod concurrency;
 mod failures;
 mod keys;
+mod kill;
 mod replay;

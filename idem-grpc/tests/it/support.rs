@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request};
 use http_body_util::{BodyExt, Full};
 use idem_grpc::IdempotencyLayer;
-use idem_testkit::Ledger;
+use idem_testkit::{FileLedger, Ledger};
 use pb::payments_client::PaymentsClient;
 use pb::payments_server::{Payments, PaymentsServer};
 use pb::{CreateOrderRequest, CreatePaymentRequest, Order, Payment};
@@ -36,6 +36,25 @@ pub(crate) const WATCH: &str = "/idem.test.v1.Payments/Watch";
 #[derive(Clone)]
 pub(crate) struct Svc {
     pub(crate) ledger: Ledger,
+    /// Set in worker processes: runs are recorded in this file too, across
+    /// processes, and the reply's run number counts them there.
+    pub(crate) file: Option<FileLedger>,
+    /// Set in a worker that is to be killed mid-call: after recording its
+    /// run the handler never returns.
+    pub(crate) hang: bool,
+}
+
+impl Svc {
+    fn record(&self, key: &str) -> u64 {
+        let n = self.ledger.record(key) as u64;
+        match &self.file {
+            Some(file) => {
+                file.record(key);
+                file.runs().iter().filter(|r| r.key == key).count() as u64
+            }
+            None => n,
+        }
+    }
 }
 
 fn ledger_key<T>(req: &GrpcRequest<T>, fallback: &str) -> String {
@@ -54,7 +73,10 @@ impl Payments for Svc {
     ) -> Result<GrpcResponse<Payment>, Status> {
         let key = ledger_key(&req, &req.get_ref().request_id);
         let r = req.into_inner();
-        let run = self.ledger.record(&key) as u64;
+        let run = self.record(&key);
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
         if r.sleep_ms > 0 {
             tokio::time::sleep(Duration::from_millis(r.sleep_ms.into())).await;
         }
@@ -91,7 +113,7 @@ impl Payments for Svc {
             .as_ref()
             .map(|k| k.key.clone())
             .unwrap_or_default();
-        let run = self.ledger.record(&key) as u64;
+        let run = self.record(&key);
         Ok(GrpcResponse::new(Order {
             id: format!("order-{key}"),
             item: r.item,
@@ -107,7 +129,7 @@ impl Payments for Svc {
         req: GrpcRequest<CreatePaymentRequest>,
     ) -> Result<GrpcResponse<Self::WatchStream>, Status> {
         let key = ledger_key(&req, &req.get_ref().request_id);
-        self.ledger.record(&key);
+        self.record(&key);
         let items = (1..=3).map(|run| {
             Ok(Payment {
                 id: format!("watch-{run}"),
@@ -136,12 +158,20 @@ impl Drop for TestServer {
 
 impl TestServer {
     pub(crate) async fn start(layer: IdempotencyLayer, ledger: Ledger) -> TestServer {
+        let svc = Svc {
+            ledger: ledger.clone(),
+            file: None,
+            hang: false,
+        };
+        TestServer::start_with(layer, svc).await
+    }
+
+    pub(crate) async fn start_with(layer: IdempotencyLayer, svc: Svc) -> TestServer {
+        let ledger = svc.ledger.clone();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let svc = PaymentsServer::new(Svc {
-            ledger: ledger.clone(),
-        });
+        let svc = PaymentsServer::new(svc);
         tokio::spawn(async move {
             Server::builder()
                 .layer(layer)
