@@ -72,6 +72,10 @@ pub(crate) struct Config {
     pub(crate) max_request_bytes: usize,
     pub(crate) max_response_bytes: usize,
     pub(crate) stored_codes: Vec<Code>,
+    /// Whether concurrent calls share their store round trips.
+    pub(crate) share_round_trips: bool,
+    /// The group they share them in, made when the layer wraps a service.
+    pub(crate) group: Option<idem_core::CallGroup>,
 }
 
 impl Config {

@@ -97,6 +97,8 @@ impl IdempotencyLayer {
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 stored_codes: Vec::new(),
+                share_round_trips: true,
+                group: None,
             },
         }
     }
@@ -218,6 +220,21 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Whether calls that reach the store in the same scheduler turn share
+    /// one round trip (default `true`): their claims go as one batch, and
+    /// so do their completions (idem-core's `CallGroup`). Under load this
+    /// cuts the store's work per call; a lone call waits one scheduler turn
+    /// at most. Each call is still decided, stored and answered on its own.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).share_round_trips(false);
+    /// ```
+    pub fn share_round_trips(mut self, share: bool) -> Self {
+        self.config.share_round_trips = share;
+        self
+    }
+
     /// Largest request body (the framed message) buffered to fingerprint it
     /// (default 4 MiB); a larger one is refused with `RESOURCE_EXHAUSTED`.
     ///
@@ -310,6 +327,11 @@ impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
     fn layer(&self, inner: S) -> IdempotencyService<S> {
-        IdempotencyService::new(inner, self.idem.clone(), Arc::new(self.config.clone()))
+        let mut config = self.config.clone();
+        // One group per wrapped service, for as long as it serves.
+        config.group = config
+            .share_round_trips
+            .then(|| self.idem.group_unbounded());
+        IdempotencyService::new(inner, self.idem.clone(), Arc::new(config))
     }
 }

@@ -257,7 +257,7 @@ where
             }
         },
     };
-    let tenant = cfg.tenant.tenant_of(&request.headers().clone());
+    let tenant = cfg.tenant.tenant_of(request.headers());
     let scope = idem_key::scope::compose(
         method.scope.as_deref().unwrap_or(&method.path),
         tenant.as_deref(),
@@ -428,6 +428,9 @@ where
             .wait(cfg.wait);
         if let Some(lease) = cfg.lease {
             call = call.lease(lease);
+        }
+        if let Some(group) = &cfg.group {
+            call = call.in_group(group);
         }
         let config: &Config = &cfg;
         let result = call

@@ -83,3 +83,42 @@ async fn without_wait_a_duplicate_in_flight_is_aborted_with_a_retry_hint() {
     assert_eq!(again.body, first.body);
     assert_eq!(server.ledger.count("busy"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_duplicates_run_once_and_every_key_replays() {
+    let ctx = TestContext::redis_cluster()
+        .await
+        .with_namespace("grpc-cluster");
+    let layer = IdempotencyLayer::new(ctx.idem())
+        .unary(CREATE_PAYMENT)
+        .wait(Duration::from_secs(60));
+    let server = TestServer::start(layer, ctx.ledger().clone()).await;
+    let raw = server.raw();
+    let mut message = payment(500);
+    message.sleep_ms = 200;
+    // Keys over every master's slots, each sent 8 times at once.
+    let keys: Vec<String> = (0..12).map(|i| format!("cluster-{i}")).collect();
+    let mut calls = Vec::new();
+    for key in &keys {
+        for _ in 0..8 {
+            let (raw, message, key) = (raw.clone(), message.clone(), key.clone());
+            calls.push(tokio::spawn(async move {
+                let a = raw
+                    .call(CREATE_PAYMENT, &[("idempotency-key", &key)], &message)
+                    .await;
+                (key, a)
+            }));
+        }
+    }
+    let mut first: std::collections::HashMap<String, bytes::Bytes> = Default::default();
+    for c in calls {
+        let (key, a) = c.await.unwrap();
+        assert_eq!(a.grpc_status().as_deref(), Some("0"), "{key}: {a:?}");
+        let body = first.entry(key.clone()).or_insert_with(|| a.body.clone());
+        assert_eq!(*body, a.body, "{key}: one answer");
+    }
+    for key in &keys {
+        assert_eq!(server.ledger.count(key), 1, "{key} ran once");
+    }
+    assert_eq!(server.ledger.total(), keys.len());
+}

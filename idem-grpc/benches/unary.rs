@@ -1,0 +1,246 @@
+//! Unary RPCs per second through the idempotency layer against the bare
+//! tonic service, in the same run: the same service, the same request (the
+//! bare server ignores the key), one HTTP/2 connection per server, many
+//! calls in flight. Phases, alternated over rounds:
+//!
+//! * `bare`: the service without the layer;
+//! * `fresh`: through the layer, a new key per call (claim, run, store);
+//! * `fresh-unshared`: the same with `share_round_trips(false)`, each
+//!   call its own claim and complete round trips;
+//! * `replay`: through the layer, keys already completed (one read);
+//! * `cached`: the same replays, the runtime keeping completed results in
+//!   process (`IdempotencyBuilder::local_cache`): no store round trip.
+//!
+//! A private `redis-server` on 127.0.0.1 is the store. Prints each round,
+//! then the median per phase and `fresh / bare`, `replay / bare`.
+//!
+//! ```text
+//! cargo bench -p idem-grpc --bench unary
+//! IDEM_BENCH_SECS=3 IDEM_BENCH_ROUNDS=7 IDEM_BENCH_CONCURRENCY=64 cargo bench -p idem-grpc --bench unary
+//! ```
+
+#[allow(clippy::all, missing_docs, unreachable_pub, dead_code)]
+mod pb {
+    include!("../tests/it/pb/idem.test.v1.rs");
+}
+
+use idem_core::Idempotency;
+use idem_grpc::IdempotencyLayer;
+use idem_testkit::RedisServer;
+use pb::payments_client::PaymentsClient;
+use pb::payments_server::{Payments, PaymentsServer};
+use pb::{CreateOrderRequest, CreatePaymentRequest, Order, Payment};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tonic::transport::{Channel, Server};
+use tonic::{Request, Response, Status};
+
+const CREATE_PAYMENT: &str = "/idem.test.v1.Payments/CreatePayment";
+
+#[derive(Clone, Default)]
+struct Svc;
+
+#[tonic::async_trait]
+impl Payments for Svc {
+    async fn create_payment(
+        &self,
+        req: Request<CreatePaymentRequest>,
+    ) -> Result<Response<Payment>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(Payment {
+            id: "pay_1".into(),
+            amount_cents: r.amount_cents,
+            run: 1,
+        }))
+    }
+
+    async fn create_order(
+        &self,
+        _req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Err(Status::unimplemented("not benchmarked"))
+    }
+
+    type WatchStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Payment, Status>> + Send + 'static>>;
+
+    async fn watch(
+        &self,
+        _req: Request<CreatePaymentRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented("not benchmarked"))
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+async fn serve(layer: Option<IdempotencyLayer>) -> Channel {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let svc = PaymentsServer::new(Svc);
+    match layer {
+        Some(layer) => tokio::spawn(
+            Server::builder()
+                .layer(layer)
+                .add_service(svc)
+                .serve_with_incoming(incoming),
+        ),
+        None => tokio::spawn(
+            Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(incoming),
+        ),
+    };
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Calls per second over `secs`, `concurrency` calls in flight; `key(i)`
+/// names the i-th call's key.
+async fn phase(
+    channel: &Channel,
+    concurrency: u64,
+    secs: u64,
+    key: Arc<dyn Fn(u64) -> String + Send + Sync>,
+) -> f64 {
+    let counter = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs(secs);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let mut client = PaymentsClient::new(channel.clone());
+            let (counter, key) = (counter.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < end {
+                    let i = counter.fetch_add(1, Ordering::Relaxed);
+                    let mut req = Request::new(CreatePaymentRequest {
+                        amount_cents: 500,
+                        currency: "EUR".into(),
+                        ..Default::default()
+                    });
+                    req.metadata_mut()
+                        .insert("idempotency-key", key(i).parse().unwrap());
+                    client.create_payment(req).await.unwrap();
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.unwrap();
+    }
+    total as f64 / start.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let secs = env("IDEM_BENCH_SECS", 2);
+    let rounds = env("IDEM_BENCH_ROUNDS", 5);
+    let concurrency = env("IDEM_BENCH_CONCURRENCY", 32);
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let store = idem_redis::RedisStore::connect(&redis.url()).await.unwrap();
+        let idem = Idempotency::builder(store.clone())
+            .namespace("bench")
+            .build();
+        let cached_idem = Idempotency::builder(store)
+            .namespace("bench")
+            .local_cache(10_000)
+            .build();
+        let bare = serve(None).await;
+        let layered = serve(Some(
+            IdempotencyLayer::new(idem.clone()).unary(CREATE_PAYMENT),
+        ))
+        .await;
+        let single = serve(Some(
+            IdempotencyLayer::new(idem.clone())
+                .unary(CREATE_PAYMENT)
+                .share_round_trips(false),
+        ))
+        .await;
+        let cached = serve(Some(
+            IdempotencyLayer::new(cached_idem).unary(CREATE_PAYMENT),
+        ))
+        .await;
+
+        // The replay phase's keys, completed once.
+        const POOL: u64 = 1_000;
+        let pool_key = |i: u64| format!("replay-{}", i % POOL);
+        let mut client = PaymentsClient::new(layered.clone());
+        for i in 0..POOL {
+            let mut req = Request::new(CreatePaymentRequest {
+                amount_cents: 500,
+                currency: "EUR".into(),
+                ..Default::default()
+            });
+            req.metadata_mut()
+                .insert("idempotency-key", pool_key(i).parse().unwrap());
+            client.create_payment(req).await.unwrap();
+        }
+
+        println!(
+            "unary RPCs/s, {concurrency} in flight, {secs} s per phase, {rounds} rounds (local Redis)"
+        );
+        let (mut b, mut f, mut r) = (Vec::new(), Vec::new(), Vec::new());
+        // Ratios per round too: on a shared machine a round's phases see
+        // the same load, so their ratio is steadier than the rates.
+        let (mut fr, mut rr, mut cr) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let fresh_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
+                Arc::new(move |i| format!("fresh-{round}-{i}"));
+            let replay_key: Arc<dyn Fn(u64) -> String + Send + Sync> = Arc::new(pool_key);
+            let bare_rps = phase(&bare, concurrency, secs, fresh_key.clone()).await;
+            let fresh_rps = phase(&layered, concurrency, secs, fresh_key.clone()).await;
+            let single_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
+                Arc::new(move |i| format!("single-{round}-{i}"));
+            let single_rps = phase(&single, concurrency, secs, single_key).await;
+            let replay_rps = phase(&layered, concurrency, secs, replay_key.clone()).await;
+            let cached_rps = phase(&cached, concurrency, secs, replay_key).await;
+            println!(
+                "round {round}: bare {bare_rps:.0}  fresh {fresh_rps:.0} ({:.2})  fresh-unshared {single_rps:.0} ({:.2})  replay {replay_rps:.0} ({:.2})  cached {cached_rps:.0} ({:.2})",
+                fresh_rps / bare_rps,
+                single_rps / bare_rps,
+                replay_rps / bare_rps,
+                cached_rps / bare_rps
+            );
+            fr.push(fresh_rps / bare_rps);
+            rr.push(replay_rps / bare_rps);
+            cr.push(cached_rps / bare_rps);
+            b.push(bare_rps);
+            f.push(fresh_rps);
+            r.push(replay_rps);
+        }
+        let (b, f, r) = (median(b), median(f), median(r));
+        println!(
+            "median: bare {b:.0}/s  fresh {f:.0}/s ({:.2} of bare)  replay {r:.0}/s ({:.2} of bare)",
+            f / b,
+            r / b
+        );
+        println!(
+            "median of the rounds' ratios: fresh {:.2}  replay {:.2}  cached replay {:.2}",
+            median(fr),
+            median(rr),
+            median(cr)
+        );
+    });
+}
