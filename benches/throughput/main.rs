@@ -20,7 +20,9 @@
 //! `--rounds R` (25), `--threads T` (Tokio workers, default 1: on a 2-core
 //! machine that leaves Redis a core of its own, as it would have on its own
 //! host; 0 = a current-thread runtime),
-//! `--replay-keys K` (1000), `--only a,b,..`, `--json`; PostgreSQL phases
+//! `--replay-keys K` (1000), `--only a,b,..` (`--only durability`: the
+//! `Durability` settings against `Async`, `durability.rs`, never run by
+//! default), `--json`; PostgreSQL phases
 //! first when asked with `--pg` (`postgres.rs`, needs the feature
 //! `postgres`, which the crate's tests turn on: `--pg-url URL`,
 //! `--pg-concurrency N` (16), `--pg-only` = `--pg` without the Redis phases).
@@ -46,6 +48,7 @@
 
 mod batch;
 mod cpu;
+mod durability;
 mod keys;
 mod memory;
 #[cfg(feature = "metrics")]
@@ -198,6 +201,17 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
         .is_none_or(|o| o.iter().any(|n| n == "batch"));
     if batches {
         batch::measure_and_print(&fresh_store, run_id).await;
+    }
+    // Only when asked: servers of its own (a master and a replica).
+    if opts
+        .only
+        .as_ref()
+        .is_some_and(|o| o.iter().any(|n| n == "durability"))
+    {
+        durability::measure_and_print().await;
+        if opts.only.as_ref().is_some_and(|o| o.len() == 1) {
+            return;
+        }
     }
     // Only when asked: it installs the process's global recorder.
     #[cfg(feature = "metrics")]

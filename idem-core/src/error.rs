@@ -221,12 +221,39 @@ pub enum Error {
     /// `install()` was called when a default was already installed.
     #[error("a default Idempotency is already installed; install it once, at startup")]
     AlreadyInstalled,
+
+    /// The store did not confirm the copies the call's
+    /// [`Durability`](crate::Durability) asks for within its timeout
+    /// (replicas behind or missing, fsync slow). For a claim the body did
+    /// not run and the claim was released; for a replay the stored value
+    /// was not returned: it may not survive a failover yet.
+    #[error(
+        "the {op} was not confirmed durable in time: {reason}; the body did not run (a claim is \
+         released) — retry with the same key, and check the replicas (INFO replication) or \
+         raise the durability timeout"
+    )]
+    #[non_exhaustive]
+    NotConfirmed {
+        /// `claim` (a won claim or a replay) or `complete`.
+        op: &'static str,
+        /// What the store confirmed against what was asked.
+        reason: String,
+    },
+
+    /// The store cannot give the asked [`Durability`](crate::Durability):
+    /// it has no replicas protocol, the server lacks `WAITAOF`, or the
+    /// append-only file is off. Refused rather than silently weakened.
+    #[error("the store cannot give the asked durability: {reason}")]
+    DurabilityUnsupported {
+        /// What is missing and how to get it.
+        reason: String,
+    },
 }
 
 impl Error {
     /// True for errors where trying the same call again later can succeed
     /// (`InProgress`, `Unavailable`, `LeaseLost`, `StepLeaseLost`,
-    /// `Conflict`).
+    /// `Conflict`, `NotConfirmed`).
     ///
     /// ```
     /// assert!(!idem_core::Error::FingerprintMismatch.is_retryable());
@@ -239,7 +266,23 @@ impl Error {
                 | Error::LeaseLost
                 | Error::StepLeaseLost { .. }
                 | Error::Conflict { .. }
+                | Error::NotConfirmed { .. }
         )
+    }
+
+    /// `op` was done on the primary but not confirmed durable in time;
+    /// `reason` says what was confirmed (a store author's constructor for
+    /// [`Error::NotConfirmed`], which is `#[non_exhaustive]`).
+    ///
+    /// ```
+    /// let e = idem_core::Error::not_confirmed("complete", "0 of 1 replicas within 500ms");
+    /// assert!(e.is_retryable());
+    /// ```
+    pub fn not_confirmed(op: &'static str, reason: impl Into<String>) -> Error {
+        Error::NotConfirmed {
+            op,
+            reason: reason.into(),
+        }
     }
 
     /// The store could not do `op`; `reason` says what to check. Chain

@@ -34,6 +34,10 @@ pub enum CallOutcome {
     LeaseLost,
     /// [`Outcome::NotStored`].
     NotStored,
+    /// [`Outcome::NotConfirmed`] (the result is returned, its copies were
+    /// not confirmed) or [`Error::NotConfirmed`] (a claim or replay not
+    /// confirmed: the body did not run).
+    NotConfirmed,
     /// [`Error::InProgress`].
     InProgress,
     /// [`Error::FingerprintMismatch`].
@@ -48,18 +52,20 @@ pub enum CallOutcome {
     TooLarge,
     /// The body returned `Err` or panicked; the key was released.
     BodyError,
-    /// Refused before the store: [`Error::InvalidKey`], [`Error::InvalidConfig`].
+    /// Refused before the store: [`Error::InvalidKey`], [`Error::InvalidConfig`],
+    /// [`Error::DurabilityUnsupported`].
     Invalid,
 }
 
 impl CallOutcome {
-    const ALL: [CallOutcome; 14] = [
+    const ALL: [CallOutcome; 15] = [
         CallOutcome::Executed,
         CallOutcome::Replayed,
         CallOutcome::Recovered,
         CallOutcome::Unprotected,
         CallOutcome::LeaseLost,
         CallOutcome::NotStored,
+        CallOutcome::NotConfirmed,
         CallOutcome::InProgress,
         CallOutcome::FingerprintMismatch,
         CallOutcome::Unavailable,
@@ -71,7 +77,7 @@ impl CallOutcome {
     ];
 
     /// The label value: `executed`, `replayed`, `recovered`, `unprotected`,
-    /// `lease_lost`, `not_stored`, `in_progress`, `fingerprint_mismatch`,
+    /// `lease_lost`, `not_stored`, `not_confirmed`, `in_progress`, `fingerprint_mismatch`,
     /// `unavailable`, `corrupt`, `codec`, `too_large`, `body_error`, `invalid`.
     ///
     /// ```
@@ -85,6 +91,7 @@ impl CallOutcome {
             CallOutcome::Unprotected => "unprotected",
             CallOutcome::LeaseLost => "lease_lost",
             CallOutcome::NotStored => "not_stored",
+            CallOutcome::NotConfirmed => "not_confirmed",
             CallOutcome::InProgress => "in_progress",
             CallOutcome::FingerprintMismatch => "fingerprint_mismatch",
             CallOutcome::Unavailable => "unavailable",
@@ -111,9 +118,11 @@ impl CallOutcome {
             Error::Codec { .. } => CallOutcome::Codec,
             Error::TooLarge { .. } => CallOutcome::TooLarge,
             Error::LeaseLost => CallOutcome::LeaseLost,
-            Error::InvalidKey(_) | Error::InvalidConfig(_) | Error::NotInstalled => {
-                CallOutcome::Invalid
-            }
+            Error::NotConfirmed { .. } => CallOutcome::NotConfirmed,
+            Error::InvalidKey(_)
+            | Error::InvalidConfig(_)
+            | Error::DurabilityUnsupported { .. }
+            | Error::NotInstalled => CallOutcome::Invalid,
             _ => CallOutcome::Unavailable,
         }
     }
@@ -128,6 +137,7 @@ impl From<Outcome> for CallOutcome {
             Outcome::Unprotected => CallOutcome::Unprotected,
             Outcome::LeaseLost => CallOutcome::LeaseLost,
             Outcome::NotStored => CallOutcome::NotStored,
+            Outcome::NotConfirmed => CallOutcome::NotConfirmed,
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use crate::cache::ReplayCache;
 use crate::call::{Call, CallGroup};
+use crate::durability::Durability;
 use crate::error::{Error, KeyPart};
 use crate::hook::{Hook, OutcomeEvent};
 use crate::key::{push_escaped, shared_storage_key, storage_key, validate_key_part};
@@ -63,6 +64,7 @@ impl Idempotency {
             lease: Duration::from_secs(30),
             wait: None,
             fail_mode: FailMode::Closed,
+            durability: Durability::Async,
             max_value_size: 4 * 1024 * 1024,
             compress_above: None,
             store_retries: 2,
@@ -240,6 +242,7 @@ pub struct IdempotencyBuilder {
     lease: Duration,
     wait: Option<Duration>,
     fail_mode: FailMode,
+    durability: Durability,
     max_value_size: usize,
     compress_above: Option<usize>,
     store_retries: usize,
@@ -304,6 +307,29 @@ impl IdempotencyBuilder {
     /// ```
     pub fn fail_mode(mut self, mode: FailMode) -> Self {
         self.fail_mode = mode;
+        self
+    }
+
+    /// Every call's [`Durability`] (default [`Durability::Async`]; a call
+    /// overrides it with [`Call::durability`]). With more than `Async`, a
+    /// claim is not reported won, a replay not returned and a result not
+    /// reported stored until the store confirms the copies; see
+    /// docs/semantics.md ("Durability") for what happens when they do not
+    /// come in time. A store that cannot give it makes every call fail with
+    /// [`Error::DurabilityUnsupported`]; [`try_build`](IdempotencyBuilder::try_build)
+    /// says so at startup.
+    ///
+    /// ```
+    /// use idem_core::{Durability, Idempotency, MemoryStore};
+    /// use std::time::Duration;
+    /// let built = Idempotency::builder(MemoryStore::new())
+    ///     .durability(Durability::replicated(1, Duration::from_millis(500)))
+    ///     .try_build();
+    /// // The MemoryStore keeps no copies: refused at startup, not weakened.
+    /// assert!(matches!(built, Err(idem_core::Error::DurabilityUnsupported { .. })));
+    /// ```
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
         self
     }
 
@@ -427,6 +453,37 @@ impl IdempotencyBuilder {
     /// let again = idem.clone(); // shares the same store
     /// ```
     pub fn build(self) -> Idempotency {
+        self.build_checked().0
+    }
+
+    /// [`build`](IdempotencyBuilder::build), failing at once where `build`
+    /// would fail every call: [`Error::InvalidConfig`] for a bad setting,
+    /// [`Error::DurabilityUnsupported`] for a durability the store cannot
+    /// give (checked without a round trip: a store learns what its server
+    /// can do when it connects).
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// let idem = Idempotency::builder(MemoryStore::new()).namespace("orders").try_build()?;
+    /// let bad = Idempotency::builder(MemoryStore::new()).namespace("").try_build();
+    /// assert!(matches!(bad, Err(idem_core::Error::InvalidConfig(_))));
+    /// # Ok::<(), idem_core::Error>(())
+    /// ```
+    pub fn try_build(self) -> Result<Idempotency, Error> {
+        let (idem, durability) = self.build_checked();
+        if let Some(msg) = &idem.inner.config_error {
+            return Err(Error::InvalidConfig(msg.clone()));
+        }
+        durability?;
+        Ok(idem)
+    }
+
+    /// The runtime, and whether its store can give its durability.
+    fn build_checked(self) -> (Idempotency, Result<(), Error>) {
+        let durability = self
+            .durability
+            .validate()
+            .and_then(|()| self.store.check_durability(self.durability));
         let config_error = validate_ttl_lease(self.result_ttl, self.lease)
             .err()
             .or_else(|| {
@@ -449,7 +506,7 @@ impl IdempotencyBuilder {
         let invalidation = cache
             .as_ref()
             .map(|c| Forgets::new(Arc::clone(&store), prefix.clone(), c));
-        Idempotency {
+        let idem = Idempotency {
             inner: Arc::new(Inner {
                 store,
                 namespace: self.namespace,
@@ -458,6 +515,7 @@ impl IdempotencyBuilder {
                 lease: self.lease,
                 wait: self.wait,
                 fail_mode: self.fail_mode,
+                durability: self.durability,
                 max_value_size: self.max_value_size,
                 compress_above: self.compress_above,
                 store_retries: self.store_retries,
@@ -469,6 +527,7 @@ impl IdempotencyBuilder {
                 #[cfg(feature = "metrics")]
                 metrics: crate::metrics::Handles::default(),
             }),
-        }
+        };
+        (idem, durability)
     }
 }

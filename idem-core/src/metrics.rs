@@ -231,6 +231,50 @@ impl Store for Metered {
         self.store.has_outbox()
     }
 
+    fn check_durability(&self, durability: crate::Durability) -> Result<(), Error> {
+        self.store.check_durability(durability)
+    }
+
+    async fn confirm(&self, key: &str, durability: crate::Durability) -> Result<(), Error> {
+        let since = Instant::now();
+        let reply = self.store.confirm(key, durability).await;
+        self.record("confirm", since);
+        reply
+    }
+
+    async fn claim_durable(
+        &self,
+        claim: Claim<'_>,
+        durability: crate::Durability,
+    ) -> Result<ClaimReply, Error> {
+        let since = Instant::now();
+        let reply = self.store.claim_durable(claim, durability).await;
+        let op = match reply {
+            Ok(ClaimReply::Completed(_)) => "replay",
+            _ => "claim",
+        };
+        self.record(op, since);
+        reply
+    }
+
+    async fn complete_durable(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: crate::Durability,
+    ) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self
+            .store
+            .complete_durable(key, token, fingerprint, kind, value, durability)
+            .await;
+        self.record("complete", since);
+        reply
+    }
+
     async fn complete_with_outbox(
         &self,
         key: &str,

@@ -35,6 +35,14 @@ pub enum Outcome {
     /// **not stored**, the key stays in flight until its lease runs out, and
     /// then the next call runs the body again (as [`Outcome::Recovered`]).
     NotStored,
+    /// The body ran, its result is stored on the store's primary and
+    /// returned, but the copies the call's
+    /// [`Durability`](crate::Durability) asks for were not confirmed in
+    /// time: the result **may not survive a failover** (then the next call
+    /// runs the body again, as [`Outcome::Executed`]); while the primary
+    /// lives, later calls replay it. Counted by the `not_confirmed` outcome
+    /// label.
+    NotConfirmed,
 }
 
 impl Outcome {
@@ -74,6 +82,7 @@ impl Outcome {
             Outcome::Unprotected => "unprotected",
             Outcome::LeaseLost => "lease_lost",
             Outcome::NotStored => "not_stored",
+            Outcome::NotConfirmed => "not_confirmed",
         }
     }
 }

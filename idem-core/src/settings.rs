@@ -107,6 +107,8 @@ pub(crate) struct Inner {
     pub(crate) lease: Duration,
     pub(crate) wait: Option<Duration>,
     pub(crate) fail_mode: FailMode,
+    /// Each call's unless it sets its own.
+    pub(crate) durability: crate::durability::Durability,
     pub(crate) max_value_size: usize,
     pub(crate) compress_above: Option<usize>,
     pub(crate) store_retries: usize,

@@ -24,6 +24,24 @@ impl Store for PgStore {
         "postgres"
     }
 
+    /// PostgreSQL's durability is the server's: a commit returns once it
+    /// is as durable as `synchronous_commit` (with
+    /// `synchronous_standby_names`) says, for every statement idem sends.
+    /// There is nothing more a call could ask, so only `Async` is taken.
+    fn check_durability(&self, durability: idem_core::Durability) -> Result<(), Error> {
+        if durability.is_async() {
+            return Ok(());
+        }
+        Err(Error::DurabilityUnsupported {
+            reason: format!(
+                "PgStore takes its durability from the server, not per call ({durability} was asked): \
+                 set `synchronous_commit = remote_apply` (or `on` / `remote_write`) with \
+                 `synchronous_standby_names` on the primary (docs/postgres.md, Durability), and use \
+                 Durability::Async"
+            ),
+        })
+    }
+
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         let token = *c.token.as_raw();
         let slot = tx::current();

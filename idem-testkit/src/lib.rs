@@ -101,7 +101,7 @@ pub use rabbitmq::{RabbitServer, require_rabbitmq};
 pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;
 pub use runs::Runs;
-pub use server::{RedisServer, SERVER_ENV};
+pub use server::{RedisServer, SERVER_ENV, VALKEY_ENV, valkey_server};
 pub use worker::{exit_with_parent, run_worker};
 
 use std::collections::HashSet;

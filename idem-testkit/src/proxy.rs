@@ -45,7 +45,8 @@ pub struct FaultProxy {
 /// State shared by the handle and the proxy thread.
 #[derive(Debug)]
 struct Shared {
-    upstream: SocketAddr,
+    /// Where new connections go; [`FaultProxy::point_to`] moves it.
+    upstream: std::sync::Mutex<SocketAddr>,
     latency_nanos: AtomicU64,
     stall: watch::Sender<bool>,
     blackhole: AtomicBool,
@@ -56,6 +57,10 @@ struct Shared {
 }
 
 impl Shared {
+    fn upstream(&self) -> SocketAddr {
+        *self.upstream.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn latency(&self) -> Duration {
         Duration::from_nanos(self.latency_nanos.load(SeqCst))
     }
@@ -89,7 +94,7 @@ impl FaultProxy {
                 .unwrap_or_else(|e| panic!("idem-testkit: FaultProxy listener: {e}"))
         };
         let shared = Arc::new(Shared {
-            upstream,
+            upstream: std::sync::Mutex::new(upstream),
             latency_nanos: AtomicU64::new(0),
             stall: watch::Sender::new(false),
             blackhole: AtomicBool::new(false),
@@ -138,7 +143,20 @@ impl FaultProxy {
 
     /// The address connections are forwarded to.
     pub fn upstream(&self) -> SocketAddr {
-        self.shared.upstream
+        self.shared.upstream()
+    }
+
+    /// Sends new connections to `upstream` from now on and ends every
+    /// connection open now (as a virtual IP or a sentinel moves clients to
+    /// a promoted replica): clients reconnect, through the proxy, to the
+    /// new address.
+    pub fn point_to(&self, upstream: SocketAddr) {
+        *self
+            .shared
+            .upstream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = upstream;
+        self.drop_connections();
     }
 
     /// Delays every chunk forwarded, in either direction, by `d` (zero turns
@@ -235,7 +253,7 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 async fn serve(client: TcpStream, counted: Counted, mut generation: watch::Receiver<u64>) {
     let shared = &counted.0;
     let forward = async {
-        let upstream = TcpStream::connect(shared.upstream).await?;
+        let upstream = TcpStream::connect(shared.upstream()).await?;
         let _ = client.set_nodelay(true);
         let _ = upstream.set_nodelay(true);
         let (client_read, client_write) = client.into_split();

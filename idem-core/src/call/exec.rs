@@ -10,6 +10,7 @@ use super::steps::Steps;
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
 use crate::codec::{decode, encode, marker_error};
+use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, Report};
@@ -53,6 +54,10 @@ pub(super) struct Exec<'a> {
     /// Whether a call dropped mid-body releases its key (see
     /// [`Call::release_on_cancel`](super::Call::release_on_cancel)).
     pub(super) release_on_cancel: bool,
+    /// The copies a won claim, a replay and a result must have before they
+    /// are reported; a durable call never joins a batch (`tickets` is
+    /// `None`), whose pipelines confirm nothing.
+    pub(super) durability: Durability,
     /// The call's places in its [`Batch`](super::Batch), if it is in one.
     pub(super) tickets: Option<Tickets>,
     /// A `run_steps` call's steps.
@@ -309,6 +314,13 @@ impl Exec<'_> {
             Some(Err(e)) if !is_unavailable(&e) => Err(e),
             // Not answered, or the store was not reached: on its own, with
             // the same token, as a single call re-sends.
+            _ if !self.durability.is_async() => {
+                (|| self.store.claim_durable(claim, self.durability))
+                    .retry(store_backoff(self.inner.store_retries))
+                    .when(is_unavailable)
+                    .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
+                    .await
+            }
             _ => {
                 (|| self.store.claim(claim))
                     .retry(store_backoff(self.inner.store_retries))
@@ -479,6 +491,7 @@ impl Exec<'_> {
             Stored::Yes => ran,
             Stored::LeaseLost => Outcome::LeaseLost,
             Stored::No => Outcome::NotStored,
+            Stored::Unconfirmed => Outcome::NotConfirmed,
         };
         tracing::Span::current().record("outcome", outcome.as_str());
         self.report.outcome(CallOutcome::from(outcome));
@@ -514,6 +527,7 @@ impl Exec<'_> {
             value: &value,
             lease: self.lease,
             messages,
+            durability: self.durability,
         };
         if !messages.is_empty() {
             // The batch's finish pipeline completes without messages: this

@@ -178,6 +178,8 @@ impl BatchOp for FinishOp {
                 value,
                 lease,
                 messages: Vec::new(),
+                // Durable calls never join a batch (exec.rs).
+                durability: crate::durability::Durability::Async,
             }
             .spawn(),
             (FinishOp::Complete { .. }, reply) => {

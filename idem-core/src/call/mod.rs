@@ -14,6 +14,7 @@ mod steps;
 pub use batch::{Batch, CallGroup};
 pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
+use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
@@ -64,6 +65,8 @@ pub struct Call<'a> {
     fingerprint: Result<Option<Fingerprint>, Error>,
     /// The body undoes its effects when dropped: a cancelled call releases.
     release_on_cancel: bool,
+    /// The builder's, unless set for this call.
+    durability: Durability,
     /// Its places in a [`CallGroup`], if it is in one.
     tickets: Option<gather::Tickets>,
 }
@@ -79,8 +82,30 @@ impl<'a> Call<'a> {
             wait: inner.wait,
             fingerprint: Ok(None),
             release_on_cancel: false,
+            durability: inner.durability,
             tickets: None,
         }
+    }
+
+    /// This call's [`Durability`] (overrides the builder's): its claim,
+    /// its replay and its result are not reported before the store
+    /// confirms the copies asked for. A store that cannot give it fails
+    /// the call with [`Error::DurabilityUnsupported`] before anything is
+    /// sent.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use idem_core::Durability;
+    /// let d = Durability::replicated(1, std::time::Duration::from_millis(500));
+    /// let r: Result<u32, idem_core::Error> = idem.call("s", "k").durability(d).run(|| async { Ok(1) }).await;
+    /// // The MemoryStore has no copies to confirm: refused, body not run.
+    /// assert!(matches!(r, Err(idem_core::Error::DurabilityUnsupported { .. })));
+    /// # });
+    /// ```
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
+        self
     }
 
     /// How long this call's result is replayed (overrides the builder's `result_ttl`).
@@ -347,6 +372,10 @@ impl<'a> Call<'a> {
         // (30 s by default) yields to it.
         let lease = self.lease.unwrap_or(inner.lease.min(self.ttl));
         validate_ttl_lease(self.ttl, lease).map_err(Error::InvalidConfig)?;
+        if !self.durability.is_async() {
+            self.durability.validate()?;
+            inner.store.check_durability(self.durability)?;
+        }
         let key = self.key?;
         let fingerprint = self.fingerprint?;
         if !span.is_disabled() {
@@ -354,7 +383,11 @@ impl<'a> Call<'a> {
         }
         // A hit in the local cache needs no owner token and no clock: look
         // first, and draw them only for a call that goes to the store.
-        let cached = inner.cache.as_ref().and_then(|c| c.get(&key));
+        // A durable call confirms what it replays: never from the cache.
+        let cached = match &inner.cache {
+            Some(c) if self.durability.is_async() => c.get(&key),
+            _ => None,
+        };
         let (token, started) = match cached {
             Some(_) => (Token::UNUSED, None),
             None => (Token::random(), Some(Instant::now())),
@@ -374,7 +407,9 @@ impl<'a> Call<'a> {
             wait: self.wait,
             fingerprint,
             release_on_cancel: self.release_on_cancel,
-            tickets: self.tickets,
+            durability: self.durability,
+            // A batch's pipelines confirm nothing: a durable call goes alone.
+            tickets: self.tickets.filter(|_| self.durability.is_async()),
             steps: None,
         })
     }

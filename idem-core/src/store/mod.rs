@@ -39,6 +39,7 @@ pub use self::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, OnLast, nam
 pub use crate::key::failure_key;
 pub use crate::token::Token;
 
+use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use async_trait::async_trait;
@@ -546,6 +547,93 @@ pub trait Store: Send + Sync + 'static {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error>;
+
+    /// Whether this store can give `durability`: `Ok` for
+    /// [`Durability::Async`], else [`Error::DurabilityUnsupported`] saying
+    /// what is missing. Checked (without a round trip: a store learns what
+    /// its server can do when it connects) by
+    /// [`IdempotencyBuilder::try_build`](crate::IdempotencyBuilder::try_build)
+    /// and before every call that asks for durability. The default gives
+    /// only `Async`; a store that overrides it overrides
+    /// [`confirm`](Store::confirm) too.
+    ///
+    /// ```
+    /// use idem_core::{Durability, store::{MemoryStore, Store}};
+    /// let memory = MemoryStore::new();
+    /// assert!(memory.check_durability(Durability::Async).is_ok());
+    /// let d = Durability::replicated(1, std::time::Duration::from_secs(1));
+    /// assert!(matches!(memory.check_durability(d), Err(idem_core::Error::DurabilityUnsupported { .. })));
+    /// ```
+    fn check_durability(&self, durability: Durability) -> Result<(), Error> {
+        if durability.is_async() {
+            return Ok(());
+        }
+        Err(Error::DurabilityUnsupported {
+            reason: format!(
+                "the {} store keeps no copies it could confirm ({durability} was asked); use \
+                 Durability::Async with it, or RedisStore with replicas or an append-only file",
+                self.name()
+            ),
+        })
+    }
+
+    /// Waits until every write the store has applied to `key`'s primary so
+    /// far is as durable as `durability` asks: a fence that proves the copy
+    /// of a record this caller only **read** (a replay, a takeover), since
+    /// a replication stream is ordered. `Err(`[`Error::NotConfirmed`]`)`
+    /// when the copies did not confirm within the timeout. Called only
+    /// with a durability [`check_durability`](Store::check_durability)
+    /// accepted; the default refuses every durability but `Async`.
+    async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
+        let _ = key;
+        self.check_durability(durability)
+    }
+
+    /// [`claim`](Store::claim), not answering `Acquired` or `Completed`
+    /// before the claim written (or the record read) is as durable as
+    /// `durability` asks; `InProgress` and `Mismatch` report and are not
+    /// confirmed. Unconfirmed, it fails with [`Error::NotConfirmed`] (the
+    /// caller then releases its claim, by token). The default is `claim`
+    /// then [`confirm`](Store::confirm): two round trips, which a store
+    /// overrides to pipeline them (RedisStore: one).
+    async fn claim_durable(
+        &self,
+        claim: Claim<'_>,
+        durability: Durability,
+    ) -> Result<ClaimReply, Error> {
+        let reply = self.claim(claim).await?;
+        if !durability.is_async()
+            && matches!(
+                reply,
+                ClaimReply::Acquired { .. } | ClaimReply::Completed(_)
+            )
+        {
+            self.confirm(claim.key, durability).await?;
+        }
+        Ok(reply)
+    }
+
+    /// [`complete`](Store::complete), confirmed as `durability` asks.
+    /// A `Done` write whose copies were not confirmed in time is
+    /// `Err(`[`Error::NotConfirmed`]`)`: the result **is** on the primary
+    /// (the caller reports [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed)
+    /// and does not re-send). The default is `complete` then
+    /// [`confirm`](Store::confirm).
+    async fn complete_durable(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        let reply = self.complete(key, token, fingerprint, kind, value).await?;
+        if !durability.is_async() && reply.is_done() {
+            self.confirm(key, durability).await?;
+        }
+        Ok(reply)
+    }
 
     /// Whether [`complete_with_outbox`](Store::complete_with_outbox) writes
     /// outgoing messages with the result. Read before a body runs, so that

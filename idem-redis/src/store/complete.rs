@@ -62,6 +62,9 @@ pub(super) struct Kind {
     /// `name version` as `HELLO` reported it, or `unknown`.
     pub(super) describe: String,
     pub(super) complete: CompletePath,
+    /// Whether the server has `WAITAOF` (Redis and Valkey 7.2+), for
+    /// `Durability::Fsynced`.
+    pub(super) waitaof: bool,
 }
 
 impl Kind {
@@ -69,6 +72,7 @@ impl Kind {
         Kind {
             describe: "unknown".to_owned(),
             complete: CompletePath::Script,
+            waitaof: false,
         }
     }
 
@@ -79,6 +83,8 @@ impl Kind {
         let (Some(server), Some(version)) = (field("server"), field("version")) else {
             return Kind::unknown();
         };
+        let waitaof = version_at_least(&server, &version, "valkey", (7, 2))
+            || version_at_least(&server, &version, "redis", (7, 2));
         let complete = if has_set_ifeq(&server, &version) {
             CompletePath::SetIfEq
         } else {
@@ -87,6 +93,7 @@ impl Kind {
         Kind {
             describe: format!("{server} {version}"),
             complete,
+            waitaof,
         }
     }
 }
@@ -115,6 +122,16 @@ impl Server {
             kind: OnceCell::new_with(Some(kind)),
             pending: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether the server said (at connect) that it has `WAITAOF`.
+    pub(super) fn has_waitaof(&self) -> bool {
+        self.kind.get().is_some_and(|k| k.waitaof)
+    }
+
+    /// Whether the server was asked what it is.
+    pub(super) fn is_known(&self) -> bool {
+        self.kind.get().is_some()
     }
 
     fn path(&self) -> CompletePath {
@@ -200,11 +217,16 @@ pub(super) fn is_ok(reply: Option<&Value>) -> bool {
 
 /// `SET … IFEQ` exists from Valkey 8.1 and Redis 8.4.
 fn has_set_ifeq(server: &str, version: &str) -> bool {
-    let min = match server {
-        "valkey" => (8, 1),
-        "redis" => (8, 4),
-        _ => return false,
-    };
+    version_at_least(server, version, "valkey", (8, 1))
+        || version_at_least(server, version, "redis", (8, 4))
+}
+
+/// Whether `server` `version` (as `HELLO` says them) is `name` at `min`
+/// (major, minor) or later.
+fn version_at_least(server: &str, version: &str, name: &str, min: (u32, u32)) -> bool {
+    if server != name {
+        return false;
+    }
     let mut parts = version.split('.').map(str::parse::<u32>);
     match (parts.next(), parts.next()) {
         (Some(Ok(major)), Some(Ok(minor))) => (major, minor) >= min,
@@ -346,6 +368,16 @@ mod tests {
         assert_eq!(path("keydb", "9.9.9"), CompletePath::Script);
         assert_eq!(path("valkey", "eight"), CompletePath::Script);
         assert_eq!(Kind::from_hello(&Value::Nil).complete, CompletePath::Script);
+    }
+
+    #[test]
+    fn waitaof_from_redis_and_valkey_7_2() {
+        let waitaof = |server, version| Kind::from_hello(&hello(server, version)).waitaof;
+        assert!(waitaof("valkey", "8.1.8"));
+        assert!(waitaof("redis", "7.2.4"));
+        assert!(!waitaof("redis", "7.0.15"));
+        assert!(!waitaof("keydb", "9.9.9"));
+        assert!(!Kind::from_hello(&Value::Nil).waitaof);
     }
 
     #[test]

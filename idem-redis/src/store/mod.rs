@@ -4,6 +4,7 @@
 mod batch;
 mod complete;
 mod config;
+mod durable;
 mod notify;
 mod operate;
 pub(crate) mod outbox;
@@ -22,6 +23,7 @@ use self::reply::{
 };
 use self::scripts::{Lua, SCRIPTS, invocation};
 use async_trait::async_trait;
+use idem_core::Durability;
 use idem_core::Error;
 use idem_core::Fingerprint;
 use idem_core::store::Token;
@@ -68,6 +70,8 @@ pub struct RedisStore {
     /// Where outgoing messages go (`outbox::stage`): the keys' common
     /// prefix (outbox.rs).
     outbox: Arc<str>,
+    /// The connection durable calls wait on (durable.rs).
+    durable: Arc<durable::DurableConn>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -121,6 +125,7 @@ impl RedisStore {
             .set_response_timeout(Some(config.response_timeout))
             .set_number_of_retries(config.reconnect_retries)
             .set_max_delay(Duration::from_millis(500));
+        let durable = durable::DurableConn::single(client.clone(), &config);
         let manager = ConnectionManager::new_with_config(client, manager_config)
             .await
             .map_err(|e| classify("connect", e))?;
@@ -129,6 +134,7 @@ impl RedisStore {
             notifier: Some(Arc::new(notifier)),
             server: Arc::new(Server::unknown()),
             outbox: Arc::from(outbox::DEFAULT_PREFIX),
+            durable: Arc::new(durable),
         };
         store.load_scripts().await?;
         store.server = Arc::new(store.detect_server().await);
@@ -175,6 +181,7 @@ impl RedisStore {
             .max_retry_wait(500)
             .build()
             .map_err(bad_url)?;
+        let durable = durable::DurableConn::cluster(urls, &config)?;
         let conn = client
             .get_async_connection()
             .await
@@ -184,6 +191,7 @@ impl RedisStore {
             notifier: Some(Arc::new(notifier)),
             server: Arc::new(Server::unknown()),
             outbox: Arc::from(outbox::DEFAULT_PREFIX),
+            durable: Arc::new(durable),
         };
         store.server = Arc::new(store.detect_server().await);
         Ok(store)
@@ -192,7 +200,10 @@ impl RedisStore {
     /// Wraps a `ConnectionManager` you configured yourself. Such a store
     /// has no URL to open a subscriber connection with: its waiters poll
     /// and its `forget`s reach no other process's local cache (use
-    /// [`connect`](RedisStore::connect) for both).
+    /// [`connect`](RedisStore::connect) for both). Its durable calls
+    /// (`Durability`) wait on this same connection, so other calls queue
+    /// behind their `WAIT`s, and it refuses `Durability::Fsynced` (it never
+    /// asked the server whether it has `WAITAOF`).
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -207,6 +218,9 @@ impl RedisStore {
             notifier: None,
             server: Arc::new(Server::unknown()),
             outbox: Arc::from(outbox::DEFAULT_PREFIX),
+            durable: Arc::new(durable::DurableConn::shared(
+                RedisStoreConfig::default().response_timeout,
+            )),
         }
     }
 
@@ -225,6 +239,9 @@ impl RedisStore {
             notifier: None,
             server: Arc::new(Server::unknown()),
             outbox: Arc::from(outbox::DEFAULT_PREFIX),
+            durable: Arc::new(durable::DurableConn::shared(
+                RedisStoreConfig::default().response_timeout,
+            )),
         }
     }
 
@@ -286,29 +303,80 @@ impl RedisStore {
         cmd: &Cmd,
     ) -> Result<Value, Error> {
         let reply = match self.send(cmd).await {
-            Err(e) if is_noscript(&e) => {
-                let loaded = match &self.conn {
-                    Conn::Single(c) => lua.script.load_async(&mut c.clone()).await.map(drop),
-                    // To the key's own primary only: redis-rs sends a plain
-                    // SCRIPT LOAD to every primary, which fails while any
-                    // one of them is down, healthy slots included.
-                    Conn::Cluster(c) => {
-                        let mut load = redis::cmd("SCRIPT");
-                        load.arg("LOAD").arg(lua.source);
-                        let node = Route::with_key(key, SlotAddr::Master);
-                        let routing =
-                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
-                        c.clone().route_command(load, routing).await.map(drop)
-                    }
-                };
-                match loaded {
-                    Ok(()) => self.send(cmd).await,
-                    Err(e) => Err(e),
-                }
-            }
+            Err(e) if is_noscript(&e) => match self.reload(lua, key).await {
+                Ok(()) => self.send(cmd).await,
+                Err(e) => Err(e),
+            },
             other => other,
         };
         reply.map_err(|e| classify(op, e))
+    }
+
+    /// Loads `lua` again on `key`'s node, after a `NOSCRIPT`.
+    async fn reload(&self, lua: &Lua, key: &str) -> Result<(), RedisError> {
+        match &self.conn {
+            Conn::Single(c) => lua.script.load_async(&mut c.clone()).await.map(drop),
+            // To the key's own primary only: redis-rs sends a plain
+            // SCRIPT LOAD to every primary, which fails while any
+            // one of them is down, healthy slots included.
+            Conn::Cluster(c) => {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(lua.source);
+                let node = Route::with_key(key, SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                c.clone().route_command(load, routing).await.map(drop)
+            }
+        }
+    }
+
+    /// The `complete` script's command for `token`'s record.
+    fn complete_script_cmd(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Cmd {
+        let record = CompletedRecord {
+            kind,
+            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
+            value,
+        };
+        let lua = &SCRIPTS.complete;
+        let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + 3 + 16 + value.len());
+        cmd.arg(token.as_bytes().as_slice()).arg(record);
+        cmd
+    }
+
+    /// A claim as [`Store::claim`] answers it, without durability.
+    async fn claim_plain(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
+        let (record, ttl) = batch::pending_record(&claim);
+        match self.set_nx_get(&claim, &record, ttl).await {
+            Ok((None, _)) => {
+                self.server.remember(&record);
+                Ok(ClaimReply::Acquired { attempt: 1 })
+            }
+            Ok((Some(found), pttl)) => match record::decode(found, pttl)? {
+                // Someone holds it, or held it and stopped (a takeover), or
+                // it is our own claim re-sent: the script decides atomically.
+                Record::Pending(_) => self.claim_contended(&claim, record, ttl).await,
+                completed => answer_found(completed, &claim, pttl)
+                    .ok_or_else(|| protocol("claim", &Value::Nil)),
+            },
+            // A full Redis refuses the write before it runs, but the record
+            // there still answers every case that needs no write: a
+            // completed record replays, a live holder is InProgress (not
+            // "unavailable": with FailMode::Open that would run the body
+            // beside it). Only an absent record or an expired lease, which
+            // need a write, keep the OOM error for the fail mode to decide.
+            Err(e) if is_oom(&e) => match self.read_record(claim.key).await {
+                Some((Ok(found), pttl)) => answer_found(found, &claim, pttl).ok_or(e),
+                Some((Err(corrupt), _)) => Err(corrupt),
+                None => Err(e),
+            },
+            Err(e) => Err(e),
+        }
     }
 
     /// The common paths of a claim as one plain command, no script:
@@ -391,32 +459,45 @@ impl Store for RedisStore {
     }
 
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        let (record, ttl) = batch::pending_record(&claim);
-        match self.set_nx_get(&claim, &record, ttl).await {
-            Ok((None, _)) => {
-                self.server.remember(&record);
-                Ok(ClaimReply::Acquired { attempt: 1 })
-            }
-            Ok((Some(found), pttl)) => match record::decode(found, pttl)? {
-                // Someone holds it, or held it and stopped (a takeover), or
-                // it is our own claim re-sent: the script decides atomically.
-                Record::Pending(_) => self.claim_contended(&claim, record, ttl).await,
-                completed => answer_found(completed, &claim, pttl)
-                    .ok_or_else(|| protocol("claim", &Value::Nil)),
-            },
-            // A full Redis refuses the write before it runs, but the record
-            // there still answers every case that needs no write: a
-            // completed record replays, a live holder is InProgress (not
-            // "unavailable": with FailMode::Open that would run the body
-            // beside it). Only an absent record or an expired lease, which
-            // need a write, keep the OOM error for the fail mode to decide.
-            Err(e) if is_oom(&e) => match self.read_record(claim.key).await {
-                Some((Ok(found), pttl)) => answer_found(found, &claim, pttl).ok_or(e),
-                Some((Err(corrupt), _)) => Err(corrupt),
-                None => Err(e),
-            },
-            Err(e) => Err(e),
+        self.claim_plain(claim).await
+    }
+
+    fn check_durability(&self, durability: Durability) -> Result<(), Error> {
+        self.can_give(durability)
+    }
+
+    async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
+        if durability.is_async() {
+            return Ok(());
         }
+        self.confirm_key(key, durability).await
+    }
+
+    async fn claim_durable(
+        &self,
+        claim: Claim<'_>,
+        durability: Durability,
+    ) -> Result<ClaimReply, Error> {
+        if durability.is_async() {
+            return self.claim_plain(claim).await;
+        }
+        self.claim_confirmed(claim, durability).await
+    }
+
+    async fn complete_durable(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        if durability.is_async() {
+            return self.complete(key, token, fingerprint, kind, value).await;
+        }
+        self.complete_confirmed(key, token, fingerprint, kind, value, durability)
+            .await
     }
 
     async fn complete(
@@ -430,14 +511,8 @@ impl Store for RedisStore {
         if let Some(done) = self.complete_plain(key, token, kind, value).await {
             return done;
         }
-        let record = CompletedRecord {
-            kind,
-            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
-            value,
-        };
+        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
         let lua = &SCRIPTS.complete;
-        let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + 3 + 16 + value.len());
-        cmd.arg(token.as_bytes().as_slice()).arg(record);
         parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
     }
 

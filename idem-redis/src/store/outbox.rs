@@ -97,6 +97,14 @@ static SLOT_TAGS: LazyLock<HashMap<Slot, String>> = LazyLock::new(|| {
     tags
 });
 
+/// A short tag that hashes to `key`'s slot (`{tag}` puts another key on
+/// that slot): the outbox streams' and the durability fences'.
+pub(crate) fn slot_tag(key: &str) -> &'static str {
+    SLOT_TAGS
+        .get(&Slot::for_key(key.as_bytes()))
+        .map_or("0", String::as_str)
+}
+
 fn base36(mut n: u64) -> String {
     const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
     let mut out = Vec::new();
@@ -156,13 +164,10 @@ impl RedisStore {
         if !self.is_cluster() {
             return StreamKeys::single(&self.outbox);
         }
-        let slot = Slot::for_key(record_key.as_bytes());
-        match SLOT_TAGS.get(&slot) {
-            Some(tag) => StreamKeys::tagged(&self.outbox, tag),
-            // Unreachable (every slot has a tag); the script then refuses
-            // the cross-slot keys and nothing is written.
-            None => StreamKeys::tagged(&self.outbox, "0"),
-        }
+        // Every slot has a tag; were one missing, "0" would put the stream
+        // on another slot, and the script would refuse the cross-slot keys
+        // and write nothing.
+        StreamKeys::tagged(&self.outbox, slot_tag(record_key))
     }
 
     /// One command on this store's connection (routed by its key on a
