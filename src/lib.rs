@@ -74,7 +74,9 @@
 //! by default; re-exported as [`redis`], and its store as [`RedisStore`]).
 //! With feature `client`, [`client`] is a retrying HTTP client that keeps
 //! one key per operation; with feature `http`, [`http`] is a tower layer
-//! giving axum services `Idempotency-Key` semantics.
+//! giving axum services `Idempotency-Key` semantics; with feature `grpc`,
+//! [`grpc`] runs tonic services' unary RPCs once per key and replays their
+//! answers, and its `client` resends one key per operation.
 
 /// `#[idem::async_trait]`: implements a trait with `async fn`s, such as
 /// [`outbox::Sink`], with no `async-trait` dependency of your own.
