@@ -99,6 +99,14 @@ where
             let call = inner.call(request);
             return Box::pin(async move { call.await.map(|r| r.map(Body::new)) });
         };
+        if matches!(method.key, KeySource::Metadata)
+            && !cfg.require_key
+            && !request.headers().contains_key(IDEMPOTENCY_KEY)
+        {
+            // No key and none required: not buffered, not claimed.
+            let call = inner.call(request);
+            return Box::pin(async move { call.await.map(|r| r.map(Body::new)) });
+        }
         let idem = self.idem.clone();
         Box::pin(protect(inner, idem, cfg, method, request))
     }

@@ -215,3 +215,31 @@ async fn each_credential_has_its_own_key_space() {
     assert!(!b.replayed());
     assert_eq!(server.ledger.count("t"), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_key_a_declared_method_runs_unprotected_unless_a_key_is_required() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-nokey");
+    let optional = TestServer::start(
+        IdempotencyLayer::new(ctx.idem()).unary(CREATE_PAYMENT),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let mut client = optional.client().await;
+    for run in 1..=2u64 {
+        let r = client.create_payment(payment(7)).await.unwrap();
+        assert_eq!(r.get_ref().run, run);
+    }
+    let required = TestServer::start(
+        IdempotencyLayer::new(ctx.idem())
+            .unary(CREATE_PAYMENT)
+            .require_key(true),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let mut client = required.client().await;
+    let s = client.create_payment(payment(7)).await.unwrap_err();
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert_eq!(slug(&s).as_deref(), Some("missing-key"));
+    assert!(s.message().contains("idempotency-key"), "{s:?}");
+    assert_eq!(ctx.ledger().total(), 2);
+}
