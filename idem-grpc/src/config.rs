@@ -99,6 +99,7 @@ pub(crate) enum Refusal {
     KeyReused,
     ResponseNotKept,
     StoreUnavailable,
+    StoreNotConfirmed,
     HandlerPanicked,
     ResponseFailed,
     Internal,
@@ -117,6 +118,7 @@ impl Refusal {
             Refusal::KeyReused => "key-reused",
             Refusal::ResponseNotKept => "response-not-kept",
             Refusal::StoreUnavailable => "store-unavailable",
+            Refusal::StoreNotConfirmed => "store-not-confirmed",
             Refusal::HandlerPanicked => "handler-panicked",
             Refusal::ResponseFailed => "response-failed",
             Refusal::Internal => "internal-error",
@@ -132,7 +134,7 @@ impl Refusal {
             Refusal::RequestTooLarge => Code::ResourceExhausted,
             Refusal::KeyInUse => Code::Aborted,
             Refusal::KeyReused | Refusal::ResponseNotKept => Code::FailedPrecondition,
-            Refusal::StoreUnavailable => Code::Unavailable,
+            Refusal::StoreUnavailable | Refusal::StoreNotConfirmed => Code::Unavailable,
             Refusal::HandlerPanicked | Refusal::ResponseFailed | Refusal::Internal => {
                 Code::Internal
             }
@@ -142,7 +144,10 @@ impl Refusal {
     /// Whether the answer carries the retry hint: only when retrying with
     /// the same key can succeed soon.
     fn pushback(self) -> bool {
-        matches!(self, Refusal::KeyInUse | Refusal::StoreUnavailable)
+        matches!(
+            self,
+            Refusal::KeyInUse | Refusal::StoreUnavailable | Refusal::StoreNotConfirmed
+        )
     }
 }
 

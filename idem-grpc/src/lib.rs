@@ -63,6 +63,7 @@
 //! | same key, processed but answer not kept (a stream, or over [`max_response_bytes`](IdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` (`response-not-kept`) |
 //! | same key, another request message (or method, under a shared scope) | `FAILED_PRECONDITION` (`key-reused`) |
 //! | store unreachable | `UNAVAILABLE` (`store-unavailable`) with `grpc-retry-pushback-ms`; the handler does not run (the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
+//! | the store did not confirm the call (a `Durability` the runtime asked for, a lease lost) | `UNAVAILABLE` (`store-not-confirmed`) with `grpc-retry-pushback-ms`; retry with the same key |
 //! | handler panics, or its reply fails | `INTERNAL` (`handler-panicked`, `response-failed`); the key is released |
 //! | handler answers an error status not opted in | that answer as it is; the key is released, a retry runs the handler again |
 //!

@@ -658,6 +658,18 @@ fn idem_error(e: Error, cfg: &Config) -> Response<Body> {
             )
         }
         Error::InvalidKey(k) => refuse(cfg, Refusal::InvalidKey, &k.to_string()),
+        // The others a retry with the same key can get past: the runtime's
+        // durability not confirmed, a lease lost, a conflicting write.
+        other if other.is_retryable() => {
+            tracing::warn!(error = %other, "idempotency store did not confirm the call: UNAVAILABLE");
+            refuse(
+                cfg,
+                Refusal::StoreNotConfirmed,
+                &format!(
+                    "the idempotency store did not confirm this call ({other}); retry later with the same key"
+                ),
+            )
+        }
         other => {
             tracing::error!(error = %other, "idempotency layer failure: INTERNAL");
             refuse(
