@@ -467,3 +467,84 @@ async fn fsynced_is_refused_where_the_server_cannot_give_it() {
     }
     assert_eq!(ran.count("aof-off"), 0);
 }
+
+/// On a cluster the durable pipeline (write, fence, wait) goes to the
+/// key's own primary: a shard given a replica confirms its keys, the
+/// shards without one refuse theirs (`NotConfirmed`, body not run). A
+/// fence on another slot would be refused (`MOVED`) and confirm nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_each_key_is_confirmed_by_its_own_shard() {
+    let cluster = idem_testkit::RedisCluster::start();
+    // One replica, for node 0's shard only.
+    let replica = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "2000",
+        SYNC_AT_ONCE[0],
+        SYNC_AT_ONCE[1],
+    ]);
+    let primary = &cluster.nodes()[0];
+    let port = primary.port().to_string();
+    assert_eq!(replica.cli(&["CLUSTER", "MEET", "127.0.0.1", &port]), "OK");
+    let id = primary.cli(&["CLUSTER", "MYID"]);
+    // Once node 0 is known to it (gossip), and only once: each
+    // REPLICATE starts the synchronisation over.
+    eventually("the replica knows node 0", DEADLINE, || async {
+        (replica.cli(&["CLUSTER", "REPLICATE", &id]) == "OK").then_some(())
+    })
+    .await;
+    eventually("the replica follows node 0", DEADLINE, || async {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+            .then_some(())
+    })
+    .await;
+    let urls = cluster.urls();
+    let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let store = RedisStore::connect_cluster(&refs).await.expect("connect");
+    let idem = Idempotency::builder(store)
+        .namespace("durable")
+        .durability(Durability::replicated(1, Duration::from_millis(300)))
+        .try_build()
+        .expect("Redis gives WAIT");
+    let ledger = Ledger::new();
+    let (mut confirmed, mut refused) = (0, 0);
+    for i in 0..24 {
+        let key = format!("order-{i}");
+        let on_replicated_shard = cluster.slot_owner(&format!("durable:charge:{key}")) == 0;
+        let (body_key, body_ledger) = (key.clone(), ledger.clone());
+        let r = idem
+            .call("charge", &key)
+            .run_outcome(|| async move {
+                body_ledger.record(&body_key);
+                Ok::<_, Error>(1u8)
+            })
+            .await;
+        if on_replicated_shard {
+            assert!(matches!(r, Ok((1, Outcome::Executed))), "{key}: {r:?}");
+            assert_eq!(ledger.count(&key), 1);
+            // And its replay is confirmed there too (the fence's slot).
+            let again = idem
+                .call("charge", &key)
+                .run_outcome(|| async { Ok::<_, Error>(2u8) })
+                .await;
+            assert!(
+                matches!(again, Ok((1, Outcome::Replayed))),
+                "{key}: {again:?}"
+            );
+            confirmed += 1;
+        } else {
+            assert!(
+                matches!(r, Err(Error::NotConfirmed { op: "claim", .. })),
+                "{key}: {r:?}"
+            );
+            assert_eq!(ledger.count(&key), 0);
+            refused += 1;
+        }
+    }
+    assert!(confirmed > 0 && refused > 0, "{confirmed} {refused}");
+}
