@@ -51,7 +51,8 @@ pub enum Durability {
     },
     /// Reported once it is fsynced to the append-only file of the primary
     /// (`local`) and of at least `replicas` replicas (Redis `WAITAOF`,
-    /// Redis 7.2+ / Valkey 8.1+, `appendonly yes`).
+    /// Redis 7.2+ / Valkey 7.2+, `appendonly yes`; an older server is
+    /// refused with [`Error::DurabilityUnsupported`]).
     Fsynced {
         /// Whether the primary's own append-only file must have it.
         local: bool,

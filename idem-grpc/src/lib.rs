@@ -39,6 +39,13 @@
 //! # let _ = layer;
 //! ```
 //!
+//! The request types and `PaymentsServer` are your `.proto`'s code as
+//! `tonic-prost-build` generates it, in a build script
+//! (`tonic_prost_build::compile_protos`, which needs `protoc`, or
+//! `protox::compile` then `compile_fds` without it) included with
+//! `tonic::include_proto!("<package>")`; docs/grpc.md has the build script.
+//! `Server` is `tonic::transport::Server`.
+//!
 //! ## What the layer does
 //!
 //! It sees each call as HTTP/2 (`Server::builder().layer(..)`): the method
