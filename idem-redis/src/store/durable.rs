@@ -220,6 +220,13 @@ fn judge_wait(
                 ),
             })
         }
+        // Refused otherwise (the ACL, most likely): nothing confirmed.
+        (_, Value::ServerError(e)) => Err(Error::not_confirmed(
+            op,
+            format!(
+                "the server refused the wait ({e:?}); grant the service's Redis user +wait (Replicated) or +waitaof (Fsynced) (docs/operating.md, Redis ACL)"
+            ),
+        )),
         (_, other) => Err(protocol(op, other)),
     }
 }
