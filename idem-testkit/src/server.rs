@@ -87,7 +87,7 @@ impl RedisServer {
         Self::start_binary(None, extra_args)
     }
 
-    /// Starts Valkey 8.1+ (whatever [`SERVER_ENV`] says), for tests that
+    /// Starts Valkey (the binary [`valkey_server`] finds: [`VALKEY_ENV`], else `cargo xtask setup`'s), for tests that
     /// need what Redis 7.0 lacks (`WAITAOF`), with `extra_args`.
     ///
     /// # Panics
