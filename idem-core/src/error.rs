@@ -228,13 +228,17 @@ pub enum Error {
     /// not run and the claim was released; for a replay the stored value
     /// was not returned: it may not survive a failover yet.
     #[error(
-        "the {op} was not confirmed durable in time: {reason}; the body did not run (a claim is \
-         released) — retry with the same key, and check the replicas (INFO replication) or \
-         raise the durability timeout"
+        "the {op} was not confirmed durable in time: {reason}; the body did not run (a won \
+         claim is released, a stored answer found is not returned) — retry with the same key, \
+         and check the replicas (INFO replication) or raise the durability timeout"
     )]
     #[non_exhaustive]
     NotConfirmed {
-        /// `claim` (a won claim or a replay) or `complete`.
+        /// `claim` (a won claim or a replay), or `confirm` (a confirmation
+        /// sent on its own, after a contended claim). A store's `complete` may
+        /// answer it too, but a call turns an unconfirmed result into
+        /// [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed): users
+        /// see this error only for claims.
         op: &'static str,
         /// What the store confirmed against what was asked.
         reason: String,

@@ -400,6 +400,45 @@ async fn key_outside_the_pattern_is_refused() {
     assert_eq!(server.cli(&["EXISTS", "orders:create:k"]), "0");
 }
 
+/// A durable call needs `+wait` (docs/operating.md): without it the call is
+/// refused as a configuration error naming the grant (not a retryable
+/// outage a worker would retry forever), its body does not run and its
+/// claim is released.
+#[tokio::test]
+async fn durable_calls_without_wait_are_refused_with_the_grant_to_add() {
+    let server = RedisServer::start();
+    set_user(&server, MINIMAL);
+    let store = RedisStore::connect(&user_url(&server)).await.unwrap();
+    let idem = Idempotency::builder(store)
+        .namespace("payments")
+        .durability(idem::Durability::replicated(1, Duration::from_millis(300)))
+        .build();
+    let runs = Runs::default();
+    let refused: Result<u8, Error> = idem.call("charge", "k").run(|| runs.body(1)).await;
+    match refused {
+        Err(ref e @ Error::DurabilityUnsupported { ref reason, .. }) => {
+            assert!(!e.is_retryable(), "{e}");
+            assert!(reason.contains("+wait"), "{reason}");
+            assert!(reason.contains("Redis ACL"), "{reason}");
+        }
+        other => panic!("expected DurabilityUnsupported naming +wait, got {other:?}"),
+    }
+    assert_eq!(runs.get(), 0, "the body of a refused durable call ran");
+    assert_eq!(
+        server.cli(&["EXISTS", "payments:charge:k"]),
+        "0",
+        "the refused claim was not released"
+    );
+    // The same user without durability is unaffected.
+    let ok: u8 = idem
+        .call("charge", "k")
+        .durability(idem::Durability::Async)
+        .run(|| runs.body(2))
+        .await
+        .unwrap();
+    assert_eq!((ok, runs.get()), (2, 1));
+}
+
 // ------------------------------------------------------------- logging ---
 
 /// Runs every logging path once (executed, replayed, in progress,

@@ -162,6 +162,14 @@ fn wait_cmd(durability: Durability) -> Cmd {
     }
 }
 
+/// The command [`wait_cmd`] sends for `durability`, for messages.
+fn wait_name(durability: Durability) -> &'static str {
+    match durability {
+        Durability::Fsynced { .. } => "WAITAOF",
+        _ => "WAIT",
+    }
+}
+
 /// What the fence and the wait answered: `Ok` when the copies asked for
 /// confirmed.
 fn judge_wait(
@@ -170,13 +178,28 @@ fn judge_wait(
     fence: &Value,
     wait: &Value,
 ) -> Result<(), Error> {
+    // A refusal by the ACL is configuration: no retry can get past it, so
+    // it is not `NotConfirmed` (retryable) but `DurabilityUnsupported`.
     if let Value::ServerError(e) = fence {
-        return Err(Error::not_confirmed(
-            op,
-            format!(
-                "the fence write was refused ({e:?}); grant the service's Redis user SET on `<namespace>::fence*` keys (docs/operating.md, Redis ACL)"
+        return Err(if e.code() == "NOPERM" {
+            Error::DurabilityUnsupported {
+                reason: format!(
+                    "the Redis user may not write the durability fence ({e:?}): grant it SET on `<namespace>::fence*` keys (docs/operating.md, Redis ACL), or ask Durability::Async"
+                ),
+            }
+        } else {
+            Error::not_confirmed(op, format!("the fence write was refused ({e:?})"))
+        });
+    }
+    if let Value::ServerError(e) = wait
+        && e.code() == "NOPERM"
+    {
+        return Err(Error::DurabilityUnsupported {
+            reason: format!(
+                "the Redis user may not run {} ({e:?}): grant it `+wait` (`+waitaof` for Durability::Fsynced; docs/operating.md, Redis ACL), or ask Durability::Async",
+                wait_name(durability)
             ),
-        ));
+        });
     }
     let timeout = durability.timeout();
     match (durability, wait) {
