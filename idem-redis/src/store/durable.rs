@@ -243,12 +243,11 @@ fn judge_wait(
                 ),
             })
         }
-        // Refused otherwise (the ACL, most likely): nothing confirmed.
+        // Refused for another reason (the ACL's NOPERM is answered above):
+        // nothing confirmed.
         (_, Value::ServerError(e)) => Err(Error::not_confirmed(
             op,
-            format!(
-                "the server refused the wait ({e:?}); grant the service's Redis user +wait (Replicated) or +waitaof (Fsynced) (docs/operating.md, Redis ACL)"
-            ),
+            format!("the server refused the wait ({e:?})"),
         )),
         (_, other) => Err(protocol(op, other)),
     }
