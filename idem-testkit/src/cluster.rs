@@ -1,4 +1,4 @@
-//! A real Redis cluster of three masters.
+//! A real Redis cluster of three masters, with or without a replica each.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -9,7 +9,8 @@ use crate::{RedisServer, redis_binaries};
 
 /// Number of hash slots in a Redis cluster.
 pub const CLUSTER_SLOTS: u16 = 16384;
-const NODES: usize = 3;
+/// Masters (shards) of every cluster.
+const MASTERS: usize = 3;
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(30);
 const NODE_ARGS: &[&str] = &[
     "--cluster-enabled",
@@ -74,6 +75,9 @@ fn crc16(bytes: &[u8]) -> u16 {
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// Replicas per master: 0 ([`RedisCluster::start`]) or 1
+    /// ([`RedisCluster::start_with_replicas`]).
+    replicas: usize,
 }
 
 impl RedisCluster {
@@ -87,14 +91,35 @@ impl RedisCluster {
     /// When a node does not start, `redis-cli --cluster create` fails, or
     /// the cluster is not healthy in time; the message says why.
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..NODES)
-            .map(|_| RedisServer::start_with(NODE_ARGS))
+        Self::create(0)
+    }
+
+    /// Starts a cluster of three masters with one replica each: six nodes,
+    /// joined with `redis-cli --cluster create ... --cluster-replicas 1`
+    /// (nodes 0 to 2 start as the masters, 3 to 5 as their replicas; after
+    /// a [`RedisCluster::fail_over`] the roles move), each replica sending
+    /// its data at once (`--repl-diskless-sync-delay 0`). Waits until the
+    /// cluster is healthy, every replica's link to its master is up and
+    /// every master counts its replica online (at most about 30 s).
+    ///
+    /// # Panics
+    ///
+    /// As [`RedisCluster::start`].
+    pub fn start_with_replicas() -> RedisCluster {
+        Self::create(1)
+    }
+
+    fn create(replicas: usize) -> RedisCluster {
+        let mut args: Vec<&str> = NODE_ARGS.to_vec();
+        args.extend(["--repl-diskless-sync-delay", "0"]);
+        let nodes: Vec<RedisServer> = (0..MASTERS * (1 + replicas))
+            .map(|_| RedisServer::start_with(&args))
             .collect();
         let addrs: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
         let output = Command::new(&redis_binaries().cli)
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output()
             .unwrap_or_else(|e| panic!("idem-testkit: cannot run redis-cli --cluster create: {e}"));
@@ -110,18 +135,155 @@ impl RedisCluster {
                 output.status
             );
         }
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster { nodes, replicas };
         cluster.wait_healthy();
         cluster
     }
 
-    /// The URLs of the three nodes (`redis://127.0.0.1:PORT/`), e.g. for
+    /// The indices of the nodes that are masters now, in the order of the
+    /// slots they serve (the master of slot 0 first), according to the
+    /// first running node.
+    ///
+    /// # Panics
+    ///
+    /// When no node is running.
+    pub fn primaries(&self) -> Vec<usize> {
+        let mut masters: Vec<(u16, usize)> = self
+            .view()
+            .iter()
+            .filter(|l| !l.slots.is_empty())
+            .filter_map(|l| Some((l.slots[0].0, self.index_of_port(l.port)?)))
+            .collect();
+        masters.sort_unstable();
+        masters.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// For each of the 16384 slots, the index of the node serving it,
+    /// according to the first running node.
+    ///
+    /// # Panics
+    ///
+    /// When no node is running or a slot has no master.
+    pub fn slot_owners(&self) -> Vec<usize> {
+        let mut owners = vec![usize::MAX; usize::from(CLUSTER_SLOTS)];
+        for line in self.view() {
+            let Some(i) = self.index_of_port(line.port) else {
+                continue;
+            };
+            for (lo, hi) in line.slots {
+                owners[usize::from(lo)..=usize::from(hi)].fill(i);
+            }
+        }
+        if let Some(slot) = owners.iter().position(|&o| o == usize::MAX) {
+            panic!("idem-testkit: no node serves slot {slot}");
+        }
+        owners
+    }
+
+    /// Fails over the shard of master `i` the hard way, on a cluster
+    /// started with [`RedisCluster::start_with_replicas`]: SIGKILLs node
+    /// `i`, makes its replica take over at once (`CLUSTER FAILOVER
+    /// TAKEOVER`: no agreement of the dead master needed), starts node `i`
+    /// again on its port and `nodes.conf` (empty: there is no persistence)
+    /// so it rejoins as the new master's replica, and waits until the
+    /// cluster is healthy again (see [`RedisCluster::wait_healthy`]: every
+    /// slot served by a reachable master, each with its replica in sync).
+    /// Returns the index of the new master.
+    ///
+    /// It takes `&mut self` (the restart): move the cluster into a
+    /// blocking task to keep clients running during the failover.
+    ///
+    /// # Panics
+    ///
+    /// When node `i` is not a master with a replica, the takeover is
+    /// refused, or the cluster does not heal in time.
+    pub fn fail_over(&mut self, i: usize) -> usize {
+        let view = self.view();
+        let port = self.nodes[i].port();
+        let master = view
+            .iter()
+            .find(|l| l.port == port && l.flags.iter().any(|f| f == "master"))
+            .unwrap_or_else(|| panic!("idem-testkit: node {i} is not a master"));
+        let replica = view
+            .iter()
+            .find(|l| l.master == master.id)
+            .and_then(|l| self.index_of_port(l.port))
+            .unwrap_or_else(|| panic!("idem-testkit: master {i} has no replica"));
+        let master_id = master.id.clone();
+        self.nodes[i].kill();
+        query_ok(
+            self.nodes[replica].port(),
+            &["CLUSTER", "FAILOVER", "TAKEOVER"],
+        );
+        // The replica has bumped its epoch and claims the slots: wait until
+        // it calls itself a master before the old one comes back, so the
+        // old one learns at once that it lost its slots.
+        let deadline = Instant::now() + HEALTHY_TIMEOUT;
+        let replica_port = self.nodes[replica].port();
+        while !query_string(replica_port, &["INFO", "replication"]).contains("role:master") {
+            assert!(
+                Instant::now() < deadline,
+                "idem-testkit: node {replica} did not take over from node {i}:\n{}",
+                self.nodes[replica].log_tail(15)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.nodes[i].restart();
+        let new_id = query_string(replica_port, &["CLUSTER", "MYID"]);
+        let nudge_at = Instant::now() + Duration::from_secs(10);
+        let mut nudged = false;
+        loop {
+            if self.health().is_ok() {
+                return replica;
+            }
+            // The old master turns into a replica of the owner of its
+            // slots by itself (gossip); if it is still an empty master
+            // after a while, tell it, once (each REPLICATE starts the
+            // synchronisation over).
+            if !nudged && Instant::now() >= nudge_at && self.is_empty_master(i, &master_id) {
+                nudged = true;
+                let _ = try_query(self.nodes[i].port(), &["CLUSTER", "REPLICATE", &new_id]);
+            }
+            if Instant::now() >= deadline {
+                // Panics with the reason and the logs, or returns if the
+                // cluster heals after all.
+                self.wait_healthy();
+                return replica;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Whether node `i`, still with id `id`, calls itself a master of no slot.
+    fn is_empty_master(&self, i: usize, id: &str) -> bool {
+        let Ok(nodes) = try_query(self.nodes[i].port(), &["CLUSTER", "NODES"]) else {
+            return false;
+        };
+        parse_nodes(&nodes).iter().any(|l| {
+            l.id == id
+                && l.slots.is_empty()
+                && l.flags.iter().any(|f| f == "myself")
+                && l.flags.iter().any(|f| f == "master")
+        })
+    }
+
+    /// `CLUSTER NODES` of the first running node, parsed.
+    fn view(&self) -> Vec<NodeLine> {
+        let viewer = self
+            .nodes
+            .iter()
+            .find(|n| n.is_running())
+            .expect("idem-testkit: no cluster node is running");
+        parse_nodes(&query_string(viewer.port(), &["CLUSTER", "NODES"]))
+    }
+
+    /// The URLs of the nodes (`redis://127.0.0.1:PORT/`), e.g. for
     /// [`redis::cluster::ClusterClient::new`].
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
-    /// The three nodes.
+    /// The nodes (three, or six with [`RedisCluster::start_with_replicas`]).
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
@@ -130,7 +292,7 @@ impl RedisCluster {
     ///
     /// # Panics
     ///
-    /// When `i >= 3`.
+    /// When `i` is not a node's index.
     pub fn node_mut(&mut self, i: usize) -> &mut RedisServer {
         &mut self.nodes[i]
     }
@@ -150,8 +312,12 @@ impl RedisCluster {
 
     /// Waits (at most about 30 s) until every node reports
     /// `cluster_state:ok` with all 16384 slots served, knows exactly the
-    /// three nodes, sees them all as connected masters without any `fail`
-    /// flag, and agrees with the others on which master owns which slots.
+    /// cluster's nodes, sees them all connected without any `fail` flag,
+    /// sees three masters serving slots (every other node the replica of
+    /// one, each master with as many as the cluster was started with), and
+    /// agrees with the others on which master owns which slots; and, with
+    /// replicas, every replica's link to its master is up and every master
+    /// counts its replicas online (so `WAIT` can be satisfied).
     ///
     /// # Panics
     ///
@@ -220,9 +386,13 @@ impl RedisCluster {
     ///
     /// # Panics
     ///
-    /// When `to >= 3`, `slot >= 16384`, or a step fails.
+    /// When `to` is not a master, `slot >= 16384`, or a step fails.
     pub fn migrate_slot(&self, slot: u16, to: usize) {
-        assert!(to < NODES, "idem-testkit: no cluster node {to}");
+        let masters = self.primaries();
+        assert!(
+            masters.contains(&to),
+            "idem-testkit: node {to} is not a master"
+        );
         assert!(slot < CLUSTER_SLOTS, "idem-testkit: no slot {slot}");
         let from = self.slot_owner_of(slot);
         if from == to {
@@ -262,7 +432,7 @@ impl RedisCluster {
                 .query::<String>(&mut source)
                 .unwrap_or_else(|e| panic!("idem-testkit: MIGRATE of slot {slot}: {e}"));
         }
-        let others = (0..NODES).filter(|&i| i != from && i != to);
+        let others = masters.into_iter().filter(|&i| i != from && i != to);
         for i in [to, from].into_iter().chain(others) {
             query_ok(
                 self.nodes[i].port(),
@@ -277,6 +447,7 @@ impl RedisCluster {
 
     /// `Ok` when the cluster is healthy (see `wait_healthy`), else why not.
     fn health(&self) -> Result<(), String> {
+        let known = format!("cluster_known_nodes:{}", self.nodes.len());
         let mut first_map: Option<BTreeMap<u16, Vec<(u16, u16)>>> = None;
         for node in &self.nodes {
             let port = node.port();
@@ -288,7 +459,7 @@ impl RedisCluster {
             for wanted in [
                 "cluster_state:ok",
                 "cluster_slots_ok:16384",
-                "cluster_known_nodes:3",
+                &known,
                 "cluster_size:3",
             ] {
                 if !info.lines().any(|l| l.trim() == wanted) {
@@ -300,22 +471,54 @@ impl RedisCluster {
                 .query(&mut con)
                 .map_err(|e| format!("node {port}: CLUSTER NODES: {e}"))?;
             let view = parse_nodes(&nodes);
+            let is = |line: &NodeLine, flag: &str| line.flags.iter().any(|f| f == flag);
+            let masters: Vec<&NodeLine> = view.iter().filter(|l| is(l, "master")).collect();
+            let replicas_of = |m: &NodeLine| {
+                view.iter()
+                    .filter(|l| is(l, "slave") && l.master == m.id)
+                    .count()
+            };
             let bad = |line: &NodeLine| {
                 self.index_of_port(line.port).is_none()
-                    || !line.flags.iter().any(|f| f == "master")
                     || line
                         .flags
                         .iter()
                         .any(|f| matches!(f.as_str(), "fail" | "fail?" | "handshake" | "noaddr"))
                     || line.link != "connected"
+                    || (is(line, "master") && line.slots.is_empty())
+                    || (is(line, "slave") && !masters.iter().any(|m| m.id == line.master))
             };
-            if view.len() != NODES || view.iter().any(bad) {
+            if view.len() != self.nodes.len()
+                || view.iter().any(bad)
+                || masters.len() != MASTERS
+                || masters.iter().any(|m| replicas_of(m) != self.replicas)
+            {
                 return Err(format!(
-                    "node {port}: CLUSTER NODES not 3 healthy masters:\n{nodes}"
+                    "node {port}: CLUSTER NODES not {MASTERS} healthy masters with {} replica(s) each:\n{nodes}",
+                    self.replicas
                 ));
             }
-            let map: BTreeMap<u16, Vec<(u16, u16)>> =
-                view.into_iter().map(|l| (l.port, l.slots)).collect();
+            if self.replicas > 0 {
+                let replication: String = redis::cmd("INFO")
+                    .arg("replication")
+                    .query(&mut con)
+                    .map_err(|e| format!("node {port}: INFO replication: {e}"))?;
+                let me = view.iter().find(|l| is(l, "myself"));
+                let synced = if me.is_some_and(|me| is(me, "master")) {
+                    replication.matches("state=online").count() == self.replicas
+                } else {
+                    replication.contains("master_link_status:up")
+                };
+                if !synced {
+                    return Err(format!(
+                        "node {port}: replication not in sync:\n{replication}"
+                    ));
+                }
+            }
+            let map: BTreeMap<u16, Vec<(u16, u16)>> = masters
+                .into_iter()
+                .map(|l| (l.port, l.slots.clone()))
+                .collect();
             match &first_map {
                 None => first_map = Some(map),
                 Some(first) if *first != map => {
@@ -330,7 +533,10 @@ impl RedisCluster {
 
 /// One line of `CLUSTER NODES`.
 struct NodeLine {
+    id: String,
     port: u16,
+    /// The id of its master, for a replica; `-` for a master.
+    master: String,
     flags: Vec<String>,
     link: String,
     /// Inclusive slot ranges; migrating/importing markers are left out.
@@ -357,7 +563,9 @@ fn parse_nodes(text: &str) -> Vec<NodeLine> {
                 })
                 .collect();
             Some(NodeLine {
+                id: fields[0].to_string(),
                 port,
+                master: fields[3].to_string(),
                 flags: fields[2].split(',').map(str::to_string).collect(),
                 link: fields[7].to_string(),
                 slots,
@@ -376,6 +584,14 @@ fn query_string(port: u16, args: &[&str]) -> String {
         .arg(&args[1..])
         .query(&mut con)
         .unwrap_or_else(|e| panic!("idem-testkit: `{}` on node {port}: {e}", args.join(" ")))
+}
+
+fn try_query(port: u16, args: &[&str]) -> Result<String, String> {
+    let mut con = connect(port).map_err(|e| e.to_string())?;
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query(&mut con)
+        .map_err(|e| e.to_string())
 }
 
 fn query_ok(port: u16, args: &[&str]) {
@@ -419,6 +635,8 @@ mod tests {
         assert_eq!(lines[0].slots, vec![(0, 5460), (5462, 5462)]);
         assert_eq!(lines[0].link, "connected");
         assert_eq!(lines[1].port, 30001);
+        assert_eq!(lines[0].id, "07c37dfeb235213a872192d90877d0cd55635b91");
+        assert_eq!(lines[0].master, "-");
         assert!(lines[1].flags.iter().any(|f| f == "fail?"));
         assert!(lines[1].slots.is_empty());
     }

@@ -472,14 +472,24 @@ impl RedisStore {
             _ => false,
         };
         // Redis lost the script (restart, fail-over, SCRIPT FLUSH): load it
-        // on the key's node and send the pipeline once more.
+        // in the same pipeline, ahead of the call, on the durable
+        // connection that just met the node without it. Loading it through
+        // the main connection, as a plain call does, can miss after a
+        // cluster failover: that connection only learns a slot's new
+        // primary from a keyed command's MOVED, the durable path sends it
+        // none, and its unkeyed SCRIPT LOAD went to the old primary, now a
+        // replica, which takes it without a redirect.
         if noscript(replies.first()) {
-            self.reload(lua, key)
-                .await
-                .map_err(|e| classify("complete", e))?;
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(lua.source);
             (replies, confirmed) = self
-                .durable_pipe("complete", key, vec![cmd], durability)
+                .durable_pipe("complete", key, vec![load, cmd], durability)
                 .await?;
+            let mut rest = replies.into_iter();
+            if let Some(Value::ServerError(e)) = rest.next() {
+                return Err(classify("complete", redis::RedisError::from(e)));
+            }
+            replies = rest.collect();
         }
         let first = replies.into_iter().next().unwrap_or(Value::Nil);
         let written = server_error(Ok(first)).map_err(|e| classify("complete", e))?;
