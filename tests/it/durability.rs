@@ -71,6 +71,42 @@ struct Tally {
     not_confirmed: usize,
 }
 
+impl Tally {
+    /// Calls `key` once more (an acknowledged key) and counts what came
+    /// back: the stored result replayed, the body run again, or a pending
+    /// record still held. An error (reconnecting after the kill) asks again.
+    async fn check(&mut self, idem: &Idempotency, ledger: &Ledger, key: &str) {
+        self.acked += 1;
+        let outcome = eventually("a check of an acknowledged key answers", DEADLINE, || {
+            let (idem, key, ledger) = (idem.clone(), key.to_owned(), ledger.clone());
+            async move {
+                let body_key = key.clone();
+                let r: Result<(usize, Outcome), Error> = idem
+                    .call("charge", &key)
+                    .run_outcome(|| async move {
+                        ledger.record(&body_key);
+                        Ok(body_key.len())
+                    })
+                    .await;
+                match r {
+                    Ok((_, outcome)) => Some(Some(outcome)),
+                    Err(Error::InProgress { .. }) => Some(None),
+                    Err(e) => {
+                        eprintln!("{key}: {e}; asking again");
+                        None
+                    }
+                }
+            }
+        })
+        .await;
+        match outcome {
+            Some(Outcome::Replayed) => self.replayed += 1,
+            Some(_) => self.ran_again += 1,
+            None => self.in_flight += 1,
+        }
+    }
+}
+
 /// Runs [`FAILOVERS`] kill-and-promote rounds with `durability`, checking
 /// each round's acknowledged keys after its promotion (as many as were
 /// acknowledged: at least [`ACKED_BEFORE_KILL`] a round).
@@ -154,32 +190,7 @@ async fn failovers(durability: Durability, ledger: &Ledger) -> (Tally, BTreeSet<
         let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
         tally.not_confirmed += *not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
         for key in keys {
-            tally.acked += 1;
-            let outcome = eventually("a check of an acknowledged key answers", DEADLINE, || {
-                let (idem, key, ledger) = (idem.clone(), key.clone(), ledger.clone());
-                async move {
-                    let body_key = key.clone();
-                    let r: Result<(usize, Outcome), Error> = idem
-                        .call("charge", &key)
-                        .run_outcome(|| async move {
-                            ledger.record(&body_key);
-                            Ok(body_key.len())
-                        })
-                        .await;
-                    match r {
-                        Ok((_, outcome)) => Some(Some(outcome)),
-                        Err(Error::InProgress { .. }) => Some(None),
-                        // Reconnecting after the failover: ask again.
-                        Err(_) => None,
-                    }
-                }
-            })
-            .await;
-            match outcome {
-                Some(Outcome::Replayed) => tally.replayed += 1,
-                Some(_) => tally.ran_again += 1,
-                None => tally.in_flight += 1,
-            }
+            tally.check(&idem, &ledger, &key).await;
             all_acked.insert(key);
         }
     }
@@ -376,31 +387,7 @@ async fn restarts(args: &[&str], durability: Durability, ledger: &Ledger) -> Tal
         tally.failovers += 1;
         let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for key in keys {
-            tally.acked += 1;
-            let outcome = eventually("a check of an acknowledged key answers", DEADLINE, || {
-                let (idem, key, ledger) = (idem.clone(), key.clone(), ledger.clone());
-                async move {
-                    let body_key = key.clone();
-                    let r: Result<(usize, Outcome), Error> = idem
-                        .call("charge", &key)
-                        .run_outcome(|| async move {
-                            ledger.record(&body_key);
-                            Ok(body_key.len())
-                        })
-                        .await;
-                    match r {
-                        Ok((_, outcome)) => Some(Some(outcome)),
-                        Err(Error::InProgress { .. }) => Some(None),
-                        Err(_) => None,
-                    }
-                }
-            })
-            .await;
-            match outcome {
-                Some(Outcome::Replayed) => tally.replayed += 1,
-                Some(_) => tally.ran_again += 1,
-                None => tally.in_flight += 1,
-            }
+            tally.check(&idem, &ledger, &key).await;
         }
     }
     tally
@@ -673,35 +660,8 @@ async fn on_a_cluster_results_survive_primary_failovers() {
         tally.not_confirmed += *not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
         let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for key in keys {
-            tally.acked += 1;
             acked_per_shard[shard_of(&key)] += 1;
-            let outcome = eventually("a check of an acknowledged key answers", DEADLINE, || {
-                let (idem, key, ledger) = (idem.clone(), key.clone(), ledger.clone());
-                async move {
-                    let body_key = key.clone();
-                    let r: Result<(usize, Outcome), Error> = idem
-                        .call("charge", &key)
-                        .run_outcome(|| async move {
-                            ledger.record(&body_key);
-                            Ok(body_key.len())
-                        })
-                        .await;
-                    match r {
-                        Ok((_, outcome)) => Some(Some(outcome)),
-                        Err(Error::InProgress { .. }) => Some(None),
-                        Err(e) => {
-                            eprintln!("{key}: {e}; asking again");
-                            None
-                        }
-                    }
-                }
-            })
-            .await;
-            match outcome {
-                Some(Outcome::Replayed) => tally.replayed += 1,
-                Some(_) => tally.ran_again += 1,
-                None => tally.in_flight += 1,
-            }
+            tally.check(&idem, &ledger, &key).await;
             all_acked.insert(key);
         }
     }
