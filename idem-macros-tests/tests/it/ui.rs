@@ -2,7 +2,7 @@
 //! the exact diagnostics for each misuse (`tests/ui/fail/*.stderr`).
 //!
 //! After changing a message on purpose, regenerate the `.stderr` files with
-//! `TRYBUILD=overwrite cargo test -p idem-macros --test it ui::` and read the diff.
+//! `TRYBUILD=overwrite cargo test -p idem-macros-tests --test it ui::` and read the diff.
 
 #[test]
 fn ui() {
