@@ -4,10 +4,13 @@
 use crate::config::Config;
 use crate::encoding::{self, Replay};
 use crate::problem::{ProblemKind, problem_response};
-use crate::stored::{FORMAT_VERSION, Live, StoredResponse};
+use crate::shared::record::Record;
+use crate::shared::task::Answers;
+use crate::stored::{Live, StoredResponse, explain};
 use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED};
 use axum::body::Body;
-use http::header::{self, HeaderName, HeaderValue};
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
 use http::{Response, StatusCode};
 use idem_core::{Error, KeyError, KeyPart};
 
@@ -15,14 +18,38 @@ fn retention_header(cfg: &Config, response: &mut Response<Body>) {
     if cfg.advertise_retention {
         response.headers_mut().insert(
             IDEMPOTENCY_RETENTION,
-            HeaderValue::from(cfg.retention.as_secs()),
+            HeaderValue::from(cfg.settings.retention.as_secs()),
         );
+    }
+}
+
+/// The layer's answers for one request; `accept` is its `Accept-Encoding`,
+/// against which a stored content coding is re-negotiated.
+pub(crate) struct HttpAnswers<'a> {
+    pub(crate) cfg: &'a Config,
+    pub(crate) accept: Option<&'a HeaderValue>,
+}
+
+impl Answers for HttpAnswers<'_> {
+    type Response = Response<Body>;
+    type Live = Live;
+
+    fn replay(&self, record: Record) -> Response<Body> {
+        replay(record, self.cfg, self.accept)
+    }
+
+    fn first(&self, ran: StoredResponse) -> Option<Response<Body>> {
+        ran.take_live().map(|live| first_response(live, self.cfg))
+    }
+
+    fn refusal(&self, error: Error) -> Response<Body> {
+        idem_error(error, self.cfg)
     }
 }
 
 /// The response for the request that ran the handler: exactly what the
 /// handler answered (every header, `Set-Cookie` included).
-pub(crate) fn first_response(live: Live, cfg: &Config) -> Response<Body> {
+fn first_response(live: Live, cfg: &Config) -> Response<Body> {
     let mut response = Response::from_parts(live.parts, Body::from(live.body));
     retention_header(cfg, &mut response);
     response
@@ -30,35 +57,31 @@ pub(crate) fn first_response(live: Live, cfg: &Config) -> Response<Body> {
 
 /// A replay: the stored status, headers and body, marked as a replay; or,
 /// for a marker, the `response-not-kept` problem.
-pub(crate) fn replay(
-    stored: StoredResponse,
-    cfg: &Config,
-    accept: Option<&HeaderValue>,
-) -> Response<Body> {
+fn replay(stored: Record, cfg: &Config, accept: Option<&HeaderValue>) -> Response<Body> {
+    let Some(status) = stored.status else {
+        return corrupt("a record without an HTTP status".to_owned(), cfg);
+    };
     if let Some(why) = stored.not_kept {
-        tracing::debug!(status = stored.status, "processed, response not kept: 410");
+        tracing::debug!(status, "processed, response not kept: 410");
         let detail = format!(
-            "The request with this Idempotency-Key was processed (status {}), but its response was not kept because {}, so it cannot be replayed. Do not send the request again, with this key or a new one: the operation was applied. Look its result up another way.",
-            stored.status,
-            why.explain()
+            "The request with this Idempotency-Key was processed (status {status}), but its response was not kept because {}, so it cannot be replayed. Do not send the request again, with this key or a new one: the operation was applied. Look its result up another way.",
+            explain(why)
         );
         return problem_response(
             &cfg.problem_type_base,
             ProblemKind::ResponseNotKept,
             &detail,
             None,
-            Some(stored.status),
+            Some(status),
         );
     }
-    let mut response = match rebuild(&stored) {
-        Ok(response) => response,
+    let (mut response, body) = match rebuild(status, &stored) {
+        Ok(rebuilt) => rebuilt,
         Err(why) => return corrupt(why, cfg),
     };
     let coded = response.headers().contains_key(header::CONTENT_ENCODING);
-    // `rebuild` decoded the body already, so this cannot fail.
-    let body = || stored.body.to_bytes().unwrap_or_default();
     match coded
-        .then(|| encoding::negotiate(response.headers(), &body(), accept, cfg.max_response_body))
+        .then(|| encoding::negotiate(response.headers(), &body, accept, cfg.settings.max_response))
     {
         None | Some(Replay::AsStored) => {}
         Some(Replay::Decoded(body)) => {
@@ -93,35 +116,19 @@ fn corrupt(why: String, cfg: &Config) -> Response<Body> {
     )
 }
 
-fn rebuild(stored: &StoredResponse) -> Result<Response<Body>, String> {
-    if stored.version != FORMAT_VERSION {
-        return Err(format!("unknown record format version {}", stored.version));
-    }
-    let status = StatusCode::from_u16(stored.status)
-        .map_err(|_| format!("invalid stored status {}", stored.status))?;
-    let body = stored
-        .body
-        .to_bytes()
-        .map_err(|e| format!("stored body: {e}"))?;
-    let mut response = Response::new(Body::from(body));
+/// The stored response, and its body (for a coding to re-negotiate).
+fn rebuild(status: u16, stored: &Record) -> Result<(Response<Body>, Bytes), String> {
+    let status =
+        StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))?;
+    let decoded = stored.decode()?;
+    let mut response = Response::new(Body::from(decoded.body.clone()));
     *response.status_mut() = status;
-    let headers = response.headers_mut();
-    for (name, value) in &stored.headers {
-        let name = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|e| format!("stored header name {name:?}: {e}"))?;
-        let value = value
-            .to_bytes()
-            .map_err(|e| format!("stored header {name}: {e}"))
-            .and_then(|v| {
-                HeaderValue::from_maybe_shared(v).map_err(|e| format!("stored header {name}: {e}"))
-            })?;
-        headers.append(name, value);
-    }
-    Ok(response)
+    *response.headers_mut() = decoded.headers;
+    Ok((response, decoded.body))
 }
 
 /// Maps a runtime error to the layer's answer.
-pub(crate) fn idem_error(e: Error, cfg: &Config) -> Response<Body> {
+fn idem_error(e: Error, cfg: &Config) -> Response<Body> {
     match e {
         Error::InProgress { .. } => {
             tracing::debug!("a request with this key is in flight: 409");

@@ -3,12 +3,12 @@
 //! a panic of the wrapped body into an error instead of unwinding through
 //! the connection.
 
+use crate::shared::task::panic_message;
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
-use std::any::Any;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -150,16 +150,5 @@ impl Forward {
                 return;
             }
         }
-    }
-}
-
-/// The message of a caught panic, for the log.
-pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> &str {
-    if let Some(s) = panic.downcast_ref::<&'static str>() {
-        s
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s
-    } else {
-        "(non-string panic payload)"
     }
 }

@@ -1,7 +1,8 @@
 //! `IdempotencyLayer`: the configuration, and the tower `Layer` impl.
 
-use crate::config::{Config, TenantSource};
+use crate::config::{Config, describe};
 use crate::service::IdempotencyService;
+use crate::shared::settings::Settings;
 use http::request::Parts;
 use http::{HeaderName, Method};
 use idem_core::Idempotency;
@@ -11,7 +12,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 /// Default limit on buffered request and response bodies: 1 MiB.
-pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+pub const DEFAULT_BODY_LIMIT: usize = crate::shared::settings::DEFAULT_BODY_LIMIT;
 
 /// Default problem `type` base: the "Problem types" section of these docs.
 pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/idem_http/#";
@@ -58,18 +59,18 @@ impl fmt::Debug for IdempotencyLayer {
         f.debug_struct("IdempotencyLayer")
             .field("idem", &self.idem)
             .field("methods", &c.methods)
-            .field("require_key", &c.require_key)
-            .field("retry_after", &c.retry_after)
+            .field("require_key", &c.settings.require_key)
+            .field("retry_after", &c.settings.retry_after)
             .field("replay_set_cookie", &c.replay_set_cookie)
             .field("problem_type_base", &c.problem_type_base)
-            .field("max_request_body", &c.max_request_body)
-            .field("max_response_body", &c.max_response_body)
-            .field("tenant", &c.tenant.describe())
+            .field("max_request_body", &c.settings.max_request)
+            .field("max_response_body", &c.settings.max_response)
+            .field("tenant", &describe(&c.settings.tenant))
             .field("scope", &c.scope)
-            .field("retention", &c.retention)
+            .field("retention", &c.settings.retention)
             .field("advertise_retention", &c.advertise_retention)
-            .field("lease", &c.lease)
-            .field("wait", &c.wait)
+            .field("lease", &c.settings.lease)
+            .field("wait", &c.settings.wait)
             .field("bypass", &c.bypass.is_some())
             .field("stream_content_types", &c.stream_content_types)
             .field("cancel_on_disconnect", &c.cancel_on_disconnect)
@@ -91,27 +92,19 @@ impl IdempotencyLayer {
     /// let layer = idem_http::IdempotencyLayer::new(idem);
     /// ```
     pub fn new(idem: Idempotency) -> IdempotencyLayer {
-        let retention = idem.result_ttl();
         IdempotencyLayer {
-            idem,
             config: Config {
+                settings: Settings::new(&idem),
                 methods: vec![Method::POST, Method::PATCH],
-                require_key: false,
-                retry_after: Duration::from_secs(1),
                 replay_set_cookie: false,
                 problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
-                max_request_body: DEFAULT_BODY_LIMIT,
-                max_response_body: DEFAULT_BODY_LIMIT,
-                tenant: TenantSource::default_credentials(),
                 scope: DEFAULT_SCOPE.to_owned(),
-                retention,
                 advertise_retention: false,
-                lease: None,
-                wait: Duration::ZERO,
                 bypass: None,
                 stream_content_types: vec![DEFAULT_STREAM_CONTENT_TYPE.to_owned()],
                 cancel_on_disconnect: false,
             },
+            idem,
         }
     }
 
@@ -138,9 +131,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).require_key(true);
     /// ```
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.config.require_key = required;
-        self
+    pub fn require_key(self, required: bool) -> Self {
+        self.with_settings(|s| s.require_key(required))
     }
 
     /// The `Retry-After` hint sent with `409` (request in flight) and `503`
@@ -152,9 +144,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).retry_after(std::time::Duration::from_secs(3));
     /// ```
-    pub fn retry_after(mut self, hint: Duration) -> Self {
-        self.config.retry_after = hint;
-        self
+    pub fn retry_after(self, hint: Duration) -> Self {
+        self.with_settings(|s| s.retry_after(hint))
     }
 
     /// Whether replays repeat the original `Set-Cookie` headers (default
@@ -193,9 +184,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).max_request_body(64 * 1024);
     /// ```
-    pub fn max_request_body(mut self, bytes: usize) -> Self {
-        self.config.max_request_body = bytes;
-        self
+    pub fn max_request_body(self, bytes: usize) -> Self {
+        self.with_settings(|s| s.max_request(bytes))
     }
 
     /// Largest response body stored for replay, in bytes (default 1 MiB). A
@@ -209,9 +199,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).max_response_body(256 * 1024);
     /// ```
-    pub fn max_response_body(mut self, bytes: usize) -> Self {
-        self.config.max_response_body = bytes;
-        self
+    pub fn max_response_body(self, bytes: usize) -> Self {
+        self.with_settings(|s| s.max_response(bytes))
     }
 
     /// A hook naming the tenant (account, API client) of a request, so that
@@ -231,12 +220,11 @@ impl IdempotencyLayer {
     ///     parts.headers.get("x-api-key")?.to_str().ok().map(str::to_owned)
     /// });
     /// ```
-    pub fn tenant<F>(mut self, hook: F) -> Self
+    pub fn tenant<F>(self, hook: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.config.tenant = TenantSource::Hook(Arc::new(hook));
-        self
+        self.with_settings(|s| s.tenant(hook))
     }
 
     /// The request headers whose values (credentials) name the tenant,
@@ -258,10 +246,8 @@ impl IdempotencyLayer {
     /// let layer = idem_http::IdempotencyLayer::new(idem)
     ///     .tenant_from_headers([AUTHORIZATION, HeaderName::from_static("x-api-key")]);
     /// ```
-    pub fn tenant_from_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        let names: Vec<HeaderName> = names.into_iter().collect();
-        self.config.tenant = TenantSource::Credentials(names);
-        self
+    pub fn tenant_from_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.with_settings(|s| s.tenant_from_credentials(names))
     }
 
     /// One key space for every request, whoever sends it: the same key from
@@ -274,9 +260,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).shared_keys();
     /// ```
-    pub fn shared_keys(mut self) -> Self {
-        self.config.tenant = TenantSource::Shared;
-        self
+    pub fn shared_keys(self) -> Self {
+        self.with_settings(Settings::shared_keys)
     }
 
     /// A predicate on the request head: when it is `true` the request passes
@@ -372,9 +357,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).retention(std::time::Duration::from_secs(3600));
     /// ```
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config.retention = retention;
-        self
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with_settings(|s| s.retention(retention))
     }
 
     /// Whether responses whose result is now stored (the first one and every
@@ -399,9 +383,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).lease(std::time::Duration::from_secs(10));
     /// ```
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = Some(lease);
-        self
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with_settings(|s| s.lease(lease))
     }
 
     /// How long a duplicate that arrives while the first request runs waits
@@ -412,8 +395,13 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).wait(std::time::Duration::from_secs(2));
     /// ```
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.config.wait = wait;
+    pub fn wait(self, wait: Duration) -> Self {
+        self.with_settings(|s| s.wait(wait))
+    }
+
+    /// The settings idem-grpc's layer has too are set in one place.
+    fn with_settings(mut self, set: impl FnOnce(Settings<Parts>) -> Settings<Parts>) -> Self {
+        self.config.settings = set(self.config.settings);
         self
     }
 }

@@ -2,113 +2,62 @@
 //! stream its response to the client while keeping a copy, and store the
 //! response or a "processed, response not kept" marker.
 
-use crate::answer::{first_response, idem_error, replay};
-use crate::body::{
-    CatchPanic, ChannelBody, Forward, FrameResult, Next, next_frame, panic_message, panicked,
-};
+use crate::answer::HttpAnswers;
+use crate::body::{CatchPanic, ChannelBody, Forward, FrameResult, Next, next_frame, panicked};
 use crate::config::Config;
 use crate::problem::ProblemKind;
-use crate::stored::{Live, NotKept, StoredHead, StoredResponse};
+use crate::shared::record::NotKept;
+use crate::shared::settings::Claim;
+use crate::shared::task::{self, BytesBody, Inner, send};
+use crate::stored::{self, Live, StoredHead, StoredResponse, explain};
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use futures_util::future::FutureExt;
 use http::header::HeaderValue;
 use http::{Request, Response, StatusCode};
 use http_body::Body as HttpBody;
-use idem_core::{Error, Fingerprint, Idempotency, Outcome};
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tower_service::Service;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// Why the run body did not produce a response to store.
-pub(crate) enum RunError<E> {
-    /// The runtime refused or failed (in flight, mismatch, store down, …).
-    Idem(Error),
-    /// A response to send as it is, with the key released: a status that is
-    /// not stored, a panic or a failed body turned into a 500.
-    Respond(Response<Body>),
-    /// The key is released; the client already has what it gets (a
-    /// response whose body failed or panicked mid-stream, cut short).
-    Released,
-    /// The inner service's own error, passed on (the key is released).
-    Inner(E),
-}
-
-impl<E> From<Error> for RunError<E> {
-    fn from(e: Error) -> Self {
-        RunError::Idem(e)
-    }
-}
-
-/// Where the run sends the answer of the request; the service future
-/// waits on the other end.
-pub(crate) type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
+type RunError<E> = task::RunError<Response<Body>, E>;
+pub(crate) type Reply<E> = task::Reply<Response<Body>, E>;
 
 /// Everything one idempotent run needs, owned, so it can be a task.
 pub(crate) struct Job<S> {
     pub(crate) inner: S,
-    pub(crate) idem: Idempotency,
     pub(crate) cfg: Arc<Config>,
-    pub(crate) scope: String,
-    pub(crate) key: String,
-    pub(crate) fingerprint: Fingerprint,
+    pub(crate) claim: Claim,
     pub(crate) accept_encoding: Option<HeaderValue>,
     pub(crate) request: Request<Body>,
 }
 
-impl<S, ResBody> Job<S>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    pub(crate) async fn run(self, reply: Reply<S::Error>) {
+impl<S> Job<S> {
+    pub(crate) async fn run<ResBody>(self, reply: Reply<S::Error>)
+    where
+        S: Inner<Request<Body>, ResBody>,
+        ResBody: BytesBody,
+    {
         let Job {
             inner,
-            idem,
             cfg,
-            scope,
-            key,
-            fingerprint,
+            claim,
             accept_encoding,
             request,
         } = self;
         let mut reply = Some(reply);
         let mut rest: Option<Forward> = None;
-        let mut call = idem
-            .call(&scope, key.as_str())
-            .fingerprint_raw(fingerprint)
-            .ttl(cfg.retention)
-            .wait(cfg.wait);
-        if let Some(lease) = cfg.lease {
-            call = call.lease(lease);
-        }
         let config: &Config = &cfg;
-        let result = call
+        let result = claim
+            .call(&cfg.settings)
             .run_outcome(|| execute(inner, request, config, &mut reply, &mut rest))
             .await;
-        let answer = match result {
-            Ok((stored, Outcome::Replayed)) => {
-                tracing::debug!(status = stored.status, "replaying the stored response");
-                Some(Ok(replay(stored, config, accept_encoding.as_ref())))
-            }
-            Ok((stored, outcome)) => {
-                tracing::debug!(%outcome, status = stored.status, kept = stored.not_kept.is_none(), "handler ran; outcome stored");
-                stored.live.map(|live| Ok(first_response(live, config)))
-            }
-            Err(RunError::Respond(response)) => Some(Ok(response)),
-            Err(RunError::Inner(e)) => Some(Err(e)),
-            Err(RunError::Idem(e)) => Some(Ok(idem_error(e, config))),
-            Err(RunError::Released) => None,
+        let answers = HttpAnswers {
+            cfg: config,
+            accept: accept_encoding.as_ref(),
         };
-        if let (Some(answer), Some(reply)) = (answer, reply.take()) {
+        if let Some(answer) = task::answer(&answers, result) {
             // The client may be gone; the outcome is stored all the same.
-            let _ = reply.send(answer);
+            task::send(&mut reply, answer);
         }
         if let Some(rest) = rest {
             rest.finish().await;
@@ -121,7 +70,7 @@ where
 /// "processed, response not kept" marker when it does not (stored as soon
 /// as the limit is passed, while the rest streams on).
 async fn execute<S, ResBody>(
-    mut inner: S,
+    inner: S,
     request: Request<Body>,
     cfg: &Config,
     reply: &mut Option<Reply<S::Error>>,
@@ -129,29 +78,9 @@ async fn execute<S, ResBody>(
 ) -> Result<StoredResponse, RunError<S::Error>>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: BytesBody,
 {
-    // A panic in the handler becomes a 500 problem here, so the key is
-    // released (by the Err) and the client gets an answer instead of a
-    // reset connection.
-    let outcome = AssertUnwindSafe(async move { inner.call(request).await })
-        .catch_unwind()
-        .await;
-    let response = match outcome {
-        Ok(Ok(response)) => response,
-        Ok(Err(e)) => {
-            tracing::debug!("the inner service failed; key released");
-            return Err(RunError::Inner(e));
-        }
-        Err(panic) => {
-            tracing::error!(
-                panic = panic_message(panic.as_ref()),
-                "the handler panicked: answering 500 and releasing the Idempotency-Key"
-            );
-            return Err(RunError::Respond(panicked_problem(cfg)));
-        }
-    };
+    let response = task::call_handler(inner, request, || panicked_problem(cfg)).await?;
     let status = response.status();
     if !is_stored(status) {
         tracing::debug!(
@@ -164,7 +93,7 @@ where
     }
     let (parts, body) = response.into_parts();
     let body = Body::new(body);
-    let limit = cfg.max_response_body;
+    let limit = cfg.settings.max_response;
     let not_kept = if cfg.streams_through(&parts.headers) {
         Some(NotKept::Streamed)
     } else if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
@@ -177,14 +106,14 @@ where
         // hyper reads the body itself.
         tracing::debug!(
             status = status.as_u16(),
-            reason = why.explain(),
+            reason = explain(why),
             "response passed through; stored as processed, not kept"
         );
         send(
             reply,
             Ok(Response::from_parts(parts, CatchPanic::wrap(body))),
         );
-        return Ok(StoredResponse::not_kept(status.as_u16(), why));
+        return Ok(stored::not_kept(status.as_u16(), why));
     }
     tee(parts, body, cfg, reply, rest).await
 }
@@ -203,7 +132,7 @@ async fn tee<E>(
     reply: &mut Option<Reply<E>>,
     rest: &mut Option<Forward>,
 ) -> Result<StoredResponse, RunError<E>> {
-    let limit = cfg.max_response_body;
+    let limit = cfg.settings.max_response;
     let head = StoredHead::of(&parts, cfg.replay_set_cookie);
     let mut parts = Some(parts);
     let mut chunks: Vec<Bytes> = Vec::new();
@@ -281,7 +210,7 @@ async fn tee<E>(
                     tx,
                 });
             }
-            return Ok(StoredResponse::not_kept(head.status(), NotKept::TooLarge));
+            return Ok(stored::not_kept(head.status(), NotKept::TooLarge));
         }
         if complete_at_once {
             break;
@@ -291,9 +220,11 @@ async fn tee<E>(
     match (parts, tx) {
         // Nothing sent yet: the response goes out once it is stored.
         (Some(parts), _) => {
-            let mut stored = head.with_body(&bytes);
-            stored.live = Some(Live { parts, body: bytes });
-            Ok(stored)
+            let live = Live {
+                parts,
+                body: bytes.clone(),
+            };
+            Ok(head.with_body(&bytes, Some(live)))
         }
         (None, tx) => {
             // The client's body ends only once the response is stored (the
@@ -302,16 +233,8 @@ async fn tee<E>(
             if let Some(tx) = tx {
                 *rest = Some(Forward { body: None, tx });
             }
-            Ok(head.with_body(&bytes))
+            Ok(head.with_body(&bytes, None))
         }
-    }
-}
-
-/// Sends the answer, if not sent yet; `false` when the client is gone.
-fn send<E>(reply: &mut Option<Reply<E>>, answer: Result<Response<Body>, E>) -> bool {
-    match reply.take() {
-        Some(reply) => reply.send(answer).is_ok(),
-        None => false,
     }
 }
 
@@ -351,7 +274,7 @@ fn is_stored(status: StatusCode) -> bool {
 /// The marker stored when the client left while its response streamed.
 fn client_gone(head: &StoredHead) -> StoredResponse {
     tracing::debug!("client gone mid-response: stored as processed, not kept");
-    StoredResponse::not_kept(head.status(), NotKept::ClientGone)
+    stored::not_kept(head.status(), NotKept::ClientGone)
 }
 
 #[cfg(test)]

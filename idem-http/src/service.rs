@@ -6,23 +6,19 @@ use crate::config::Config;
 use crate::key::{IdempotencyKey, key_from_headers};
 use crate::problem::ProblemKind;
 use crate::run::Job;
+use crate::shared::settings::Claim;
+use crate::shared::task::{self, BytesBody, Inner, ReadError, TaskError, read_limited, take_ready};
 use axum::body::Body;
 use axum::extract::OriginalUri;
-use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use http::header;
 use http::{Request, Response};
-use http_body::Body as HttpBody;
-use http_body_util::{BodyExt, Limited};
 use idem_core::{Fingerprint, Idempotency};
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use tokio::sync::oneshot;
 use tower_service::Service;
 use tracing::Instrument;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The future of [`IdempotencyService`]: the response, or the inner
 /// service's own error (never one of the layer's: those are responses).
@@ -83,13 +79,9 @@ impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
 
 impl<S, B, ResBody> Service<Request<B>> for IdempotencyService<S>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Service<Request<Body>, Response = Response<ResBody>> + Inner<Request<Body>, ResBody> + Clone,
+    B: BytesBody,
+    ResBody: BytesBody,
 {
     type Response = Response<Body>;
     type Error = S::Error;
@@ -100,9 +92,7 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        // The service that was driven to readiness handles this request.
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
+        let inner = take_ready(&mut self.inner);
         let idem = self.idem.clone();
         let config = Arc::clone(&self.config);
         Box::pin(handle(inner, idem, config, request))
@@ -115,10 +105,8 @@ async fn passthrough<S, B, ResBody>(
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    B: BytesBody,
+    ResBody: BytesBody,
 {
     let response = inner.call(request.map(Body::new)).await?;
     Ok(response.map(Body::new))
@@ -128,16 +116,12 @@ async fn handle<S, B, ResBody>(
     inner: S,
     idem: Idempotency,
     cfg: Arc<Config>,
-    request: Request<B>,
+    mut request: Request<B>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner<Request<Body>, ResBody>,
+    B: BytesBody,
+    ResBody: BytesBody,
 {
     if !cfg.methods.contains(request.method()) {
         return passthrough(inner, request).await;
@@ -145,31 +129,12 @@ where
     if let Some(bypass) = &cfg.bypass {
         let (parts, body) = request.into_parts();
         let skip = bypass(&parts);
-        let request = Request::from_parts(parts, body);
+        request = Request::from_parts(parts, body);
         if skip {
             tracing::trace!("bypassed: passing through unclaimed");
             return passthrough(inner, request).await;
         }
-        return handle_traced(inner, idem, cfg, request).await;
     }
-    handle_traced(inner, idem, cfg, request).await
-}
-
-async fn handle_traced<S, B, ResBody>(
-    inner: S,
-    idem: Idempotency,
-    cfg: Arc<Config>,
-    request: Request<B>,
-) -> Result<Response<Body>, S::Error>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
     let span = tracing::info_span!(
         "idem.http",
         method = %request.method(),
@@ -187,13 +152,9 @@ async fn handle_idempotent<S, B, ResBody>(
     request: Request<B>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: HttpBody<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner<Request<Body>, ResBody>,
+    B: BytesBody,
+    ResBody: BytesBody,
 {
     if request.extensions().get::<IdempotencyKey>().is_some() {
         // An outer IdempotencyLayer already holds this request's key: claiming
@@ -204,7 +165,7 @@ where
     let (mut parts, body) = request.into_parts();
     let key = match key_from_headers(&parts.headers) {
         Ok(Some(key)) => key,
-        Ok(None) if cfg.require_key => {
+        Ok(None) if cfg.settings.require_key => {
             tracing::debug!("refused: Idempotency-Key required but missing");
             return Ok(cfg.problem(
                 ProblemKind::MissingKey,
@@ -221,19 +182,22 @@ where
             return Ok(cfg.problem(ProblemKind::InvalidKey, &e.to_string(), false));
         }
     };
-    let tenant = cfg.tenant.tenant_of(&parts);
+    let tenant = cfg
+        .settings
+        .tenant
+        .tenant_of(&parts.headers, |hook| hook(&parts));
     let scope = idem_key::scope::compose(&cfg.scope, tenant.as_deref());
 
-    let body = match read_request_body(body, cfg.max_request_body).await {
+    let body = match read_limited(body, cfg.settings.max_request).await {
         Ok(body) => body,
         Err(ReadError::TooLarge) => {
             tracing::debug!(
-                limit = cfg.max_request_body,
+                limit = cfg.settings.max_request,
                 "refused: request body over the limit"
             );
             let detail = format!(
                 "The request body is over the {}-byte limit of idempotent requests.",
-                cfg.max_request_body
+                cfg.settings.max_request
             );
             return Ok(cfg.problem(ProblemKind::RequestTooLarge, &detail, false));
         }
@@ -251,61 +215,42 @@ where
     parts.extensions.insert(IdempotencyKey(key.clone()));
     let request = Request::from_parts(parts, Body::from(body));
 
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        tracing::error!("IdempotencyLayer needs a Tokio runtime to run handlers: answering 500");
-        return Ok(cfg.problem(
-            ProblemKind::Internal,
-            "The idempotency layer is misconfigured (no Tokio runtime); the request was not processed.",
-            false,
-        ));
-    };
-    let (reply, answer) = oneshot::channel();
     let job = Job {
         inner,
-        idem,
         cfg: Arc::clone(&cfg),
-        scope,
-        key,
-        fingerprint,
+        claim: Claim {
+            idem,
+            scope,
+            key,
+            fingerprint,
+        },
         accept_encoding,
         request,
     };
-    // The run is a task of its own: hyper drops this future when the client
-    // goes away, and a started handler must not stop half-way through its
-    // effects (unless the user asked for that, below).
-    let task = runtime.spawn(job.run(reply).in_current_span());
-    let abort = cfg
-        .cancel_on_disconnect
-        .then(|| AbortOnDrop(Some(task.abort_handle())));
-    let answer = answer.await;
-    if let Some(mut abort) = abort {
-        // Answered: from here on the client's body drives cancellation.
-        abort.0 = None;
-    }
-    match answer {
+    match task::in_task(
+        |reply| job.run(reply).in_current_span(),
+        cfg.cancel_on_disconnect,
+    )
+    .await
+    {
         Ok(answer) => answer,
-        Err(_) => {
+        Err(TaskError::NoRuntime) => {
+            tracing::error!(
+                "IdempotencyLayer needs a Tokio runtime to run handlers: answering 500"
+            );
+            Ok(cfg.problem(
+                ProblemKind::Internal,
+                "The idempotency layer is misconfigured (no Tokio runtime); the request was not processed.",
+                false,
+            ))
+        }
+        Err(TaskError::NoAnswer) => {
             tracing::error!("the idempotent run ended without an answer: 500");
             Ok(cfg.problem(
                 ProblemKind::Internal,
                 "The idempotency layer failed; the request may have been processed.",
                 false,
             ))
-        }
-    }
-}
-
-/// Aborts the run's task when the service future is dropped before the
-/// answer came (`cancel_on_disconnect(true)`). As for any call dropped
-/// mid-body, the key stays in flight until its lease ends (the handler may
-/// have made effects); the retry after that runs it again as a re-run.
-struct AbortOnDrop(Option<tokio::task::AbortHandle>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(handle) = self.0.take() {
-            tracing::debug!("client gone before the answer: cancelling the handler");
-            handle.abort();
         }
     }
 }
@@ -324,26 +269,6 @@ fn request_fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint
         uri.query().unwrap_or("").as_bytes(),
         body,
     ])
-}
-
-enum ReadError {
-    TooLarge,
-    Failed(BoxError),
-}
-
-async fn read_request_body<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
-where
-    B: HttpBody<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
-        return Err(ReadError::TooLarge);
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ReadError::TooLarge),
-        Err(e) => Err(ReadError::Failed(e)),
-    }
 }
 
 #[cfg(test)]

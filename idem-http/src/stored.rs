@@ -1,94 +1,15 @@
-//! The stored form of a response, and which headers it keeps.
+//! What is kept of a response, in the record format shared with idem-gRPC
+//! (`shared::record`), and which headers a replay repeats.
 
-use base64::Engine as _;
-use base64::engine::general_purpose::STANDARD as B64;
+use crate::shared::record::{Blob, NEVER_STORED, NotKept, Record};
+use crate::shared::task::Ran;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::response::Parts;
-use serde::{Deserialize, Serialize};
 
-/// Bytes stored as a JSON string when they are UTF-8 (the common case: JSON
-/// bodies, header values), else as base64, so records stay compact.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum Blob {
-    Text(String),
-    Base64 { b64: String },
-}
-
-impl Blob {
-    pub(crate) fn from_bytes(bytes: &[u8]) -> Blob {
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Blob::Text(s.to_owned()),
-            Err(_) => Blob::Base64 {
-                b64: B64.encode(bytes),
-            },
-        }
-    }
-
-    pub(crate) fn to_bytes(&self) -> Result<Bytes, base64::DecodeError> {
-        match self {
-            Blob::Text(s) => Ok(Bytes::copy_from_slice(s.as_bytes())),
-            Blob::Base64 { b64 } => B64.decode(b64).map(Bytes::from),
-        }
-    }
-}
-
-/// Record format of a kept response; a record of an unknown version is
-/// refused (500) rather than misread.
-pub(crate) const FORMAT_VERSION: u8 = 1;
-
-/// Record format of a "processed, response not kept" marker. A version of
-/// its own, so that a server that predates markers refuses them (500)
-/// instead of replaying them as an empty response.
-pub(crate) const MARKER_VERSION: u8 = 2;
-
-/// Why a processed request's response was not kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub(crate) enum NotKept {
-    /// Its body was over `max_response_body`.
-    TooLarge,
-    /// Its content type is streamed through unbuffered (`text/event-stream`).
-    Streamed,
-    /// Its client went away while it was sent, under `cancel_on_disconnect`:
-    /// the rest of its body was not read.
-    ClientGone,
-}
-
-impl NotKept {
-    pub(crate) fn explain(self) -> &'static str {
-        match self {
-            NotKept::TooLarge => "its body was over the size limit of stored responses",
-            NotKept::Streamed => {
-                "it was a stream (such as Server-Sent Events), which is never stored"
-            }
-            NotKept::ClientGone => {
-                "its client went away while it was sent, and the rest of it was not read"
-            }
-        }
-    }
-}
-
-/// A completed response as kept in the store.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) struct StoredResponse {
-    #[serde(rename = "v")]
-    pub(crate) version: u8,
-    #[serde(rename = "s")]
-    pub(crate) status: u16,
-    #[serde(rename = "h")]
-    pub(crate) headers: Vec<(String, Blob)>,
-    #[serde(rename = "b")]
-    pub(crate) body: Blob,
-    /// Set on markers: the request was processed, its response not kept.
-    #[serde(rename = "nk", default, skip_serializing_if = "Option::is_none")]
-    pub(crate) not_kept: Option<NotKept>,
-    /// The response as the handler produced it, for the request that ran the
-    /// handler (it gets every header, `Set-Cookie` included). Never stored.
-    #[serde(skip)]
-    pub(crate) live: Option<Live>,
-}
+/// What one run stores, with the response of the request that ran the
+/// handler (it gets every header, `Set-Cookie` included).
+pub(crate) type StoredResponse = Ran<Live>;
 
 /// The original response of the run that executed the handler.
 #[derive(Debug)]
@@ -97,26 +18,22 @@ pub(crate) struct Live {
     pub(crate) body: Bytes,
 }
 
-impl StoredResponse {
-    /// A kept response, carrying the live one for the request that ran it.
-    #[cfg(test)]
-    pub(crate) fn new(parts: Parts, body: Bytes, replay_set_cookie: bool) -> StoredResponse {
-        let mut stored = StoredHead::of(&parts, replay_set_cookie).with_body(&body);
-        stored.live = Some(Live { parts, body });
-        stored
-    }
-
-    /// A "processed, response not kept" marker for a response of `status`.
-    pub(crate) fn not_kept(status: u16, why: NotKept) -> StoredResponse {
-        StoredResponse {
-            version: MARKER_VERSION,
-            status,
-            headers: Vec::new(),
-            body: Blob::Text(String::new()),
-            not_kept: Some(why),
-            live: None,
+/// Why the response was not kept, in a `response-not-kept` answer.
+pub(crate) fn explain(why: NotKept) -> &'static str {
+    match why {
+        NotKept::TooLarge => "its body was over the size limit of stored responses",
+        NotKept::Streamed => "it was a stream (such as Server-Sent Events), which is never stored",
+        NotKept::ClientGone => {
+            "its client went away while it was sent, and the rest of it was not read"
         }
     }
+}
+
+/// A "processed, response not kept" marker for a response of `status`.
+pub(crate) fn not_kept(status: u16, why: NotKept) -> StoredResponse {
+    let mut record = Record::not_kept(why);
+    record.status = Some(status);
+    Ran::new(record, None)
 }
 
 /// What is stored of a response's head, taken before the head itself is sent
@@ -124,16 +41,20 @@ impl StoredResponse {
 #[derive(Debug)]
 pub(crate) struct StoredHead {
     status: u16,
-    headers: Vec<(String, Blob)>,
+    record: Record,
 }
 
 impl StoredHead {
     pub(crate) fn of(parts: &Parts, replay_set_cookie: bool) -> StoredHead {
+        let mut record = Record::kept(
+            replayable_headers(&parts.headers, replay_set_cookie),
+            Blob::Text(String::new()),
+            [],
+        );
+        record.status = Some(parts.status.as_u16());
         StoredHead {
             status: parts.status.as_u16(),
-            headers: replayable_headers(&parts.headers, replay_set_cookie)
-                .map(|(name, value)| (name.as_str().to_owned(), Blob::from_bytes(value.as_bytes())))
-                .collect(),
+            record,
         }
     }
 
@@ -141,34 +62,21 @@ impl StoredHead {
         self.status
     }
 
-    pub(crate) fn with_body(self, body: &[u8]) -> StoredResponse {
-        StoredResponse {
-            version: FORMAT_VERSION,
-            status: self.status,
-            headers: self.headers,
-            body: Blob::from_bytes(body),
-            not_kept: None,
-            live: None,
-        }
+    /// The record, and the response to send once it is stored when nothing
+    /// was sent yet.
+    pub(crate) fn with_body(self, body: &[u8], live: Option<Live>) -> StoredResponse {
+        let mut record = self.record;
+        record.body = Blob::from_bytes(body);
+        Ran::new(record, live)
     }
 }
 
-/// Headers never stored: hop-by-hop ones (RFC 9110 §7.6.1), `Date` (a replay
-/// gets its own), `Content-Length` (recomputed from the stored body), and the
-/// layer's own headers (added afresh on each response).
-const NEVER_REPLAYED: &[&str] = &[
-    "connection",
-    "keep-alive",
+/// Headers stored by idem-gRPC but not here: HTTP/1.1's other hop-by-hop
+/// ones (RFC 9110 §7.6.1) and the retention header (added afresh).
+const NOT_REPLAYED_OVER_HTTP: &[&str] = &[
     "proxy-authenticate",
     "proxy-authorization",
     "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "date",
-    "content-length",
-    "idempotent-replayed",
     "idempotency-retention",
 ];
 
@@ -188,7 +96,8 @@ pub(crate) fn replayable_headers(
         .collect();
     headers.iter().filter(move |(name, _)| {
         let n = name.as_str();
-        !NEVER_REPLAYED.contains(&n)
+        !NEVER_STORED.contains(&n)
+            && !NOT_REPLAYED_OVER_HTTP.contains(&n)
             && (replay_set_cookie || *name != header::SET_COOKIE)
             && !listed.iter().any(|l| l == n)
     })
@@ -197,18 +106,6 @@ pub(crate) fn replayable_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn blob_round_trips_text_and_binary() {
-        for bytes in [&b"{\"a\":1}"[..], &[0xff, 0x00, 0x80][..], &b""[..]] {
-            let blob = Blob::from_bytes(bytes);
-            let json = serde_json::to_string(&blob).unwrap();
-            let back: Blob = serde_json::from_str(&json).unwrap();
-            assert_eq!(back.to_bytes().unwrap(), bytes);
-        }
-        assert!(matches!(Blob::from_bytes(b"hi"), Blob::Text(_)));
-        assert!(matches!(Blob::from_bytes(&[0xff]), Blob::Base64 { .. }));
-    }
 
     #[test]
     fn drops_hop_by_hop_date_and_cookies() {
@@ -223,6 +120,7 @@ mod tests {
         h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
         h.insert("connection", HeaderValue::from_static("close, X-Hop"));
         h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
         let kept: Vec<&str> = replayable_headers(&h, false)
             .map(|(n, _)| n.as_str())
             .collect();
@@ -240,24 +138,22 @@ mod tests {
         parts
             .headers
             .insert("x-custom", HeaderValue::from_static("yes"));
-        let stored = StoredResponse::new(parts, Bytes::from_static(b"{\"id\":7}"), false);
+        let stored = StoredHead::of(&parts, false).with_body(b"{\"id\":7}", None);
         let json = serde_json::to_string(&stored).unwrap();
         assert_eq!(
             json,
             r#"{"v":1,"s":201,"h":[["x-custom","yes"]],"b":"{\"id\":7}"}"#
         );
         let back: StoredResponse = serde_json::from_str(&json).unwrap();
-        assert!(back.live.is_none());
-        assert_eq!(back.status, 201);
-        assert_eq!(back.not_kept, None);
+        assert!(back.take_live().is_none());
     }
 
     #[test]
     fn markers_have_their_own_version() {
-        let json =
-            serde_json::to_string(&StoredResponse::not_kept(200, NotKept::TooLarge)).unwrap();
+        let json = serde_json::to_string(&not_kept(200, NotKept::TooLarge)).unwrap();
         assert_eq!(json, r#"{"v":2,"s":200,"h":[],"b":"","nk":"too-large"}"#);
         let back: StoredResponse = serde_json::from_str(&json).unwrap();
-        assert_eq!(back.not_kept, Some(NotKept::TooLarge));
+        assert_eq!(back.record.not_kept, Some(NotKept::TooLarge));
+        assert_eq!(back.record.status, Some(200));
     }
 }

@@ -1,0 +1,225 @@
+//! The stored form of an HTTP exchange, the one record format of both
+//! layers: status, headers, body and trailers, as compact JSON.
+//!
+//! Field names and versions are those both layers wrote before they shared
+//! this module, so every record already in a store still replays.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as B64;
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::{Deserialize, Serialize};
+
+/// Record format of a kept response; a record of another version is
+/// refused rather than misread.
+pub const FORMAT_VERSION: u8 = 1;
+
+/// Record format of a "processed, response not kept" marker. A version of
+/// its own, so that a reader that predates markers refuses them instead of
+/// replaying them as an empty response.
+pub const MARKER_VERSION: u8 = 2;
+
+/// Bytes stored as a JSON string when they are UTF-8 (the common case: JSON
+/// bodies, header values), else as base64, so records stay compact.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Blob {
+    Text(String),
+    Base64 { b64: String },
+}
+
+impl Blob {
+    pub fn from_bytes(bytes: &[u8]) -> Blob {
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Blob::Text(s.to_owned()),
+            Err(_) => Blob::Base64 {
+                b64: B64.encode(bytes),
+            },
+        }
+    }
+
+    /// Always base64: for binary bodies (protobuf messages), where a string
+    /// that happens to be valid UTF-8 would only make the record larger.
+    pub fn binary(bytes: &[u8]) -> Blob {
+        Blob::Base64 {
+            b64: B64.encode(bytes),
+        }
+    }
+
+    pub fn to_bytes(&self) -> Result<Bytes, base64::DecodeError> {
+        match self {
+            Blob::Text(s) => Ok(Bytes::copy_from_slice(s.as_bytes())),
+            Blob::Base64 { b64 } => B64.decode(b64).map(Bytes::from),
+        }
+    }
+}
+
+/// Why a processed request's response was not kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NotKept {
+    /// Its body was over the layer's limit of stored responses.
+    TooLarge,
+    /// It was a stream (Server-Sent Events, a streaming RPC's replies).
+    Streamed,
+    /// Its client went away while it was sent, under
+    /// `cancel_on_disconnect`: the rest of its body was not read.
+    ClientGone,
+}
+
+/// A completed exchange as kept in the store. `s` is an HTTP record's
+/// status, `c` a gRPC record's status code (its trailers carry it on the
+/// wire; the field is for operators reading records): each layer writes
+/// its own and refuses a record without it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Record {
+    #[serde(rename = "v")]
+    pub version: u8,
+    #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<i32>,
+    #[serde(rename = "h")]
+    pub headers: Vec<(String, Blob)>,
+    #[serde(rename = "b")]
+    pub body: Blob,
+    #[serde(rename = "t", default, skip_serializing_if = "Vec::is_empty")]
+    pub trailers: Vec<(String, Blob)>,
+    /// Set on markers: the request was processed, its response not kept.
+    #[serde(rename = "nk", default, skip_serializing_if = "Option::is_none")]
+    pub not_kept: Option<NotKept>,
+}
+
+impl Record {
+    /// A kept exchange; `headers` and `trailers` are what the layer keeps
+    /// of them (see [`NEVER_STORED`]).
+    pub fn kept<'h>(
+        headers: impl IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+        body: Blob,
+        trailers: impl IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+    ) -> Record {
+        Record {
+            version: FORMAT_VERSION,
+            status: None,
+            code: None,
+            headers: encode_headers(headers),
+            body,
+            trailers: encode_headers(trailers),
+            not_kept: None,
+        }
+    }
+
+    /// A "processed, response not kept" marker.
+    pub fn not_kept(why: NotKept) -> Record {
+        Record {
+            version: MARKER_VERSION,
+            status: None,
+            code: None,
+            headers: Vec::new(),
+            body: Blob::Text(String::new()),
+            trailers: Vec::new(),
+            not_kept: Some(why),
+        }
+    }
+
+    /// The body, headers and trailers of a kept record, ready to send; the
+    /// error says what is damaged.
+    pub fn decode(&self) -> Result<Decoded, String> {
+        if self.version != FORMAT_VERSION {
+            return Err(format!("unknown record format version {}", self.version));
+        }
+        Ok(Decoded {
+            headers: decode_headers(&self.headers)?,
+            body: self
+                .body
+                .to_bytes()
+                .map_err(|e| format!("stored body: {e}"))?,
+            trailers: decode_headers(&self.trailers)?,
+        })
+    }
+}
+
+/// A kept record's parts, decoded.
+#[derive(Debug)]
+pub struct Decoded {
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub trailers: HeaderMap,
+}
+
+/// Headers neither layer stores: connection-specific ones (HTTP/2 forbids
+/// them anyway), `date` (a replay gets its own), `content-length`
+/// (recomputed from the stored body) and the replay marker (added afresh
+/// to each replay).
+pub const NEVER_STORED: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "date",
+    "content-length",
+    "idempotent-replayed",
+];
+
+fn encode_headers<'h>(
+    headers: impl IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+) -> Vec<(String, Blob)> {
+    headers
+        .into_iter()
+        .map(|(name, value)| (name.as_str().to_owned(), Blob::from_bytes(value.as_bytes())))
+        .collect()
+}
+
+fn decode_headers(list: &[(String, Blob)]) -> Result<HeaderMap, String> {
+    let mut map = HeaderMap::with_capacity(list.len());
+    for (name, value) in list {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|e| format!("stored header name {name:?}: {e}"))?;
+        let value = value
+            .to_bytes()
+            .map_err(|e| format!("stored header {name}: {e}"))
+            .and_then(|v| {
+                HeaderValue::from_maybe_shared(v).map_err(|e| format!("stored header {name}: {e}"))
+            })?;
+        map.append(name, value);
+    }
+    Ok(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blob_round_trips_text_and_binary() {
+        for bytes in [&b"{\"a\":1}"[..], &[0xff, 0x00, 0x80][..], &b""[..]] {
+            let blob = Blob::from_bytes(bytes);
+            let json = serde_json::to_string(&blob).unwrap();
+            let back: Blob = serde_json::from_str(&json).unwrap();
+            assert_eq!(back.to_bytes().unwrap(), bytes);
+        }
+        assert!(matches!(Blob::from_bytes(b"hi"), Blob::Text(_)));
+        assert!(matches!(Blob::from_bytes(&[0xff]), Blob::Base64 { .. }));
+        assert!(matches!(Blob::binary(b"hi"), Blob::Base64 { .. }));
+    }
+
+    #[test]
+    fn decodes_every_part_and_refuses_other_versions() {
+        let mut h = HeaderMap::new();
+        h.insert("x-run", HeaderValue::from_static("1"));
+        let mut t = HeaderMap::new();
+        t.append("x-t", HeaderValue::from_static("a"));
+        t.append("x-t", HeaderValue::from_static("b"));
+        let record = Record::kept(&h, Blob::binary(&[0, 1, 0xff]), &t);
+        let json = serde_json::to_string(&record).unwrap();
+        let back: Record = serde_json::from_str(&json).unwrap();
+        let decoded = back.decode().unwrap();
+        assert_eq!(decoded.headers["x-run"], "1");
+        assert_eq!(decoded.body, &[0, 1, 0xff][..]);
+        let xs: Vec<_> = decoded.trailers.get_all("x-t").iter().collect();
+        assert_eq!(xs, ["a", "b"]);
+        assert!(Record::not_kept(NotKept::Streamed).decode().is_err());
+    }
+}

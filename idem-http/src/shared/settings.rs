@@ -1,0 +1,264 @@
+//! The settings both layers have, with their defaults, and where a
+//! request's tenant (its own key space) comes from.
+
+use http::{HeaderMap, HeaderName, header};
+use idem_core::{Call, Fingerprint, Idempotency};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Default limit on buffered request and stored response bodies: 1 MiB
+/// (idem-http's `DEFAULT_BODY_LIMIT`, and idem-gRPC's stored replies).
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+
+/// A tenant hook: names the tenant of a request from what the layer hands
+/// it (`http::request::Parts` over HTTP, the metadata over gRPC).
+pub type TenantFn<H> = dyn Fn(&H) -> Option<String> + Send + Sync + 'static;
+
+/// Where a request's tenant (its own key space) comes from.
+pub enum TenantSource<H: ?Sized> {
+    /// A digest of these headers' values (credentials), when any is present.
+    Credentials(Vec<HeaderName>),
+    /// The value of this header, as it is (a tenant id set by a gateway).
+    Header(HeaderName),
+    /// The user's hook.
+    Hook(Arc<TenantFn<H>>),
+    /// No tenant: every request shares one key space (explicit opt-in).
+    Shared,
+}
+
+impl<H: ?Sized> Clone for TenantSource<H> {
+    fn clone(&self) -> Self {
+        match self {
+            TenantSource::Credentials(names) => TenantSource::Credentials(names.clone()),
+            TenantSource::Header(name) => TenantSource::Header(name.clone()),
+            TenantSource::Hook(hook) => TenantSource::Hook(Arc::clone(hook)),
+            TenantSource::Shared => TenantSource::Shared,
+        }
+    }
+}
+
+impl<H: ?Sized> fmt::Debug for TenantSource<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TenantSource::Credentials(names) => f.debug_tuple("Credentials").field(names).finish(),
+            TenantSource::Header(name) => f.debug_tuple("Header").field(name).finish(),
+            TenantSource::Hook(_) => f.write_str("Hook"),
+            TenantSource::Shared => f.write_str("Shared"),
+        }
+    }
+}
+
+impl<H: ?Sized> TenantSource<H> {
+    /// The default: a key space per `authorization` value.
+    pub fn default_credentials() -> Self {
+        TenantSource::Credentials(vec![header::AUTHORIZATION])
+    }
+
+    /// The tenant of a request, `None` for the tenant-less key space.
+    /// `call_hook` runs the user's hook on what it takes; it is called only
+    /// for a hook, so a layer builds that input only when it is needed.
+    pub fn tenant_of(
+        &self,
+        headers: &HeaderMap,
+        call_hook: impl FnOnce(&TenantFn<H>) -> Option<String>,
+    ) -> Option<String> {
+        match self {
+            TenantSource::Credentials(names) => {
+                idem_key::scope::credentials_tenant(names.iter().flat_map(|name| {
+                    headers
+                        .get_all(name)
+                        .iter()
+                        .map(move |value| (name.as_str(), value.as_bytes()))
+                }))
+            }
+            TenantSource::Header(name) => headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            TenantSource::Hook(hook) => call_hook(&**hook),
+            TenantSource::Shared => None,
+        }
+    }
+}
+
+/// What both layers configure alike, with the same defaults; the
+/// layers' setters of the same names document each one.
+#[must_use]
+pub struct Settings<H: ?Sized> {
+    /// Refuse requests without a key (else they run without idempotency).
+    pub require_key: bool,
+    /// The retry hint of answers a retry with the same key can get past
+    /// (`Retry-After`, `grpc-retry-pushback-ms`).
+    pub retry_after: Duration,
+    /// How long a stored response is replayed: the TTL of each call.
+    pub retention: Duration,
+    /// The lease of each claim; `None` for the runtime's.
+    pub lease: Option<Duration>,
+    /// How long a duplicate waits for an in-flight first request.
+    pub wait: Duration,
+    pub tenant: TenantSource<H>,
+    /// Largest request body buffered to read its key and fingerprint.
+    pub max_request: usize,
+    /// Largest response body stored for replay.
+    pub max_response: usize,
+}
+
+impl<H: ?Sized> Clone for Settings<H> {
+    fn clone(&self) -> Self {
+        Settings {
+            require_key: self.require_key,
+            retry_after: self.retry_after,
+            retention: self.retention,
+            lease: self.lease,
+            wait: self.wait,
+            tenant: self.tenant.clone(),
+            max_request: self.max_request,
+            max_response: self.max_response,
+        }
+    }
+}
+
+impl<H: ?Sized> fmt::Debug for Settings<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("require_key", &self.require_key)
+            .field("retry_after", &self.retry_after)
+            .field("retention", &self.retention)
+            .field("lease", &self.lease)
+            .field("wait", &self.wait)
+            .field("tenant", &self.tenant)
+            .field("max_request", &self.max_request)
+            .field("max_response", &self.max_response)
+            .finish()
+    }
+}
+
+impl<H: ?Sized> Settings<H> {
+    /// The defaults: key optional, a 1 s retry hint, the runtime's
+    /// `result_ttl` as retention and its lease, no waiting (a duplicate is
+    /// refused at once, whatever the runtime's own `wait` default), one
+    /// key space per `authorization` value, 1 MiB body limits.
+    pub fn new(idem: &Idempotency) -> Self {
+        Settings {
+            require_key: false,
+            retry_after: Duration::from_secs(1),
+            retention: idem.result_ttl(),
+            lease: None,
+            wait: Duration::ZERO,
+            tenant: TenantSource::default_credentials(),
+            max_request: DEFAULT_BODY_LIMIT,
+            max_response: DEFAULT_BODY_LIMIT,
+        }
+    }
+
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.require_key = required;
+        self
+    }
+
+    pub fn retry_after(mut self, hint: Duration) -> Self {
+        self.retry_after = hint;
+        self
+    }
+
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    pub fn tenant<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&H) -> Option<String> + Send + Sync + 'static,
+    {
+        self.tenant = TenantSource::Hook(Arc::new(hook));
+        self
+    }
+
+    pub fn tenant_from_credentials(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.tenant = TenantSource::Credentials(names.into_iter().collect());
+        self
+    }
+
+    pub fn tenant_from_header(mut self, name: HeaderName) -> Self {
+        self.tenant = TenantSource::Header(name);
+        self
+    }
+
+    pub fn shared_keys(mut self) -> Self {
+        self.tenant = TenantSource::Shared;
+        self
+    }
+
+    pub fn max_request(mut self, bytes: usize) -> Self {
+        self.max_request = bytes;
+        self
+    }
+
+    pub fn max_response(mut self, bytes: usize) -> Self {
+        self.max_response = bytes;
+        self
+    }
+}
+
+/// What one request claims: its key in its scope, with its fingerprint.
+pub struct Claim {
+    pub idem: Idempotency,
+    pub scope: String,
+    pub key: String,
+    pub fingerprint: Fingerprint,
+}
+
+impl Claim {
+    /// The runtime call of this claim under `settings`.
+    pub fn call<H: ?Sized>(&self, settings: &Settings<H>) -> Call<'_> {
+        let call = self
+            .idem
+            .call(&self.scope, self.key.as_str())
+            .fingerprint_raw(self.fingerprint)
+            .ttl(settings.retention)
+            .wait(settings.wait);
+        match settings.lease {
+            Some(lease) => call.lease(lease),
+            None => call,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(auth: &[&'static str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for a in auth {
+            h.append("authorization", HeaderValue::from_static(a));
+        }
+        h
+    }
+
+    #[test]
+    fn credentials_give_distinct_stable_tenants() {
+        let src = TenantSource::<()>::default_credentials();
+        let of = |auth: &[&'static str]| src.tenant_of(&headers(auth), |_| None);
+        assert_eq!(of(&[]), None);
+        let a = of(&["Bearer a"]).unwrap();
+        assert_eq!(a.len(), 5 + 32);
+        assert!(a.starts_with("cred:"));
+        assert_eq!(Some(&a), of(&["Bearer a"]).as_ref());
+        assert_ne!(Some(&a), of(&["Bearer b"]).as_ref());
+        assert_ne!(of(&["a", "b"]), of(&["ab"]));
+        let shared = TenantSource::<()>::Shared;
+        assert_eq!(shared.tenant_of(&headers(&["Bearer a"]), |_| None), None);
+    }
+}
