@@ -4,73 +4,27 @@
 
 use crate::RETRY_PUSHBACK;
 use crate::method::UnaryMethod;
-use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use http::{HeaderMap, HeaderValue, Response};
+use idem_http::shared::settings::Settings;
 use std::collections::HashMap;
-use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
 use tonic::Code;
 use tonic::metadata::MetadataMap;
 
-/// The tenant hook's type: names the tenant of a request from its metadata.
-pub(crate) type TenantFn = dyn Fn(&MetadataMap) -> Option<String> + Send + Sync + 'static;
+/// Where a request's tenant comes from; the hook sees the metadata.
+pub(crate) type TenantSource = idem_http::shared::settings::TenantSource<MetadataMap>;
 
-/// Where a request's tenant (its own key space) comes from.
-#[derive(Clone)]
-pub(crate) enum TenantSource {
-    /// A digest of these metadata entries (credentials), when any is present.
-    Credentials(Vec<HeaderName>),
-    /// The value of this metadata entry, as it is (a tenant id).
-    Metadata(HeaderName),
-    /// The user's hook.
-    Hook(Arc<TenantFn>),
-    /// No tenant: every request shares one key space (explicit opt-in).
-    Shared,
-}
-
-impl fmt::Debug for TenantSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TenantSource::Credentials(names) => f.debug_tuple("Credentials").field(names).finish(),
-            TenantSource::Metadata(name) => f.debug_tuple("Metadata").field(name).finish(),
-            TenantSource::Hook(_) => f.write_str("Hook"),
-            TenantSource::Shared => f.write_str("Shared"),
-        }
-    }
-}
-
-impl TenantSource {
-    /// The tenant of a request, `None` for the tenant-less key space.
-    pub(crate) fn tenant_of(&self, headers: &HeaderMap) -> Option<String> {
-        match self {
-            TenantSource::Credentials(names) => {
-                idem_key::scope::credentials_tenant(names.iter().flat_map(|name| {
-                    headers
-                        .get_all(name)
-                        .iter()
-                        .map(move |value| (name.as_str(), value.as_bytes()))
-                }))
-            }
-            TenantSource::Metadata(name) => headers
-                .get(name)
-                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
-            TenantSource::Hook(hook) => hook(&MetadataMap::from_headers(headers.clone())),
-            TenantSource::Shared => None,
-        }
-    }
+/// The tenant of a request, `None` for the tenant-less key space.
+pub(crate) fn tenant_of(tenant: &TenantSource, headers: &HeaderMap) -> Option<String> {
+    tenant.tenant_of(headers, |hook| {
+        hook(&MetadataMap::from_headers(headers.clone()))
+    })
 }
 
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
+    /// What idem-http's layer configures alike.
+    pub(crate) settings: Settings<MetadataMap>,
     pub(crate) methods: HashMap<String, UnaryMethod>,
-    pub(crate) require_key: bool,
-    pub(crate) retry_after: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) lease: Option<Duration>,
-    pub(crate) wait: Duration,
-    pub(crate) tenant: TenantSource,
-    pub(crate) max_request_bytes: usize,
-    pub(crate) max_response_bytes: usize,
     pub(crate) stored_codes: Vec<Code>,
     /// Whether concurrent calls share their store round trips.
     pub(crate) share_round_trips: bool,
@@ -162,7 +116,7 @@ pub(crate) fn refuse(cfg: &Config, why: Refusal, message: &str) -> Response<toni
     let mut response = tonic::Status::with_metadata(why.code(), message, metadata)
         .into_http::<tonic::body::Body>();
     if why.pushback() {
-        let ms = u64::try_from(cfg.retry_after.as_millis()).unwrap_or(u64::MAX);
+        let ms = u64::try_from(cfg.settings.retry_after.as_millis()).unwrap_or(u64::MAX);
         response
             .headers_mut()
             .insert(RETRY_PUSHBACK, HeaderValue::from(ms));

@@ -1,10 +1,11 @@
 //! `IdempotencyLayer`: the configuration, and the tower `Layer` impl.
 
-use crate::config::{Config, TenantSource};
+use crate::config::Config;
 use crate::method::UnaryMethod;
 use crate::service::IdempotencyService;
 use http::HeaderName;
 use idem_core::Idempotency;
+use idem_http::shared::settings::Settings;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -83,23 +84,17 @@ impl IdempotencyLayer {
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).unary("/shop.v1.Orders/PlaceOrder");
     /// ```
     pub fn new(idem: Idempotency) -> IdempotencyLayer {
-        let retention = idem.result_ttl();
         IdempotencyLayer {
-            idem,
             config: Config {
+                settings: Settings::new(&idem)
+                    .max_request(DEFAULT_MAX_REQUEST_BYTES)
+                    .max_response(DEFAULT_MAX_RESPONSE_BYTES),
                 methods: HashMap::new(),
-                require_key: false,
-                retry_after: Duration::from_secs(1),
-                retention,
-                lease: None,
-                wait: Duration::ZERO,
-                tenant: TenantSource::Credentials(vec![http::header::AUTHORIZATION]),
-                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 stored_codes: Vec::new(),
                 share_round_trips: true,
                 group: None,
             },
+            idem,
         }
     }
 
@@ -144,9 +139,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).require_key(true);
     /// ```
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.config.require_key = required;
-        self
+    pub fn require_key(self, required: bool) -> Self {
+        self.with_settings(|s| s.require_key(required))
     }
 
     /// The retry hint sent as `grpc-retry-pushback-ms` with `ABORTED` (a
@@ -157,9 +151,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).retry_after(std::time::Duration::from_millis(250));
     /// ```
-    pub fn retry_after(mut self, hint: Duration) -> Self {
-        self.config.retry_after = hint;
-        self
+    pub fn retry_after(self, hint: Duration) -> Self {
+        self.with_settings(|s| s.retry_after(hint))
     }
 
     /// How long a stored answer is replayed (default: the runtime's
@@ -169,9 +162,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).retention(std::time::Duration::from_secs(3600));
     /// ```
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config.retention = retention;
-        self
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with_settings(|s| s.retention(retention))
     }
 
     /// The lease of each call (default: the runtime's): how long after a
@@ -182,9 +174,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).lease(std::time::Duration::from_secs(10));
     /// ```
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = Some(lease);
-        self
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with_settings(|s| s.lease(lease))
     }
 
     /// A duplicate that arrives while the first call runs waits up to `d`
@@ -196,9 +187,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).wait(std::time::Duration::from_secs(5));
     /// ```
-    pub fn wait(mut self, d: Duration) -> Self {
-        self.config.wait = d;
-        self
+    pub fn wait(self, d: Duration) -> Self {
+        self.with_settings(|s| s.wait(d))
     }
 
     /// Error statuses stored and replayed like `OK` (default: none, so any
@@ -242,9 +232,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_request_bytes(64 * 1024);
     /// ```
-    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
-        self.config.max_request_bytes = bytes;
-        self
+    pub fn max_request_bytes(self, bytes: usize) -> Self {
+        self.with_settings(|s| s.max_request(bytes))
     }
 
     /// Largest reply stored for replay (default 1 MiB). A larger one is sent
@@ -255,9 +244,8 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_response_bytes(256 * 1024);
     /// ```
-    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
-        self.config.max_response_bytes = bytes;
-        self
+    pub fn max_response_bytes(self, bytes: usize) -> Self {
+        self.with_settings(|s| s.max_response(bytes))
     }
 
     /// The tenant is the value of this metadata entry (an API client or
@@ -270,9 +258,8 @@ impl IdempotencyLayer {
     /// let layer = idem_grpc::IdempotencyLayer::new(idem)
     ///     .tenant_from_metadata(http::HeaderName::from_static("x-tenant-id"));
     /// ```
-    pub fn tenant_from_metadata(mut self, name: HeaderName) -> Self {
-        self.config.tenant = TenantSource::Metadata(name);
-        self
+    pub fn tenant_from_metadata(self, name: HeaderName) -> Self {
+        self.with_settings(|s| s.tenant_from_header(name))
     }
 
     /// The tenant is a SHA-256 digest of these metadata entries'
@@ -286,9 +273,8 @@ impl IdempotencyLayer {
     /// let layer = idem_grpc::IdempotencyLayer::new(idem)
     ///     .tenant_from_credentials([http::header::AUTHORIZATION, HeaderName::from_static("x-api-key")]);
     /// ```
-    pub fn tenant_from_credentials(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config.tenant = TenantSource::Credentials(names.into_iter().collect());
-        self
+    pub fn tenant_from_credentials(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.with_settings(|s| s.tenant_from_credentials(names))
     }
 
     /// A hook naming a request's tenant from its metadata; `None` puts it
@@ -301,12 +287,11 @@ impl IdempotencyLayer {
     ///     md.get("x-account")?.to_str().ok().map(str::to_owned)
     /// });
     /// ```
-    pub fn tenant<F>(mut self, hook: F) -> Self
+    pub fn tenant<F>(self, hook: F) -> Self
     where
         F: Fn(&MetadataMap) -> Option<String> + Send + Sync + 'static,
     {
-        self.config.tenant = TenantSource::Hook(Arc::new(hook));
-        self
+        self.with_settings(|s| s.tenant(hook))
     }
 
     /// One key space for every caller: the same key from two clients is
@@ -317,8 +302,16 @@ impl IdempotencyLayer {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).shared_keys();
     /// ```
-    pub fn shared_keys(mut self) -> Self {
-        self.config.tenant = TenantSource::Shared;
+    pub fn shared_keys(self) -> Self {
+        self.with_settings(Settings::shared_keys)
+    }
+
+    /// The settings idem-http's layer has too are set in one place.
+    fn with_settings(
+        mut self,
+        set: impl FnOnce(Settings<MetadataMap>) -> Settings<MetadataMap>,
+    ) -> Self {
+        self.config.settings = set(self.config.settings);
         self
     }
 }

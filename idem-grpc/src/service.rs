@@ -3,27 +3,28 @@
 //! own (claim, run the handler, store its answer, answer the client).
 
 use crate::body::{Chain, Complete};
-use crate::config::{Config, Refusal, refuse};
+use crate::config::{Config, Refusal, refuse, tenant_of};
 use crate::frame::{self, FrameError};
 use crate::method::{KeySource, UnaryMethod};
-use crate::stored::{self, FORMAT_VERSION, NotKept, StoredRpc};
+use crate::stored::{self, explain};
 use crate::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderValue, Request, Response};
-use http_body::Body as HttpBody;
-use http_body_util::{BodyExt, Limited};
-use idem_core::{Error, Fingerprint, Idempotency, Outcome};
+use http_body_util::BodyExt;
+use idem_core::{Error, Fingerprint, Idempotency};
+use idem_http::shared::record::{NotKept, Record};
+use idem_http::shared::settings::Claim;
+use idem_http::shared::task::{
+    self, Answers, BytesBody, Inner, Ran, ReadError, TaskError, read_limited, take_ready,
+};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use tokio::sync::oneshot;
 use tonic::body::Body;
 use tower_service::Service;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The future of [`IdempotencyService::call`].
 pub type ResponseFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
@@ -62,11 +63,8 @@ impl<S> IdempotencyService<S> {
 
 impl<S, ResBody> Service<Request<Body>> for IdempotencyService<S>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Service<Request<Body>, Response = Response<ResBody>> + Inner<Request<Body>, ResBody> + Clone,
+    ResBody: BytesBody,
 {
     type Response = Response<Body>;
     type Error = S::Error;
@@ -77,9 +75,7 @@ where
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        // The clone is the one not polled ready: keep the ready one for this call.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = take_ready(&mut self.inner);
         let cfg = self.cfg.clone();
         let Some(method) = cfg.methods.get(request.uri().path()).cloned() else {
             if request.headers().contains_key(IDEMPOTENCY_KEY) {
@@ -100,7 +96,7 @@ where
             return Box::pin(async move { call.await.map(|r| r.map(Body::new)) });
         };
         if matches!(method.key, KeySource::Metadata)
-            && !cfg.require_key
+            && !cfg.settings.require_key
             && !request.headers().contains_key(IDEMPOTENCY_KEY)
         {
             // No key and none required: not buffered, not claimed.
@@ -121,18 +117,15 @@ async fn protect<S, ResBody>(
     request: Request<Body>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner<Request<Body>, ResBody>,
+    ResBody: BytesBody,
 {
     let (parts, body) = request.into_parts();
     let metadata_key = match key_from_metadata(&parts.headers) {
         Ok(key) => key,
         Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
     };
-    let bytes = match read_body(body, cfg.max_request_bytes).await {
+    let bytes = match read_limited(body, cfg.settings.max_request).await {
         Ok(bytes) => bytes,
         Err(ReadError::TooLarge) => {
             return Ok(refuse(
@@ -140,7 +133,7 @@ where
                 Refusal::RequestTooLarge,
                 &format!(
                     "the request message is over the idempotency layer's {}-byte limit; the request was not processed",
-                    cfg.max_request_bytes
+                    cfg.settings.max_request
                 ),
             ));
         }
@@ -226,7 +219,7 @@ where
     };
     let request = Request::from_parts(parts, full(bytes.clone()));
     let Some(key) = key else {
-        if cfg.require_key {
+        if cfg.settings.require_key {
             let where_ = match method.key {
                 KeySource::Metadata => "an idempotency-key metadata entry",
                 KeySource::Message(_) => "its idempotency key field set",
@@ -265,38 +258,32 @@ where
             }
         },
     };
-    let tenant = cfg.tenant.tenant_of(request.headers());
+    let tenant = tenant_of(&cfg.settings.tenant, request.headers());
     let scope = idem_key::scope::compose(
         method.scope.as_deref().unwrap_or(&method.path),
         tenant.as_deref(),
     );
-    let (tx, rx) = oneshot::channel();
     let job = Job {
         inner,
-        idem,
         cfg: cfg.clone(),
-        scope,
-        key,
-        fingerprint,
+        claim: Claim {
+            idem,
+            scope,
+            key,
+            fingerprint,
+        },
         request,
     };
     // A task of its own: a client that goes away (hyper drops this future)
     // does not stop a started handler, and its answer is still stored.
-    match tokio::runtime::Handle::try_current() {
-        Ok(handle) => {
-            handle.spawn(job.run(tx));
-        }
-        Err(_) => {
-            return Ok(refuse(
-                &cfg,
-                Refusal::Internal,
-                "the idempotency layer needs a Tokio runtime; the request was not processed",
-            ));
-        }
-    }
-    match rx.await {
+    match task::in_task(|reply| job.run(reply), false).await {
         Ok(answer) => answer,
-        Err(_) => Ok(refuse(
+        Err(TaskError::NoRuntime) => Ok(refuse(
+            &cfg,
+            Refusal::Internal,
+            "the idempotency layer needs a Tokio runtime; the request was not processed",
+        )),
+        Err(TaskError::NoAnswer) => Ok(refuse(
             &cfg,
             Refusal::Internal,
             "the idempotent run ended without an answer; retry with the same key",
@@ -322,121 +309,35 @@ fn key_from_metadata(headers: &HeaderMap) -> Result<Option<String>, String> {
         .map_err(|e| e.to_string())
 }
 
-enum ReadError {
-    TooLarge,
-    Failed(BoxError),
-}
-
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, ReadError> {
-    if body.size_hint().lower() > u64::try_from(limit).unwrap_or(u64::MAX) {
-        return Err(ReadError::TooLarge);
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ReadError::TooLarge),
-        Err(e) => Err(ReadError::Failed(e)),
-    }
-}
-
 fn full(bytes: Bytes) -> Body {
     Body::new(Complete::new(bytes, None))
 }
 
-/// Where the run sends the call's answer; the service future waits on it.
-type Reply<E> = oneshot::Sender<Result<Response<Body>, E>>;
-
-/// Why the run stored nothing.
-enum RunError<E> {
-    /// The runtime refused or failed (in flight, mismatch, store down, …).
-    Idem(Error),
-    /// An answer to send as it is, the key released: a status that is not
-    /// stored, a panic or a failed reply.
-    Respond(Response<Body>),
-    /// The inner service's own error, passed on (the key is released).
-    Inner(E),
-}
-
-impl<E> From<Error> for RunError<E> {
-    fn from(e: Error) -> Self {
-        RunError::Idem(e)
-    }
-}
-
-/// What one run stores, and the answer of the call that ran the handler.
-struct Ran {
-    stored: StoredRpc,
-    /// In a mutex only to be `Sync` (tonic's body is not): the runtime
-    /// holds a reference to the value while it stores it.
-    live: std::sync::Mutex<Option<Response<Body>>>,
-}
-
-impl Ran {
-    fn new(stored: StoredRpc, live: Option<Response<Body>>) -> Ran {
-        Ran {
-            stored,
-            live: std::sync::Mutex::new(live),
-        }
-    }
-
-    fn take_live(self) -> Option<Response<Body>> {
-        // A poisoned lock still holds the response: nothing panics while
-        // it is held.
-        self.live
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl serde::Serialize for Ran {
-    fn serialize<Ser: serde::Serializer>(&self, s: Ser) -> Result<Ser::Ok, Ser::Error> {
-        self.stored.serialize(s)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Ran {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(Ran::new(StoredRpc::deserialize(d)?, None))
-    }
-}
+type RunError<E> = task::RunError<Response<Body>, E>;
+type Reply<E> = task::Reply<Response<Body>, E>;
 
 /// Everything one idempotent run needs, owned, so it can be a task.
 struct Job<S> {
     inner: S,
-    idem: Idempotency,
     cfg: Arc<Config>,
-    scope: String,
-    key: String,
-    fingerprint: Fingerprint,
+    claim: Claim,
     request: Request<Body>,
 }
 
-impl<S, ResBody> Job<S>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    async fn run(self, reply: Reply<S::Error>) {
+impl<S> Job<S> {
+    async fn run<ResBody>(self, reply: Reply<S::Error>)
+    where
+        S: Inner<Request<Body>, ResBody>,
+        ResBody: BytesBody,
+    {
         let Job {
             inner,
-            idem,
             cfg,
-            scope,
-            key,
-            fingerprint,
+            claim,
             request,
         } = self;
         let mut reply = Some(reply);
-        let mut call = idem
-            .call(&scope, key.as_str())
-            .fingerprint_raw(fingerprint)
-            .ttl(cfg.retention)
-            .wait(cfg.wait);
-        if let Some(lease) = cfg.lease {
-            call = call.lease(lease);
-        }
+        let mut call = claim.call(&cfg.settings);
         if let Some(group) = &cfg.group {
             call = call.in_group(group);
         }
@@ -444,22 +345,9 @@ where
         let result = call
             .run_outcome(|| execute(inner, request, config, &mut reply))
             .await;
-        let answer = match result {
-            Ok((ran, Outcome::Replayed)) => {
-                tracing::debug!(code = ran.stored.code, "replaying the stored answer");
-                Some(Ok(replay(ran.stored, config)))
-            }
-            Ok((ran, outcome)) => {
-                tracing::debug!(%outcome, code = ran.stored.code, kept = ran.stored.not_kept.is_none(), "handler ran; answer stored");
-                ran.take_live().map(Ok)
-            }
-            Err(RunError::Respond(response)) => Some(Ok(response)),
-            Err(RunError::Inner(e)) => Some(Err(e)),
-            Err(RunError::Idem(e)) => Some(Ok(idem_error(e, config))),
-        };
-        if let (Some(answer), Some(reply)) = (answer, reply.take()) {
+        if let Some(answer) = task::answer(&GrpcAnswers(config), result) {
             // The client may be gone; the answer is stored all the same.
-            let _ = reply.send(answer);
+            task::send(&mut reply, answer);
         }
     }
 }
@@ -469,38 +357,23 @@ where
 /// stream, or a reply over the limit, is sent on as it comes and stored as
 /// "processed, not kept".
 async fn execute<S, ResBody>(
-    mut inner: S,
+    inner: S,
     request: Request<Body>,
     cfg: &Config,
     reply: &mut Option<Reply<S::Error>>,
-) -> Result<Ran, RunError<S::Error>>
+) -> Result<Ran<Response<Body>>, RunError<S::Error>>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: BytesBody,
 {
-    // A panicking handler becomes INTERNAL here, so its key is released (by
-    // the Err) and the client gets an answer instead of a reset stream.
-    let outcome = AssertUnwindSafe(async move { inner.call(request).await })
-        .catch_unwind()
-        .await;
-    let response = match outcome {
-        Ok(Ok(response)) => response,
-        Ok(Err(e)) => {
-            tracing::debug!("the inner service failed; key released");
-            return Err(RunError::Inner(e));
-        }
-        Err(_) => {
-            tracing::error!(
-                "the handler panicked: answering INTERNAL and releasing the idempotency key"
-            );
-            return Err(RunError::Respond(refuse(
-                cfg,
-                Refusal::HandlerPanicked,
-                "the handler failed and nothing was recorded; it is safe to retry with the same key",
-            )));
-        }
-    };
+    let response = task::call_handler(inner, request, || {
+        refuse(
+            cfg,
+            Refusal::HandlerPanicked,
+            "the handler failed and nothing was recorded; it is safe to retry with the same key",
+        )
+    })
+    .await?;
     let (parts, body) = response.into_parts();
     let mut body = Body::new(body);
     let mut data = BytesMut::new();
@@ -532,7 +405,7 @@ where
                 data.extend_from_slice(&chunk);
                 let why = if frame::count_messages(&data) > 1 {
                     Some(NotKept::Streamed)
-                } else if data.len() > cfg.max_response_bytes {
+                } else if data.len() > cfg.settings.max_response {
                     Some(NotKept::TooLarge)
                 } else {
                     None
@@ -540,7 +413,7 @@ where
                 if let Some(why) = why {
                     // The handler ran: record that, and let the client read on.
                     tracing::debug!(
-                        reason = why.explain(),
+                        reason = explain(why),
                         "reply passed through; stored as processed, not kept"
                     );
                     if let Some(reply) = reply.take() {
@@ -549,7 +422,7 @@ where
                             Body::new(Chain::new(data.freeze(), body)),
                         )));
                     }
-                    return Ok(Ran::new(StoredRpc::not_kept(why), None));
+                    return Ok(Ran::new(stored::not_kept(why), None));
                 }
             }
             Err(frame) => {
@@ -570,7 +443,7 @@ where
     );
     match code {
         Some(code) if cfg.stores(code) => {
-            let stored = StoredRpc::kept(code, live.headers(), &data, trailers.as_ref());
+            let stored = stored::kept(code, live.headers(), &data, trailers.as_ref());
             Ok(Ran::new(stored, Some(live)))
         }
         code => {
@@ -593,16 +466,36 @@ fn status_code(headers: Option<&HeaderMap>) -> Option<i32> {
         .ok()
 }
 
+/// The layer's answers: gRPC statuses, replays byte for byte.
+struct GrpcAnswers<'a>(&'a Config);
+
+impl Answers for GrpcAnswers<'_> {
+    type Response = Response<Body>;
+    type Live = Response<Body>;
+
+    fn replay(&self, record: Record) -> Response<Body> {
+        replay(record, self.0)
+    }
+
+    fn first(&self, ran: Ran<Response<Body>>) -> Option<Response<Body>> {
+        ran.take_live()
+    }
+
+    fn refusal(&self, error: Error) -> Response<Body> {
+        idem_error(error, self.0)
+    }
+}
+
 /// A replay: the stored metadata, messages and trailers, marked as a
 /// replay; or, for a marker, the `response-not-kept` refusal.
-fn replay(stored: StoredRpc, cfg: &Config) -> Response<Body> {
+fn replay(stored: Record, cfg: &Config) -> Response<Body> {
     if let Some(why) = stored.not_kept {
         return refuse(
             cfg,
             Refusal::ResponseNotKept,
             &format!(
                 "the call with this idempotency key was processed, but its answer was not kept because {}, so it cannot be replayed; do not send it again under this key or a new one, look its result up another way",
-                why.explain()
+                explain(why)
             ),
         );
     }
@@ -619,20 +512,17 @@ fn replay(stored: StoredRpc, cfg: &Config) -> Response<Body> {
     }
 }
 
-fn rebuild(stored: &StoredRpc) -> Result<Response<Body>, String> {
-    if stored.version != FORMAT_VERSION {
-        return Err(format!("unknown record format version {}", stored.version));
+fn rebuild(stored: &Record) -> Result<Response<Body>, String> {
+    if stored.code.is_none() {
+        return Err("a record without a gRPC status code".to_owned());
     }
-    let mut headers = stored::rebuild(&stored.headers)?;
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    let trailers = stored::rebuild(&stored.trailers)?;
-    let body = stored
-        .body
-        .to_bytes()
-        .map_err(|e| format!("stored messages: {e}"))?;
-    let trailers = (!trailers.is_empty()).then_some(trailers);
-    let mut response = Response::new(Body::new(Complete::new(body, trailers)));
-    *response.headers_mut() = headers;
+    let mut decoded = stored.decode()?;
+    decoded
+        .headers
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let trailers = (!decoded.trailers.is_empty()).then_some(decoded.trailers);
+    let mut response = Response::new(Body::new(Complete::new(decoded.body, trailers)));
+    *response.headers_mut() = decoded.headers;
     Ok(response)
 }
 
