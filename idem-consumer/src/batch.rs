@@ -5,7 +5,7 @@ use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handl
 use crate::decision::{Classify, Decision};
 use crate::message::Message;
 use futures_util::future::join_all;
-use idem_core::Batch;
+use idem_core::{Batch, Call};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -91,7 +91,9 @@ impl<C> Consumer<C> {
         // are decided at once.
         let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();
         let mut runs: Vec<Run> = Vec::with_capacity(msgs.len());
-        let mut calls = Batch::new();
+        // Sized once: pushing into a growing `Batch` moved every call
+        // each time it grew.
+        let mut calls: Vec<Call<'_>> = Vec::with_capacity(msgs.len());
         for (i, key) in keys.into_iter().enumerate() {
             if duplicate_of[i].is_some() {
                 continue;
@@ -117,6 +119,8 @@ impl<C> Consumer<C> {
         // One claims round trip, the handlers that won, one round trip of
         // completes and releases.
         let results = calls
+            .into_iter()
+            .collect::<Batch>()
             .concurrency(self.batch_concurrency())
             .run_outcome(|j| {
                 let run = &runs[j];

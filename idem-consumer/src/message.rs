@@ -211,7 +211,8 @@ impl KeySource {
                 .to_owned(),
             KeySource::Payload(d) => d.derive(&msg.payload)?,
             KeySource::IdOrPayload(d) => match &msg.id {
-                Some(id) => id.to_string(),
+                // Not `to_string`: no formatter for a copy.
+                Some(id) => String::from(&**id),
                 None => d.derive(&msg.payload)?,
             },
             KeySource::Custom(f) => f(msg)?,

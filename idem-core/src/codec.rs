@@ -2,54 +2,99 @@
 
 use crate::error::Error;
 use crate::store::{Completed, ValueKind};
+use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::cell::RefCell;
 
 /// A result ready to store.
+#[cfg(test)]
 pub(crate) struct Encoded {
     pub kind: ValueKind,
     pub bytes: Vec<u8>,
 }
 
-/// Serializes `value`; over `limit` it becomes a `TooLarge` marker and when
-/// it cannot be serialized an `Unstorable` one, so that replays report the
-/// problem instead of running the body again.
+/// `encode_bytes` into a `Vec`, for tests.
+#[cfg(test)]
 pub(crate) fn encode<T: Serialize>(
     value: &T,
     limit: usize,
     compress_above: Option<usize>,
 ) -> Encoded {
-    let json = match serde_json::to_vec(value) {
-        Ok(json) => json,
-        Err(e) => {
-            return Encoded {
-                kind: ValueKind::Unstorable,
-                bytes: e.to_string().into_bytes(),
-            };
+    encode_with(value, limit, compress_above, |kind, bytes| Encoded {
+        kind,
+        bytes: bytes.to_vec(),
+    })
+}
+
+/// Serializes `value`; over `limit` it becomes a `TooLarge` marker and when
+/// it cannot be serialized an `Unstorable` one, so that replays report the
+/// problem instead of running the body again. One allocation: the
+/// serializer writes in a buffer this thread keeps, copied out once.
+pub(crate) fn encode_bytes<T: Serialize>(
+    value: &T,
+    limit: usize,
+    compress_above: Option<usize>,
+) -> (ValueKind, Bytes) {
+    encode_with(value, limit, compress_above, |kind, bytes| {
+        (kind, Bytes::copy_from_slice(bytes))
+    })
+}
+
+/// Hands `done` the stored form of `value` (see `encode_bytes`).
+fn encode_with<T: Serialize, R>(
+    value: &T,
+    limit: usize,
+    compress_above: Option<usize>,
+    done: impl FnOnce(ValueKind, &[u8]) -> R,
+) -> R {
+    thread_local! {
+        static BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+    BUFFER.with(|buf| match buf.try_borrow_mut() {
+        Ok(mut json) => {
+            json.clear();
+            let out = encode_in(&mut json, value, limit, compress_above, done);
+            // A huge result's buffer is not kept for the thread's life.
+            if json.capacity() > KEPT {
+                *json = Vec::new();
+            }
+            out
         }
-    };
+        // A value whose Serialize stores a result on this thread.
+        Err(_) => encode_in(&mut Vec::new(), value, limit, compress_above, done),
+    })
+}
+
+/// The largest buffer `encode_with` keeps between results.
+const KEPT: usize = 64 << 10;
+
+fn encode_in<T: Serialize, R>(
+    json: &mut Vec<u8>,
+    value: &T,
+    limit: usize,
+    compress_above: Option<usize>,
+    done: impl FnOnce(ValueKind, &[u8]) -> R,
+) -> R {
+    if let Err(e) = serde_json::to_writer(&mut *json, value) {
+        return done(ValueKind::Unstorable, e.to_string().as_bytes());
+    }
     if json.len() > limit {
-        return Encoded {
-            kind: ValueKind::TooLarge,
-            bytes: format!("{} {limit}", json.len()).into_bytes(),
-        };
+        return done(
+            ValueKind::TooLarge,
+            format!("{} {limit}", json.len()).as_bytes(),
+        );
     }
     match compress_above {
         Some(threshold) if json.len() > threshold => {
-            let packed = lz4_flex::compress_prepend_size(&json);
+            let packed = lz4_flex::compress_prepend_size(json);
             if packed.len() < json.len() {
-                return Encoded {
-                    kind: ValueKind::Lz4Json,
-                    bytes: packed,
-                };
+                return done(ValueKind::Lz4Json, &packed);
             }
         }
         _ => {}
     }
-    Encoded {
-        kind: ValueKind::Json,
-        bytes: json,
-    }
+    done(ValueKind::Json, json)
 }
 
 /// The error a caller gets for a marker that `encode` stored.

@@ -57,6 +57,12 @@ pub(crate) async fn scope<F: Future>(lease: Lease, body: F) -> F::Output {
     CURRENT.scope(lease, body).await
 }
 
+/// Calls `f` with `lease` as the one [`lease()`] returns inside it: a
+/// body's poll made outside a [`scope`].
+pub(crate) fn sync_scope<R>(lease: Lease, f: impl FnOnce() -> R) -> R {
+    CURRENT.sync_scope(lease, f)
+}
+
 /// A running body's view of its lease, from [`lease()`]. Cheap to clone;
 /// a clone moved into a spawned task still tells it about this lease.
 ///

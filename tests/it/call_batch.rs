@@ -480,6 +480,49 @@ async fn a_panicking_body_frees_its_key_and_unwinds_the_batch() {
     assert_eq!(ledger.count("boom"), 1);
 }
 
+/// A body that ended before another one panicked keeps its result: the
+/// batch unwinds after sending it, and the next call replays it instead of
+/// running the body again.
+#[tokio::test]
+async fn a_panicking_body_leaves_the_results_of_bodies_that_ended_stored() {
+    let idem = Idempotency::builder(MemoryStore::new()).build();
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["boom", "fine"].iter().map(|k| idem.call("s", k)).collect();
+            batch
+                .run_outcome(|i| async move {
+                    if i == 0 {
+                        panic!("the body of boom panics");
+                    }
+                    Ok::<_, Error>(i)
+                })
+                .await
+        }
+    });
+    assert!(run.await.is_err_and(|e| e.is_panic()));
+    // Stored by the round trip's own task, which the unwinding batch
+    // no longer waits for.
+    for _ in 0..200 {
+        let info = idem.inspect("s", "fine").await.unwrap();
+        if info.is_some_and(|i| i.state == KeyState::Completed) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ledger = Ledger::new();
+    let (v, o) = idem
+        .call("s", "fine")
+        .run_outcome(|| async {
+            ledger.record("fine");
+            Ok::<_, Error>(7)
+        })
+        .await
+        .unwrap();
+    assert_eq!((v, o), (1, Outcome::Replayed));
+    assert_eq!(ledger.count("fine"), 0);
+}
+
 /// Calls of two runtimes over two stores in one batch: each call answers
 /// from its own store (the batch's round trips carry only the first
 /// store's calls; the others go on their own).

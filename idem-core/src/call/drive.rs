@@ -22,24 +22,25 @@
 
 use super::Call;
 use super::completion::Completion;
-use super::exec::{Exec, FirstClaim, Next};
+use super::exec::{Exec, FirstClaim, Next, Panic, Running};
 use super::gather::{ClaimOp, FinishOp, send_wave};
 use super::guard::{detach, free, log_release, release};
 use super::is_unavailable;
 use crate::cache::Generation;
 use crate::error::Error;
 use crate::hook::CallOutcome;
+use crate::lease::{Lease, Staged};
 use crate::outbox::message::OutboxMessage;
 use crate::outcome::Outcome;
-use crate::store::{ClaimReply, Store, ValueKind, WriteReply};
-use bytes::Bytes;
+use crate::store::{ClaimReply, Store, WriteReply};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::{Future, poll_fn};
+use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -58,8 +59,6 @@ struct Slot<'a> {
 struct Storing<T> {
     value: T,
     ran: Outcome,
-    kind: ValueKind,
-    bytes: Bytes,
 }
 
 const RELEASE_WHY: &str = "the body returned an error";
@@ -132,7 +131,11 @@ where
     };
 
     let slots = &slots;
-    let gate = concurrency.map(|n| Semaphore::new(n.max(1)));
+    // No gate where it could never close: each permit is a budgeted
+    // (and so sometimes pending) poll of tokio's.
+    let gate = concurrency
+        .filter(|&n| n < slots.len())
+        .map(|n| Semaphore::new(n.max(1)));
     let (body, gate) = (&body, gate.as_ref());
     let gated = move |i: usize| async move {
         // Closed only if dropped, which it is not while in use.
@@ -141,17 +144,6 @@ where
             None => None,
         };
         body(i).await
-    };
-    // A won claim: the body, under its kept-alive lease.
-    let run_body = |k: usize, attempt: u32| {
-        let slot = &slots[k];
-        let exec = &slot.exec;
-        async move {
-            let (ran, lease) = exec.begin(attempt);
-            let ended = exec.run_body(|| gated(slot.index), &lease, sent).await;
-            (k, ran, lease.take_staged(), ended)
-        }
-        .instrument(slot.span.clone())
     };
     // Anything else goes on as a single call from the batch's reply.
     let go_on = |k: usize, first: Option<FirstClaim>, unprotected: Option<Error>| {
@@ -180,6 +172,11 @@ where
 
     let mut bodies = FuturesUnordered::new();
     let mut rest = FuturesUnordered::new();
+    let mut ended_early = Vec::new();
+    let mut spare = None;
+    // The first polls are this task's: a body that wakes it from one is
+    // polled again in `bodies`, with a waker of its own.
+    let waker = poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
     match replies {
         Some(replies) => {
             let mut replies = replies.into_iter();
@@ -205,7 +202,35 @@ where
                     .span
                     .in_scope(|| slot.exec.decide::<T>(reply, sent, slot.seen));
                 match next {
-                    Next::Execute { attempt } => bodies.push(run_body(k, attempt)),
+                    Next::Execute { attempt } => {
+                        // Polled once here, where most bodies end: no task
+                        // node, timer or wrapper future for those, and the
+                        // box of one that ended holds the next body.
+                        let _enter = slot.span.enter();
+                        let (ran, lease) = slot.exec.begin(attempt);
+                        let running = slot.exec.body_starts();
+                        let body = gated(slot.index);
+                        let mut boxed = match spare.take() {
+                            Some(mut boxed) => {
+                                Pin::set(&mut boxed, body);
+                                boxed
+                            }
+                            None => Box::pin(body),
+                        };
+                        let cx = &mut Context::from_waker(&waker);
+                        match slot.exec.poll_body(boxed.as_mut(), &lease, cx) {
+                            Poll::Ready(ended) => {
+                                slot.exec.body_ended(running);
+                                spare = Some(boxed);
+                                ended_early.push((k, ran, lease.take_staged(), ended));
+                            }
+                            Poll::Pending => {
+                                let rest =
+                                    body_goes_on(&slot.exec, k, ran, lease, boxed, running, sent);
+                                bodies.push(rest.instrument(slot.span.clone()));
+                            }
+                        }
+                    }
                     Next::Answer(result) => results[slot.index] = Some(result.map_err(E::from)),
                     Next::Unprotected(cause) => rest.push(go_on(k, None, Some(cause))),
                     Next::InProgress { retry_after } => {
@@ -237,9 +262,20 @@ where
     let mut finishing_of: Vec<usize> = Vec::new();
     let mut waves = FuturesUnordered::new();
     let mut alone_stores = FuturesUnordered::new();
+    drop(spare);
+    let mut ended_early = ended_early.into_iter();
+    let mut first_panic: Option<(usize, Panic)> = None;
     let panicked = poll_fn(|cx| {
         loop {
-            while let Poll::Ready(Some((k, ran, staged, ended))) = bodies.poll_next_unpin(cx) {
+            loop {
+                let (k, ran, staged, ended) = match ended_early.next() {
+                    Some(ended) => ended,
+                    None if first_panic.is_some() => break,
+                    None => match bodies.poll_next_unpin(cx) {
+                        Poll::Ready(Some(ended)) => ended,
+                        _ => break,
+                    },
+                };
                 let slot: &Slot<'_> = &slots[k];
                 let exec = &slot.exec;
                 let _enter = slot.span.enter();
@@ -252,7 +288,10 @@ where
                             free(Arc::clone(exec.store), exec.key.clone(), exec.token, false),
                         );
                         exec.report.outcome(CallOutcome::BodyError);
-                        return Poll::Ready(Some((k, panic)));
+                        // The batch unwinds with its first panic, once the
+                        // bodies that had already ended are dealt with.
+                        first_panic.get_or_insert((k, panic));
+                        continue;
                     }
                     Ok(Err(e)) => {
                         exec.body_failed();
@@ -276,18 +315,24 @@ where
                             token: exec.token,
                             fingerprint: exec.fingerprint,
                             kind,
-                            value: bytes.clone(),
+                            value: bytes,
                             lease: exec.lease,
                         });
                         finishing_of.push(k);
-                        storing[k] = Some(Storing {
-                            value,
-                            ran,
-                            kind,
-                            bytes,
-                        });
+                        storing[k] = Some(Storing { value, ran });
                     }
                 }
+            }
+            if first_panic.is_some() {
+                if !finishing.is_empty() {
+                    // Sent and not awaited: the round trip's task stores
+                    // these results for calls that no longer wait.
+                    drop(send_wave(
+                        Arc::clone(&store),
+                        std::mem::take(&mut finishing),
+                    ));
+                }
+                return Poll::Ready(first_panic.take());
             }
             if !finishing.is_empty() {
                 let ops = std::mem::take(&mut finishing);
@@ -300,7 +345,7 @@ where
                 let mut replies = replies.unwrap_or_default().into_iter();
                 for k in of {
                     let slot = &slots[k];
-                    let reply = replies.next().map(|(_, reply)| reply);
+                    let reply = replies.next();
                     let _enter = slot.span.enter();
                     match storing[k].take() {
                         Some(done) => match reply {
@@ -311,19 +356,23 @@ where
                                 alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
                                 more = true;
                             }
-                            Some(Err(e)) if is_unavailable(&e) => {
+                            Some((_, Err(e))) if is_unavailable(&e) => {
                                 alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
                                 more = true;
                             }
-                            Some(reply) => {
+                            Some((op, reply)) => {
                                 let exec = &slot.exec;
                                 let stored = Completion::judge(reply);
-                                exec.remember(stored, done.kind, &done.bytes, slot.seen);
+                                // The op came back with the bytes it stored:
+                                // they were never copied for the cache.
+                                if let FinishOp::Complete { kind, value, .. } = &op {
+                                    exec.remember(stored, *kind, value, slot.seen);
+                                }
                                 let outcome = exec.settled(done.ran, stored);
                                 results[slot.index] = Some(Ok((done.value, outcome)));
                             }
                         },
-                        None => released(&store, &slot.exec, reply),
+                        None => released(&store, &slot.exec, reply.map(|(_, reply)| reply)),
                     }
                 }
             }
@@ -366,6 +415,23 @@ where
             })
         })
         .collect()
+}
+
+/// The rest of a body that did not end at its first poll, under its
+/// kept-alive lease.
+async fn body_goes_on<G: Future>(
+    exec: &Exec<'_>,
+    k: usize,
+    ran: Outcome,
+    lease: Lease,
+    mut body: Pin<Box<G>>,
+    running: Running<'_>,
+    sent: Instant,
+) -> (usize, Outcome, Vec<Staged>, Result<G::Output, Panic>) {
+    let ended = exec
+        .body_goes_on(body.as_mut(), &lease, sent, running)
+        .await;
+    (k, ran, lease.take_staged(), ended)
 }
 
 /// A failed body's release came back: tried once more on its own when the

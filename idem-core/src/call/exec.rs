@@ -9,7 +9,7 @@ use super::guard::{KeptOnDrop, ReleaseGuard, log_release, release};
 use super::steps::Steps;
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
-use crate::codec::{decode, encode, marker_error};
+use crate::codec::{decode, encode_bytes, marker_error};
 use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -28,7 +28,9 @@ use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::time::{Instant, sleep, timeout};
 
@@ -70,6 +72,19 @@ pub(super) struct FirstClaim {
     pub(super) sent: Instant,
     pub(super) seen: Generation,
     pub(super) reply: Result<ClaimReply, Error>,
+}
+
+/// A panicked body's payload.
+pub(super) type Panic = Box<dyn std::any::Any + Send>;
+
+/// A body that has started: what it owes its call when it ends
+/// ([`Exec::body_ended`]), or, dropped before, when it is cancelled.
+pub(super) struct Running<'a> {
+    guard: ReleaseGuard<'a>,
+    kept: KeptOnDrop,
+    body_start: Option<Instant>,
+    #[cfg(feature = "metrics")]
+    in_flight: crate::metrics::InFlight<'a>,
 }
 
 /// What a call does after a claim's reply ([`Exec::decide`]).
@@ -441,25 +456,80 @@ impl Exec<'_> {
         body: F,
         lease: &Lease,
         claimed: Instant,
-    ) -> Result<Fut::Output, Box<dyn std::any::Any + Send>>
+    ) -> Result<Fut::Output, Panic>
     where
         F: FnOnce() -> Fut,
         Fut: Future,
     {
+        let running = self.body_starts();
+        let body = std::pin::pin!(body());
+        self.body_goes_on(body, lease, claimed, running).await
+    }
+
+    /// A body is about to be polled for the first time: its timing, its
+    /// in-flight gauge, and what dropping it mid-run does, all held by the
+    /// returned [`Running`] until [`body_ended`](Exec::body_ended).
+    pub(super) fn body_starts(&self) -> Running<'_> {
         // Dropped mid-body, the call keeps its key (no longer renewed) until
         // the lease ends: the body may have made effects, and releasing would
         // let a redelivery run them again as `Executed`. Only a body declared
         // undone on drop releases at once.
         let mut guard = self.guard();
         guard.armed = self.release_on_cancel;
-        let mut kept = KeptOnDrop {
-            armed: !self.release_on_cancel,
-        };
-        let body_start = self.call_start.map(|_| Instant::now());
-        #[cfg(feature = "metrics")]
-        let in_flight = crate::metrics::InFlight::start(&self.inner.metrics);
-        let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body()).catch_unwind());
+        Running {
+            guard,
+            kept: KeptOnDrop {
+                armed: !self.release_on_cancel,
+            },
+            body_start: self.call_start.map(|_| Instant::now()),
+            #[cfg(feature = "metrics")]
+            in_flight: crate::metrics::InFlight::start(&self.inner.metrics),
+        }
+    }
+
+    /// Polls `body` once as its driver would, in its lease's scope and with
+    /// a panic caught; for a batch, whose bodies mostly end at their first
+    /// poll and then need no timer, task node or wrapper future.
+    pub(super) fn poll_body<Fut: Future>(
+        &self,
+        body: Pin<&mut Fut>,
+        lease: &Lease,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Fut::Output, Panic>> {
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            crate::lease::sync_scope(lease.clone(), || body.poll(cx))
+        }));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+
+    /// Drives a started body to its end, its lease kept alive.
+    pub(super) async fn body_goes_on<Fut: Future>(
+        &self,
+        body: Pin<&mut Fut>,
+        lease: &Lease,
+        claimed: Instant,
+        running: Running<'_>,
+    ) -> Result<Fut::Output, Panic> {
+        let body = crate::lease::scope(lease.clone(), AssertUnwindSafe(body).catch_unwind());
         let result = self.keep_alive(body, lease, claimed).await;
+        self.body_ended(running);
+        result
+    }
+
+    /// The body has finished: timed, and from here on, whatever happens to
+    /// its call, the key is never released on the way out.
+    pub(super) fn body_ended(&self, running: Running<'_>) {
+        let Running {
+            mut guard,
+            mut kept,
+            body_start,
+            #[cfg(feature = "metrics")]
+            in_flight,
+        } = running;
         #[cfg(feature = "metrics")]
         drop(in_flight);
         if let Some(body_start) = body_start {
@@ -468,14 +538,11 @@ impl Exec<'_> {
             #[cfg(feature = "metrics")]
             self.inner.metrics.body(self.scope, took);
         }
-        // From here on the body has finished: whatever happens to this
-        // future, the key is never released on the way out.
         guard.armed = false;
         kept.armed = false;
         if let Some(steps) = &self.steps {
             steps.close();
         }
-        result
     }
 
     /// The body returned `Err`: the call's outcome, before its key is freed.
@@ -568,11 +635,12 @@ impl Exec<'_> {
     /// The result as the store keeps it; a result that cannot be stored
     /// (too big, say) is stored as a marker later calls answer with.
     pub(super) fn encoded<T: Serialize>(&self, value: &T) -> (ValueKind, Bytes) {
-        let encoded = encode(value, self.inner.max_value_size, self.inner.compress_above);
-        if let Some(problem) = marker_error(encoded.kind, &encoded.bytes) {
+        let (kind, bytes) =
+            encode_bytes(value, self.inner.max_value_size, self.inner.compress_above);
+        if let Some(problem) = marker_error(kind, &bytes) {
             tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
         }
-        (encoded.kind, encoded.bytes.into())
+        (kind, bytes)
     }
 
     /// A result the store took enters the local cache, if there is one.

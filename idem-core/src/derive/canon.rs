@@ -8,17 +8,47 @@
 //! same serializer, and a key given twice keeps its last value.
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use sha2::{Digest, Sha256};
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::fmt;
 use std::ops::Range;
 
 /// The canonical form of the JSON document in `payload`.
 pub(super) fn canonical(payload: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
     let mut out = Vec::with_capacity(payload.len());
-    let mut de = serde_json::Deserializer::from_slice(payload);
-    Canon(&mut out).deserialize(&mut de)?;
-    de.end()?;
+    canonical_into(&mut out, payload)?;
     Ok(out)
+}
+
+/// SHA-256 of the canonical form of `payload`, written in a buffer this
+/// thread keeps: a fingerprint per message allocates nothing for it.
+pub(super) fn digest(payload: &[u8]) -> Result<[u8; 32], serde_json::Error> {
+    thread_local! {
+        static BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+    BUFFER.with(|buf| match buf.try_borrow_mut() {
+        Ok(mut out) => {
+            out.clear();
+            let done = canonical_into(&mut out, payload).map(|()| Sha256::digest(&*out).into());
+            // A huge payload's buffer is not kept for the thread's life.
+            if out.capacity() > KEPT {
+                *out = Vec::new();
+            }
+            done
+        }
+        Err(_) => canonical(payload).map(|out| Sha256::digest(out).into()),
+    })
+}
+
+/// The largest buffer [`digest`] keeps between payloads.
+const KEPT: usize = 64 << 10;
+
+/// Appends the canonical form of `payload` to `out`.
+fn canonical_into(out: &mut Vec<u8>, payload: &[u8]) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(payload);
+    Canon(out).deserialize(&mut de)?;
+    de.end()
 }
 
 /// Writes the canonical form of the next value at the end of its buffer.

@@ -46,10 +46,14 @@ struct Failures {
     expires_at: Instant,
 }
 
+/// Keys hashed with a fast hash seeded per map (keys come from callers, so
+/// not a fixed seed; SipHash was a tenth of a batched message's work).
+type Keyed<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 #[derive(Debug, Default)]
 struct Map {
-    entries: HashMap<String, Entry>,
-    failures: HashMap<String, Failures>,
+    entries: Keyed<Entry>,
+    failures: Keyed<Failures>,
     writes_since_sweep: usize,
 }
 
@@ -130,8 +134,10 @@ impl MemoryStore {
 impl Map {
     /// The live entry for `key`, dropping it first if it has expired.
     fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
-        if self.entries.get(key).is_some_and(|e| e.expires_at <= now) {
+        // A key not there (a fresh claim) is looked up once.
+        if self.entries.get(key)?.expires_at <= now {
             self.entries.remove(key);
+            return None;
         }
         self.entries.get_mut(key)
     }
