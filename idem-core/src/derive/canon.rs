@@ -1,5 +1,5 @@
 //! The canonical form written while the payload is parsed: no tree of
-//! `Value`s, no string copied but escaped keys. An object whose keys arrive
+//! `Value`s, no string copied but keys. An object whose keys arrive
 //! sorted (what most producers send) is written in place; one whose keys do
 //! not is re-ordered once its entries are written.
 //!
@@ -9,7 +9,6 @@
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
-use std::borrow::Cow;
 use std::cell::RefCell;
 use std::fmt;
 use std::ops::Range;
@@ -17,23 +16,28 @@ use std::ops::Range;
 /// The canonical form of the JSON document in `payload`.
 pub(super) fn canonical(payload: &[u8]) -> Result<Vec<u8>, serde_json::Error> {
     let mut out = Vec::with_capacity(payload.len());
-    canonical_into(&mut out, payload)?;
+    canonical_into(&mut out, &mut Scratch::default(), payload)?;
     Ok(out)
 }
 
-/// SHA-256 of the canonical form of `payload`, written in a buffer this
-/// thread keeps: a fingerprint per message allocates nothing for it.
+/// SHA-256 of the canonical form of `payload`, written in buffers this
+/// thread keeps: a fingerprint per message allocates nothing.
 pub(super) fn digest(payload: &[u8]) -> Result<[u8; 32], serde_json::Error> {
     thread_local! {
-        static BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        static BUFFERS: RefCell<(Vec<u8>, Scratch)> = const {
+            RefCell::new((Vec::new(), Scratch { keys: Vec::new(), entries: Vec::new() }))
+        };
     }
-    BUFFER.with(|buf| match buf.try_borrow_mut() {
-        Ok(mut out) => {
+    BUFFERS.with(|buffers| match buffers.try_borrow_mut() {
+        Ok(mut buffers) => {
+            let (out, scratch) = &mut *buffers;
             out.clear();
-            let done = canonical_into(&mut out, payload).map(|()| Sha256::digest(&*out).into());
-            // A huge payload's buffer is not kept for the thread's life.
-            if out.capacity() > KEPT {
-                *out = Vec::new();
+            let done = canonical_into(out, scratch, payload).map(|()| Sha256::digest(&*out).into());
+            // A huge payload's buffers are not kept for the thread's life.
+            if out.capacity() + scratch.keys.capacity() > KEPT
+                || scratch.entries.capacity() > KEPT / 16
+            {
+                *buffers = (Vec::new(), Scratch::default());
             }
             done
         }
@@ -41,23 +45,43 @@ pub(super) fn digest(payload: &[u8]) -> Result<[u8; 32], serde_json::Error> {
     })
 }
 
-/// The largest buffer [`digest`] keeps between payloads.
+/// The most bytes [`digest`] keeps between payloads.
 const KEPT: usize = 64 << 10;
 
 /// Appends the canonical form of `payload` to `out`.
-fn canonical_into(out: &mut Vec<u8>, payload: &[u8]) -> Result<(), serde_json::Error> {
+fn canonical_into(
+    out: &mut Vec<u8>,
+    scratch: &mut Scratch,
+    payload: &[u8],
+) -> Result<(), serde_json::Error> {
+    scratch.keys.clear();
+    scratch.entries.clear();
     let mut de = serde_json::Deserializer::from_slice(payload);
-    Canon(out).deserialize(&mut de)?;
+    Canon { out, scratch }.deserialize(&mut de)?;
     de.end()
 }
 
+/// What the objects being written keep of their entries, in stacks shared
+/// by nested objects (each pops its own off when done): no allocation per
+/// object, nor per escaped key.
+#[derive(Default)]
+struct Scratch {
+    /// The keys, unescaped, one after the other.
+    keys: Vec<u8>,
+    /// Each entry: its key in `keys`, and where it was written (`"key":value`).
+    entries: Vec<(Range<usize>, Range<usize>)>,
+}
+
 /// Writes the canonical form of the next value at the end of its buffer.
-struct Canon<'o>(&'o mut Vec<u8>);
+struct Canon<'o> {
+    out: &'o mut Vec<u8>,
+    scratch: &'o mut Scratch,
+}
 
 impl Canon<'_> {
     fn scalar<T: serde::Serialize + ?Sized>(self, v: &T) {
         // A string, number or bool written into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut *self.0, v);
+        let _ = serde_json::to_writer(&mut *self.out, v);
     }
 }
 
@@ -95,7 +119,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
         // As `Value` does: a non-finite number (never parsed from JSON) is null.
         match serde_json::Number::from_f64(v) {
             Some(n) => self.scalar(&n),
-            None => self.0.extend_from_slice(b"null"),
+            None => self.out.extend_from_slice(b"null"),
         }
         Ok(())
     }
@@ -106,7 +130,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
     }
 
     fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
-        self.0.extend_from_slice(b"null");
+        self.out.extend_from_slice(b"null");
         Ok(())
     }
 
@@ -115,7 +139,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let out = self.0;
+        let Canon { out, scratch } = self;
         out.push(b'[');
         let mut first = true;
         loop {
@@ -123,7 +147,11 @@ impl<'de> Visitor<'de> for Canon<'_> {
             if !first {
                 out.push(b',');
             }
-            if seq.next_element_seed(Canon(&mut *out))?.is_none() {
+            let element = Canon {
+                out: &mut *out,
+                scratch: &mut *scratch,
+            };
+            if seq.next_element_seed(element)?.is_none() {
                 out.truncate(before);
                 break;
             }
@@ -134,83 +162,110 @@ impl<'de> Visitor<'de> for Canon<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let out = self.0;
+        let Canon { out, scratch } = self;
         out.push(b'{');
         let body = out.len();
-        // Each entry (`"key":value`) where it was written, with its key.
-        let mut entries: Vec<(Cow<'de, str>, Range<usize>)> = Vec::new();
+        // This object's entries are those above `base`; its keys those
+        // above `keys_base`.
+        let base = scratch.entries.len();
+        let keys_base = scratch.keys.len();
         let mut in_order = true;
-        while let Some(key) = map.next_key_seed(Key)? {
-            if let Some((last, _)) = entries.last() {
-                // Strictly increasing: sorted, and no key twice.
-                in_order &= last.as_bytes() < key.as_bytes();
+        loop {
+            let before = out.len();
+            let previous = scratch.entries[base..].last().map(|(key, _)| key.clone());
+            if previous.is_some() {
                 out.push(b',');
             }
             let start = out.len();
-            let _ = serde_json::to_writer(&mut *out, key.as_ref());
+            let key_start = scratch.keys.len();
+            let key = Key {
+                out: &mut *out,
+                keys: &mut scratch.keys,
+            };
+            if map.next_key_seed(key)?.is_none() {
+                out.truncate(before);
+                break;
+            }
+            let key = key_start..scratch.keys.len();
+            if let Some(previous) = previous {
+                // Strictly increasing: sorted, and no key twice.
+                in_order &= scratch.keys[previous] < scratch.keys[key.clone()];
+            }
             out.push(b':');
-            map.next_value_seed(Canon(&mut *out))?;
-            entries.push((key, start..out.len()));
+            let value = Canon {
+                out: &mut *out,
+                scratch: &mut *scratch,
+            };
+            map.next_value_seed(value)?;
+            scratch.entries.push((key, start..out.len()));
         }
         if !in_order {
-            let written = out.split_off(body);
+            let Scratch { keys, entries } = &mut *scratch;
+            let entries = &mut entries[base..];
             // Stable: of a key given twice, the last entry stays last.
-            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            entries.sort_by(|a, b| keys[a.0.clone()].cmp(&keys[b.0.clone()]));
+            // Written again in order after the entries as they came, which
+            // are then taken out: one buffer, no copy of it.
+            let written = out.len();
             let mut first = true;
-            for (i, (key, range)) in entries.iter().enumerate() {
-                if entries.get(i + 1).is_some_and(|(next, _)| next == key) {
+            for (i, (key, entry)) in entries.iter().enumerate() {
+                if entries
+                    .get(i + 1)
+                    .is_some_and(|(next, _)| keys[next.clone()] == keys[key.clone()])
+                {
                     continue;
                 }
                 if !first {
                     out.push(b',');
                 }
                 first = false;
-                if let Some(entry) = written.get(range.start - body..range.end - body) {
-                    out.extend_from_slice(entry);
-                }
+                out.extend_from_within(entry.clone());
             }
+            out.drain(body..written);
         }
+        scratch.entries.truncate(base);
+        scratch.keys.truncate(keys_base);
         out.push(b'}');
         Ok(())
     }
 }
 
-/// An object's key, borrowed from the payload unless it had escapes.
-struct Key;
+/// An object's key: written escaped at the end of `out`, and kept
+/// unescaped at the end of `keys` (to sort by).
+struct Key<'o> {
+    out: &'o mut Vec<u8>,
+    keys: &'o mut Vec<u8>,
+}
 
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Cow<'de, str>;
+impl<'de> DeserializeSeed<'de> for Key<'_> {
+    type Value = ();
 
-    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<(), D::Error> {
         de.deserialize_str(self)
     }
 }
 
-impl<'de> Visitor<'de> for Key {
-    type Value = Cow<'de, str>;
+impl<'de> Visitor<'de> for Key<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an object key")
     }
 
-    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Cow::Borrowed(v))
-    }
-
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v.to_owned()))
-    }
-
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v))
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.keys.extend_from_slice(v.as_bytes());
+        // A string written into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *self.out, v);
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::canonical;
+    use super::{canonical, digest};
     use proptest::prelude::*;
     use serde_json::Value;
+    use sha2::{Digest, Sha256};
 
     /// The reference: the parsed tree, keys sorted.
     fn by_tree(payload: &[u8]) -> Option<Vec<u8>> {
@@ -277,6 +332,9 @@ mod tests {
             let mut text = String::new();
             written(&value, reversed, &mut text);
             prop_assert_eq!(canonical(text.as_bytes()).ok(), by_tree(text.as_bytes()));
+            // The thread's buffers, left as the previous case left them.
+            let hashed = by_tree(text.as_bytes()).map(|b| <[u8; 32]>::from(Sha256::digest(b)));
+            prop_assert_eq!(digest(text.as_bytes()).ok(), hashed);
         }
 
         #[test]
