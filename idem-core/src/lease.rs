@@ -172,6 +172,23 @@ impl Lease {
         }
     }
 
+    /// A fresh lease like [`with_outbox`](Lease::with_outbox)'s, made in
+    /// this one's allocation when nothing else holds it (a clone kept by a
+    /// body, or its task, makes a new one): a batch's bodies that end at
+    /// once share one.
+    pub(crate) fn renewed(mut self, outbox: bool) -> Lease {
+        match Arc::get_mut(&mut self.state) {
+            Some(state) => {
+                *state = State {
+                    outbox,
+                    ..State::default()
+                };
+                self
+            }
+            None => Lease::with_outbox(outbox),
+        }
+    }
+
     /// Keeps a message the body staged; `false` when the store has no
     /// outbox.
     pub(crate) fn stage(&self, message: Staged) -> bool {

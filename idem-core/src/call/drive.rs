@@ -174,6 +174,7 @@ where
     let mut rest = FuturesUnordered::new();
     let mut ended_early = Vec::new();
     let mut spare = None;
+    let mut spare_lease = None;
     // The first polls are this task's: a body that wakes it from one is
     // polled again in `bodies`, with a waker of its own.
     let waker = poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
@@ -207,7 +208,7 @@ where
                         // node, timer or wrapper future for those, and the
                         // box of one that ended holds the next body.
                         let _enter = slot.span.enter();
-                        let (ran, lease) = slot.exec.begin(attempt);
+                        let (ran, lease) = slot.exec.begin_reusing(attempt, spare_lease.take());
                         let running = slot.exec.body_starts();
                         let body = gated(slot.index);
                         let mut boxed = match spare.take() {
@@ -223,6 +224,7 @@ where
                                 slot.exec.body_ended(running);
                                 spare = Some(boxed);
                                 ended_early.push((k, ran, lease.take_staged(), ended));
+                                spare_lease = Some(lease);
                             }
                             Poll::Pending => {
                                 let rest =

@@ -435,6 +435,12 @@ impl Exec<'_> {
     /// A body starts under a won claim: what it is (`Recovered` after a
     /// takeover) and the lease its staged messages and steps go through.
     pub(super) fn begin(&self, attempt: u32) -> (Outcome, Lease) {
+        self.begin_reusing(attempt, None)
+    }
+
+    /// [`begin`](Exec::begin), its lease made in `spare`'s allocation when
+    /// it can be (a lease of an ended body of the same batch).
+    pub(super) fn begin_reusing(&self, attempt: u32, spare: Option<Lease>) -> (Outcome, Lease) {
         tracing::Span::current().record("attempt", attempt);
         let outcome = if attempt > 1 {
             tracing::warn!(
@@ -446,7 +452,12 @@ impl Exec<'_> {
             Outcome::Executed
         };
         self.report.attempt(attempt);
-        (outcome, Lease::with_outbox(self.store.has_outbox()))
+        let outbox = self.store.has_outbox();
+        let lease = match spare {
+            Some(spare) => spare.renewed(outbox),
+            None => Lease::with_outbox(outbox),
+        };
+        (outcome, lease)
     }
 
     /// Runs the body, its lease kept alive, and times it; a panic comes
