@@ -4,7 +4,7 @@
 use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler};
 use crate::decision::{Classify, Decision};
 use crate::message::Message;
-use futures_util::future::join_all;
+use futures_util::future::{Either, join_all};
 use idem_core::{Batch, Call};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -124,16 +124,24 @@ impl<C> Consumer<C> {
             .concurrency(self.batch_concurrency())
             .run_outcome(|j| {
                 let run = &runs[j];
-                run_handler(handler, &msgs[run.index], run.over_valve).instrument(run.span.clone())
+                let handling = run_handler(handler, &msgs[run.index], run.over_valve);
+                // Instrumented only for a subscriber that takes the span:
+                // entering a disabled one changes nothing it sees.
+                if run.span.is_disabled() {
+                    Either::Left(handling)
+                } else {
+                    Either::Right(handling.instrument(run.span.clone()))
+                }
             })
             .await;
         // Decided here, but for retryable failures, counted in the store
         // together.
         let mut counting = Vec::new();
         for (run, result) in runs.into_iter().zip(results) {
-            let judged = run
-                .span
-                .in_scope(|| self.judge_now(&msgs[run.index], run.key, result));
+            let judged = {
+                let _enter = (!run.span.is_disabled()).then(|| run.span.enter());
+                self.judge_now(&msgs[run.index], run.key, result)
+            };
             match judged {
                 Judged::Now(handled) => {
                     report(&run.span, &handled);

@@ -708,7 +708,8 @@ pub(crate) fn report<T>(span: &tracing::Span, handled: &Handled<T>) {
         span.record("outcome", o.as_str());
     }
     span.record("decision", handled.decision.as_str());
-    let _enter = span.enter();
+    // A disabled span entered changes nothing a subscriber sees.
+    let _enter = (!span.is_disabled()).then(|| span.enter());
     match &handled.decision {
         Decision::Ack => tracing::debug!("message acked"),
         Decision::Nack { delay } => {

@@ -103,7 +103,7 @@ where
     for (k, slot) in slots.iter_mut().enumerate() {
         let exec = &slot.exec;
         if let Some(hit) = &exec.cached {
-            results[slot.index] = Some(slot.span.in_scope(|| exec.replay(hit)).map_err(E::from));
+            results[slot.index] = Some(in_scope(&slot.span, || exec.replay(hit)).map_err(E::from));
             continue;
         }
         // A call of a runtime over another store goes on its own.
@@ -199,15 +199,13 @@ where
                     }
                     reply => reply,
                 };
-                let next = slot
-                    .span
-                    .in_scope(|| slot.exec.decide::<T>(reply, sent, slot.seen));
+                let next = in_scope(&slot.span, || slot.exec.decide::<T>(reply, sent, slot.seen));
                 match next {
                     Next::Execute { attempt } => {
                         // Polled once here, where most bodies end: no task
                         // node, timer or wrapper future for those, and the
                         // box of one that ended holds the next body.
-                        let _enter = slot.span.enter();
+                        let _enter = enter(&slot.span);
                         let (ran, lease) = slot.exec.begin_reusing(attempt, spare_lease.take());
                         let running = slot.exec.body_starts();
                         let body = gated(slot.index);
@@ -280,7 +278,7 @@ where
                 };
                 let slot: &Slot<'_> = &slots[k];
                 let exec = &slot.exec;
-                let _enter = slot.span.enter();
+                let _enter = enter(&slot.span);
                 match ended {
                     Err(panic) => {
                         // Freed by token, as a single call does before the
@@ -348,7 +346,7 @@ where
                 for k in of {
                     let slot = &slots[k];
                     let reply = replies.next();
-                    let _enter = slot.span.enter();
+                    let _enter = enter(&slot.span);
                     match storing[k].take() {
                         Some(done) => match reply {
                             // Not answered, or the store was not reached:
@@ -381,7 +379,7 @@ where
             while let Poll::Ready(Some((k, value, ran, stored))) = alone_stores.poll_next_unpin(cx)
             {
                 let slot = &slots[k];
-                let outcome = slot.span.in_scope(|| slot.exec.settled(ran, stored));
+                let outcome = in_scope(&slot.span, || slot.exec.settled(ran, stored));
                 results[slot.index] = Some(Ok((value, outcome)));
             }
             while let Poll::Ready(Some((k, result))) = rest.poll_next_unpin(cx) {
@@ -417,6 +415,19 @@ where
             })
         })
         .collect()
+}
+
+/// Enters `span` unless no subscriber takes it: entering a disabled span
+/// changes nothing a subscriber sees (`Span::current()` stays the one
+/// around it) and costs a message's worth of work.
+fn enter(span: &tracing::Span) -> Option<tracing::span::Entered<'_>> {
+    (!span.is_disabled()).then(|| span.enter())
+}
+
+/// `f` in `span`, entered as [`enter`] enters it.
+fn in_scope<R>(span: &tracing::Span, f: impl FnOnce() -> R) -> R {
+    let _enter = enter(span);
+    f()
 }
 
 /// The rest of a body that did not end at its first poll, under its
