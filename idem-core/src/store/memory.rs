@@ -132,14 +132,11 @@ impl MemoryStore {
 }
 
 impl Map {
-    /// The live entry for `key`, dropping it first if it has expired.
+    /// The live entry for `key`. An expired one is left to the next sweep
+    /// or the next claim's insert: every reader skips it, and a write finds
+    /// its key with one lookup.
     fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
-        // A key not there (a fresh claim) is looked up once.
-        if self.entries.get(key)?.expires_at <= now {
-            self.entries.remove(key);
-            return None;
-        }
-        self.entries.get_mut(key)
+        self.entries.get_mut(key).filter(|e| e.expires_at > now)
     }
 
     /// Drops expired entries, amortized O(1) per write.
