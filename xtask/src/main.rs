@@ -652,7 +652,7 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
     // the Metered wrapper, so the whole suite proves it forwards what each
     // store does, and `tests/metrics.rs` runs.
     if nextest_available() {
-        // Every test in its own process, two at a time; doctests are
+        // Every test in its own process, six at a time (.config/nextest.toml); doctests are
         // libtest's alone.
         println!("== cargo nextest run --workspace --all-features (then the doctests)");
         let junit = target_dir().join("nextest/default/junit.xml");
