@@ -138,9 +138,14 @@ where
         .map(|n| Semaphore::new(n.max(1)));
     let (body, gate) = (&body, gate.as_ref());
     let gated = move |i: usize| async move {
-        // Closed only if dropped, which it is not while in use.
+        // A free permit is taken without `acquire`, whose poll spends the
+        // task's budget and so can leave a body that would end at once
+        // pending. Closed only if dropped, which it is not while in use.
         let _turn = match gate {
-            Some(g) => g.acquire().await.ok(),
+            Some(g) => match g.try_acquire() {
+                Ok(turn) => Some(turn),
+                Err(_) => g.acquire().await.ok(),
+            },
             None => None,
         };
         body(i).await
