@@ -190,7 +190,7 @@ async fn failovers(durability: Durability, ledger: &Ledger) -> (Tally, BTreeSet<
         let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
         tally.not_confirmed += *not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
         for key in keys {
-            tally.check(&idem, &ledger, &key).await;
+            tally.check(&idem, ledger, &key).await;
             all_acked.insert(key);
         }
     }
@@ -387,7 +387,7 @@ async fn restarts(args: &[&str], durability: Durability, ledger: &Ledger) -> Tal
         tally.failovers += 1;
         let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for key in keys {
-            tally.check(&idem, &ledger, &key).await;
+            tally.check(&idem, ledger, &key).await;
         }
     }
     tally
