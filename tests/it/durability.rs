@@ -56,6 +56,18 @@ async fn replica_of(master: &RedisServer) -> RedisServer {
     replica
 }
 
+/// The call every test here makes: the body records `key` in the
+/// ledger (the count of real executions) and returns its length.
+async fn charge(idem: &Idempotency, ledger: &Ledger, key: &str) -> Result<(usize, Outcome), Error> {
+    let (body_key, ledger) = (key.to_owned(), ledger.clone());
+    idem.call("charge", key)
+        .run_outcome(|| async move {
+            ledger.record(&body_key);
+            Ok(body_key.len())
+        })
+        .await
+}
+
 /// What the failovers left: per acknowledged key, whether it replayed.
 #[derive(Debug, Default)]
 struct Tally {
@@ -80,15 +92,7 @@ impl Tally {
         let outcome = eventually("a check of an acknowledged key answers", DEADLINE, || {
             let (idem, key, ledger) = (idem.clone(), key.to_owned(), ledger.clone());
             async move {
-                let body_key = key.clone();
-                let r: Result<(usize, Outcome), Error> = idem
-                    .call("charge", &key)
-                    .run_outcome(|| async move {
-                        ledger.record(&body_key);
-                        Ok(body_key.len())
-                    })
-                    .await;
-                match r {
+                match charge(&idem, &ledger, &key).await {
                     Ok((_, outcome)) => Some(Some(outcome)),
                     Err(Error::InProgress { .. }) => Some(None),
                     Err(e) => {
@@ -144,15 +148,7 @@ async fn failovers(durability: Durability, ledger: &Ledger) -> (Tally, BTreeSet<
                     while !stop.load(Ordering::SeqCst) {
                         i += 1;
                         let key = format!("r{round}-w{w}-{i}");
-                        let body_key = key.clone();
-                        let ledger = ledger.clone();
-                        let r: Result<(usize, Outcome), Error> = idem
-                            .call("charge", &key)
-                            .run_outcome(|| async move {
-                                ledger.record(&body_key);
-                                Ok(body_key.len())
-                            })
-                            .await;
+                        let r = charge(&idem, &ledger, &key).await;
                         match r {
                             Ok((_, Outcome::Executed | Outcome::Recovered)) => {
                                 acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
@@ -355,14 +351,7 @@ async fn restarts(args: &[&str], durability: Durability, ledger: &Ledger) -> Tal
                     while !stop.load(Ordering::SeqCst) {
                         i += 1;
                         let key = format!("r{round}-w{w}-{i}");
-                        let (body_key, ledger) = (key.clone(), ledger.clone());
-                        let r: Result<(usize, Outcome), Error> = idem
-                            .call("charge", &key)
-                            .run_outcome(|| async move {
-                                ledger.record(&body_key);
-                                Ok(body_key.len())
-                            })
-                            .await;
+                        let r = charge(&idem, &ledger, &key).await;
                         match r {
                             Ok((_, Outcome::Executed | Outcome::Recovered)) => {
                                 acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
@@ -611,14 +600,7 @@ async fn on_a_cluster_results_survive_primary_failovers() {
                     while !stop.load(Ordering::SeqCst) {
                         i += 1;
                         let key = format!("c{round}-w{w}-{i}");
-                        let (body_key, ledger) = (key.clone(), ledger.clone());
-                        let r: Result<(usize, Outcome), Error> = idem
-                            .call("charge", &key)
-                            .run_outcome(|| async move {
-                                ledger.record(&body_key);
-                                Ok(body_key.len())
-                            })
-                            .await;
+                        let r = charge(&idem, &ledger, &key).await;
                         match r {
                             Ok((_, Outcome::Executed | Outcome::Recovered)) => {
                                 acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
