@@ -68,6 +68,72 @@ async fn charge(idem: &Idempotency, ledger: &Ledger, key: &str) -> Result<(usize
         .await
 }
 
+/// [`WORKERS`] tasks calling [`charge`] with fresh keys
+/// (`{prefix}-w{w}-{i}`) until stopped, keeping the keys whose results were
+/// acknowledged (`Executed` or `Recovered`) and counting `NotConfirmed`.
+struct Workers {
+    acked: Arc<Mutex<Vec<String>>>,
+    not_confirmed: Arc<Mutex<usize>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Workers {
+    fn start(idem: &Idempotency, ledger: &Ledger, prefix: &str) -> Workers {
+        let acked = Arc::new(Mutex::new(Vec::<String>::new()));
+        let not_confirmed = Arc::new(Mutex::new(0usize));
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..WORKERS)
+            .map(|w| {
+                let (idem, ledger, prefix) = (idem.clone(), ledger.clone(), prefix.to_owned());
+                let (acked, not_confirmed, stop) =
+                    (acked.clone(), not_confirmed.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::SeqCst) {
+                        i += 1;
+                        let key = format!("{prefix}-w{w}-{i}");
+                        match charge(&idem, &ledger, &key).await {
+                            Ok((_, Outcome::Executed | Outcome::Recovered)) => {
+                                acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
+                            }
+                            Ok((_, Outcome::NotConfirmed)) => {
+                                *not_confirmed.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                            }
+                            // The server is gone, or any other outcome:
+                            // not acknowledged, nothing to check.
+                            _ => tokio::time::sleep(Duration::from_millis(5)).await,
+                        }
+                    }
+                })
+            })
+            .collect();
+        Workers {
+            acked,
+            not_confirmed,
+            stop,
+            tasks,
+        }
+    }
+
+    /// The keys acknowledged so far.
+    fn acked(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.acked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops the workers and waits for them: the acknowledged keys and the
+    /// count of `NotConfirmed` results.
+    async fn stop(self) -> (Vec<String>, usize) {
+        self.stop.store(true, Ordering::SeqCst);
+        for task in self.tasks {
+            task.await.expect("worker");
+        }
+        let keys = self.acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let not_confirmed = *self.not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        (keys, not_confirmed)
+    }
+}
+
 /// What the failovers left: per acknowledged key, whether it replayed.
 #[derive(Debug, Default)]
 struct Tally {
@@ -135,56 +201,23 @@ async fn failovers(durability: Durability, ledger: &Ledger) -> (Tally, BTreeSet<
     let mut tally = Tally::default();
     let mut all_acked = BTreeSet::new();
     for round in 0..FAILOVERS {
-        let acked = Arc::new(Mutex::new(Vec::<String>::new()));
-        let not_confirmed = Arc::new(Mutex::new(0usize));
-        let stop = Arc::new(AtomicBool::new(false));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|w| {
-                let (idem, ledger) = (idem.clone(), ledger.clone());
-                let (acked, not_confirmed, stop) =
-                    (acked.clone(), not_confirmed.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let mut i = 0u64;
-                    while !stop.load(Ordering::SeqCst) {
-                        i += 1;
-                        let key = format!("r{round}-w{w}-{i}");
-                        let r = charge(&idem, &ledger, &key).await;
-                        match r {
-                            Ok((_, Outcome::Executed | Outcome::Recovered)) => {
-                                acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
-                            }
-                            Ok((_, Outcome::NotConfirmed)) => {
-                                *not_confirmed.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-                            }
-                            // The master is gone, or any other outcome:
-                            // not acknowledged, nothing to check.
-                            _ => tokio::time::sleep(Duration::from_millis(5)).await,
-                        }
-                    }
-                })
-            })
-            .collect();
+        let workers = Workers::start(&idem, ledger, &format!("r{round}"));
         eventually("results acknowledged before the kill", DEADLINE, || async {
-            (acked.lock().unwrap_or_else(|e| e.into_inner()).len() >= ACKED_BEFORE_KILL)
-                .then_some(())
+            (workers.acked().len() >= ACKED_BEFORE_KILL).then_some(())
         })
         .await;
         // Right after acknowledged completes, writes still in flight.
         master.kill();
         assert_eq!(replica.cli(&["REPLICAOF", "NO", "ONE"]), "OK");
         proxy.point_to(replica.addr());
-        stop.store(true, Ordering::SeqCst);
-        for w in workers {
-            w.await.expect("worker");
-        }
+        let (keys, not_confirmed) = workers.stop().await;
         tally.failovers += 1;
         // The old master is gone for good; a fresh server replicates the
         // promoted one, as an operator (or a sentinel) would add.
         master = replica;
         replica = replica_of(&master).await;
 
-        let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        tally.not_confirmed += *not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        tally.not_confirmed += not_confirmed;
         for key in keys {
             tally.check(&idem, ledger, &key).await;
             all_acked.insert(key);
@@ -340,41 +373,16 @@ async fn restarts(args: &[&str], durability: Durability, ledger: &Ledger) -> Tal
         .expect("Valkey 8.1 gives WAITAOF");
     let mut tally = Tally::default();
     for round in 0..FAILOVERS {
-        let acked = Arc::new(Mutex::new(Vec::<String>::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|w| {
-                let (idem, ledger, acked, stop) =
-                    (idem.clone(), ledger.clone(), acked.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let mut i = 0u64;
-                    while !stop.load(Ordering::SeqCst) {
-                        i += 1;
-                        let key = format!("r{round}-w{w}-{i}");
-                        let r = charge(&idem, &ledger, &key).await;
-                        match r {
-                            Ok((_, Outcome::Executed | Outcome::Recovered)) => {
-                                acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
-                            }
-                            _ => tokio::time::sleep(Duration::from_millis(5)).await,
-                        }
-                    }
-                })
-            })
-            .collect();
+        let workers = Workers::start(&idem, ledger, &format!("r{round}"));
         eventually("results acknowledged before the kill", DEADLINE, || async {
-            (acked.lock().unwrap_or_else(|e| e.into_inner()).len() >= ACKED_BEFORE_KILL)
-                .then_some(())
+            (workers.acked().len() >= ACKED_BEFORE_KILL).then_some(())
         })
         .await;
         server.kill();
-        stop.store(true, Ordering::SeqCst);
-        for w in workers {
-            w.await.expect("worker");
-        }
+        let (keys, not_confirmed) = workers.stop().await;
         server.restart();
         tally.failovers += 1;
-        let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        tally.not_confirmed += not_confirmed;
         for key in keys {
             tally.check(&idem, ledger, &key).await;
         }
@@ -587,38 +595,12 @@ async fn on_a_cluster_results_survive_primary_failovers() {
         };
         let victim = round % 3;
         let victim_node = nodes.primaries()[victim];
-        let acked = Arc::new(Mutex::new(Vec::<String>::new()));
-        let not_confirmed = Arc::new(Mutex::new(0usize));
-        let stop = Arc::new(AtomicBool::new(false));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|w| {
-                let (idem, ledger) = (idem.clone(), ledger.clone());
-                let (acked, not_confirmed, stop) =
-                    (acked.clone(), not_confirmed.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let mut i = 0u64;
-                    while !stop.load(Ordering::SeqCst) {
-                        i += 1;
-                        let key = format!("c{round}-w{w}-{i}");
-                        let r = charge(&idem, &ledger, &key).await;
-                        match r {
-                            Ok((_, Outcome::Executed | Outcome::Recovered)) => {
-                                acked.lock().unwrap_or_else(|e| e.into_inner()).push(key);
-                            }
-                            Ok((_, Outcome::NotConfirmed)) => {
-                                *not_confirmed.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-                            }
-                            _ => tokio::time::sleep(Duration::from_millis(5)).await,
-                        }
-                    }
-                })
-            })
-            .collect();
+        let workers = Workers::start(&idem, &ledger, &format!("c{round}"));
         eventually(
             "results acknowledged before the kill, some on the victim's shard",
             DEADLINE,
             || async {
-                let acked = acked.lock().unwrap_or_else(|e| e.into_inner());
+                let acked = workers.acked();
                 let on_victim = acked.iter().filter(|k| shard_of(k) == victim).count();
                 (acked.len() >= ACKED_BEFORE_KILL && on_victim >= 2).then_some(())
             },
@@ -633,14 +615,10 @@ async fn on_a_cluster_results_survive_primary_failovers() {
         .await
         .expect("the failover");
         cluster = Some(nodes);
-        stop.store(true, Ordering::SeqCst);
-        for w in workers {
-            w.await.expect("worker");
-        }
+        let (keys, not_confirmed) = workers.stop().await;
         tally.failovers += 1;
         failovers_per_shard[victim] += 1;
-        tally.not_confirmed += *not_confirmed.lock().unwrap_or_else(|e| e.into_inner());
-        let keys: Vec<String> = acked.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        tally.not_confirmed += not_confirmed;
         for key in keys {
             acked_per_shard[shard_of(&key)] += 1;
             tally.check(&idem, &ledger, &key).await;
