@@ -50,9 +50,7 @@ async fn one_batch(store: &RedisStore, mode: Mode, keys: &[String]) -> (Duration
     let done: Vec<Finish<'_>> = keys
         .iter()
         .map(|key| Finish::Complete {
-            key,
-            token: &token,
-            fingerprint: None,
+            claim: claim(key, &token),
             kind: ValueKind::Json,
             value: b"{\"ok\":true}",
         })

@@ -227,6 +227,22 @@ impl Store for Metered {
         reply
     }
 
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: crate::Durability,
+    ) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self
+            .store
+            .complete_claim(claim, kind, value, durability)
+            .await;
+        self.record("complete", since);
+        reply
+    }
+
     fn has_outbox(&self) -> bool {
         self.store.has_outbox()
     }

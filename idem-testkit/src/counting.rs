@@ -6,7 +6,7 @@ use idem_core::store::{
     Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
     Token, ValueKind, WriteReply,
 };
-use idem_core::{Error, Fingerprint};
+use idem_core::{Durability, Error, Fingerprint};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -112,6 +112,19 @@ impl<S: Store> Store for CountingStore<S> {
         StoreCounts::add(&self.counts.singles);
         self.inner
             .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        StoreCounts::add(&self.counts.singles);
+        self.inner
+            .complete_claim(claim, kind, value, durability)
             .await
     }
 

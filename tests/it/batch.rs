@@ -14,9 +14,7 @@ const TTL_MS: u64 = 60_000;
 
 fn complete<'a>(key: &'a str, token: &'a Token, value: &'a [u8]) -> Finish<'a> {
     Finish::Complete {
-        key,
-        token,
-        fingerprint: None,
+        claim: claim(key, token, LEASE_MS, TTL_MS, None),
         kind: ValueKind::Json,
         value,
     }

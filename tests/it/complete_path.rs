@@ -4,6 +4,7 @@
 //! as the script would. Run on Redis 7 by `cargo test`, and on Valkey by
 //! `.ci/run`'s second pass (`IDEM_REDIS_SERVER=…/valkey-server`).
 
+use idem::Durability::Async;
 use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
 use idem::{Error, Fingerprint, RedisStore};
 use idem_testkit::RedisServer;
@@ -136,7 +137,7 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         holder
-            .complete("k:w", &mine, None, ValueKind::Json, b"5")
+            .complete_claim(&long("k:w", &mine), ValueKind::Json, b"5", Async)
             .await
             .unwrap(),
         WriteReply::Done
@@ -165,7 +166,7 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         holder
-            .complete("k:w2", &mine, None, ValueKind::Json, b"6")
+            .complete_claim(&long("k:w2", &mine), ValueKind::Json, b"6", Async)
             .await
             .unwrap(),
         WriteReply::Done
@@ -190,17 +191,14 @@ async fn complete_takes_the_servers_path_and_keeps_ttl_and_fingerprint() {
     assert_eq!(store.complete_path(), path, "server {}", store.server());
 
     let (token, fp) = (Token::random(), Fingerprint::of_bytes(b"payload"));
-    let other_fp = Fingerprint::of_bytes(b"other");
     assert_eq!(
         store.claim(claim("k:1", &token, Some(&fp))).await.unwrap(),
         ClaimReply::Acquired { attempt: 1 }
     );
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
-    let reply = store
-        .complete("k:1", &token, Some(&other_fp), ValueKind::Json, b"42")
-        .await
-        .unwrap();
-    assert_eq!(reply, WriteReply::Done);
+    let mine = claim("k:1", &token, Some(&fp));
+    let reply = store.complete_claim(&mine, ValueKind::Json, b"42", Async);
+    assert_eq!(reply.await.unwrap(), WriteReply::Done);
     let scripts = evalsha_calls(&server);
     match path {
         "set-ifeq" => assert_eq!(scripts, 0, "the plain SET path ran a script"),
@@ -243,14 +241,19 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
         store.claim(claim("k:late", &new, None)).await.unwrap(),
         ClaimReply::Acquired { attempt: 2 }
     );
-    let complete = |token| store.complete("k:late", token, None, ValueKind::Json, b"1");
+    let s = &store;
+    let complete = |token| {
+        let mine = claim("k:late", token, None);
+        async move { s.complete_claim(&mine, ValueKind::Json, b"1", Async).await }
+    };
     assert_eq!(complete(&old).await.unwrap(), WriteReply::OtherOwner);
     store.claim(claim("k:late2", &old, None)).await.unwrap();
     assert_eq!(complete(&new).await.unwrap(), WriteReply::Done);
     // Re-sent after its reply was lost: the same result, done.
     assert_eq!(complete(&new).await.unwrap(), WriteReply::Done);
     let complete2 = |token, value: &'static [u8]| {
-        store.complete("k:late2", token, None, ValueKind::Json, value)
+        let mine = claim("k:late2", token, None);
+        async move { s.complete_claim(&mine, ValueKind::Json, value, Async).await }
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     store.claim(claim("k:late2", &new, None)).await.unwrap();
@@ -266,7 +269,7 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     assert_eq!(server.cli(&["DEL", "k:gone"]), "1");
     assert_eq!(
         store
-            .complete("k:gone", &t, None, ValueKind::Json, b"1")
+            .complete_claim(&claim("k:gone", &t, None), ValueKind::Json, b"1", Async)
             .await
             .unwrap(),
         WriteReply::Missing
@@ -277,7 +280,7 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     assert_eq!(server.cli(&["DEL", "k:list"]), "1");
     assert_eq!(server.cli(&["RPUSH", "k:list", "x"]), "1");
     match store
-        .complete("k:list", &t, None, ValueKind::Json, b"1")
+        .complete_claim(&claim("k:list", &t, None), ValueKind::Json, b"1", Async)
         .await
     {
         Err(Error::Corrupt { .. }) => {}
@@ -297,7 +300,7 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     );
     assert_eq!(
         store
-            .complete("k:ext", &t, None, ValueKind::Json, b"7")
+            .complete_claim(&claim("k:ext", &t, None), ValueKind::Json, b"7", Async)
             .await
             .unwrap(),
         WriteReply::Done
@@ -317,7 +320,12 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
     store.claim(claim("k:first", &first, None)).await.unwrap();
     assert_eq!(
         store
-            .complete("k:first", &first, None, ValueKind::Json, b"1")
+            .complete_claim(
+                &claim("k:first", &first, None),
+                ValueKind::Json,
+                b"1",
+                Async
+            )
             .await
             .unwrap(),
         WriteReply::Done
@@ -330,7 +338,7 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         store
-            .complete("k:next", &next, None, ValueKind::Json, b"2")
+            .complete_claim(&claim("k:next", &next, None), ValueKind::Json, b"2", Async)
             .await
             .unwrap(),
         WriteReply::Done
@@ -375,9 +383,7 @@ async fn a_batch_completes_on_the_servers_path() {
         .iter()
         .zip(&tokens)
         .map(|(key, token)| Finish::Complete {
-            key,
-            token,
-            fingerprint: None,
+            claim: claim(key, token, None),
             kind: ValueKind::Json,
             value: b"1",
         })
@@ -398,4 +404,49 @@ async fn a_batch_completes_on_the_servers_path() {
         "set-ifeq" => assert_eq!(scripts, 1, "the plain SET path ran {scripts} scripts"),
         _ => assert_eq!(scripts, 8, "the script path ran {scripts} scripts"),
     }
+}
+
+/// Nothing is kept per call between a claim and its complete (issue 37,
+/// item 4): the complete rebuilds the pending record from the claim's
+/// terms, so a store that never saw the claim (another connection, as
+/// after a process restart with the same owner token) completes it with
+/// one plain `SET … IFEQ` on Valkey 8.1+, and terms that are not the
+/// record's (another lease) fall back to the script and still complete.
+#[tokio::test]
+async fn a_complete_needs_nothing_kept_since_its_claim() {
+    let server = RedisServer::start();
+    let (claimer, completer) = (connect(&server).await, connect(&server).await);
+    let path = expected_path(&server);
+    let (token, fp) = (Token::random(), Fingerprint::of_bytes(b"order-7"));
+    let mine = claim("k:far", &token, Some(&fp));
+    assert_eq!(
+        claimer.claim(mine).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let done = completer.complete_claim(&mine, ValueKind::Json, b"9", Async);
+    assert_eq!(done.await.unwrap(), WriteReply::Done);
+    let scripts = evalsha_calls(&server);
+    assert_eq!(
+        scripts,
+        u64::from(path == "script"),
+        "{path}: {scripts} scripts"
+    );
+    assert_eq!(
+        raw(&server, "k:far"),
+        [&b"1C\x10"[..], fp.as_bytes(), b"9"].concat()
+    );
+
+    let other = Token::random();
+    let theirs = claim("k:terms", &other, None);
+    claimer.claim(theirs).await.unwrap();
+    let longer = Claim {
+        lease: Duration::from_secs(5),
+        ..theirs
+    };
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let done = completer.complete_claim(&longer, ValueKind::Json, b"3", Async);
+    assert_eq!(done.await.unwrap(), WriteReply::Done);
+    assert_eq!(evalsha_calls(&server), 1, "{path}: the script answered");
+    assert_eq!(raw(&server, "k:terms"), b"1C\x003");
 }

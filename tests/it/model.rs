@@ -16,7 +16,7 @@
 
 use idem::store::Finish;
 use idem::store::{Claim, ClaimReply, StepRecord, Store, Token, ValueKind, WriteReply};
-use idem::{Fingerprint, MemoryStore};
+use idem::{Durability, Fingerprint, MemoryStore};
 use idem_postgres::PgStore;
 use idem_testkit::{PgTestDb, TestContext};
 use proptest::prelude::*;
@@ -66,10 +66,14 @@ enum Op {
         long_lease: bool,
         long_ttl: bool,
     },
+    /// `complete_claim` with the terms of a claim `token` may have made
+    /// (on Valkey, a plain `SET … IFEQ` when they are the record's).
     Complete {
         key: usize,
         token: u8,
-        fp_hint: bool,
+        fp: Option<u8>,
+        long_lease: bool,
+        long_ttl: bool,
         kind: ValueKind,
         value: usize,
     },
@@ -141,8 +145,13 @@ fn finish_op() -> impl Strategy<Value = Op> {
         Just(ValueKind::Unstorable),
     ];
     prop_oneof![
-        3 => (0..KEYS.len(), 0u8..3, any::<bool>(), kind, 0..VALUES.len())
-            .prop_map(|(key, token, fp_hint, kind, value)| Op::Complete { key, token, fp_hint, kind, value }),
+        3 => (
+            (0..KEYS.len(), 0u8..3, proptest::option::of(0u8..2)),
+            (prop::bool::weighted(0.2), any::<bool>(), kind, 0..VALUES.len()),
+        )
+            .prop_map(|((key, token, fp), (long_lease, long_ttl, kind, value))| {
+                Op::Complete { key, token, fp, long_lease, long_ttl, kind, value }
+            }),
         2 => (0..KEYS.len(), 0u8..3).prop_map(|(key, token)| Op::Release { key, token }),
     ]
 }
@@ -202,20 +211,17 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
         Op::Complete {
             key,
             token: t,
-            fp_hint,
+            fp,
+            long_lease,
+            long_ttl,
             kind,
             value,
-        } => Reply::Write(
-            store
-                .complete(
-                    KEYS[key],
-                    &token(t),
-                    fp_hint.then(|| fingerprint(1)).as_ref(),
-                    kind,
-                    VALUES[value],
-                )
-                .await?,
-        ),
+        } => {
+            let (t, f) = (token(t), fp.map(fingerprint));
+            let claim = claim_of(key, &t, f.as_ref(), long_lease, long_ttl);
+            let done = store.complete_claim(&claim, kind, VALUES[value], Durability::Async);
+            Reply::Write(done.await?)
+        }
         Op::Release { key, token: t } => Reply::Write(store.release(KEYS[key], &token(t)).await?),
         Op::Extend {
             key,
@@ -272,9 +278,7 @@ async fn batch(store: &dyn Store, ops: &[Op]) -> Vec<Result<Reply, idem::Error>>
         .iter()
         .map(|op| match *op {
             Op::Claim { token: t, fp, .. } => (token(t), fp.map(fingerprint)),
-            Op::Complete {
-                token: t, fp_hint, ..
-            } => (token(t), fp_hint.then(|| fingerprint(1))),
+            Op::Complete { token: t, fp, .. } => (token(t), fp.map(fingerprint)),
             Op::Release { token: t, .. }
             | Op::Extend { token: t, .. }
             | Op::SaveStep { token: t, .. }
@@ -305,11 +309,14 @@ async fn batch(store: &dyn Store, ops: &[Op]) -> Vec<Result<Reply, idem::Error>>
         .zip(&owned)
         .filter_map(|(op, (t, f))| match *op {
             Op::Complete {
-                key, kind, value, ..
+                key,
+                long_lease,
+                long_ttl,
+                kind,
+                value,
+                ..
             } => Some(Finish::Complete {
-                key: KEYS[key],
-                token: t,
-                fingerprint: f.as_ref(),
+                claim: claim_of(key, t, f.as_ref(), long_lease, long_ttl),
                 kind,
                 value: VALUES[value],
             }),
@@ -513,7 +520,9 @@ fn memory_and_redis_agree_on_every_transition() {
     let json = |key, token| Complete {
         key,
         token,
-        fp_hint: true,
+        fp: Some(1),
+        long_lease: false,
+        long_ttl: false,
         kind: ValueKind::Json,
         value: 3,
     };
@@ -579,7 +588,9 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 0,
                 token: 0,
-                fp_hint: true,
+                fp: Some(1),
+                long_lease: false,
+                long_ttl: false,
                 kind: ValueKind::Json,
                 value: 0,
             },
@@ -587,7 +598,9 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 0,
                 token: 0,
-                fp_hint: false,
+                fp: None,
+                long_lease: false,
+                long_ttl: false,
                 kind: ValueKind::TooLarge,
                 value: 4,
             },
@@ -630,7 +643,9 @@ fn memory_and_redis_agree_on_every_transition() {
             Complete {
                 key: 1,
                 token: 0,
-                fp_hint: true,
+                fp: Some(1),
+                long_lease: false,
+                long_ttl: false,
                 kind: ValueKind::Unstorable,
                 value: 5,
             },
@@ -676,7 +691,9 @@ fn batches_answer_as_the_single_calls_in_order() {
     let json = |key, token, value| Complete {
         key,
         token,
-        fp_hint: true,
+        fp: Some(1),
+        long_lease: false,
+        long_ttl: false,
         kind: ValueKind::Json,
         value,
     };

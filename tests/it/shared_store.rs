@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use idem::store::{
     Claim, ClaimReply, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
-use idem::{Error, Fingerprint, RecordInfo};
+use idem::{Durability, Error, Fingerprint, RecordInfo};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,6 +26,15 @@ impl<S: Store> Store for Shared<S> {
         value: &[u8],
     ) -> Result<WriteReply, Error> {
         self.0.complete(key, token, fingerprint, kind, value).await
+    }
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        self.0.complete_claim(claim, kind, value, durability).await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.0.release(key, token).await

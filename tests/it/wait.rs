@@ -11,7 +11,9 @@ use async_trait::async_trait;
 use idem::store::{
     Claim, ClaimReply, Hub, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
-use idem::{Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo, RedisStore};
+use idem::{
+    Durability, Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo, RedisStore,
+};
 use idem_testkit::{Ledger, TestContext};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +43,17 @@ impl<S: Store> Store for Counting<S> {
     ) -> Result<WriteReply, Error> {
         self.inner
             .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        self.inner
+            .complete_claim(claim, kind, value, durability)
             .await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
@@ -414,6 +427,17 @@ impl<S: Store> Store for Told<S> {
     ) -> Result<WriteReply, Error> {
         self.inner
             .complete(key, token, fingerprint, kind, value)
+            .await
+    }
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        self.inner
+            .complete_claim(claim, kind, value, durability)
             .await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {

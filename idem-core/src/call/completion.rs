@@ -6,7 +6,7 @@ use super::is_unavailable;
 use crate::durability::Durability;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::message::OutboxMessage;
-use crate::store::{Store, ValueKind, WriteReply};
+use crate::store::{Claim, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
@@ -36,6 +36,12 @@ pub(super) struct Completion<'a> {
     pub(super) kind: ValueKind,
     pub(super) value: &'a Bytes,
     pub(super) lease: Duration,
+    /// The claim's TTL: with the lease, what its pending record holds.
+    pub(super) ttl: Duration,
+    /// Whether the pending record is still the one the claim wrote, as far
+    /// as the call knows (no steps recorded in it): the store is then told
+    /// the claim ([`Store::complete_claim`]), else it reads the record.
+    pub(super) as_claimed: bool,
     /// Outgoing messages written with the result (`outbox::stage`).
     pub(super) messages: &'a [OutboxMessage],
     /// The copies to confirm before the result counts as stored.
@@ -63,15 +69,17 @@ impl Completion<'_> {
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
         let result = (|| async {
-            if self.messages.is_empty() && self.durability.is_async() {
+            if self.messages.is_empty() && self.as_claimed {
+                let claim = Claim {
+                    key: self.key,
+                    token: &self.token,
+                    lease: self.lease,
+                    ttl: self.ttl,
+                    fingerprint: self.fingerprint.as_ref(),
+                    want_ttl_left: false,
+                };
                 self.store
-                    .complete(
-                        self.key,
-                        &self.token,
-                        self.fingerprint.as_ref(),
-                        self.kind,
-                        self.value,
-                    )
+                    .complete_claim(&claim, self.kind, self.value, self.durability)
                     .await
             } else if self.messages.is_empty() {
                 self.store
@@ -160,6 +168,8 @@ impl Drop for DetachOnDrop<'_> {
             kind: c.kind,
             value: c.value.clone(),
             lease: c.lease,
+            ttl: c.ttl,
+            as_claimed: c.as_claimed,
             messages: c.messages.to_vec(),
             durability: c.durability,
         }
@@ -178,6 +188,8 @@ pub(super) struct Detached {
     pub(super) kind: ValueKind,
     pub(super) value: Bytes,
     pub(super) lease: Duration,
+    pub(super) ttl: Duration,
+    pub(super) as_claimed: bool,
     pub(super) messages: Vec<OutboxMessage>,
     pub(super) durability: Durability,
 }
@@ -195,6 +207,8 @@ impl Detached {
                 kind: self.kind,
                 value: &self.value,
                 lease: self.lease,
+                ttl: self.ttl,
+                as_claimed: self.as_claimed,
                 messages: &self.messages,
                 durability: self.durability,
             };

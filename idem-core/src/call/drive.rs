@@ -322,6 +322,7 @@ where
                             kind,
                             value: bytes,
                             lease: exec.lease,
+                            ttl: exec.ttl,
                         });
                         finishing_of.push(k);
                         storing[k] = Some(Storing { value, ran });

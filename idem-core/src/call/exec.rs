@@ -604,6 +604,8 @@ impl Exec<'_> {
             kind,
             value: &value,
             lease: self.lease,
+            ttl: self.ttl,
+            as_claimed: self.steps.as_ref().is_none_or(|s| !s.in_record()),
             messages,
             durability: self.durability,
         };
@@ -626,6 +628,7 @@ impl Exec<'_> {
                     kind,
                     value: value.clone(),
                     lease: self.lease,
+                    ttl: self.ttl,
                 };
                 // Dropped meanwhile, the batch re-sends it if it must.
                 ticket.submit(op).await.map(|(_, reply)| reply)

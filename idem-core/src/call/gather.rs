@@ -115,6 +115,8 @@ pub(super) enum FinishOp {
         value: Bytes,
         /// The call's lease: a re-sent complete gives up after half of it.
         lease: Duration,
+        /// The claim's TTL (with the lease, what its pending record holds).
+        ttl: Duration,
     },
     Release {
         key: Arc<str>,
@@ -136,11 +138,17 @@ impl BatchOp for FinishOp {
                         fingerprint,
                         kind,
                         value,
-                        lease: _,
+                        lease,
+                        ttl,
                     } => Finish::Complete {
-                        key,
-                        token,
-                        fingerprint: fingerprint.as_ref(),
+                        claim: Claim {
+                            key,
+                            token,
+                            lease: *lease,
+                            ttl: *ttl,
+                            fingerprint: fingerprint.as_ref(),
+                            want_ttl_left: false,
+                        },
                         kind: *kind,
                         value,
                     },
@@ -167,6 +175,7 @@ impl BatchOp for FinishOp {
                     kind,
                     value,
                     lease,
+                    ttl,
                 },
                 Err(e),
             ) if is_unavailable(&e) => Detached {
@@ -177,6 +186,8 @@ impl BatchOp for FinishOp {
                 kind,
                 value,
                 lease,
+                ttl,
+                as_claimed: true,
                 messages: Vec::new(),
                 // Durable calls never join a batch (exec.rs).
                 durability: crate::durability::Durability::Async,

@@ -187,6 +187,12 @@ impl Steps {
         }
     }
 
+    /// Whether the key's pending record holds steps (earlier holders' or
+    /// this run's): it is then no longer the record the claim wrote.
+    pub(super) fn in_record(&self) -> bool {
+        self.lock().recorded > 0
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // No code path panics while holding the lock; recover anyway.
         self.shared.state.lock().unwrap_or_else(|p| p.into_inner())

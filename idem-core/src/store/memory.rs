@@ -409,13 +409,9 @@ impl Store for MemoryStore {
             let mut map = self.lock();
             ops.iter()
                 .map(|op| match *op {
-                    Finish::Complete {
-                        key,
-                        token,
-                        kind,
-                        value,
-                        ..
-                    } => map.complete(key, token, kind, value, now),
+                    Finish::Complete { claim, kind, value } => {
+                        map.complete(claim.key, claim.token, kind, value, now)
+                    }
                     Finish::Release { key, token } => map.release(key, token, now),
                 })
                 .collect()

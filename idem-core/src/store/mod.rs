@@ -203,7 +203,7 @@ impl WriteReply {
 }
 
 /// One write that ends a claim, as an item of [`Store::finish_batch`]:
-/// the arguments of [`Store::complete`] or of [`Store::release`].
+/// the arguments of [`Store::complete_claim`] or of [`Store::release`].
 ///
 /// ```
 /// use idem_core::store::{Finish, Token};
@@ -213,14 +213,11 @@ impl WriteReply {
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub enum Finish<'a> {
-    /// [`Store::complete`] of `key` for `token`.
+    /// [`Store::complete_claim`] of `claim`: the claim this complete ends,
+    /// as it was sent (its key, owner token, fingerprint, lease and TTL).
     Complete {
-        /// The full stored key.
-        key: &'a str,
-        /// The owner token that holds the pending record.
-        token: &'a Token,
-        /// The caller's fingerprint, as given to the claim.
-        fingerprint: Option<&'a Fingerprint>,
+        /// The claim that took the key.
+        claim: Claim<'a>,
         /// How `value` is encoded.
         kind: ValueKind,
         /// The bytes to store.
@@ -239,21 +236,25 @@ impl<'a> Finish<'a> {
     /// The stored key this write acts on.
     ///
     /// ```
-    /// use idem_core::store::{Finish, Token, ValueKind};
+    /// use idem_core::store::{Claim, Finish, Token, ValueKind};
+    /// use std::time::Duration;
     /// let token = Token::random();
-    /// let op = Finish::Complete { key: "k", token: &token, fingerprint: None, kind: ValueKind::Json, value: b"1" };
+    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// let op = Finish::Complete { claim, kind: ValueKind::Json, value: b"1" };
     /// assert_eq!(op.key(), "k");
     /// ```
     pub fn key(&self) -> &'a str {
         match self {
-            Finish::Complete { key, .. } | Finish::Release { key, .. } => key,
+            Finish::Complete { claim, .. } => claim.key,
+            Finish::Release { key, .. } => key,
         }
     }
 
     /// The owner token this write acts for.
     pub fn token(&self) -> &'a Token {
         match self {
-            Finish::Complete { token, .. } | Finish::Release { token, .. } => token,
+            Finish::Complete { claim, .. } => claim.token,
+            Finish::Release { token, .. } => token,
         }
     }
 
@@ -261,13 +262,11 @@ impl<'a> Finish<'a> {
     /// default [`Store::finish_batch`] does per item.
     pub async fn run_on<S: Store + ?Sized>(&self, store: &S) -> Result<WriteReply, Error> {
         match *self {
-            Finish::Complete {
-                key,
-                token,
-                fingerprint,
-                kind,
-                value,
-            } => store.complete(key, token, fingerprint, kind, value).await,
+            Finish::Complete { claim, kind, value } => {
+                store
+                    .complete_claim(&claim, kind, value, Durability::Async)
+                    .await
+            }
             Finish::Release { key, token } => store.release(key, token).await,
         }
     }
@@ -548,6 +547,53 @@ pub trait Store: Send + Sync + 'static {
         value: &[u8],
     ) -> Result<WriteReply, Error>;
 
+    /// [`complete`](Store::complete) (or, for a `durability` other than
+    /// [`Durability::Async`], [`complete_durable`](Store::complete_durable))
+    /// of the key `claim` took, told the claim as it was sent: what the
+    /// runtime calls. With its lease and TTL, the claim says what the
+    /// pending record it wrote holds, which lets a store compare that
+    /// record's exact bytes instead of reading it (RedisStore on Valkey 8.1+
+    /// and Redis 8.4+: one plain `SET … IFEQ`, no script), without keeping
+    /// anything per call between the claim and its complete. A record that
+    /// changed since (a waiter marked it, the lease was extended, steps
+    /// were saved, another owner took it over) must still get the answer
+    /// `complete` gives. The default is `complete` (or `complete_durable`).
+    ///
+    /// ```
+    /// use idem_core::{Durability, store::{Claim, MemoryStore, Store, Token, ValueKind, WriteReply}};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let token = Token::random();
+    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// store.claim(claim).await?;
+    /// let done = store.complete_claim(&claim, ValueKind::Json, b"7", Durability::Async).await?;
+    /// assert_eq!(done, WriteReply::Done);
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        if durability.is_async() {
+            self.complete(claim.key, claim.token, claim.fingerprint, kind, value)
+                .await
+        } else {
+            self.complete_durable(
+                claim.key,
+                claim.token,
+                claim.fingerprint,
+                kind,
+                value,
+                durability,
+            )
+            .await
+        }
+    }
+
     /// Whether this store can give `durability`: `Ok` for
     /// [`Durability::Async`], else [`Error::DurabilityUnsupported`] saying
     /// what is missing. Checked (without a round trip: a store learns what
@@ -710,7 +756,7 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Completes and releases several keys at once: one reply per item, in
-    /// order, each the reply [`complete`](Store::complete) or
+    /// order, each the reply [`complete_claim`](Store::complete_claim) or
     /// [`release`](Store::release) would give for it, with the same
     /// per-key guarantees as [`claim_batch`](Store::claim_batch).
     ///
@@ -724,7 +770,7 @@ pub trait Store: Send + Sync + 'static {
     /// let token = Token::random();
     /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
     /// store.claim(claim).await?;
-    /// let done = Finish::Complete { key: "k", token: &token, fingerprint: None, kind: ValueKind::Json, value: b"7" };
+    /// let done = Finish::Complete { claim, kind: ValueKind::Json, value: b"7" };
     /// let again = Finish::Release { key: "k", token: &token };
     /// let replies = store.finish_batch(&[done, again]).await;
     /// assert_eq!(replies[0].as_ref().ok(), Some(&WriteReply::Done));

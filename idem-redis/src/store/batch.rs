@@ -239,13 +239,6 @@ impl RedisStore {
             .zip(self.pipelined(items).await)
             .map(|(c, replies)| first_step(c, replies))
             .collect();
-        // Fresh claims keep the record they wrote, for a complete without
-        // the script (Valkey 8.1+, Redis 8.4+), as a single claim does.
-        for (step, (record, _)) in steps.iter().zip(&plans) {
-            if matches!(step, Step::Reply(Ok(ClaimReply::Acquired { attempt: 1 }))) {
-                self.server.remember(record);
-            }
-        }
         let contended: Vec<usize> = (0..steps.len())
             .filter(|&i| matches!(steps.get(i), Some(Step::Script)))
             .collect();
@@ -296,22 +289,14 @@ impl RedisStore {
                 let items = batch
                     .iter()
                     .map(|op| {
-                        let cmds = match **op {
-                            Finish::Complete {
-                                key,
-                                token,
-                                kind,
-                                value,
-                                ..
-                            } => self.server.complete_plain_cmds(key, token, kind, value),
-                            Finish::Release { token, .. } => {
-                                self.server.forget(token);
-                                None
+                        let cmd = match **op {
+                            Finish::Complete { claim, kind, value } => {
+                                self.server.complete_plain_cmd(&claim, kind, value)
                             }
+                            Finish::Release { .. } => None,
                         };
-                        plain.push(cmds.is_some());
-                        let cmds = cmds.map_or_else(|| vec![finish_cmd(op)], Vec::from);
-                        (op.key(), cmds)
+                        plain.push(cmd.is_some());
+                        (op.key(), vec![cmd.unwrap_or_else(|| finish_cmd(op))])
                     })
                     .collect();
                 let replies = self.pipelined(items).await;
@@ -322,18 +307,18 @@ impl RedisStore {
                         Ok(r) if plain && is_ok(r.first()) => Ok(WriteReply::Done),
                         // Not the record this process wrote (or refused):
                         // the script says what is there.
-                        Ok(_) if plain => op.run_on(self).await,
+                        Ok(_) if plain => self.finish_alone(op).await,
                         // The connection failed: as the single complete.
                         Err(e) if plain && unreached(&e) => Err(classify(op_name, e)),
                         // Refused (out of memory, another type): the
                         // script may still write, or says what is there.
-                        Err(_) if plain => op.run_on(self).await,
+                        Err(_) if plain => self.finish_alone(op).await,
                         replies => match only_reply(replies) {
                             Ok(v) => parse_write(op_name, v),
                             Err(e) if !is_noscript(&e) && !redirected(&e) => {
                                 Err(classify(op_name, e))
                             }
-                            Err(_) => op.run_on(self).await,
+                            Err(_) => self.finish_alone(op).await,
                         },
                     });
                 }
@@ -345,21 +330,32 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// One item of a finish batch sent again alone, through the scripts
+    /// (which load themselves where they are gone, and follow redirects):
+    /// a plain `SET … IFEQ` that did not match is not tried twice.
+    async fn finish_alone(&self, op: &Finish<'_>) -> Result<WriteReply, Error> {
+        match *op {
+            Finish::Complete { claim, kind, value } => {
+                self.complete_script(claim.key, claim.token, claim.fingerprint, kind, value)
+                    .await
+            }
+            Finish::Release { key, token } => self.release(key, token).await,
+        }
+    }
+}
+
 /// Whether a pipeline failed on the way rather than a command being refused.
-fn unreached(e: &RedisError) -> bool {
+pub(super) fn unreached(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
 }
 
 /// The command of one complete or release.
 fn finish_cmd(op: &Finish<'_>) -> Cmd {
     match *op {
-        Finish::Complete {
-            key,
-            token,
-            fingerprint,
-            kind,
-            value,
-        } => complete_cmd(key, token, fingerprint, kind, value),
+        Finish::Complete { claim, kind, value } => {
+            complete_cmd(claim.key, claim.token, claim.fingerprint, kind, value)
+        }
         Finish::Release { key, token } => release_cmd(key, token),
     }
 }

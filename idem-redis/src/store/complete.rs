@@ -1,38 +1,35 @@
 //! `complete` as one plain `SET … IFEQ` where the server has it (Valkey
 //! 8.1+, Redis 8.4+), the `complete` script elsewhere.
 //!
-//! A fresh claim writes a pending record the client built itself, so the
-//! client knows its exact bytes; `SET key completed IFEQ pending KEEPTTL`
-//! is then the same compare-and-set as the script, without Lua. The bytes
-//! are remembered per owner token from the claim to its complete, release
-//! or extend. Whatever the cache holds, the outcome stays exact: an `IFEQ`
-//! that matches proves the record is the caller's own pending one, and any
-//! other answer (no match, an error reply) falls back to the script, which
-//! tells Missing / OtherOwner / AlreadyCompleted (or a re-sent complete)
-//! apart.
+//! A claim writes a pending record the client built itself from the
+//! claim's key, owner token, fingerprint, lease and TTL
+//! ([`pending_record`]). The runtime completes with the claim it sent
+//! (`Store::complete_claim`), so the complete rebuilds those exact bytes
+//! and `SET key completed IFEQ pending KEEPTTL` is the same compare-and-set
+//! as the script, without Lua and without anything kept per call between
+//! the two. The outcome stays exact: an `IFEQ` that matches proves the
+//! record is the caller's own untouched pending one, and any other answer
+//! (no match, an error reply) falls back to the script, which tells
+//! Missing / OtherOwner / AlreadyCompleted (or a re-sent complete) apart.
+//! A record changed since its claim does not match: a takeover's (its
+//! attempt number), an extended lease's (its lease end), one with steps,
+//! and a marked one.
 //!
 //! No `SPUBLISH` goes with it: a caller that waits on the key marks the
 //! pending record first (its `claim`, lua/README.md "The waiter mark"), so
-//! the record's bytes are no longer the ones this process wrote, the `IFEQ`
+//! the record's bytes are no longer the ones the claim wrote, the `IFEQ`
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
-use super::record::{CompletedRecord, PendingRecord};
+use super::batch::{pending_record, unreached};
+use super::record::CompletedRecord;
 use super::reply::classify;
 use super::{Conn, RedisStore};
 use idem_core::Error;
-use idem_core::store::Token;
-use idem_core::store::{ValueKind, WriteReply};
+use idem_core::store::{Claim, ValueKind, WriteReply};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, ToRedisArgs, Value};
-use std::collections::HashMap;
-use std::sync::Mutex;
+use redis::{Cmd, Value};
 use tokio::sync::OnceCell;
-
-/// Remembered pending records at most; past this the cache starts over
-/// (claims abandoned without a complete or release would otherwise stay).
-/// Forgetting costs only a script call, never an outcome.
-const MAX_REMEMBERED: usize = 32_768;
 
 /// How a store completes a record: the name shown by
 /// [`RedisStore::complete_path`], the `tracing` field at connect and
@@ -98,14 +95,11 @@ impl Kind {
     }
 }
 
-/// The server's kind, once known, and the pending records this process
-/// wrote there.
+/// The server's kind, once known.
 pub(super) struct Server {
     /// Set at connect; for a store made from a connection, at its first
     /// complete (until then, and for that complete, the script).
     kind: OnceCell<Kind>,
-    /// Pending records this process wrote, by owner token.
-    pending: Mutex<HashMap<Token, Box<[u8]>>>,
 }
 
 impl Server {
@@ -113,14 +107,12 @@ impl Server {
     pub(super) fn unknown() -> Server {
         Server {
             kind: OnceCell::new(),
-            pending: Mutex::new(HashMap::new()),
         }
     }
 
     fn known(kind: Kind) -> Server {
         Server {
             kind: OnceCell::new_with(Some(kind)),
-            pending: Mutex::new(HashMap::new()),
         }
     }
 
@@ -129,80 +121,44 @@ impl Server {
         self.kind.get().is_some_and(|k| k.waitaof)
     }
 
-    /// Whether the server was asked what it is.
-    pub(super) fn is_known(&self) -> bool {
-        self.kind.get().is_some()
-    }
-
     fn path(&self) -> CompletePath {
         self.kind.get().map_or(CompletePath::Script, |k| k.complete)
     }
 
-    /// Keeps the pending record a fresh claim wrote, for its complete.
-    pub(super) fn remember(&self, record: &PendingRecord<'_>) {
-        if self.path() != CompletePath::SetIfEq {
-            return;
-        }
-        let Some(bytes) = record.to_redis_args().pop() else {
-            return;
-        };
-        let mut pending = self.lock();
-        if pending.len() >= MAX_REMEMBERED {
-            tracing::debug!(
-                remembered = pending.len(),
-                "pending-record cache full (claims never completed nor released?): starting over; those completes use the script"
-            );
-            pending.clear();
-        }
-        pending.insert(*record.token, bytes.into_boxed_slice());
-    }
-
-    /// Drops what is remembered of `token`'s record: released, or its
-    /// lease extended (the record's lease end changed on the server).
-    pub(super) fn forget(&self, token: &Token) {
-        if self.path() == CompletePath::SetIfEq {
-            self.lock().remove(token);
-        }
-    }
-
-    fn take(&self, token: &Token) -> Option<Box<[u8]>> {
-        self.lock().remove(token)
-    }
-
     /// The command of a complete without the script: `SET key completed
-    /// IFEQ pending KEEPTTL`. `None` when nothing is remembered of
-    /// `token`'s pending record (the script must answer). Its reply is
-    /// `OK` when it wrote. No `SPUBLISH`: a record someone waits on is
-    /// marked, so it does not match and the script publishes.
-    pub(super) fn complete_plain_cmds(
+    /// IFEQ pending KEEPTTL`, `pending` being the record `claim` wrote.
+    /// `None` where the server has no `IFEQ` (the script must answer). Its
+    /// reply is `OK` when it wrote. No `SPUBLISH`: a record someone waits
+    /// on is marked, so it does not match and the script publishes.
+    pub(super) fn complete_plain_cmd(
         &self,
-        key: &str,
-        token: &Token,
+        claim: &Claim<'_>,
         kind: ValueKind,
         value: &[u8],
-    ) -> Option<[Cmd; 1]> {
-        let pending = self.take(token)?;
+    ) -> Option<Cmd> {
+        if self.path() != CompletePath::SetIfEq {
+            return None;
+        }
+        let (pending, _) = pending_record(claim);
         // The completed record keeps the claim's fingerprint, as the
         // script does: the one inside the pending record.
-        let fplen = usize::from(*pending.get(2)?);
         let record = CompletedRecord {
             kind,
-            fingerprint: pending.get(3..3 + fplen)?,
+            fingerprint: pending.fingerprint,
             value,
         };
-        let mut set = Cmd::with_capacity(6, 3 + key.len() + 3 + fplen + value.len() + 4 + 80);
+        let fplen = pending.fingerprint.len();
+        let mut set = Cmd::with_capacity(
+            6,
+            3 + claim.key.len() + 2 * (3 + fplen) + value.len() + 4 + 32 + 2 * 16 + 16,
+        );
         set.arg("SET")
-            .arg(key)
+            .arg(claim.key)
             .arg(record)
             .arg("IFEQ")
-            .arg(&*pending)
+            .arg(&pending)
             .arg("KEEPTTL");
-        Some([set])
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Token, Box<[u8]>>> {
-        // A panic elsewhere cannot leave the map half-written: use it.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        Some(set)
     }
 }
 
@@ -312,16 +268,15 @@ impl RedisStore {
         kind
     }
 
-    /// The complete as `SET key completed IFEQ pending KEEPTTL` (one round
-    /// trip, no `SPUBLISH`: a record someone waits on does not match). `None`
-    /// when the script must answer: nothing remembered of this token, the
-    /// record is not the pending one this process wrote, or the server
-    /// refused the `SET` (out of memory: the script may still write;
-    /// another type under the key).
+    /// The complete of `claim` as `SET key completed IFEQ pending KEEPTTL`
+    /// (one round trip, no `SPUBLISH`: a record someone waits on does not
+    /// match). `None` when the script must answer: the server has no
+    /// `IFEQ`, the record is not the pending one the claim wrote, or the
+    /// server refused the `SET` (out of memory: the script may still
+    /// write; another type under the key).
     pub(super) async fn complete_plain(
         &self,
-        key: &str,
-        token: &Token,
+        claim: &Claim<'_>,
         kind: ValueKind,
         value: &[u8],
     ) -> Option<Result<WriteReply, Error>> {
@@ -331,17 +286,12 @@ impl RedisStore {
             self.server.kind.get_or_init(|| self.ask_server()).await;
             return None;
         }
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors();
-        for cmd in self.server.complete_plain_cmds(key, token, kind, value)? {
-            pipe.add_command(cmd);
-        }
-        let replies: redis::RedisResult<Vec<Value>> = match &self.conn {
-            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
-            Conn::Cluster(c) => pipe.query_async(&mut c.clone()).await,
-        };
-        match replies {
-            Ok(replies) => is_ok(replies.first()).then_some(Ok(WriteReply::Done)),
+        let set = self.server.complete_plain_cmd(claim, kind, value)?;
+        match self.send(&set).await {
+            Ok(reply) => is_ok(Some(&reply)).then_some(Ok(WriteReply::Done)),
+            // Refused (out of memory, another type under the key): the
+            // script may still write, or says what is there.
+            Err(e) if !unreached(&e) => None,
             Err(e) => Some(Err(classify("complete", e))),
         }
     }

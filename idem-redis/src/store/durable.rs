@@ -396,7 +396,6 @@ impl RedisStore {
         match found {
             Ok(Value::Nil) => {
                 confirmed?;
-                self.server.remember(&record);
                 Ok(ClaimReply::Acquired { attempt: 1 })
             }
             Ok(Value::BulkString(found)) => match decode(found, pttl)? {
@@ -438,9 +437,11 @@ impl RedisStore {
         Ok(reply)
     }
 
-    /// `complete`, confirmed: the plain `SET … IFEQ` (or, when it does not
-    /// match, the script) goes with the fence and the wait, one round trip.
-    /// `Err(NotConfirmed)` only for a write that was `Done`.
+    /// `complete`, confirmed: `plain` (the claim's `SET … IFEQ`, where the
+    /// server has it) or, when it does not match, the script goes with the
+    /// fence and the wait, one round trip. `Err(NotConfirmed)` only for a
+    /// write that was `Done`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn complete_confirmed(
         &self,
         key: &str,
@@ -449,12 +450,9 @@ impl RedisStore {
         kind: ValueKind,
         value: &[u8],
         durability: Durability,
+        plain: Option<Cmd>,
     ) -> Result<WriteReply, Error> {
-        let plain = match self.server.is_known() {
-            true => self.server.complete_plain_cmds(key, token, kind, value),
-            false => None,
-        };
-        if let Some([set]) = plain {
+        if let Some(set) = plain {
             let (replies, confirmed) = self
                 .durable_pipe("complete", key, vec![set], durability)
                 .await?;

@@ -349,14 +349,26 @@ impl RedisStore {
         cmd
     }
 
+    /// `complete` through the script: what the single complete without
+    /// its claim, and a plain `SET … IFEQ` that did not match, send.
+    pub(super) async fn complete_script(
+        &self,
+        key: &str,
+        token: &Token,
+        fingerprint: Option<&Fingerprint>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
+        let lua = &SCRIPTS.complete;
+        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
+    }
+
     /// A claim as [`Store::claim`] answers it, without durability.
     async fn claim_plain(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let (record, ttl) = batch::pending_record(&claim);
         match self.set_nx_get(&claim, &record, ttl).await {
-            Ok((None, _)) => {
-                self.server.remember(&record);
-                Ok(ClaimReply::Acquired { attempt: 1 })
-            }
+            Ok((None, _)) => Ok(ClaimReply::Acquired { attempt: 1 }),
             Ok((Some(found), pttl)) => match record::decode(found, pttl)? {
                 // Someone holds it, or held it and stopped (a takeover), or
                 // it is our own claim re-sent: the script decides atomically.
@@ -496,8 +508,39 @@ impl Store for RedisStore {
         if durability.is_async() {
             return self.complete(key, token, fingerprint, kind, value).await;
         }
-        self.complete_confirmed(key, token, fingerprint, kind, value, durability)
+        self.complete_confirmed(key, token, fingerprint, kind, value, durability, None)
             .await
+    }
+
+    /// On Valkey 8.1+ and Redis 8.4+, one plain `SET … IFEQ` of the
+    /// record `claim` wrote (complete.rs); the script when that does not
+    /// match or the server has no `IFEQ`.
+    async fn complete_claim(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+        durability: Durability,
+    ) -> Result<WriteReply, Error> {
+        if durability.is_async() {
+            if let Some(done) = self.complete_plain(claim, kind, value).await {
+                return done;
+            }
+            return self
+                .complete_script(claim.key, claim.token, claim.fingerprint, kind, value)
+                .await;
+        }
+        let plain = self.server.complete_plain_cmd(claim, kind, value);
+        self.complete_confirmed(
+            claim.key,
+            claim.token,
+            claim.fingerprint,
+            kind,
+            value,
+            durability,
+            plain,
+        )
+        .await
     }
 
     async fn complete(
@@ -508,12 +551,8 @@ impl Store for RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        if let Some(done) = self.complete_plain(key, token, kind, value).await {
-            return done;
-        }
-        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
-        let lua = &SCRIPTS.complete;
-        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
+        self.complete_script(key, token, fingerprint, kind, value)
+            .await
     }
 
     fn has_outbox(&self) -> bool {
@@ -534,7 +573,6 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        self.server.forget(token);
         let lua = &SCRIPTS.release;
         let mut cmd = invocation(lua.script.get_hash(), key, 1, 32);
         cmd.arg(token.as_bytes().as_slice());
@@ -542,7 +580,6 @@ impl Store for RedisStore {
     }
 
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        self.server.forget(token);
         let lua = &SCRIPTS.extend;
         let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + MS_DIGITS);
         cmd.arg(token.as_bytes().as_slice())
@@ -558,8 +595,6 @@ impl Store for RedisStore {
         name: &str,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        // The record changes: a plain `SET … IFEQ` complete could not match.
-        self.server.forget(token);
         let lua = &SCRIPTS.step;
         let mut cmd = invocation(lua.script.get_hash(), key, 3, 32 + name.len() + value.len());
         cmd.arg(token.as_bytes().as_slice()).arg(name).arg(value);
@@ -582,7 +617,6 @@ impl Store for RedisStore {
     }
 
     async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        self.server.forget(token);
         let lua = &SCRIPTS.suspend;
         let mut cmd = invocation(lua.script.get_hash(), key, 1, 32);
         cmd.arg(token.as_bytes().as_slice());

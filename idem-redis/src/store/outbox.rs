@@ -229,8 +229,6 @@ impl RedisStore {
         value: &[u8],
         messages: &[OutboxMessage],
     ) -> Result<WriteReply, Error> {
-        // The plain `SET … IFEQ` path cannot append: drop what it kept.
-        self.server.forget(token);
         let keys = self.outbox_keys(key);
         if self.is_cluster() {
             let now = SystemTime::now()
