@@ -143,7 +143,13 @@ async fn run(opts: Opts, url: String, fresh_url: String, flush_fresh: bool) {
     let idem = plain(&fresh_store);
     idem.install()
         .expect("install the default for #[idempotent]");
-    let cached = Idempotency::builder(store.clone())
+    // From the URL, not the manager: the local cache serves only while
+    // the store's feed of forgotten keys is live, and a store made from a
+    // manager has no subscriber connection (it would cache nothing).
+    let cached_store = RedisStore::connect(&url)
+        .await
+        .expect("connect the local cache's store to Redis");
+    let cached = Idempotency::builder(cached_store)
         .result_ttl(ttl)
         .local_cache(100_000)
         .build();

@@ -28,10 +28,14 @@ pub fn validate_key_part(part: KeyPart, s: &str) -> Result<(), KeyError> {
             max: MAX_KEY_LEN,
         });
     }
-    // ASCII keys (nearly all) are checked byte by byte; the same answer as
-    // the char scan below, which only non-ASCII keys need.
-    let at = if s.is_ascii() {
-        s.bytes().position(|b| b.is_ascii_control())
+    // Printable ASCII keys (nearly all) pass one branch-free scan; a key
+    // with a control byte or any non-ASCII byte gets the char scan, which
+    // finds the first control character (C0, DEL and the C1 range).
+    let printable = s
+        .bytes()
+        .fold(true, |ok, b| ok & (b' '..=b'~').contains(&b));
+    let at = if printable {
+        None
     } else {
         s.char_indices()
             .find(|(_, c)| c.is_control())
@@ -185,5 +189,13 @@ mod tests {
         ));
         assert!(storage_key("idem:", "s", "x".repeat(255)).is_ok());
         assert!(storage_key("idem:", "s", "{tag} ünï:cödé").is_ok());
+        // DEL, and a C1 control after a non-ASCII letter: found where the
+        // char scan finds them (byte offsets).
+        for (key, at) in [("ab\x7f", 2), ("é\u{85}x", 2), ("~ \t", 2)] {
+            assert!(
+                matches!(storage_key("idem:", "s", key), Err(KeyError::ControlChar { at: a, .. }) if a == at),
+                "{key:?}"
+            );
+        }
     }
 }

@@ -202,3 +202,56 @@ async fn a_forget_in_another_process_drops_the_copy() {
         "the other process kept replaying the forgotten key from its local cache"
     );
 }
+
+/// The point of `local_cache`: a hot completed key replays from process
+/// memory, with no round trip. Counted on the server (`INFO
+/// commandstats`): once the store's feed of forgotten keys is live, a
+/// replay sends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_replays_from_the_cache_without_a_round_trip() {
+    let server = idem_testkit::RedisServer::start();
+    let store = idem::RedisStore::connect(&server.url())
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", server.url()));
+    let idem = cached(store);
+    let call = || {
+        idem.call("charge", "hot")
+            .run_outcome(|| async { Ok::<_, Error>(7_u32) })
+    };
+    assert_eq!(call().await.unwrap(), (7, Outcome::Executed));
+    let sent = |server: &idem_testkit::RedisServer| -> u64 {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .filter_map(|l| {
+                l.split_once("calls=")?
+                    .1
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    // The feed of forgotten keys is confirmed live asynchronously: give
+    // it up to 10 s, then every replay must come from the cache.
+    let mut quiet = false;
+    for _ in 0..500 {
+        assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+        for _ in 0..10 {
+            assert_eq!(call().await.unwrap(), (7, Outcome::Replayed));
+        }
+        // CONFIG RESETSTAT and INFO themselves are not counted before
+        // INFO runs; anything else is a replay's round trip.
+        if sent(&server) <= 1 {
+            quiet = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        quiet,
+        "replays of a hot key still reach Redis: {}",
+        server.cli(&["INFO", "commandstats"])
+    );
+}

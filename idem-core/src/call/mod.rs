@@ -322,7 +322,11 @@ impl<'a> Call<'a> {
             Err(refused) => return Err(E::from(refused)),
         };
         exec.steps = steps;
-        let result = exec.run(body).instrument(span).await;
+        let result = if exec.traced {
+            exec.run(body).instrument(span).await
+        } else {
+            exec.run(body).await
+        };
         exec.finish();
         result
     }
@@ -331,13 +335,20 @@ impl<'a> Call<'a> {
     /// reaches the store (bad key, bad settings) is reported here and
     /// comes back as its error.
     fn open(self) -> (tracing::Span, Result<Exec<'a>, Error>) {
-        let span = tracing::info_span!(
-            "idem.call",
-            scope = self.scope,
-            key = Empty,
-            outcome = Empty,
-            attempt = Empty
-        );
+        // No subscriber takes INFO spans: no span at all (tracing's `log`
+        // feature, which a dependency may turn on, would otherwise have
+        // every call build one for the `log` crate).
+        let span = if tracing::level_enabled!(tracing::Level::INFO) {
+            tracing::info_span!(
+                "idem.call",
+                scope = self.scope,
+                key = Empty,
+                outcome = Empty,
+                attempt = Empty
+            )
+        } else {
+            tracing::Span::none()
+        };
         // Clocks are read for the hook and metrics only: with neither,
         // a call costs what it did before they existed.
         let (inner, scope) = (self.inner, self.scope);
@@ -411,6 +422,7 @@ impl<'a> Call<'a> {
             // A batch's pipelines confirm nothing: a durable call goes alone.
             tickets: self.tickets.filter(|_| self.durability.is_async()),
             steps: None,
+            traced: !span.is_disabled(),
         })
     }
 }
