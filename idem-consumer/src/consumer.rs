@@ -673,6 +673,13 @@ pub(crate) struct Retry {
 
 /// The span every message's handling runs in.
 pub(crate) fn message_span(msg: &Message) -> tracing::Span {
+    // No subscriber takes INFO spans: no span, so nothing is recorded
+    // into it (tracing's `log` feature, which a dependency may turn on,
+    // would otherwise format its five fields for the `log` crate per
+    // message).
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return tracing::Span::none();
+    }
     tracing::info_span!(
         "idem.consume",
         broker = msg.broker(),
