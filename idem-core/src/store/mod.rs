@@ -284,9 +284,16 @@ impl<'a> Finish<'a> {
 /// assert_eq!(waves, vec![vec![0, 1, 3], vec![2], vec![4]]);
 /// ```
 pub fn key_waves<'k>(keys: impl IntoIterator<Item = &'k str>) -> Vec<Vec<usize>> {
-    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let keys = keys.into_iter();
+    // Sized once, and a fast hash: this runs twice per batch (claims,
+    // finishes) over every key of it.
+    let mut seen: std::collections::HashMap<&str, usize, foldhash::fast::RandomState> =
+        std::collections::HashMap::with_capacity_and_hasher(
+            keys.size_hint().0,
+            foldhash::fast::RandomState::default(),
+        );
     let mut waves: Vec<Vec<usize>> = Vec::new();
-    for (i, key) in keys.into_iter().enumerate() {
+    for (i, key) in keys.enumerate() {
         let n = seen.entry(key).or_insert(0);
         match waves.get_mut(*n) {
             Some(wave) => wave.push(i),

@@ -29,11 +29,17 @@ use idem_core::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis,
 use idem_core::store::{Store, in_waves, store_lease};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
+use smallvec::{SmallVec, smallvec};
 use std::collections::HashMap;
 
 /// What one item of a pipeline got back: the replies of its commands, or
-/// the error of its first command (or of the whole pipeline).
-type ItemReplies = Result<Vec<Value>, RedisError>;
+/// the error of its first command (or of the whole pipeline). Inline: an
+/// item has one command (two with `PTTL`), and a batch has an item per
+/// message.
+type ItemReplies = Result<SmallVec<[Value; 2]>, RedisError>;
+
+/// The commands of one item of a pipeline.
+type ItemCmds = SmallVec<[Cmd; 2]>;
 
 /// The pending record a claim writes and the record's TTL in ms.
 pub(super) fn pending_record<'a>(claim: &Claim<'a>) -> (PendingRecord<'a>, u64) {
@@ -165,7 +171,7 @@ fn first_step(claim: &Claim<'_>, replies: ItemReplies) -> Step {
 impl RedisStore {
     /// Sends each item's commands, as few round trips as the topology
     /// allows, and answers each item's replies in order.
-    async fn pipelined(&self, items: Vec<(&str, Vec<Cmd>)>) -> Vec<ItemReplies> {
+    async fn pipelined(&self, items: Vec<(&str, ItemCmds)>) -> Vec<ItemReplies> {
         match &self.conn {
             Conn::Single(c) => send_group(&mut c.clone(), items).await,
             Conn::Cluster(c) => {
@@ -176,12 +182,12 @@ impl RedisStore {
                     groups.entry(Slot::for_key(key)).or_default().push(i);
                 }
                 let n = items.len();
-                let mut items: Vec<Option<(&str, Vec<Cmd>)>> =
+                let mut items: Vec<Option<(&str, ItemCmds)>> =
                     items.into_iter().map(Some).collect();
                 let sends: Vec<_> = groups
                     .into_values()
                     .map(|indices| {
-                        let group: Vec<(&str, Vec<Cmd>)> = indices
+                        let group: Vec<(&str, ItemCmds)> = indices
                             .iter()
                             .filter_map(|&i| items.get_mut(i).and_then(Option::take))
                             .collect();
@@ -225,7 +231,7 @@ impl RedisStore {
             .iter()
             .zip(&plans)
             .map(|(c, (record, ttl))| {
-                let mut cmds = vec![set_nx_get_cmd(c.key, record, *ttl)];
+                let mut cmds: ItemCmds = smallvec![set_nx_get_cmd(c.key, record, *ttl)];
                 if c.want_ttl_left {
                     let mut pttl = redis::cmd("PTTL");
                     pttl.arg(c.key);
@@ -247,7 +253,7 @@ impl RedisStore {
             .filter_map(|&i| Some((claims.get(i)?, plans.get(i)?)))
             .map(|(c, (record, ttl))| {
                 let waiting = self.waited_on(c.key);
-                (c.key, vec![claim_script_cmd(c, record, *ttl, waiting)])
+                (c.key, smallvec![claim_script_cmd(c, record, *ttl, waiting)])
             })
             .collect();
         let mut scripted = contended
@@ -296,7 +302,7 @@ impl RedisStore {
                             Finish::Release { .. } => None,
                         };
                         plain.push(cmd.is_some());
-                        (op.key(), vec![cmd.unwrap_or_else(|| finish_cmd(op))])
+                        (op.key(), smallvec![cmd.unwrap_or_else(|| finish_cmd(op))])
                     })
                     .collect();
                 let replies = self.pipelined(items).await;
@@ -385,7 +391,7 @@ fn short_reply() -> RedisError {
 /// replies per item. A failed pipeline fails each of its items.
 async fn send_group(
     conn: &mut impl redis::aio::ConnectionLike,
-    items: Vec<(&str, Vec<Cmd>)>,
+    items: Vec<(&str, ItemCmds)>,
 ) -> Vec<ItemReplies> {
     if items.is_empty() {
         return Vec::new();
@@ -405,7 +411,7 @@ async fn send_group(
     counts
         .into_iter()
         .map(|n| {
-            let item: Vec<Value> = replies.by_ref().take(n).collect();
+            let item: SmallVec<[Value; 2]> = replies.by_ref().take(n).collect();
             match item.first() {
                 None => Err(short_reply()),
                 Some(Value::ServerError(e)) => Err(e.clone().into()),
