@@ -90,6 +90,9 @@ pub struct Lease {
 #[derive(Debug, Default)]
 struct State {
     lost: AtomicBool,
+    /// A renewal was sent: the pending record may no longer be the one the
+    /// claim wrote (its lease end moved).
+    extended: AtomicBool,
     notify: Notify,
     /// Whether the call's store takes outgoing messages with its result
     /// ([`Store::has_outbox`](crate::store::Store::has_outbox)).
@@ -210,6 +213,17 @@ impl Lease {
     }
 
     /// Flags the lease lost and wakes every body waiting on [`Lease::lost`].
+    /// A renewal of this lease is on its way to the store.
+    pub(crate) fn mark_extended(&self) {
+        self.state.extended.store(true, Ordering::Release);
+    }
+
+    /// Whether a renewal was ever sent: the record may have changed since
+    /// the claim, so the complete does not compare the claim's bytes.
+    pub(crate) fn was_extended(&self) -> bool {
+        self.state.extended.load(Ordering::Acquire)
+    }
+
     pub(crate) fn mark_lost(&self) {
         if !self.state.lost.swap(true, Ordering::AcqRel) {
             self.state.notify.notify_waiters();

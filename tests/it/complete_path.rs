@@ -450,3 +450,35 @@ async fn a_complete_needs_nothing_kept_since_its_claim() {
     assert_eq!(evalsha_calls(&server), 1, "{path}: the script answered");
     assert_eq!(raw(&server, "k:terms"), b"1C\x003");
 }
+
+/// A call whose lease was renewed (its record's lease end moved) completes
+/// through the script at once: no plain `SET … IFEQ` is sent that could
+/// not match. `INFO commandstats` counts the scripts' own commands: each
+/// script here (the renewals, the complete) writes with one `SET`, and the
+/// claim is one more.
+#[tokio::test]
+async fn a_renewed_call_completes_through_the_script_at_once() {
+    let server = RedisServer::start();
+    let idem = idem::Idempotency::builder(connect(&server).await)
+        .lease(Duration::from_millis(300))
+        .build();
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let v: u32 = idem
+        .call("renewed", "k")
+        .run(|| async {
+            // Past a third of the lease, twice: renewed.
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            Ok::<_, Error>(5)
+        })
+        .await
+        .unwrap();
+    assert_eq!(v, 5);
+    let scripts = evalsha_calls(&server);
+    let stats = server.cli(&["INFO", "commandstats"]);
+    assert!(scripts >= 2, "no renewal and complete scripts: {stats}");
+    assert_eq!(
+        calls(&server, "set"),
+        1 + scripts,
+        "a SET besides the claim's and the scripts': {stats}"
+    );
+}

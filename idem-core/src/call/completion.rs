@@ -39,8 +39,9 @@ pub(super) struct Completion<'a> {
     /// The claim's TTL: with the lease, what its pending record holds.
     pub(super) ttl: Duration,
     /// Whether the pending record is still the one the claim wrote, as far
-    /// as the call knows (no steps recorded in it): the store is then told
-    /// the claim ([`Store::complete_claim`]), else it reads the record.
+    /// as the call knows (no steps recorded in it, no renewal sent): the
+    /// store is then told the claim ([`Store::complete_claim`]), else it
+    /// reads the record.
     pub(super) as_claimed: bool,
     /// Outgoing messages written with the result (`outbox::stage`).
     pub(super) messages: &'a [OutboxMessage],

@@ -437,7 +437,9 @@ impl Exec<'_> {
             }
             Ok(Ok(value)) => {
                 let messages = self.outgoing(lease.take_staged());
-                let stored = self.complete(&value, &messages, seen).await;
+                let stored = self
+                    .complete(&value, &messages, seen, lease.was_extended())
+                    .await;
                 Ok((value, self.settled(outcome, stored)))
             }
         }
@@ -600,11 +602,14 @@ impl Exec<'_> {
     /// either way, so this never turns a success into an error; and if this
     /// future is dropped meanwhile (the caller gave up), the completion
     /// goes on in a task of its own rather than leave the key to run again.
+    /// `extended`: a renewal of the lease was sent, so the pending record
+    /// may no longer be the one the claim wrote.
     pub(super) async fn complete<T: Serialize>(
         &self,
         value: &T,
         messages: &[OutboxMessage],
         seen: Generation,
+        extended: bool,
     ) -> Stored {
         let (kind, value) = self.encoded(value);
         let completion = Completion {
@@ -616,7 +621,7 @@ impl Exec<'_> {
             value: &value,
             lease: self.lease,
             ttl: self.ttl,
-            as_claimed: self.steps.as_ref().is_none_or(|s| !s.in_record()),
+            as_claimed: !extended && self.steps.as_ref().is_none_or(|s| !s.in_record()),
             messages,
             durability: self.durability,
         };

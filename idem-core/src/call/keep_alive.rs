@@ -78,6 +78,7 @@ impl Exec<'_> {
                     break;
                 }
                 let sent = Instant::now();
+                lease.mark_extended();
                 renewing = Some((sent, self.store.extend(&self.key, &self.token, self.lease)));
             }
             if !lease.is_lost() {

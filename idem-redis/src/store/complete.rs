@@ -13,7 +13,9 @@
 //! Missing / OtherOwner / AlreadyCompleted (or a re-sent complete) apart.
 //! A record changed since its claim does not match: a takeover's (its
 //! attempt number), an extended lease's (its lease end), one with steps,
-//! and a marked one.
+//! and a marked one. The runtime knows the middle two (it sent the
+//! renewal, it saved the steps) and completes those through the script
+//! at once.
 //!
 //! No `SPUBLISH` goes with it: a caller that waits on the key marks the
 //! pending record first (its `claim`, lua/README.md "The waiter mark"), so
