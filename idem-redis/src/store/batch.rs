@@ -14,10 +14,10 @@
 //! redirects and loads scripts.
 
 use super::complete::is_ok;
-use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record};
+use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record, pending_record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
-    protocol,
+    protocol, unreached,
 };
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
@@ -25,8 +25,8 @@ use futures_util::future::join_all;
 use idem_core::Error;
 use idem_core::Fingerprint;
 use idem_core::store::Token;
-use idem_core::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply, millis, record_ttl};
-use idem_core::store::{Store, in_waves, store_lease};
+use idem_core::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply};
+use idem_core::store::{Store, in_waves};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use smallvec::{SmallVec, smallvec};
@@ -40,19 +40,6 @@ type ItemReplies = Result<SmallVec<[Value; 2]>, RedisError>;
 
 /// The commands of one item of a pipeline.
 type ItemCmds = SmallVec<[Cmd; 2]>;
-
-/// The pending record a claim writes and the record's TTL in ms.
-pub(super) fn pending_record<'a>(claim: &Claim<'a>) -> (PendingRecord<'a>, u64) {
-    let ttl = millis(record_ttl(claim.ttl, claim.lease));
-    let record = PendingRecord {
-        fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
-        token: claim.token,
-        // The lease ends when the key's remaining TTL falls to this: a
-        // difference of durations, so no clock is read on either side.
-        lease_end: ttl - millis(store_lease(claim.lease)),
-    };
-    (record, ttl)
-}
 
 /// `SET key pending NX PX ttl GET`: a claim's common paths as one plain
 /// command (creates a fresh record, or hands back the one there).
@@ -349,11 +336,6 @@ impl RedisStore {
             Finish::Release { key, token } => self.release(key, token).await,
         }
     }
-}
-
-/// Whether a pipeline failed on the way rather than a command being refused.
-pub(super) fn unreached(e: &RedisError) -> bool {
-    e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
 }
 
 /// The command of one complete or release.

@@ -23,9 +23,8 @@
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
-use super::batch::{pending_record, unreached};
-use super::record::CompletedRecord;
-use super::reply::classify;
+use super::record::{CompletedRecord, pending_record};
+use super::reply::{classify, unreached};
 use super::{Conn, RedisStore};
 use idem_core::Error;
 use idem_core::store::{Claim, ValueKind, WriteReply};

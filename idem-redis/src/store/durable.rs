@@ -18,7 +18,7 @@
 
 use super::complete::is_ok;
 use super::outbox::slot_tag;
-use super::record::{Record, decode};
+use super::record::{Record, decode, pending_record};
 use super::reply::{
     answer_found, classify, classify_claim, is_noscript, is_oom, parse_write, protocol,
     server_error,
@@ -378,7 +378,7 @@ impl RedisStore {
         claim: Claim<'_>,
         durability: Durability,
     ) -> Result<ClaimReply, Error> {
-        let (record, ttl) = batch::pending_record(&claim);
+        let (record, ttl) = pending_record(&claim);
         let mut cmds = vec![batch::set_nx_get_cmd(claim.key, &record, ttl)];
         if claim.want_ttl_left {
             let mut pttl = redis::cmd("PTTL");

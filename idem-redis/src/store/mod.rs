@@ -366,7 +366,7 @@ impl RedisStore {
 
     /// A claim as [`Store::claim`] answers it, without durability.
     async fn claim_plain(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        let (record, ttl) = batch::pending_record(&claim);
+        let (record, ttl) = record::pending_record(&claim);
         match self.set_nx_get(&claim, &record, ttl).await {
             Ok((None, _)) => Ok(ClaimReply::Acquired { attempt: 1 }),
             Ok((Some(found), pttl)) => match record::decode(found, pttl)? {

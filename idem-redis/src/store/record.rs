@@ -6,7 +6,7 @@ use bytes::Bytes;
 use idem_core::Error;
 use idem_core::Fingerprint;
 use idem_core::store::Token;
-use idem_core::store::{Completed, StepRecord, ValueKind};
+use idem_core::store::{Claim, Completed, StepRecord, ValueKind, millis, record_ttl, store_lease};
 use redis::{RedisWrite, ToRedisArgs};
 use std::io::Write;
 use std::time::Duration;
@@ -60,6 +60,19 @@ impl Code {
     pub(crate) fn of(reply: i64) -> Option<Code> {
         Code::ALL.into_iter().find(|c| *c as i64 == reply)
     }
+}
+
+/// The pending record a claim writes and the record's TTL in ms.
+pub(crate) fn pending_record<'a>(claim: &Claim<'a>) -> (PendingRecord<'a>, u64) {
+    let ttl = millis(record_ttl(claim.ttl, claim.lease));
+    let record = PendingRecord {
+        fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
+        token: claim.token,
+        // The lease ends when the key's remaining TTL falls to this: a
+        // difference of durations, so no clock is read on either side.
+        lease_end: ttl - millis(store_lease(claim.lease)),
+    };
+    (record, ttl)
 }
 
 /// A pending record, built here so that a claim is a single plain

@@ -168,3 +168,8 @@ pub(super) fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Erro
         _ => Err(protocol(op, &v)),
     }
 }
+
+/// Whether a pipeline failed on the way rather than a command being refused.
+pub(crate) fn unreached(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
+}
