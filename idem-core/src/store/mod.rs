@@ -381,7 +381,10 @@ pub struct StepRecord {
 /// A store implements the four required methods, `claim`, `complete`,
 /// `release` and `extend`; every other method has a default (answering
 /// [`Error::Unsupported`], no steps, no notifications) that a store
-/// overrides to offer more. It counts leases and TTLs as every store does
+/// overrides to offer more. The runtime stores a result through
+/// [`complete_claim`](Store::complete_claim), whose default is `complete`:
+/// a store that wraps another forwards it too, or the inner store never
+/// hears which claim it completes. It counts leases and TTLs as every store does
 /// ([`store_lease`], [`record_ttl`]), and is written with
 /// `#[idem_core::async_trait]` (`#[idem::async_trait]` through the facade):
 /// no dependency of its own. This one keeps its records in a map under one
