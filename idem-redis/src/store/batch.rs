@@ -36,7 +36,10 @@ use std::collections::HashMap;
 /// the error of its first command (or of the whole pipeline). Inline: an
 /// item has one command (two with `PTTL`), and a batch has an item per
 /// message.
-type ItemReplies = Result<SmallVec<[Value; 2]>, RedisError>;
+type ItemReplies = Result<ItemValues, RedisError>;
+
+/// The replies of one item of a pipeline.
+type ItemValues = SmallVec<[Value; 2]>;
 
 /// The commands of one item of a pipeline.
 type ItemCmds = SmallVec<[Cmd; 2]>;
@@ -330,7 +333,7 @@ impl RedisStore {
     async fn finish_alone(&self, op: &Finish<'_>) -> Result<WriteReply, Error> {
         match *op {
             Finish::Complete { claim, kind, value } => {
-                self.complete_script(claim.key, claim.token, claim.fingerprint, kind, value)
+                self.complete(claim.key, claim.token, claim.fingerprint, kind, value)
                     .await
             }
             Finish::Release { key, token } => self.release(key, token).await,
@@ -393,7 +396,7 @@ async fn send_group(
     counts
         .into_iter()
         .map(|n| {
-            let item: SmallVec<[Value; 2]> = replies.by_ref().take(n).collect();
+            let item: ItemValues = replies.by_ref().take(n).collect();
             match item.first() {
                 None => Err(short_reply()),
                 Some(Value::ServerError(e)) => Err(e.clone().into()),

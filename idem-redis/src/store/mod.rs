@@ -349,21 +349,6 @@ impl RedisStore {
         cmd
     }
 
-    /// `complete` through the script: what the single complete without
-    /// its claim, and a plain `SET … IFEQ` that did not match, send.
-    pub(super) async fn complete_script(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
-        let lua = &SCRIPTS.complete;
-        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
-    }
-
     /// A claim as [`Store::claim`] answers it, without durability.
     async fn claim_plain(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let (record, ttl) = record::pending_record(&claim);
@@ -527,7 +512,7 @@ impl Store for RedisStore {
                 return done;
             }
             return self
-                .complete_script(claim.key, claim.token, claim.fingerprint, kind, value)
+                .complete(claim.key, claim.token, claim.fingerprint, kind, value)
                 .await;
         }
         let plain = self.server.complete_plain_cmd(claim, kind, value);
@@ -551,8 +536,10 @@ impl Store for RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        self.complete_script(key, token, fingerprint, kind, value)
-            .await
+        // Without its claim, the record's bytes are unknown: the script.
+        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
+        let lua = &SCRIPTS.complete;
+        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
     }
 
     fn has_outbox(&self) -> bool {
