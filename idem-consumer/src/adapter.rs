@@ -306,44 +306,8 @@ pub trait Adapter: Send + Sync {
         C: Classify<E>,
     {
         async move {
-            let mut decided: Vec<Option<Decision>> = Vec::with_capacity(fetched.len());
-            let mut msgs = Vec::with_capacity(fetched.len());
-            for delivery in &fetched {
-                match self.message_of(delivery) {
-                    Ok(m) => {
-                        msgs.push(m);
-                        decided.push(None);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "delivery is not a readable message; dead-lettering it");
-                        let reason = DeadLetterReason::BadMessage(e.to_string());
-                        decided.push(Some(Decision::DeadLetter { reason }));
-                    }
-                }
-            }
-            let batch = consumer.handle_batch(&msgs, handler);
-            let handled = match self.keep_alive_period() {
-                Some(p) if !msgs.is_empty() => {
-                    let period = p.min(consumer.keep_alive_period());
-                    with_heartbeat(batch, period, || self.keep_alive(&fetched)).await
-                }
-                _ => batch.await,
-            };
-            let mut handled = handled.into_iter();
-            fetched
-                .into_iter()
-                .zip(decided)
-                .map(|(delivery, d)| {
-                    let d = d.or_else(|| handled.next().map(|h| h.decision));
-                    // One Handled per readable message: never short.
-                    (
-                        delivery,
-                        d.unwrap_or(Decision::Nack {
-                            delay: Duration::ZERO,
-                        }),
-                    )
-                })
-                .collect()
+            let none: Option<&NoRiders<Self::Delivery>> = None;
+            handle_deliveries(self, consumer, handler, fetched, none).await
         }
     }
 
@@ -505,4 +469,84 @@ where
         ),
     }
     Ok(())
+}
+
+/// No riders: what [`Adapter::handle`] passes.
+type NoRiders<D> = fn(&[usize], &[D]) -> Option<idem_core::store::Rider>;
+
+/// [`Adapter::handle`], with `riders` making the commands a round trip
+/// of results may carry ([`Batch::riding`](idem_core::Batch::riding)),
+/// from the indices in `fetched` of the deliveries whose results it
+/// stores (every one decided [`Decision::Ack`]) and `fetched` itself.
+pub(crate) async fn handle_deliveries<A, C, T, E, H, Fut, R>(
+    adapter: &A,
+    consumer: &Consumer<C>,
+    handler: &H,
+    fetched: Vec<A::Delivery>,
+    riders: Option<&R>,
+) -> Vec<(A::Delivery, Decision)>
+where
+    A: Adapter + ?Sized,
+    R: Fn(&[usize], &[A::Delivery]) -> Option<idem_core::store::Rider> + Send + Sync,
+    H: Fn(Message) -> Fut + Sync,
+    Fut: Future<Output = Result<T, E>> + Send,
+    T: Serialize + DeserializeOwned + Send + Sync,
+    E: fmt::Display + Send,
+    C: Classify<E>,
+{
+    let mut decided: Vec<Option<Decision>> = Vec::with_capacity(fetched.len());
+    let mut msgs = Vec::with_capacity(fetched.len());
+    let mut msg_at = Vec::with_capacity(fetched.len());
+    for delivery in &fetched {
+        match adapter.message_of(delivery) {
+            Ok(m) => {
+                msg_at.push(decided.len());
+                msgs.push(m);
+                decided.push(None);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "delivery is not a readable message; dead-lettering it");
+                let reason = DeadLetterReason::BadMessage(e.to_string());
+                decided.push(Some(Decision::DeadLetter { reason }));
+            }
+        }
+    }
+    // Riders see the indices of fetched deliveries, not of messages.
+    let make = riders.map(|make| {
+        let (msg_at, fetched) = (&msg_at, &fetched);
+        move |done: &[usize]| {
+            let done: Vec<usize> = done
+                .iter()
+                .filter_map(|&m| msg_at.get(m).copied())
+                .collect();
+            make(&done, fetched)
+        }
+    });
+    let batch = consumer.handle_batch_riding(
+        &msgs,
+        handler,
+        make.as_ref().map(|m| m as &crate::batch::MakeRider<'_>),
+    );
+    let handled = match adapter.keep_alive_period() {
+        Some(p) if !msgs.is_empty() => {
+            let period = p.min(consumer.keep_alive_period());
+            with_heartbeat(batch, period, || adapter.keep_alive(&fetched)).await
+        }
+        _ => batch.await,
+    };
+    let mut handled = handled.into_iter();
+    fetched
+        .into_iter()
+        .zip(decided)
+        .map(|(delivery, d)| {
+            let d = d.or_else(|| handled.next().map(|h| h.decision));
+            // One Handled per readable message: never short.
+            (
+                delivery,
+                d.unwrap_or(Decision::Nack {
+                    delay: Duration::ZERO,
+                }),
+            )
+        })
+        .collect()
 }

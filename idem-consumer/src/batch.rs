@@ -5,6 +5,7 @@ use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handl
 use crate::decision::{Classify, Decision};
 use crate::message::Message;
 use futures_util::future::{Either, join_all};
+use idem_core::store::Rider;
 use idem_core::{Batch, Call};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -14,6 +15,10 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 use tracing::Instrument;
+
+/// Makes the commands a round trip of results may carry, from the
+/// indices of the messages whose results it stores.
+pub(crate) type MakeRider<'a> = dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a;
 
 /// A message of the batch that goes to idem.
 struct Run {
@@ -58,6 +63,27 @@ impl<C> Consumer<C> {
     /// # });
     /// ```
     pub async fn handle_batch<T, E, H, Fut>(&self, msgs: &[Message], handler: &H) -> Vec<Handled<T>>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        self.handle_batch_riding(msgs, handler, None).await
+    }
+
+    /// [`handle_batch`](Consumer::handle_batch), with `riders` making the
+    /// commands each round trip of results may carry: it gets the indices
+    /// (in `msgs`) of the messages whose results the round trip stores,
+    /// every one of them decided [`Decision::Ack`] (a handler that
+    /// returned `Ok` is acked whatever became of its stored result).
+    pub(crate) async fn handle_batch_riding<T, E, H, Fut>(
+        &self,
+        msgs: &[Message],
+        handler: &H,
+        riders: Option<&MakeRider<'_>>,
+    ) -> Vec<Handled<T>>
     where
         H: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
@@ -118,10 +144,21 @@ impl<C> Consumer<C> {
         }
         // One claims round trip, the handlers that won, one round trip of
         // completes and releases.
-        let results = calls
+        let mut batch = calls
             .into_iter()
             .collect::<Batch>()
-            .concurrency(self.batch_concurrency())
+            .concurrency(self.batch_concurrency());
+        if let Some(make) = riders {
+            let runs = &runs;
+            batch = batch.riding(move |done| {
+                let done: Vec<usize> = done
+                    .iter()
+                    .filter_map(|&j| Some(runs.get(j)?.index))
+                    .collect();
+                make(&done)
+            });
+        }
+        let results = batch
             .run_outcome(|j| {
                 let run = &runs[j];
                 let handling = run_handler(handler, &msgs[run.index], run.over_valve);

@@ -17,8 +17,8 @@ use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::hook::CallOutcome;
 use crate::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
-    ValueKind, WriteReply,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
+    Store, ValueKind, WriteReply,
 };
 use crate::token::Token;
 use async_trait::async_trait;
@@ -326,6 +326,17 @@ impl Store for Metered {
     async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
         let since = Instant::now();
         let replies = self.store.finish_batch(ops).await;
+        self.record("finish_batch", since);
+        replies
+    }
+
+    async fn finish_batch_riding(
+        &self,
+        ops: &[Finish<'_>],
+        rider: Rider,
+    ) -> Vec<Result<WriteReply, Error>> {
+        let since = Instant::now();
+        let replies = self.store.finish_batch_riding(ops, rider).await;
         self.record("finish_batch", since);
         replies
     }

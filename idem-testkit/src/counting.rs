@@ -3,8 +3,8 @@
 
 use async_trait::async_trait;
 use idem_core::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
-    Token, ValueKind, WriteReply,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
+    Store, Token, ValueKind, WriteReply,
 };
 use idem_core::{Durability, Error, Fingerprint};
 use std::sync::Arc;
@@ -167,6 +167,15 @@ impl<S: Store> Store for CountingStore<S> {
     async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
         StoreCounts::add(&self.counts.finish_batches);
         self.inner.finish_batch(ops).await
+    }
+
+    async fn finish_batch_riding(
+        &self,
+        ops: &[Finish<'_>],
+        rider: Rider,
+    ) -> Vec<Result<WriteReply, Error>> {
+        StoreCounts::add(&self.counts.finish_batches);
+        self.inner.finish_batch_riding(ops, rider).await
     }
 
     async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {

@@ -546,3 +546,135 @@ async fn a_nacked_entry_comes_back_in_the_next_fetch_not_before_its_delay() {
     assert!(gap >= delay, "back after {gap:?}, before its delay");
     assert!(place.drained().await);
 }
+
+// ------------------------------------------- acks riding with the results
+
+/// Issue 37 item 5: with idem's store on the stream's own Redis, the acks
+/// of the entries whose handlers succeeded go in the round trip that
+/// stores their results. `handle` alone (no `settle`) has acked them: a
+/// consumer killed between the two leaves nothing to redeliver. The
+/// entries whose handlers failed stay pending for `settle`, which sends
+/// only those (nack, dead letter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_ride_with_the_results_when_the_store_is_the_streams_redis() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "riding").await;
+    for i in 0..12 {
+        place
+            .publish(Some(&format!("r-{i}")), format!("{{\"n\":{i}}}").as_bytes())
+            .await;
+    }
+    let consumer = Consumer::new(idem_on(&url, Duration::from_secs(5)).await, "riding").classify(
+        |e: &String| {
+            if e == "declined" {
+                ErrorClass::Permanent
+            } else {
+                ErrorClass::Retryable
+            }
+        },
+    );
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let ledger = Ledger::new();
+    // r-3 is declined (dead letter), r-7 fails for now (nack); the rest succeed.
+    let handler = async |m: Message| -> Result<(), String> {
+        let id = m.id().unwrap_or("?").to_owned();
+        ledger.record(&id);
+        match id.as_str() {
+            "r-3" => Err("declined".into()),
+            "r-7" => Err("try later".into()),
+            _ => Ok(()),
+        }
+    };
+    let fetched = adapter.fetch().await.unwrap();
+    assert_eq!(fetched.len(), 12);
+    let ids: HashMap<String, String> = fetched
+        .iter()
+        .map(|e| {
+            (
+                e.id.clone(),
+                e.message.as_ref().unwrap().id().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let decided = adapter.handle(&consumer, &handler, fetched).await;
+    let pending: Vec<String> = place
+        .pending()
+        .await
+        .iter()
+        .map(|e| ids[e].clone())
+        .collect();
+    let mut pending_sorted = pending.clone();
+    pending_sorted.sort();
+    assert_eq!(
+        pending_sorted,
+        ["r-3", "r-7"],
+        "the ten successes were acked with their results"
+    );
+
+    let report = adapter.settle(decided).await.unwrap();
+    assert_eq!(
+        (report.acked, report.nacked, report.dead_lettered),
+        (10, 1, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        place.pending().await.len(),
+        1,
+        "the nacked entry waits for its redelivery"
+    );
+    assert_eq!(place.dead_entries().await.len(), 1);
+    for i in 0..12 {
+        assert_eq!(ledger.count(&format!("r-{i}")), 1, "r-{i}");
+    }
+    // The results were stored before their acks: a copy published now replays.
+    place.publish(Some("r-0"), br#"{"n":0}"#).await;
+    let again = adapter.fetch().await.unwrap();
+    let again: Vec<_> = again
+        .into_iter()
+        .filter(|e| e.message.as_ref().unwrap().id() == Some("r-0"))
+        .collect();
+    assert_eq!(again.len(), 1);
+    let decided = adapter.handle(&consumer, &handler, again).await;
+    assert!(decided[0].1.is_ack());
+    assert_eq!(ledger.count("r-0"), 1, "replayed, not run again");
+}
+
+/// With idem's store on another Redis, the ridden `XACK` acks nothing
+/// there: riding stops, and `settle` acks every entry itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_ride_only_where_they_ack_and_otherwise_settle_acks_them() {
+    let (streams, store) = (RedisServer::start(), RedisServer::start());
+    let place = Stream::on(&streams.url(), "apart").await;
+    for i in 0..6 {
+        place.publish(Some(&format!("a-{i}")), b"{}").await;
+    }
+    let consumer = Consumer::new(idem_on(&store.url(), Duration::from_secs(5)).await, "apart");
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let ok = async |_: Message| -> Result<(), String> { Ok(()) };
+    for _ in 0..2 {
+        let fetched = adapter.fetch().await.unwrap();
+        let n = fetched.len();
+        let decided = adapter.handle(&consumer, &ok, fetched).await;
+        assert_eq!(
+            place.pending().await.len(),
+            n,
+            "nothing acked on the stream's Redis yet"
+        );
+        adapter.settle(decided).await.unwrap();
+        assert!(place.pending().await.is_empty());
+        for i in 6..9 {
+            place.publish(Some(&format!("a-{i}")), b"{}").await;
+        }
+    }
+}
+
+/// The crash loop (12 SIGKILLs 0.3–0.8 s apart) with idem's store on the
+/// stream's own Redis, so that acks ride with results: every order runs,
+/// none is lost or dead-lettered, each kill costs at most one extra run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_loop_with_acks_riding_on_the_results_loses_none() {
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "orders").await;
+    support::crash_loop_with_the_store_at(place, Duration::from_millis(200), &server.url()).await;
+}

@@ -4,7 +4,7 @@ use super::Call;
 use super::gather::{ClaimOp, FinishOp, Gather, Tickets};
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::Store;
+use crate::store::{Rider, Store};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -46,13 +46,18 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub struct Batch<'a> {
     calls: Vec<Call<'a>>,
     concurrency: Option<usize>,
+    riders: Option<MakeRider<'a>>,
 }
+
+/// Makes the rider of one round trip of results: see [`Batch::riding`].
+pub(super) type MakeRider<'a> = Box<dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a>;
 
 impl<'a> FromIterator<Call<'a>> for Batch<'a> {
     fn from_iter<I: IntoIterator<Item = Call<'a>>>(iter: I) -> Self {
         Batch {
             calls: iter.into_iter().collect(),
             concurrency: None,
+            riders: None,
         }
     }
 }
@@ -101,6 +106,38 @@ impl<'a> Batch<'a> {
         self
     }
 
+    /// Lets each round trip that stores results carry a [`Rider`]: `make`
+    /// gets the indices of the calls whose results it stores (bodies that
+    /// returned `Ok`, in the order the store gets them) and returns the
+    /// commands to send after those writes, if any. A store that cannot
+    /// carry them drops them (see [`Rider`]). idem-consumer's Redis
+    /// Streams adapter acks its entries this way.
+    ///
+    /// ```
+    /// use idem_core::{Batch, Idempotency, MemoryStore};
+    /// use idem_core::store::Rider;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let batch: Batch = (0..3).map(|k| idem.call("s", k)).collect();
+    /// let asked = std::sync::Mutex::new(Vec::new());
+    /// let values = batch
+    ///     .riding(|done| {
+    ///         asked.lock().unwrap().extend_from_slice(done);
+    ///         Some(Rider::new((), |_| {}))
+    ///     })
+    ///     .run(|i| async move { if i == 1 { Err(idem_core::Error::corrupt("no")) } else { Ok(i) } })
+    ///     .await;
+    /// assert_eq!(values.len(), 3);
+    /// let mut asked = asked.into_inner().unwrap();
+    /// asked.sort();
+    /// assert_eq!(asked, [0, 2]);
+    /// # });
+    /// ```
+    pub fn riding(mut self, make: impl Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a) -> Self {
+        self.riders = Some(Box::new(make));
+        self
+    }
+
     /// Runs the calls, `body(i)` being the body of the `i`-th, and returns
     /// what each call's [`Call::run_outcome`] would: one result per call, in
     /// order.
@@ -111,7 +148,7 @@ impl<'a> Batch<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        super::drive::drive(self.calls, self.concurrency, body).await
+        super::drive::drive(self.calls, self.concurrency, self.riders, body).await
     }
 
     /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.

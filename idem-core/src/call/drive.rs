@@ -21,9 +21,10 @@
 //! [`BatchOp::orphaned`]: super::gather::BatchOp::orphaned
 
 use super::Call;
+use super::batch::MakeRider;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
-use super::gather::{ClaimOp, FinishOp, send_wave};
+use super::gather::{ClaimOp, FinishOp, send_finish_wave, send_wave};
 use super::guard::{detach, free, log_release, release};
 use super::is_unavailable;
 use crate::cache::Generation;
@@ -68,6 +69,7 @@ const RELEASE_WHY: &str = "the body returned an error";
 pub(super) async fn drive<'a, F, Fut, T, E>(
     calls: Vec<Call<'a>>,
     concurrency: Option<usize>,
+    riders: Option<MakeRider<'a>>,
     body: F,
 ) -> Vec<Result<(T, Outcome), E>>
 where
@@ -345,7 +347,16 @@ where
             if !finishing.is_empty() {
                 let ops = std::mem::take(&mut finishing);
                 let of = std::mem::take(&mut finishing_of);
-                let wave = send_wave(Arc::clone(&store), ops);
+                let rider = riders.as_ref().and_then(|make| {
+                    let done: Vec<usize> = ops
+                        .iter()
+                        .zip(&of)
+                        .filter(|(op, _)| matches!(op, FinishOp::Complete { .. }))
+                        .map(|(_, &k)| slots[k].index)
+                        .collect();
+                    if done.is_empty() { None } else { make(&done) }
+                });
+                let wave = send_finish_wave(Arc::clone(&store), ops, rider);
                 waves.push(async move { (of, wave.await) });
             }
             let mut more = false;

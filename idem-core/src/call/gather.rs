@@ -27,7 +27,7 @@ use super::guard::{detach, free, log_release};
 use super::is_unavailable;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::store::{Claim, ClaimReply, Finish, Store, ValueKind, WriteReply};
+use crate::store::{Claim, ClaimReply, Finish, Rider, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use bytes::Bytes;
 use std::future::Future;
@@ -128,37 +128,7 @@ impl BatchOp for FinishOp {
     type Reply = Result<WriteReply, Error>;
 
     fn send(store: Arc<dyn Store>, ops: Vec<Self>) -> Sent<Self> {
-        Box::pin(async move {
-            let finishes: Vec<Finish<'_>> = ops
-                .iter()
-                .map(|op| match op {
-                    FinishOp::Complete {
-                        key,
-                        token,
-                        fingerprint,
-                        kind,
-                        value,
-                        lease,
-                        ttl,
-                    } => Finish::Complete {
-                        claim: Claim {
-                            key,
-                            token,
-                            lease: *lease,
-                            ttl: *ttl,
-                            fingerprint: fingerprint.as_ref(),
-                            want_ttl_left: false,
-                        },
-                        kind: *kind,
-                        value,
-                    },
-                    FinishOp::Release { key, token } => Finish::Release { key, token },
-                })
-                .collect();
-            let replies = store.finish_batch(&finishes).await;
-            drop(finishes);
-            ops.into_iter().zip(replies).collect()
-        })
+        FinishOp::send_riding(store, ops, None)
     }
 
     /// The body has run, so its result must not be left unstored because
@@ -295,14 +265,75 @@ impl<Op: BatchOp> Gather<Op> {
     }
 }
 
+impl FinishOp {
+    /// [`send`](BatchOp::send), with `rider` carried after the writes
+    /// if the store can ([`Store::finish_batch_riding`]).
+    pub(super) fn send_riding(
+        store: Arc<dyn Store>,
+        ops: Vec<Self>,
+        rider: Option<Rider>,
+    ) -> Sent<Self> {
+        Box::pin(async move {
+            let finishes: Vec<Finish<'_>> = ops
+                .iter()
+                .map(|op| match op {
+                    FinishOp::Complete {
+                        key,
+                        token,
+                        fingerprint,
+                        kind,
+                        value,
+                        lease,
+                        ttl,
+                    } => Finish::Complete {
+                        claim: Claim {
+                            key,
+                            token,
+                            lease: *lease,
+                            ttl: *ttl,
+                            fingerprint: fingerprint.as_ref(),
+                            want_ttl_left: false,
+                        },
+                        kind: *kind,
+                        value,
+                    },
+                    FinishOp::Release { key, token } => Finish::Release { key, token },
+                })
+                .collect();
+            let replies = match rider {
+                Some(rider) => store.finish_batch_riding(&finishes, rider).await,
+                None => store.finish_batch(&finishes).await,
+            };
+            drop(finishes);
+            ops.into_iter().zip(replies).collect()
+        })
+    }
+}
+
 /// Sends `ops` as one batch in a task of its own (a batch's round trip,
 /// not a per-call queue): the returned future waits for them back with
 /// their replies, in order; `None` when the task could not answer (no
 /// runtime to run it). Dropped before, it leaves every reply to
 /// [`BatchOp::orphaned`].
 pub(super) fn send_wave<Op: BatchOp>(store: Arc<dyn Store>, ops: Vec<Op>) -> Wave<Op> {
-    let (to, reply) = oneshot::channel();
     let send = Op::send(Arc::clone(&store), ops);
+    wave_of(store, send)
+}
+
+/// [`send_wave`] of a batch's results, `rider` carried after them when
+/// the store can.
+pub(super) fn send_finish_wave(
+    store: Arc<dyn Store>,
+    ops: Vec<FinishOp>,
+    rider: Option<Rider>,
+) -> Wave<FinishOp> {
+    let send = FinishOp::send_riding(Arc::clone(&store), ops, rider);
+    wave_of(store, send)
+}
+
+/// `send` run in a task of its own, as [`send_wave`] says.
+fn wave_of<Op: BatchOp>(store: Arc<dyn Store>, send: Sent<Op>) -> Wave<Op> {
+    let (to, reply) = oneshot::channel();
     let orphans = Arc::clone(&store);
     detach("a batch with store writes in flight", async move {
         if let Err(replies) = to.send(send.await) {

@@ -31,10 +31,12 @@
 
 mod info;
 mod memory;
+mod rider;
 mod watch;
 
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
+pub use self::rider::{Rider, RiderReply};
 pub use self::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, OnLast, namespace_prefix};
 pub use crate::key::failure_key;
 pub use crate::token::Token;
@@ -793,6 +795,43 @@ pub trait Store: Send + Sync + 'static {
             replies.push(op.run_on(self).await);
         }
         replies
+    }
+
+    /// [`finish_batch`](Store::finish_batch), with `rider`'s commands sent
+    /// in the same round trip after every write of `ops`, if this store
+    /// can carry them ([`Rider`]): it then calls [`Rider::land`] with
+    /// their reply. The default carries nothing: it drops `rider`, whose
+    /// maker then sends its commands itself.
+    ///
+    /// A store that wraps another forwards this method, or its riders are
+    /// never carried (nothing is lost: they go in a round trip of their own).
+    ///
+    /// ```
+    /// use idem_core::store::{Claim, Finish, MemoryStore, Rider, Store, Token, ValueKind};
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use std::time::Duration;
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::new();
+    /// let token = Token::random();
+    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// store.claim(claim).await?;
+    /// let landed = Arc::new(AtomicBool::new(false));
+    /// let l = Arc::clone(&landed);
+    /// let rider = Rider::new((), move |_| l.store(true, Ordering::SeqCst));
+    /// let done = Finish::Complete { claim, kind: ValueKind::Json, value: b"7" };
+    /// store.finish_batch_riding(&[done], rider).await;
+    /// // MemoryStore has no round trip to share: the rider's maker sends its own.
+    /// assert!(!landed.load(Ordering::SeqCst));
+    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// ```
+    async fn finish_batch_riding(
+        &self,
+        ops: &[Finish<'_>],
+        rider: Rider,
+    ) -> Vec<Result<WriteReply, Error>> {
+        drop(rider);
+        self.finish_batch(ops).await
     }
 
     /// Records one finished step of a [`run_steps`](crate::Call::run_steps)

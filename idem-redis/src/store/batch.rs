@@ -25,12 +25,12 @@ use futures_util::future::join_all;
 use idem_core::Error;
 use idem_core::Fingerprint;
 use idem_core::store::Token;
-use idem_core::store::{Claim, ClaimReply, Finish, ValueKind, WriteReply};
+use idem_core::store::{Claim, ClaimReply, Finish, Rider, ValueKind, WriteReply};
 use idem_core::store::{Store, in_waves};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use smallvec::{SmallVec, smallvec};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// What one item of a pipeline got back: the replies of its commands, or
 /// the error of its first command (or of the whole pipeline). Inline: an
@@ -163,7 +163,7 @@ impl RedisStore {
     /// allows, and answers each item's replies in order.
     async fn pipelined(&self, items: Vec<(&str, ItemCmds)>) -> Vec<ItemReplies> {
         match &self.conn {
-            Conn::Single(c) => send_group(&mut c.clone(), items).await,
+            Conn::Single(c) => send_group(&mut c.clone(), items, None).await.0,
             Conn::Cluster(c) => {
                 // redis-rs routes a pipeline to its first key's slot and
                 // refuses one that spans slots: one pipeline per slot.
@@ -182,7 +182,7 @@ impl RedisStore {
                             .filter_map(|&i| items.get_mut(i).and_then(Option::take))
                             .collect();
                         let mut conn = c.clone();
-                        async move { (indices, send_group(&mut conn, group).await) }
+                        async move { (indices, send_group(&mut conn, group, None).await.0) }
                     })
                     .collect();
                 let mut out: Vec<Option<ItemReplies>> = (0..n).map(|_| None).collect();
@@ -276,54 +276,87 @@ impl RedisStore {
     /// complete or release; on Valkey 8.1+ and Redis 8.4+, a complete of a
     /// claim this process made fresh is a plain `SET … IFEQ` instead (and
     /// the script, alone, when that does not match).
-    pub(super) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+    pub(super) async fn finish_many(
+        &self,
+        ops: &[Finish<'_>],
+        rider: Option<Rider>,
+    ) -> Vec<Result<WriteReply, Error>> {
+        // Carried by one server, after every write: so only on a single
+        // Redis, and with a batch that is one wave (no key twice).
+        let mut rider = rider.filter(|r| {
+            matches!(self.conn, Conn::Single(_))
+                && r.commands::<Cmd>().is_some()
+                && distinct_keys(ops)
+        });
         in_waves(
             ops,
             Finish::key,
-            |batch| async move {
-                let mut plain = Vec::with_capacity(batch.len());
-                let items = batch
-                    .iter()
-                    .map(|op| {
-                        let cmd = match **op {
-                            Finish::Complete { claim, kind, value } => {
-                                self.server.complete_plain_cmd(&claim, kind, value)
-                            }
-                            Finish::Release { .. } => None,
-                        };
-                        plain.push(cmd.is_some());
-                        (op.key(), smallvec![cmd.unwrap_or_else(|| finish_cmd(op))])
-                    })
-                    .collect();
-                let replies = self.pipelined(items).await;
-                let mut out = Vec::with_capacity(batch.len());
-                for ((op, replies), plain) in batch.into_iter().zip(replies).zip(plain) {
-                    let op_name = finish_name(op);
-                    out.push(match replies {
-                        Ok(r) if plain && is_ok(r.first()) => Ok(WriteReply::Done),
-                        // Not the record this process wrote (or refused):
-                        // the script says what is there.
-                        Ok(_) if plain => self.finish_alone(op).await,
-                        // The connection failed: as the single complete.
-                        Err(e) if plain && unreached(&e) => Err(classify(op_name, e)),
-                        // Refused (out of memory, another type): the
-                        // script may still write, or says what is there.
-                        Err(_) if plain => self.finish_alone(op).await,
-                        replies => match only_reply(replies) {
-                            Ok(v) => parse_write(op_name, v),
-                            Err(e) if !is_noscript(&e) && !redirected(&e) => {
-                                Err(classify(op_name, e))
-                            }
-                            Err(_) => self.finish_alone(op).await,
-                        },
-                    });
+            |batch| {
+                let rider = rider.take();
+                async move {
+                    let mut plain = Vec::with_capacity(batch.len());
+                    let items = batch
+                        .iter()
+                        .map(|op| {
+                            let cmd = match **op {
+                                Finish::Complete { claim, kind, value } => {
+                                    self.server.complete_plain_cmd(&claim, kind, value)
+                                }
+                                Finish::Release { .. } => None,
+                            };
+                            plain.push(cmd.is_some());
+                            (op.key(), smallvec![cmd.unwrap_or_else(|| finish_cmd(op))])
+                        })
+                        .collect();
+                    let replies = match (rider, &self.conn) {
+                        (Some(rider), Conn::Single(c)) => {
+                            let extra = rider.commands::<Cmd>().cloned();
+                            let (replies, extra) = send_group(&mut c.clone(), items, extra).await;
+                            rider.land(match extra {
+                                Some(Ok(v)) => Ok(Box::new(v)),
+                                Some(Err(e)) => Err(classify("finish_batch", e)),
+                                None => Err(protocol("finish_batch", &Value::Nil)),
+                            });
+                            replies
+                        }
+                        _ => self.pipelined(items).await,
+                    };
+                    let mut out = Vec::with_capacity(batch.len());
+                    for ((op, replies), plain) in batch.into_iter().zip(replies).zip(plain) {
+                        let op_name = finish_name(op);
+                        out.push(match replies {
+                            Ok(r) if plain && is_ok(r.first()) => Ok(WriteReply::Done),
+                            // Not the record this process wrote (or refused):
+                            // the script says what is there.
+                            Ok(_) if plain => self.finish_alone(op).await,
+                            // The connection failed: as the single complete.
+                            Err(e) if plain && unreached(&e) => Err(classify(op_name, e)),
+                            // Refused (out of memory, another type): the
+                            // script may still write, or says what is there.
+                            Err(_) if plain => self.finish_alone(op).await,
+                            replies => match only_reply(replies) {
+                                Ok(v) => parse_write(op_name, v),
+                                Err(e) if !is_noscript(&e) && !redirected(&e) => {
+                                    Err(classify(op_name, e))
+                                }
+                                Err(_) => self.finish_alone(op).await,
+                            },
+                        });
+                    }
+                    out
                 }
-                out
             },
             || protocol("complete", &Value::Nil),
         )
         .await
     }
+}
+
+/// No key twice: the batch goes to the store as one wave.
+fn distinct_keys(ops: &[Finish<'_>]) -> bool {
+    let mut seen: HashSet<&str, foldhash::fast::RandomState> =
+        HashSet::with_capacity_and_hasher(ops.len(), Default::default());
+    ops.iter().all(|op| seen.insert(op.key()))
 }
 
 impl RedisStore {
@@ -374,12 +407,15 @@ fn short_reply() -> RedisError {
 
 /// Sends the items' commands as one pipeline on `conn` and splits the
 /// replies per item. A failed pipeline fails each of its items.
+///
+/// `extra`, a rider's command, goes last; its reply comes back apart.
 async fn send_group(
     conn: &mut impl redis::aio::ConnectionLike,
     items: Vec<(&str, ItemCmds)>,
-) -> Vec<ItemReplies> {
-    if items.is_empty() {
-        return Vec::new();
+    extra: Option<Cmd>,
+) -> (Vec<ItemReplies>, Option<Result<Value, RedisError>>) {
+    if items.is_empty() && extra.is_none() {
+        return (Vec::new(), None);
     }
     let mut pipe = redis::pipe();
     // Each command's error stays in its place, for its own item.
@@ -388,12 +424,19 @@ async fn send_group(
     for cmd in items.into_iter().flat_map(|(_, cmds)| cmds) {
         pipe.add_command(cmd);
     }
+    let with_extra = extra.is_some();
+    if let Some(cmd) = extra {
+        pipe.add_command(cmd);
+    }
     let replies: Vec<Value> = match pipe.query_async(conn).await {
         Ok(replies) => replies,
-        Err(e) => return counts.iter().map(|_| Err(e.clone())).collect(),
+        Err(e) => {
+            let extra = with_extra.then(|| Err(e.clone()));
+            return (counts.iter().map(|_| Err(e.clone())).collect(), extra);
+        }
     };
     let mut replies = replies.into_iter();
-    counts
+    let items = counts
         .into_iter()
         .map(|n| {
             let item: ItemValues = replies.by_ref().take(n).collect();
@@ -403,5 +446,11 @@ async fn send_group(
                 Some(_) => Ok(item),
             }
         })
-        .collect()
+        .collect();
+    let extra = with_extra.then(|| match replies.next() {
+        Some(Value::ServerError(e)) => Err(e.into()),
+        Some(v) => Ok(v),
+        None => Err(short_reply()),
+    });
+    (items, extra)
 }

@@ -28,8 +28,8 @@ use idem_core::Error;
 use idem_core::Fingerprint;
 use idem_core::store::Token;
 use idem_core::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, ScanPage, StepRecord, Store,
-    ValueKind, WriteReply, millis, store_lease,
+    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
+    Store, ValueKind, WriteReply, millis, store_lease,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -615,7 +615,18 @@ impl Store for RedisStore {
     }
 
     async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
-        self.finish_many(ops).await
+        self.finish_many(ops, None).await
+    }
+
+    /// Carries a rider whose commands are a `redis::Cmd`, on a single
+    /// Redis (not a cluster) and for a batch with no key twice: the
+    /// command goes last in the pipeline that stores the results.
+    async fn finish_batch_riding(
+        &self,
+        ops: &[Finish<'_>],
+        rider: Rider,
+    ) -> Vec<Result<WriteReply, Error>> {
+        self.finish_many(ops, Some(rider)).await
     }
 
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {

@@ -909,6 +909,16 @@ pub(crate) async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place
     redeliver_after: Duration,
 ) {
     let redis = RedisServer::start();
+    crash_loop_with_the_store_at(place, redeliver_after, &redis.url()).await;
+}
+
+/// The crash loop, idem's store on the Redis at `store_url` (for Redis
+/// Streams, possibly the stream's own: then acks ride with results).
+pub(crate) async fn crash_loop_with_the_store_at<P: Place>(
+    place: P,
+    redeliver_after: Duration,
+    store_url: &str,
+) {
     let dir = tempfile::tempdir().unwrap();
     let n = 24;
     for i in 0..n {
@@ -916,20 +926,14 @@ pub(crate) async fn a_crash_loop_dead_letters_nothing_and_loses_nothing<P: Place
     }
     let kills = 12;
     for k in 0..kills {
-        let mut child = spawn_worker(
-            &place,
-            "crash-loop",
-            &redis.url(),
-            dir.path(),
-            redeliver_after,
-        );
+        let mut child = spawn_worker(&place, "crash-loop", store_url, dir.path(), redeliver_after);
         // 0.3–0.8 s apart, a fixed spread rather than luck.
         tokio::time::sleep(Duration::from_millis(300 + (k * 173 % 500))).await;
         child.kill().unwrap();
         child.wait().unwrap();
     }
     let ledger = FileLedger::at(dir.path().join("ledger"));
-    let consumer = orders_consumer(&redis.url(), Duration::from_millis(1500)).await;
+    let consumer = orders_consumer(store_url, Duration::from_millis(1500)).await;
     let adapter = place.adapter("survivor", redeliver_after).await;
     let charge = async |m: Message| -> Result<(), String> {
         ledger.record(&order_of(&m));
