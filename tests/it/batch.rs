@@ -225,3 +225,89 @@ async fn a_moved_slot_is_followed_key_by_key() {
     }
     assert!(ctx.record_state(moved).is_some(), "{moved} was written");
 }
+
+/// Issue 37 item 5: a rider's command goes last in the pipeline that
+/// stores the results, so it sees them (a `GET` of a completed key reads
+/// the completed record); its reply reaches the rider. A batch with a key
+/// twice (two waves) and a cluster carry nothing, so the rider is dropped
+/// unheard and its maker sends its own round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rider_goes_after_the_results_on_one_server_only() {
+    use idem::store::{Rider, RiderReply};
+    use std::sync::{Arc, Mutex};
+    fn rider(cmd: redis::Cmd) -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
+        let heard = Arc::new(Mutex::new(None));
+        let h = Arc::clone(&heard);
+        (
+            Rider::new(cmd, move |reply| *h.lock().unwrap() = Some(reply)),
+            heard,
+        )
+    }
+    let ctx = TestContext::redis().await;
+    let store = ctx.store();
+    let keys: Vec<String> = ["batch:ride:a", "batch:ride:b"].map(String::from).to_vec();
+    let tokens = [Token::random(), Token::random()];
+    claim_all(store, &keys, &tokens).await;
+    let mut get = redis::cmd("GET");
+    get.arg(&keys[0]);
+    let (ride, heard) = rider(get);
+    let ops = [
+        complete(&keys[0], &tokens[0], b"\"ridden\""),
+        complete(&keys[1], &tokens[1], b"2"),
+    ];
+    let replies = store.finish_batch_riding(&ops, ride).await;
+    assert!(
+        replies.iter().all(|r| matches!(r, Ok(WriteReply::Done))),
+        "{replies:?}"
+    );
+    let reply = heard
+        .lock()
+        .unwrap()
+        .take()
+        .expect("carried: its reply came back");
+    let value = *reply.unwrap().downcast::<redis::Value>().unwrap();
+    let record: Vec<u8> = redis::from_redis_value(value).unwrap();
+    assert!(
+        record.ends_with(b"\"ridden\""),
+        "the GET ran after the complete: {}",
+        String::from_utf8_lossy(&record)
+    );
+
+    // A key twice: two waves, nothing carried.
+    let twice = Token::random();
+    claim_all(
+        store,
+        &["batch:ride:c".to_owned()],
+        std::slice::from_ref(&twice),
+    )
+    .await;
+    let (ride, heard) = rider(redis::cmd("PING"));
+    let ops = [
+        complete("batch:ride:c", &twice, b"3"),
+        Finish::Release {
+            key: "batch:ride:c",
+            token: &twice,
+        },
+    ];
+    store.finish_batch_riding(&ops, ride).await;
+    assert!(
+        heard.lock().unwrap().is_none(),
+        "a batch of two waves carries nothing"
+    );
+
+    let ctx = TestContext::redis_cluster().await;
+    let store = ctx.store();
+    let token = Token::random();
+    claim_all(
+        store,
+        &["batch:ride:d".to_owned()],
+        std::slice::from_ref(&token),
+    )
+    .await;
+    let (ride, heard) = rider(redis::cmd("PING"));
+    let replies = store
+        .finish_batch_riding(&[complete("batch:ride:d", &token, b"4")], ride)
+        .await;
+    assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
+    assert!(heard.lock().unwrap().is_none(), "a cluster carries nothing");
+}

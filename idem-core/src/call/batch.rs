@@ -1,6 +1,7 @@
 //! Several calls run together, sharing their store round trips.
 
 use super::Call;
+use super::drive::MakeRider;
 use super::gather::{ClaimOp, FinishOp, Gather, Tickets};
 use crate::error::Error;
 use crate::outcome::Outcome;
@@ -48,9 +49,6 @@ pub struct Batch<'a> {
     concurrency: Option<usize>,
     riders: Option<MakeRider<'a>>,
 }
-
-/// Makes the rider of one round trip of results: see [`Batch::riding`].
-pub(super) type MakeRider<'a> = Box<dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a>;
 
 impl<'a> FromIterator<Call<'a>> for Batch<'a> {
     fn from_iter<I: IntoIterator<Item = Call<'a>>>(iter: I) -> Self {

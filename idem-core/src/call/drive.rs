@@ -21,7 +21,6 @@
 //! [`BatchOp::orphaned`]: super::gather::BatchOp::orphaned
 
 use super::Call;
-use super::batch::MakeRider;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
 use super::gather::{ClaimOp, FinishOp, send_finish_wave, send_wave};
@@ -33,7 +32,7 @@ use crate::hook::CallOutcome;
 use crate::lease::{Lease, Staged};
 use crate::outbox::message::OutboxMessage;
 use crate::outcome::Outcome;
-use crate::store::{ClaimReply, Store, WriteReply};
+use crate::store::{ClaimReply, Rider, Store, WriteReply};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
@@ -45,6 +44,10 @@ use std::task::{Context, Poll};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
+
+/// Makes the rider of one round trip of results: see
+/// [`Batch::riding`](super::Batch::riding).
+pub(super) type MakeRider<'a> = Box<dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a>;
 
 /// A prepared call of the batch.
 struct Slot<'a> {

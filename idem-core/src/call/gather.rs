@@ -266,6 +266,33 @@ impl<Op: BatchOp> Gather<Op> {
 }
 
 impl FinishOp {
+    /// The store's view of this op.
+    fn finish(&self) -> Finish<'_> {
+        match self {
+            FinishOp::Complete {
+                key,
+                token,
+                fingerprint,
+                kind,
+                value,
+                lease,
+                ttl,
+            } => Finish::Complete {
+                claim: Claim {
+                    key,
+                    token,
+                    lease: *lease,
+                    ttl: *ttl,
+                    fingerprint: fingerprint.as_ref(),
+                    want_ttl_left: false,
+                },
+                kind: *kind,
+                value,
+            },
+            FinishOp::Release { key, token } => Finish::Release { key, token },
+        }
+    }
+
     /// [`send`](BatchOp::send), with `rider` carried after the writes
     /// if the store can ([`Store::finish_batch_riding`]).
     pub(super) fn send_riding(
@@ -274,32 +301,7 @@ impl FinishOp {
         rider: Option<Rider>,
     ) -> Sent<Self> {
         Box::pin(async move {
-            let finishes: Vec<Finish<'_>> = ops
-                .iter()
-                .map(|op| match op {
-                    FinishOp::Complete {
-                        key,
-                        token,
-                        fingerprint,
-                        kind,
-                        value,
-                        lease,
-                        ttl,
-                    } => Finish::Complete {
-                        claim: Claim {
-                            key,
-                            token,
-                            lease: *lease,
-                            ttl: *ttl,
-                            fingerprint: fingerprint.as_ref(),
-                            want_ttl_left: false,
-                        },
-                        kind: *kind,
-                        value,
-                    },
-                    FinishOp::Release { key, token } => Finish::Release { key, token },
-                })
-                .collect();
+            let finishes: Vec<Finish<'_>> = ops.iter().map(FinishOp::finish).collect();
             let replies = match rider {
                 Some(rider) => store.finish_batch_riding(&finishes, rider).await,
                 None => store.finish_batch(&finishes).await,

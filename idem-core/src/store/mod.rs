@@ -386,7 +386,9 @@ pub struct StepRecord {
 /// overrides to offer more. The runtime stores a result through
 /// [`complete_claim`](Store::complete_claim), whose default is `complete`:
 /// a store that wraps another forwards it too, or the inner store never
-/// hears which claim it completes. It counts leases and TTLs as every store does
+/// hears which claim it completes (and forwards
+/// [`finish_batch_riding`](Store::finish_batch_riding), or the inner
+/// store never carries a [`Rider`]). It counts leases and TTLs as every store does
 /// ([`store_lease`], [`record_ttl`]), and is written with
 /// `#[idem_core::async_trait]` (`#[idem::async_trait]` through the facade):
 /// no dependency of its own. This one keeps its records in a map under one
