@@ -91,8 +91,10 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let keys: Vec<_> = msgs.iter().map(|msg| self.key_of(msg)).collect();
-        let fps: Vec<_> = msgs.iter().map(|msg| self.fingerprint_of(msg)).collect();
+        let (keys, fps): (Vec<_>, Vec<_>) = msgs
+            .iter()
+            .map(|msg| self.key_and_fingerprint_of(msg))
+            .unzip();
         // Borrowing the keys, hashed with a seeded fast hash: no copy of a
         // key and no SipHash per message.
         let mut first_of: HashMap<(&str, &[u8; 16]), usize, foldhash::fast::RandomState> =

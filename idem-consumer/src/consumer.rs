@@ -341,9 +341,12 @@ impl<C> Consumer<C> {
         self.keys.key(msg)
     }
 
-    /// The fingerprint stored with `msg`'s key.
-    pub(crate) fn fingerprint_of(&self, msg: &Message) -> idem_core::Fingerprint {
-        self.keys.fingerprint(msg)
+    /// `msg`'s key and fingerprint, the payload digested once.
+    pub(crate) fn key_and_fingerprint_of(
+        &self,
+        msg: &Message,
+    ) -> (Result<String, crate::ConsumerError>, idem_core::Fingerprint) {
+        self.keys.key_and_fingerprint(msg)
     }
 
     /// The nack delay after the `delivery`-th delivery failed.
@@ -379,8 +382,9 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let key = self.keys.key(msg);
-        self.handle_keyed(msg, key, None, None, handler).await
+        let (key, fingerprint) = self.keys.key_and_fingerprint(msg);
+        self.handle_keyed(msg, key, Some(fingerprint), None, handler)
+            .await
     }
 
     /// Like [`handle`](Consumer::handle), for a handler made of durable
@@ -414,7 +418,8 @@ impl<C> Consumer<C> {
     {
         let span = message_span(msg);
         let handled = async {
-            match self.call_of(msg, self.keys.key(msg), None) {
+            let (key, fingerprint) = self.keys.key_and_fingerprint(msg);
+            match self.call_of(msg, key, Some(fingerprint)) {
                 Err(refused) => refused,
                 Ok((key, call)) => {
                     let over_valve = self.over_valve(msg);

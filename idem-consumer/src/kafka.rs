@@ -185,6 +185,7 @@ impl Drop for Backlog<'_> {
 struct Waiting {
     taken: Taken,
     key: Result<String, ConsumerError>,
+    fingerprint: idem_core::Fingerprint,
     gates: Vec<String>,
 }
 
@@ -424,8 +425,14 @@ impl KafkaConsumer {
                 if w.taken.msg.delivery_count() > 1 {
                     report.redelivered += 1;
                 }
-                let Waiting { taken, key, gates } = w;
+                let Waiting {
+                    taken,
+                    key,
+                    fingerprint,
+                    gates,
+                } = w;
                 let held = Held::new(self, taken);
+                let key = (key, fingerprint);
                 running.push(self.process(consumer, handler, held, key, gates, &group));
             }
             let room = !closed && waiting.queue.len() < self.cfg.buffer;
@@ -514,7 +521,7 @@ impl KafkaConsumer {
 
     /// Keys and gates of a record just taken.
     fn gated<C>(&self, consumer: &Consumer<C>, taken: Taken) -> Waiting {
-        let key = consumer.key_of(&taken.msg);
+        let (key, fingerprint) = consumer.key_and_fingerprint_of(&taken.msg);
         let mut gates = Vec::with_capacity(2);
         if let Ok(k) = &key {
             gates.push(format!("k:{k}"));
@@ -524,7 +531,12 @@ impl KafkaConsumer {
                 gates.push(format!("r:{}:{}:{}", taken.topic, taken.partition, hex(rk)));
             }
         }
-        Waiting { taken, key, gates }
+        Waiting {
+            taken,
+            key,
+            fingerprint,
+            gates,
+        }
     }
 
     fn finish(&self, done: Done<'_>, waiting: &mut StartQueue<Waiting>, report: &mut KafkaReport) {
@@ -610,7 +622,7 @@ impl KafkaConsumer {
         consumer: &Consumer<C>,
         handler: &H,
         mut held: Held<'a>,
-        key: Result<String, ConsumerError>,
+        (key, fingerprint): (Result<String, ConsumerError>, idem_core::Fingerprint),
         gates: Vec<String>,
         group: &idem_core::CallGroup,
     ) -> Done<'a>
@@ -622,7 +634,6 @@ impl KafkaConsumer {
         C: Classify<E>,
     {
         let mut report = KafkaReport::default();
-        let fingerprint = consumer.fingerprint_of(&held.taken.msg);
         // The handler's last error, for the reason header when it is moved.
         let last_error: StdMutex<Option<String>> = StdMutex::new(None);
         let ran = AtomicBool::new(false);

@@ -221,6 +221,34 @@ impl KeySource {
         Ok(key)
     }
 
+    /// [`key`](KeySource::key) and [`fingerprint`](KeySource::fingerprint)
+    /// of one message, the payload's digest computed once when the key is
+    /// derived from it (it is then the fingerprint too): parsing, canonical
+    /// form and SHA-256 are most of a derived key's cost.
+    pub(crate) fn key_and_fingerprint(
+        &self,
+        msg: &Message,
+    ) -> (Result<String, ConsumerError>, Fingerprint) {
+        let deriver = match self {
+            KeySource::Payload(d) => Some(d),
+            KeySource::IdOrPayload(d) if msg.id.is_none() => Some(d),
+            _ => None,
+        };
+        match deriver {
+            Some(d) if msg.id_error.is_none() => match d.digest(&msg.payload) {
+                Ok(digest) => {
+                    let key = hex::encode(digest);
+                    let key = validate_key_part(KeyPart::Key, &key)
+                        .map(|()| key)
+                        .map_err(ConsumerError::InvalidId);
+                    (key, Fingerprint::from_sha256(digest))
+                }
+                Err(e) => (Err(e.into()), Fingerprint::of_bytes(&msg.payload)),
+            },
+            _ => (self.key(msg), self.fingerprint(msg)),
+        }
+    }
+
     /// The payload's fingerprint: SHA-256 of its canonical JSON (minus the
     /// excluded fields) when it is JSON, of its bytes otherwise. A reused id
     /// with another payload is then refused instead of replayed.
@@ -236,6 +264,45 @@ impl KeySource {
         match digest {
             Some(d) => Fingerprint::from_sha256(d),
             None => Fingerprint::of_bytes(&msg.payload),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The payload digested once gives what `key` and `fingerprint` give
+    /// apart, for every key source and payload kind.
+    #[test]
+    fn key_and_fingerprint_agree_with_key_then_fingerprint() {
+        let excluding = KeyDeriver::new().exclude("/sent_at").unwrap();
+        let sources = [
+            KeySource::MessageId,
+            KeySource::Payload(KeyDeriver::new()),
+            KeySource::Payload(excluding.clone()),
+            KeySource::IdOrPayload(KeyDeriver::new()),
+            KeySource::IdOrPayload(excluding),
+            KeySource::Custom(Arc::new(|m: &Message| Ok(format!("c-{}", m.payload().len())))),
+        ];
+        let msgs = [
+            Message::new(r#"{"order":"o-1","sent_at":3}"#),
+            Message::new(r#"{"order":"o-1","sent_at":3}"#).with_id("m-1"),
+            Message::new("not json"),
+            Message::new("not json").with_id("m-2"),
+            Message::new(r#"{"a":1}"#).with_unreadable_id("bad header"),
+        ];
+        for source in &sources {
+            for msg in &msgs {
+                let (key, fp) = source.key_and_fingerprint(msg);
+                let apart = source.key(msg);
+                assert_eq!(
+                    key.as_ref().map_err(ToString::to_string),
+                    apart.as_ref().map_err(ToString::to_string),
+                    "{source:?} {msg:?}"
+                );
+                assert_eq!(fp, source.fingerprint(msg), "{source:?} {msg:?}");
+            }
         }
     }
 }
