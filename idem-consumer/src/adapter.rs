@@ -228,6 +228,16 @@ pub trait Adapter: Send + Sync {
     /// with [`DeadLetterReason::BadMessage`] without running anything.
     fn message_of(&self, delivery: &Self::Delivery) -> Result<Message, ConsumerError>;
 
+    /// How many times the broker has delivered this delivery's message,
+    /// this time included: what [`message_of`](Adapter::message_of) puts
+    /// in [`Message::delivery_count`] (the default reads it from there; 1
+    /// for a delivery that is not a message). Override it when the count
+    /// is cheaper to read alone: [`settle`](Adapter::settle) reads it for
+    /// every delivery.
+    fn delivery_count(&self, delivery: &Self::Delivery) -> u32 {
+        self.message_of(delivery).map_or(1, |m| m.delivery_count())
+    }
+
     /// Tells the broker one decision: ack; nack so that it comes back after
     /// `delay` (or as soon as the broker can); dead-letter with the reason,
     /// falling back to a nack if the dead letter cannot be written, so
@@ -324,9 +334,7 @@ pub trait Adapter: Send + Sync {
             };
             for (delivery, decision) in &decided {
                 report.count(decision);
-                let again = self
-                    .message_of(delivery)
-                    .is_ok_and(|m| m.delivery_count() > 1);
+                let again = self.delivery_count(delivery) > 1;
                 report.redelivered += usize::from(again);
             }
             self.apply_batch(&decided).await?;

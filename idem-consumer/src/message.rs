@@ -237,7 +237,7 @@ impl KeySource {
         match deriver {
             Some(d) if msg.id_error.is_none() => match d.digest(&msg.payload) {
                 Ok(digest) => {
-                    let key = hex::encode(digest);
+                    let key = KeyDeriver::key_of_digest(&digest);
                     let key = validate_key_part(KeyPart::Key, &key)
                         .map(|()| key)
                         .map_err(ConsumerError::InvalidId);
@@ -283,7 +283,9 @@ mod tests {
             KeySource::Payload(excluding.clone()),
             KeySource::IdOrPayload(KeyDeriver::new()),
             KeySource::IdOrPayload(excluding),
-            KeySource::Custom(Arc::new(|m: &Message| Ok(format!("c-{}", m.payload().len())))),
+            KeySource::Custom(Arc::new(|m: &Message| {
+                Ok(format!("c-{}", m.payload().len()))
+            })),
         ];
         let msgs = [
             Message::new(r#"{"order":"o-1","sent_at":3}"#),

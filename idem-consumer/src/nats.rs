@@ -581,6 +581,11 @@ impl Adapter for NatsConsumer {
         Ok(msg)
     }
 
+    /// From the JetStream metadata alone (1 without it).
+    fn delivery_count(&self, m: &jetstream::Message) -> u32 {
+        sequence_of(m).map_or(1, |(_, deliveries)| deliveries)
+    }
+
     /// `ack`, `nak` with the delay, or publish to the dead-letter subject
     /// and `term`. A dead letter that cannot be published is nacked for an
     /// `ack_wait` instead (never lost) and its error returned.

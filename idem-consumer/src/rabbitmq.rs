@@ -379,6 +379,10 @@ impl Adapter for RabbitConsumer {
 
     /// Payload, `message_id` (or the configured header) as id, delivery
     /// count from `x-delivery-count` (quorum queues) or the redelivered flag.
+    fn delivery_count(&self, d: &Delivery) -> u32 {
+        delivery_count(d)
+    }
+
     fn message_of(&self, d: &Delivery) -> Result<Message, ConsumerError> {
         let headers = d.properties.headers().as_ref().map(FieldTable::inner);
         let mut msg = Message::new(d.data.clone())

