@@ -19,14 +19,14 @@ pub(super) trait Gated {
 #[derive(Debug)]
 pub(super) struct StartQueue<T> {
     waiting: VecDeque<T>,
-    busy: HashSet<String>,
+    busy: HashSet<String, foldhash::fast::RandomState>,
 }
 
 impl<T> Default for StartQueue<T> {
     fn default() -> Self {
         StartQueue {
             waiting: VecDeque::new(),
-            busy: HashSet::new(),
+            busy: HashSet::default(),
         }
     }
 }
@@ -48,32 +48,34 @@ impl<T: Gated> StartQueue<T> {
     /// revoked meanwhile) is dropped from the queue and holds nothing.
     pub(super) fn start(&mut self, room: usize, mut begin: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut start = Vec::new();
-        if room == 0 {
-            return start;
-        }
-        let mut blocked: HashSet<String> = HashSet::new();
-        let mut keep = VecDeque::with_capacity(self.waiting.len());
-        while let Some(item) = self.waiting.pop_front() {
-            if start.len() >= room {
-                keep.push_back(item);
-                keep.append(&mut self.waiting);
+        // In place: a record that starts (or is refused) is removed where it
+        // stands, which is at or near the front, as blocked records are
+        // few. Rebuilding the queue moved every waiting record on every
+        // turn of the run loop: quadratic in the backlog.
+        // Owned: a blocked record stays in the queue we remove from.
+        let mut blocked: HashSet<String, foldhash::fast::RandomState> = HashSet::default();
+        let mut at = 0;
+        while start.len() < room {
+            let Some(item) = self.waiting.get(at) else {
                 break;
-            }
+            };
             let free = item
                 .gates()
                 .iter()
-                .all(|g| !self.busy.contains(g) && !blocked.contains(g));
+                .all(|g| !self.busy.contains(g.as_str()) && !blocked.contains(g.as_str()));
             if !free {
                 blocked.extend(item.gates().iter().cloned());
-                keep.push_back(item);
+                at += 1;
                 continue;
             }
+            let Some(item) = self.waiting.remove(at) else {
+                break;
+            };
             if begin(&item) {
                 self.busy.extend(item.gates().iter().cloned());
                 start.push(item);
             }
         }
-        self.waiting = keep;
         start
     }
 
