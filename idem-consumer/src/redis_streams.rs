@@ -590,10 +590,13 @@ impl RedisStreamsConsumer {
             Arc::clone(&self.riding_off),
         );
         Some(Rider::new(xack, move |reply: RiderReply| {
-            let n = reply
-                .ok()
-                .and_then(|v| v.downcast::<Value>().ok())
-                .and_then(|v| redis::from_redis_value::<usize>(*v).ok());
+            let n = match reply.map(|v| v.downcast::<Value>().map(|v| *v)) {
+                // The store's user may not XACK (ACLs): every batch would
+                // pay a refused command.
+                Ok(Ok(Value::ServerError(e))) if e.code() == "NOPERM" => Some(0),
+                Ok(Ok(v)) => redis::from_redis_value::<usize>(v).ok(),
+                _ => None,
+            };
             match n {
                 // All pending, all acked, after their results.
                 Some(n) if n == sent => {
@@ -607,8 +610,9 @@ impl RedisStreamsConsumer {
                 Some(0) => {
                     off.store(true, Ordering::Relaxed);
                     tracing::info!(
-                        "the idem store's Redis acked none of this stream's entries (is it another \
-                         Redis?): acks no longer ride with results for this consumer"
+                        "the idem store's Redis acked none of this stream's entries (another \
+                         Redis, or a user without +xack): acks no longer ride with results for \
+                         this consumer"
                     );
                 }
                 // Some acked elsewhere meanwhile, or the round trip failed:

@@ -678,3 +678,71 @@ async fn a_crash_loop_with_acks_riding_on_the_results_loses_none() {
     let place = Stream::on(&server.url(), "orders").await;
     support::crash_loop_with_the_store_at(place, Duration::from_millis(200), &server.url()).await;
 }
+
+/// The store's Redis user of docs/operating.md may not `XACK`: the ridden
+/// ack is refused once (one ACL LOG entry), riding stops, and `settle`
+/// acks every entry on the consumer's own connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_user_without_xack_stops_riding_after_one_refusal() {
+    let server = RedisServer::start();
+    let rules = [
+        "ACL",
+        "SETUSER",
+        "idem",
+        "reset",
+        "on",
+        ">s3cret-pw",
+        "resetkeys",
+        "~consumer-test:*",
+        "resetchannels",
+        "&consumer-test:*",
+        "-@all",
+        "+evalsha",
+        "+script|load",
+        "+get",
+        "+set",
+        "+del",
+        "+pttl",
+        "+pexpire",
+        "+spublish",
+        "+ssubscribe",
+        "+sunsubscribe",
+        "+ping",
+    ];
+    assert_eq!(server.cli(&rules), "OK");
+    let store_url = server.url().replace("redis://", "redis://idem:s3cret-pw@");
+    let place = Stream::on(&server.url(), "acl").await;
+    let consumer = Consumer::new(idem_on(&store_url, Duration::from_secs(5)).await, "acl");
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let ledger = Ledger::new();
+    let ok = async |m: Message| -> Result<(), String> {
+        ledger.record(m.id().unwrap_or("?"));
+        Ok(())
+    };
+    for round in 0..3 {
+        for i in 0..4 {
+            place.publish(Some(&format!("a-{round}-{i}")), b"{}").await;
+        }
+        let fetched = adapter.fetch().await.unwrap();
+        assert_eq!(fetched.len(), 4);
+        let decided = adapter.handle(&consumer, &ok, fetched).await;
+        assert_eq!(place.pending().await.len(), 4, "round {round}: no ack rode");
+        adapter.settle(decided).await.unwrap();
+        assert!(
+            place.pending().await.is_empty(),
+            "round {round}: settle acked them"
+        );
+    }
+    assert_eq!(ledger.total(), 12);
+    // One ACL LOG entry for the XACK, counted once: not refused per batch.
+    let log = server.cli(&["ACL", "LOG"]);
+    assert_eq!(
+        log.matches("xack").count(),
+        2,
+        "object and client-info of one entry: {log}"
+    );
+    assert!(
+        log.starts_with("count\n1\n"),
+        "refused once, not per batch: {log}"
+    );
+}

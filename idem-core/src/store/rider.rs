@@ -4,8 +4,10 @@ use crate::error::Error;
 use std::any::Any;
 use std::fmt;
 
-/// What a store answered for a [`Rider`] it carried: the reply to its
-/// commands, in the store's own type (`redis::Value` for idem-redis).
+/// What a store answered for a [`Rider`] it carried: `Ok`, the server's
+/// reply to its commands in the store's own type, an error reply included
+/// (`redis::Value` for idem-redis); `Err`, the round trip failed (they may
+/// or may not have run).
 pub type RiderReply = Result<Box<dyn Any + Send>, Error>;
 
 /// Commands that a store may send in the round trip that stores a batch's

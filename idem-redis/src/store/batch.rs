@@ -447,10 +447,7 @@ async fn send_group(
             }
         })
         .collect();
-    let extra = with_extra.then(|| match replies.next() {
-        Some(Value::ServerError(e)) => Err(e.into()),
-        Some(v) => Ok(v),
-        None => Err(short_reply()),
-    });
+    // An error reply (`Value::ServerError`) is the rider's to read.
+    let extra = with_extra.then(|| replies.next().ok_or_else(short_reply));
     (items, extra)
 }
