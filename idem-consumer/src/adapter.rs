@@ -130,6 +130,7 @@ pub enum Recovery {
 /// | [`message_of`](Adapter::message_of) | payload, producer id, delivery count; `Err` dead-letters it unrun |
 /// | [`apply`](Adapter::apply) | ack, nack after the delay (or leave it to come back), dead-letter |
 /// | [`apply_batch`](Adapter::apply_batch) | optional: one round trip for a whole batch (default: every `apply` at once) |
+/// | [`delivery_count`](Adapter::delivery_count) | optional: the count alone, when cheaper than a whole `message_of` (default: from `message_of`) |
 /// | [`keep_alive`](Adapter::keep_alive) + [`keep_alive_period`](Adapter::keep_alive_period) | optional: "still working" while handlers run (progress acks, visibility timeouts) |
 /// | [`after_batch`](Adapter::after_batch) | optional: once per batch after every decision was applied (commit offsets) |
 /// | [`recover`](Adapter::recover) | optional: what to do after a failed poll |

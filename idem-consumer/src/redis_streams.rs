@@ -296,7 +296,7 @@ pub struct RedisStreamsConsumer {
     /// Shared by clones: they consume as the same consumer.
     scan: Arc<Mutex<Scan>>,
     /// Acks no longer ride with idem's results: the store is not this
-    /// Redis (its `XACK`s acked nothing).
+    /// Redis (its `XACK`s acked nothing), or its user may not `XACK`.
     riding_off: Arc<AtomicBool>,
 }
 
