@@ -22,20 +22,10 @@ if not kind or kind == PENDING or #token ~= 32 or #KEYS < 1 or #KEYS > 2
     .. 'stream as a second key, (id, topic, key, payload) per message')
 end
 
-local old, on, done, dn, _, waited = owned(key, token)
-if not old then
-  -- Completed already. Holding exactly this result, it is this same
-  -- complete sent again (a reply lost, the connection re-sent it): done.
-  -- A different result means another holder took over and stored its own.
-  if on == COMPLETED and string.sub(done, 2, 2) == kind
-      and string.sub(done, 4 + dn) == string.sub(rec, 4 + n) then
-    return DONE
-  end
-  return on
-end
--- Ours. The completed record keeps the claim's fingerprint.
-if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)) then
-  rec = '1' .. kind .. string.char(on) .. string.sub(old, 4, 3 + on) .. string.sub(rec, 4 + n)
+local reply, waited
+reply, rec, waited = completing(key, token, rec, kind, n)
+if reply then
+  return reply
 end
 if stream then
   if not redis.acl_check_cmd('XADD', stream, '*', 'id', '')

@@ -117,6 +117,29 @@ local function owned(key, token)
 end
 
 
+-- A complete of key by token with the completed record rec (of kind and
+-- fingerprint length n), up to its write (complete.lua, complete_batch.lua):
+-- the reply when nothing is to be written; else nil, the record to write
+-- and whether a waiter marked ours.
+local function completing(key, token, rec, kind, n)
+  local old, on, done, dn, _, waited = owned(key, token)
+  if not old then
+    -- Completed already. Holding exactly this result, it is this same
+    -- complete sent again (a reply lost, the connection re-sent it): done.
+    -- A different result means another holder took over and stored its own.
+    if on == COMPLETED and string.sub(done, 2, 2) == kind
+        and string.sub(done, 4 + dn) == string.sub(rec, 4 + n) then
+      return DONE
+    end
+    return on
+  end
+  -- Ours. The completed record keeps the claim's fingerprint.
+  if on ~= n or (n > 0 and string.sub(old, 4, 3 + on) ~= string.sub(rec, 4, 3 + n)) then
+    rec = '1' .. kind .. string.char(on) .. string.sub(old, 4, 3 + on) .. string.sub(rec, 4 + n)
+  end
+  return nil, rec, waited
+end
+
 -- Wakes the processes waiting on key (Call::wait): a sharded publish on the
 -- channel named as the key, so on a cluster it stays on the key's slot.
 -- complete calls it only for a record a waiter marked (WAITED); release,

@@ -311,3 +311,64 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
     assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
     assert!(heard.lock().unwrap().is_none(), "a cluster carries nothing");
 }
+
+/// On Redis 7 a wave's completes go as one `complete_batch` call. After
+/// `SCRIPT FLUSH` that call gets `NOSCRIPT`: each complete is stored alone
+/// (the single complete loads its script), and `complete_batch` is loaded
+/// again, so the next batch is one call again. Each item keeps its own
+/// answer: a key another owner holds is `OtherOwner`, the rest `Done`.
+#[tokio::test]
+async fn a_flushed_complete_batch_completes_alone_then_is_one_call_again() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.store();
+    let server = ctx.server();
+    let stats = |server: &idem_testkit::RedisServer| {
+        let info = server.cli(&["INFO", "commandstats"]);
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+            .and_then(|s| s.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let script_path = server
+        .cli(&["INFO", "server"])
+        .lines()
+        .any(|l| l.starts_with("redis_version:7.") || l.starts_with("redis_version:6."))
+        && !server.cli(&["INFO", "server"]).contains("valkey_version");
+    for round in 0..2 {
+        let keys: Vec<String> = (0..4).map(|i| format!("batch:joint:{round}:{i}")).collect();
+        let tokens: Vec<Token> = keys.iter().map(|_| Token::random()).collect();
+        claim_all(store, &keys, &tokens).await;
+        // The last key is another owner's.
+        let other = Token::random();
+        if round == 0 {
+            assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        }
+        assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+        let ops: Vec<Finish<'_>> = keys
+            .iter()
+            .zip(&tokens)
+            .enumerate()
+            .map(|(i, (k, t))| complete(k, if i == 3 { &other } else { t }, b"7"))
+            .collect();
+        let replies: Vec<WriteReply> = store
+            .finish_batch(&ops)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(
+            replies,
+            [
+                WriteReply::Done,
+                WriteReply::Done,
+                WriteReply::Done,
+                WriteReply::OtherOwner
+            ],
+            "round {round}"
+        );
+        if script_path && round == 1 {
+            assert_eq!(stats(server), 1, "one complete_batch call for the wave");
+        }
+    }
+}

@@ -353,8 +353,9 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
 
 /// A batch takes the same path as single calls: claims made fresh in a
 /// batch are completed in a batch with plain `SET … IFEQ`s (no script on
-/// Valkey 8.1+), and an item whose record was taken over meanwhile is
-/// answered as the script answers it.
+/// Valkey 8.1+) or with one `complete_batch` script call for all (Redis
+/// 7), and an item whose record was taken over meanwhile is answered as
+/// the script answers it.
 #[tokio::test]
 async fn a_batch_completes_on_the_servers_path() {
     use idem::store::Finish;
@@ -402,7 +403,9 @@ async fn a_batch_completes_on_the_servers_path() {
     match path {
         // Only the one that did not match asks the script.
         "set-ifeq" => assert_eq!(scripts, 1, "the plain SET path ran {scripts} scripts"),
-        _ => assert_eq!(scripts, 8, "the script path ran {scripts} scripts"),
+        // One `complete_batch` call for the eight (Redis 7: a script
+        // call's own cost is most of a complete's).
+        _ => assert_eq!(scripts, 1, "the script path ran {scripts} scripts"),
     }
 }
 

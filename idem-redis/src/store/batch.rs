@@ -13,7 +13,7 @@
 //! (`NOSCRIPT`) is sent again alone through the single call, which follows
 //! redirects and loads scripts.
 
-use super::complete::is_ok;
+use super::complete::{CompletePath, is_ok};
 use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record, pending_record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
@@ -294,10 +294,27 @@ impl RedisStore {
             |batch| {
                 let rider = rider.take();
                 async move {
-                    let mut plain = Vec::with_capacity(batch.len());
-                    let items = batch
+                    // Without IFEQ the completes are scripts: on one Redis
+                    // they go as one call (a cluster's keys span slots).
+                    let joint: Vec<bool> = batch
                         .iter()
                         .map(|op| {
+                            matches!(op, Finish::Complete { .. })
+                                && matches!(self.conn, Conn::Single(_))
+                                && self.server.path() == CompletePath::Script
+                        })
+                        .collect();
+                    let joint = if joint.iter().filter(|j| **j).count() >= 2 {
+                        joint
+                    } else {
+                        vec![false; batch.len()]
+                    };
+                    let mut plain = Vec::with_capacity(batch.len());
+                    let mut items: Vec<(&str, ItemCmds)> = batch
+                        .iter()
+                        .zip(&joint)
+                        .filter(|(_, joint)| !**joint)
+                        .map(|(op, _)| {
                             let cmd = match **op {
                                 Finish::Complete { claim, kind, value } => {
                                     self.server.complete_plain_cmd(&claim, kind, value)
@@ -308,7 +325,16 @@ impl RedisStore {
                             (op.key(), smallvec![cmd.unwrap_or_else(|| finish_cmd(op))])
                         })
                         .collect();
-                    let replies = match (rider, &self.conn) {
+                    let completes: Vec<&Finish<'_>> = batch
+                        .iter()
+                        .zip(&joint)
+                        .filter(|(_, joint)| **joint)
+                        .map(|(op, _)| *op)
+                        .collect();
+                    if let Some(first) = completes.first() {
+                        items.push((first.key(), smallvec![complete_batch_cmd(&completes)]));
+                    }
+                    let mut replies = match (rider, &self.conn) {
                         (Some(rider), Conn::Single(c)) => {
                             let extra = rider.commands::<Cmd>().cloned();
                             let (replies, extra) = send_group(&mut c.clone(), items, extra).await;
@@ -321,9 +347,32 @@ impl RedisStore {
                         }
                         _ => self.pipelined(items).await,
                     };
+                    let mut joint_replies = match completes.first() {
+                        Some(first) => {
+                            let reply = replies.pop().unwrap_or_else(|| Err(short_reply()));
+                            self.joint_replies(reply, completes.len(), first.key())
+                                .await
+                                .into_iter()
+                        }
+                        None => Vec::new().into_iter(),
+                    };
+                    let mut replies = replies.into_iter();
+                    let mut plain = plain.into_iter();
                     let mut out = Vec::with_capacity(batch.len());
-                    for ((op, replies), plain) in batch.into_iter().zip(replies).zip(plain) {
+                    for (op, joint) in batch.into_iter().zip(joint) {
                         let op_name = finish_name(op);
+                        if joint {
+                            out.push(match joint_replies.next() {
+                                Some(Ok(v)) => parse_write(op_name, v),
+                                Some(Err(e)) if unreached(&e) => Err(classify(op_name, e)),
+                                // Refused, or the script gone: alone, as
+                                // the single complete loads it.
+                                _ => self.finish_alone(op).await,
+                            });
+                            continue;
+                        }
+                        let replies = replies.next().unwrap_or_else(|| Err(short_reply()));
+                        let plain = plain.next().unwrap_or(false);
                         out.push(match replies {
                             Ok(r) if plain && is_ok(r.first()) => Ok(WriteReply::Done),
                             // Not the record this process wrote (or refused):
@@ -350,6 +399,66 @@ impl RedisStore {
         )
         .await
     }
+}
+
+impl RedisStore {
+    /// The reply of one `complete_batch` call, split per complete: `n`
+    /// replies, or the call's error for each. After `NOSCRIPT` the script
+    /// is loaded again (for the next batch; these complete alone).
+    async fn joint_replies(
+        &self,
+        reply: ItemReplies,
+        n: usize,
+        key: &str,
+    ) -> Vec<Result<Value, RedisError>> {
+        let values = match reply.map(|r| r.into_iter().next()) {
+            Ok(Some(Value::Array(values))) if values.len() == n => values,
+            Ok(other) => {
+                let e = RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "complete_batch answered something other than one reply per key",
+                    format!("{other:?}"),
+                ));
+                return vec![Err(e); n];
+            }
+            Err(e) => {
+                if is_noscript(&e) {
+                    if let Err(load) = self.reload(&SCRIPTS.complete_batch, key).await {
+                        tracing::debug!(error = %load, "complete_batch could not be loaded again");
+                    }
+                }
+                return vec![Err(e); n];
+            }
+        };
+        values
+            .into_iter()
+            .map(|v| match v {
+                Value::ServerError(e) => Err(e.into()),
+                v => Ok(v),
+            })
+            .collect()
+    }
+}
+
+/// One call of the `complete_batch` script for `ops`, all completes.
+fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
+    let hash = SCRIPTS.complete_batch.script.get_hash();
+    let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 128 * ops.len());
+    cmd.arg("EVALSHA").arg(hash).arg(ops.len());
+    for op in ops {
+        cmd.arg(op.key());
+    }
+    for op in ops {
+        if let Finish::Complete { claim, kind, value } = **op {
+            let record = CompletedRecord {
+                kind,
+                fingerprint: claim.fingerprint.map_or(&[], |f| f.as_bytes()),
+                value,
+            };
+            cmd.arg(claim.token.as_bytes().as_slice()).arg(record);
+        }
+    }
+    cmd
 }
 
 /// No key twice: the batch goes to the store as one wave.

@@ -122,7 +122,7 @@ impl Server {
         self.kind.get().is_some_and(|k| k.waitaof)
     }
 
-    fn path(&self) -> CompletePath {
+    pub(super) fn path(&self) -> CompletePath {
         self.kind.get().map_or(CompletePath::Script, |k| k.complete)
     }
 

@@ -252,6 +252,7 @@ impl RedisStore {
         for lua in [
             &s.claim,
             &s.complete,
+            &s.complete_batch,
             &s.release,
             &s.extend,
             &s.failure,
