@@ -64,6 +64,7 @@
 //! # let _ = client;
 //! ```
 
+mod acl;
 mod claims;
 mod cluster;
 mod context;
@@ -85,6 +86,7 @@ mod server;
 mod spawn;
 mod worker;
 
+pub use acl::store_acl;
 pub use claims::claim;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;

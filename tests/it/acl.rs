@@ -10,46 +10,25 @@ use std::time::Duration;
 const USER: &str = "idem";
 const PASSWORD: &str = "s3cret-pw";
 
-/// The ACL of docs/reliability.md for namespace `payments`: the commands
+/// The ACL of docs/operating.md for namespace `payments`: the commands
 /// the client sends (EVALSHA, SCRIPT LOAD after a SCRIPT FLUSH or a
 /// restart) and the ones the scripts call, on the namespace's keys only.
-const MINIMAL: &[&str] = &[
-    "on",
-    ">s3cret-pw",
-    "resetkeys",
-    "~payments:*",
-    "resetchannels",
-    // Waiting without polling: the scripts SPUBLISH on the key's channel
-    // (channels are named as the keys), the subscriber SSUBSCRIBEs to it
-    // and PINGs to see that it is back after a disconnection.
-    "&payments:*",
-    "-@all",
-    "+evalsha",
-    "+script|load",
-    "+get",
-    "+set",
-    "+del",
-    "+pttl",
-    "+pexpire",
-    "+spublish",
-    "+ssubscribe",
-    "+sunsubscribe",
-    "+ping",
-];
+static MINIMAL: std::sync::LazyLock<Vec<String>> =
+    std::sync::LazyLock::new(|| idem_testkit::store_acl("payments", PASSWORD));
 
 /// The pub/sub grants of MINIMAL: without them idem still works, and
 /// waiters poll (`waiters_poll_when_pub_sub_is_denied`).
 const PUB_SUB: &[&str] = &["&payments:*", "+spublish", "+ssubscribe", "+sunsubscribe"];
 
-fn set_user(server: &RedisServer, rules: &[&str]) {
+fn set_user(server: &RedisServer, rules: &[impl AsRef<str> + std::fmt::Debug]) {
     let mut args = vec!["ACL", "SETUSER", USER, "reset"];
-    args.extend_from_slice(rules);
+    args.extend(rules.iter().map(AsRef::as_ref));
     assert_eq!(server.cli(&args), "OK", "ACL SETUSER {rules:?}");
 }
 
 /// MINIMAL without `drop`.
-fn minimal_without(drop: &str) -> Vec<&'static str> {
-    let v: Vec<&'static str> = MINIMAL.iter().copied().filter(|r| *r != drop).collect();
+fn minimal_without(drop: &str) -> Vec<String> {
+    let v: Vec<String> = MINIMAL.iter().filter(|r| *r != drop).cloned().collect();
     assert_eq!(v.len(), MINIMAL.len() - 1, "{drop} is not in MINIMAL");
     v
 }
@@ -93,7 +72,7 @@ fn assert_acl_error(e: &Error, op: &str, case: &str) {
 #[tokio::test]
 async fn minimal_acl_user_runs_the_core_semantics() {
     let server = RedisServer::start();
-    set_user(&server, MINIMAL);
+    set_user(&server, &MINIMAL);
     server.cli(&["ACL", "LOG", "RESET"]);
     let store = RedisStore::connect(&user_url(&server))
         .await
@@ -249,7 +228,7 @@ async fn client_setinfo_is_optional() {
         }
         let mut rules = MINIMAL.to_vec();
         if grant {
-            rules.push("+client|setinfo");
+            rules.push("+client|setinfo".to_owned());
         }
         set_user(&server, &rules);
         server.cli(&["ACL", "LOG", "RESET"]);
@@ -368,7 +347,7 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
 #[tokio::test]
 async fn key_outside_the_pattern_is_refused() {
     let server = RedisServer::start();
-    set_user(&server, MINIMAL);
+    set_user(&server, &MINIMAL);
     let store = RedisStore::connect(&user_url(&server)).await.unwrap();
     let payments = Idempotency::builder(store.clone())
         .namespace("payments")
@@ -407,7 +386,7 @@ async fn key_outside_the_pattern_is_refused() {
 #[tokio::test]
 async fn durable_calls_without_wait_are_refused_with_the_grant_to_add() {
     let server = RedisServer::start();
-    set_user(&server, MINIMAL);
+    set_user(&server, &MINIMAL);
     let store = RedisStore::connect(&user_url(&server)).await.unwrap();
     let idem = Idempotency::builder(store)
         .namespace("payments")
@@ -536,7 +515,7 @@ const CLUSTER_EXTRA: &[&str] = &["+ping", "+cluster|slots", "+asking"];
 async fn cluster_acl_adds_ping_cluster_slots_and_asking() {
     let cluster = idem_testkit::RedisCluster::start();
     let mut rules = MINIMAL.to_vec();
-    rules.extend_from_slice(CLUSTER_EXTRA);
+    rules.extend(CLUSTER_EXTRA.iter().map(|r| (*r).to_owned()));
     for node in cluster.nodes() {
         set_user(node, &rules);
         node.cli(&["ACL", "LOG", "RESET"]);
@@ -692,13 +671,13 @@ async fn wait_round(
 async fn waiters_poll_when_pub_sub_is_denied() {
     let server = RedisServer::start();
     for granted in [true, false] {
-        let rules: Vec<&str> = if granted {
+        let rules: Vec<String> = if granted {
             MINIMAL.to_vec()
         } else {
             MINIMAL
                 .iter()
-                .copied()
-                .filter(|r| !PUB_SUB.contains(r))
+                .filter(|r| !PUB_SUB.contains(&r.as_str()))
+                .cloned()
                 .collect()
         };
         set_user(&server, &rules);
