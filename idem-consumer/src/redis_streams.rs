@@ -216,8 +216,9 @@ impl StreamsConfig {
 ///     println!("{} (delivery {}): message id {id:?}", e.id, e.deliveries);
 /// }
 /// let charge = |m: Message| async move { Ok::<_, std::io::Error>(m.payload().len()) };
+/// // With idem's store on this same Redis, the successes' acks ride here.
 /// let decided = stream.handle(&consumer, &charge, entries).await;
-/// stream.settle(decided).await?; // one XACK/XADD script for the batch
+/// stream.settle(decided).await?; // the rest: one XACK, or one settle script
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
