@@ -342,6 +342,23 @@ impl<C> Consumer<C> {
     }
 
     /// `msg`'s key and fingerprint, the payload digested once.
+    /// A single message's key, and its fingerprint only when calls are
+    /// fingerprinted (a batch needs it anyway, to find copies).
+    fn key_for_one(
+        &self,
+        msg: &Message,
+    ) -> (
+        Result<String, crate::ConsumerError>,
+        Option<idem_core::Fingerprint>,
+    ) {
+        if self.fingerprint {
+            let (key, fingerprint) = self.keys.key_and_fingerprint(msg);
+            (key, Some(fingerprint))
+        } else {
+            (self.keys.key(msg), None)
+        }
+    }
+
     pub(crate) fn key_and_fingerprint_of(
         &self,
         msg: &Message,
@@ -382,8 +399,8 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let (key, fingerprint) = self.keys.key_and_fingerprint(msg);
-        self.handle_keyed(msg, key, Some(fingerprint), None, handler)
+        let (key, fingerprint) = self.key_for_one(msg);
+        self.handle_keyed(msg, key, fingerprint, None, handler)
             .await
     }
 
@@ -418,8 +435,8 @@ impl<C> Consumer<C> {
     {
         let span = message_span(msg);
         let handled = async {
-            let (key, fingerprint) = self.keys.key_and_fingerprint(msg);
-            match self.call_of(msg, key, Some(fingerprint)) {
+            let (key, fingerprint) = self.key_for_one(msg);
+            match self.call_of(msg, key, fingerprint) {
                 Err(refused) => refused,
                 Ok((key, call)) => {
                     let over_valve = self.over_valve(msg);

@@ -296,13 +296,11 @@ impl RedisStore {
                 async move {
                     // Without IFEQ the completes are scripts: on one Redis
                     // they go as one call (a cluster's keys span slots).
+                    let scripted = matches!(self.conn, Conn::Single(_))
+                        && self.server.path() == CompletePath::Script;
                     let joint: Vec<bool> = batch
                         .iter()
-                        .map(|op| {
-                            matches!(op, Finish::Complete { .. })
-                                && matches!(self.conn, Conn::Single(_))
-                                && self.server.path() == CompletePath::Script
-                        })
+                        .map(|op| scripted && matches!(op, Finish::Complete { .. }))
                         .collect();
                     let joint = if joint.iter().filter(|j| **j).count() >= 2 {
                         joint
