@@ -76,6 +76,7 @@ mod ledger;
 mod logs;
 mod nats;
 mod poll;
+mod ports;
 mod postgres;
 mod proxy;
 mod rabbitmq;
@@ -97,6 +98,7 @@ pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};
 pub use logs::LogCapture;
 pub use nats::{NatsServer, require_nats};
 pub use poll::eventually;
+pub use ports::free_port;
 pub use postgres::{PgServer, PgTestDb, pg_admin_url};
 pub use proxy::FaultProxy;
 pub use rabbitmq::{RabbitServer, require_rabbitmq};
@@ -106,10 +108,8 @@ pub use runs::Runs;
 pub use server::{RedisServer, SERVER_ENV, VALKEY_ENV, valkey_server};
 pub use worker::{exit_with_parent, run_worker};
 
-use std::collections::HashSet;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// The message [`require_redis`] panics with when Redis is not installed.
 const MISSING_REDIS: &str = "redis-server not found on PATH: install it with \
@@ -180,42 +180,4 @@ pub(crate) fn redis_binaries() -> &'static RedisBinaries {
 /// redis-server`, or run .ci/run which does" when either binary is missing.
 pub fn require_redis() {
     let _ = redis_binaries();
-}
-
-/// Returns a free TCP port on `127.0.0.1`, never handed out before by this
-/// process, such that `port + 10000` (the Redis cluster bus port) is free too.
-///
-/// The port is found by binding `127.0.0.1:0`; it is free at the moment of
-/// the call, but another process may take it before it is used, so callers
-/// that bind it later must be ready to retry with another port (as
-/// [`RedisServer::start`] does).
-///
-/// # Panics
-///
-/// If no such port is found after many attempts.
-pub fn free_port() -> u16 {
-    static HANDED_OUT: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
-    let handed_out = HANDED_OUT.get_or_init(Default::default);
-    for _ in 0..1000 {
-        let Ok(listener) = TcpListener::bind(("127.0.0.1", 0)) else {
-            continue;
-        };
-        let Ok(port) = listener.local_addr().map(|a| a.port()) else {
-            continue;
-        };
-        let Some(bus_port) = port.checked_add(10_000) else {
-            continue;
-        };
-        if TcpListener::bind(("127.0.0.1", bus_port)).is_err() {
-            continue;
-        }
-        let mut set = handed_out.lock().unwrap_or_else(|e| e.into_inner());
-        if set.contains(&port) || set.contains(&bus_port) {
-            continue;
-        }
-        set.insert(port);
-        set.insert(bus_port);
-        return port;
-    }
-    panic!("free_port: could not find a free port pair (port, port + 10000) on 127.0.0.1");
 }

@@ -172,14 +172,58 @@ fn parallel_starts_get_distinct_ports() {
 }
 
 #[test]
-fn free_port_leaves_the_bus_port_free() {
+fn free_port_leaves_the_bus_port_free_below_the_ephemeral_range() {
+    // Linux's default ephemeral range starts at 32768; where the machine
+    // says otherwise, its own figure.
+    let ephemeral_from: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
     let ports: HashSet<u16> = (0..20).map(|_| free_port()).collect();
     assert_eq!(ports.len(), 20, "never the same port twice");
     for port in ports {
-        assert!(port <= 55_535);
+        assert!(u32::from(port) + 10_000 < ephemeral_from, "{port}");
         std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
         std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).unwrap();
     }
+}
+
+const PORTS_CHILD: &str = "IDEM_TESTKIT_PORTS_CHILD";
+
+/// A port stays this process's until it exits, so a server killed and
+/// restarted on it never finds another test's server there.
+#[test]
+fn free_port_never_hands_a_held_port_to_another_process() {
+    if std::env::var_os(PORTS_CHILD).is_some() {
+        let ports: Vec<String> = (0..50).map(|_| free_port().to_string()).collect();
+        println!("ports: {}", ports.join(","));
+        return;
+    }
+    let mine: HashSet<u16> = (0..50).map(|_| free_port()).collect();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "server::free_port_never_hands_a_held_port_to_another_process",
+            "--nocapture",
+        ])
+        .env(PORTS_CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: HashSet<u16> = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("ports: "))
+        .unwrap_or_else(|| panic!("the child printed no ports: {stdout}"))
+        .split(',')
+        .map(|port| port.parse().unwrap())
+        .collect();
+    assert_eq!(theirs.len(), 50);
+    assert!(mine.is_disjoint(&theirs), "{mine:?} and {theirs:?} meet");
 }
 
 #[tokio::test]
