@@ -3,10 +3,11 @@
 
 use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler};
 use crate::decision::{Classify, Decision};
+use crate::error::ConsumerError;
 use crate::message::Message;
 use futures_util::future::{Either, join_all};
 use idem_core::store::Rider;
-use idem_core::{Batch, Call};
+use idem_core::{Batch, Call, Fingerprint};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -23,7 +24,6 @@ pub(crate) type MakeRider<'a> = dyn Fn(&[usize]) -> Option<Rider> + Send + Sync 
 /// A message of the batch that goes to idem.
 struct Run {
     index: usize,
-    key: String,
     over_valve: bool,
     span: tracing::Span,
 }
@@ -95,6 +95,59 @@ impl<C> Consumer<C> {
             .iter()
             .map(|msg| self.key_and_fingerprint_of(msg))
             .unzip();
+        let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();
+        self.handle_keyed_batch(
+            msgs,
+            keys,
+            fps,
+            &|_, msg| handler(msg),
+            riders,
+            |i, handled| {
+                if let Some(slot) = done.get_mut(i) {
+                    *slot = Some(handled);
+                }
+            },
+        )
+        .await;
+        done.into_iter()
+            // Unreachable: every message is answered once. A nack loses
+            // nothing.
+            .map(|h| {
+                h.unwrap_or_else(|| {
+                    Handled::decided(
+                        Decision::Nack {
+                            delay: Duration::ZERO,
+                        },
+                        None,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The batch with each message's key and fingerprint already made, and
+    /// a handler told the index (in `msgs`) of the message it runs for;
+    /// each message's [`Handled`] goes to `each(i, handled)` as soon as it
+    /// is decided, once per message, so a slower handler never holds back
+    /// another message's decision. A retryable failure, whose count the
+    /// store keeps, is decided once the batch's handlers are done (the
+    /// counts go together), and a copy of an earlier message with its
+    /// first copy.
+    pub(crate) async fn handle_keyed_batch<T, E, H, Fut>(
+        &self,
+        msgs: &[Message],
+        keys: Vec<Result<String, ConsumerError>>,
+        fps: Vec<Fingerprint>,
+        handler: &H,
+        riders: Option<&MakeRider<'_>>,
+        each: impl FnMut(usize, Handled<T>),
+    ) where
+        H: Fn(usize, Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
         // Borrowing the keys, hashed with a seeded fast hash: no copy of a
         // key and no SipHash per message.
         let mut first_of: HashMap<(&str, &[u8; 16]), usize, foldhash::fast::RandomState> =
@@ -115,15 +168,25 @@ impl<C> Consumer<C> {
             })
             .collect();
         drop(first_of);
+        let mut out = Answers {
+            each,
+            copies: Vec::new(),
+            msgs,
+        };
         // The messages that run, each with its span; those without a key
         // are decided at once.
-        let mut done: Vec<Option<Handled<T>>> = (0..msgs.len()).map(|_| None).collect();
         let mut runs: Vec<Run> = Vec::with_capacity(msgs.len());
+        let mut run_keys: Vec<String> = Vec::with_capacity(msgs.len());
         // Sized once: pushing into a growing `Batch` moved every call
         // each time it grew.
         let mut calls: Vec<Call<'_>> = Vec::with_capacity(msgs.len());
         for (i, key) in keys.into_iter().enumerate() {
-            if duplicate_of[i].is_some() {
+            if let Some(first) = duplicate_of[i] {
+                out.copies.push(Copy {
+                    index: i,
+                    first,
+                    key: key.ok(),
+                });
                 continue;
             }
             let msg = &msgs[i];
@@ -131,21 +194,21 @@ impl<C> Consumer<C> {
             match self.call_of(msg, key, fps.get(i).copied()) {
                 Err(refused) => {
                     report(&span, &refused);
-                    done[i] = Some(refused);
+                    out.give(i, refused);
                 }
                 Ok((key, call)) => {
                     calls.push(call);
+                    run_keys.push(key);
                     runs.push(Run {
                         index: i,
-                        key,
                         over_valve: self.over_valve(msg),
                         span,
                     });
                 }
             }
         }
-        // One claims round trip, the handlers that won, one round trip of
-        // completes and releases.
+        // One claims round trip, the handlers that won, the round trips of
+        // completes and releases as they finish.
         let mut batch = calls
             .into_iter()
             .collect::<Batch>()
@@ -160,35 +223,43 @@ impl<C> Consumer<C> {
                 make(&done)
             });
         }
-        let results = batch
-            .run_outcome(|j| {
-                let run = &runs[j];
-                let handling = run_handler(handler, &msgs[run.index], run.over_valve);
-                // Instrumented only for a subscriber that takes the span:
-                // entering a disabled one changes nothing it sees.
-                if run.span.is_disabled() {
-                    Either::Left(handling)
-                } else {
-                    Either::Right(handling.instrument(run.span.clone()))
-                }
-            })
-            .await;
-        // Decided here, but for retryable failures, counted in the store
-        // together.
+        // Decided as they come, but for retryable failures, counted in the
+        // store together.
         let mut counting = Vec::new();
-        for (run, result) in runs.into_iter().zip(results) {
-            let judged = {
-                let _enter = (!run.span.is_disabled()).then(|| run.span.enter());
-                self.judge_now(&msgs[run.index], run.key, result)
-            };
-            match judged {
-                Judged::Now(handled) => {
-                    report(&run.span, &handled);
-                    done[run.index] = Some(handled);
-                }
-                Judged::Count(retry) => counting.push((run.index, run.span, retry)),
-            }
-        }
+        batch
+            .run_each(
+                |j| {
+                    let run = &runs[j];
+                    let index = run.index;
+                    let handling =
+                        run_handler(move |msg| handler(index, msg), &msgs[index], run.over_valve);
+                    // Instrumented only for a subscriber that takes the span:
+                    // entering a disabled one changes nothing it sees.
+                    if run.span.is_disabled() {
+                        Either::Left(handling)
+                    } else {
+                        Either::Right(handling.instrument(run.span.clone()))
+                    }
+                },
+                |j, result| {
+                    let (Some(run), Some(key)) = (runs.get(j), run_keys.get_mut(j)) else {
+                        return;
+                    };
+                    let key = std::mem::take(key);
+                    let judged = {
+                        let _enter = (!run.span.is_disabled()).then(|| run.span.enter());
+                        self.judge_now(&msgs[run.index], key, result)
+                    };
+                    match judged {
+                        Judged::Now(handled) => {
+                            report(&run.span, &handled);
+                            out.give(run.index, handled);
+                        }
+                        Judged::Count(retry) => counting.push((run.index, run.span.clone(), retry)),
+                    }
+                },
+            )
+            .await;
         if !counting.is_empty() {
             let counted = counting.into_iter().map(|(index, span, retry)| async move {
                 let handled = self.judge_retry(retry).instrument(span.clone()).await;
@@ -196,42 +267,51 @@ impl<C> Consumer<C> {
                 (index, handled)
             });
             for (index, handled) in join_all(counted).await {
-                done[index] = Some(handled);
+                out.give(index, handled);
             }
         }
-        // A copy's first copy comes earlier in the batch, so its decision
-        // is known when the copy is reached.
-        let mut out: Vec<Handled<T>> = Vec::with_capacity(msgs.len());
-        for (i, h) in done.into_iter().enumerate() {
-            let h = match h {
-                Some(h) => h,
-                None => {
-                    let first = duplicate_of[i];
-                    let decision = first
-                        .and_then(|f| out.get(f))
-                        .map(|h| h.decision.clone())
-                        // Unreachable (every message runs or copies an
-                        // earlier one); a nack loses nothing.
-                        .unwrap_or(Decision::Nack {
-                            delay: Duration::ZERO,
-                        });
-                    tracing::debug!(
-                        id = msgs[i].id(),
-                        first_id = first.and_then(|f| msgs.get(f)).and_then(Message::id),
-                        decision = decision.as_str(),
-                        "copy of an earlier message in the same batch: not run, settled as the first copy"
-                    );
-                    Handled {
-                        decision,
-                        outcome: None,
-                        value: None,
-                        key: self.key_of(&msgs[i]).ok(),
-                        duplicate_of: first,
-                    }
-                }
-            };
-            out.push(h);
+    }
+}
+
+/// A message whose key and payload equal those of an earlier one in the
+/// batch: not run, decided with its first copy.
+struct Copy {
+    index: usize,
+    first: usize,
+    key: Option<String>,
+}
+
+/// Where a batch's decisions go, its copies with their first copies.
+struct Answers<'m, F> {
+    each: F,
+    copies: Vec<Copy>,
+    msgs: &'m [Message],
+}
+
+impl<F> Answers<'_, F> {
+    fn give<T>(&mut self, index: usize, handled: Handled<T>)
+    where
+        F: FnMut(usize, Handled<T>),
+    {
+        for copy in self.copies.iter_mut().filter(|c| c.first == index) {
+            let decision = handled.decision.clone();
+            tracing::debug!(
+                id = self.msgs.get(copy.index).and_then(Message::id),
+                first_id = self.msgs.get(index).and_then(Message::id),
+                decision = decision.as_str(),
+                "copy of an earlier message in the same batch: not run, settled as the first copy"
+            );
+            (self.each)(
+                copy.index,
+                Handled {
+                    decision,
+                    outcome: None,
+                    value: None,
+                    key: copy.key.take(),
+                    duplicate_of: Some(index),
+                },
+            );
         }
-        out
+        (self.each)(index, handled);
     }
 }

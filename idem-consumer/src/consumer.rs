@@ -400,8 +400,7 @@ impl<C> Consumer<C> {
         C: Classify<E>,
     {
         let (key, fingerprint) = self.key_for_one(msg);
-        self.handle_keyed(msg, key, fingerprint, None, handler)
-            .await
+        self.handle_keyed(msg, key, fingerprint, handler).await
     }
 
     /// Like [`handle`](Consumer::handle), for a handler made of durable
@@ -463,7 +462,6 @@ impl<C> Consumer<C> {
         msg: &Message,
         key: Result<String, crate::ConsumerError>,
         fingerprint: Option<idem_core::Fingerprint>,
-        group: Option<&idem_core::CallGroup>,
         handler: &H,
     ) -> Handled<T>
     where
@@ -478,10 +476,6 @@ impl<C> Consumer<C> {
             match self.call_of(msg, key, fingerprint) {
                 Err(refused) => refused,
                 Ok((key, call)) => {
-                    let call = match group {
-                        Some(g) => call.in_group(g),
-                        None => call,
-                    };
                     let over_valve = self.over_valve(msg);
                     let result = call
                         .run_outcome(|| run_handler(handler, msg, over_valve))
@@ -716,13 +710,12 @@ pub(crate) fn message_span(msg: &Message) -> tracing::Span {
 
 /// The body of a message's idem call: the handler, unless the message is
 /// past the delivery valve.
-pub(crate) async fn run_handler<T, E, H, Fut>(
-    handler: &H,
+pub(crate) async fn run_handler<T, E, Fut>(
+    handler: impl FnOnce(Message) -> Fut,
     msg: &Message,
     over_valve: bool,
 ) -> Result<T, Failure<E>>
 where
-    H: Fn(Message) -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
     if over_valve {

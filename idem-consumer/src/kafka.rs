@@ -17,6 +17,13 @@
 //! | nack, the handler did not run (idem's store down, another consumer holds the key) | waits and tries again for as long as the partition is ours: fail-closed | undecided |
 //! | dead-letter (permanent error, `max_failures`, `max_deliveries`, bad key, fingerprint mismatch) | published to the dead-letter topic with the reason headers ([`header_names`] and the shared [`dead_letter_field`](crate::dead_letter_field)s) | undecided until published, then decided |
 //!
+//! The records that can start together (up to the concurrency, no two
+//! with one key) make their first try through idem as one batch: one claims
+//! round trip, the handlers run concurrently, their results stored as they
+//! finish; each record is decided as soon as its own result is stored, so
+//! a slow handler holds back no other record's decision. Later tries go on
+//! record by record.
+//!
 //! A record whose idempotency key is already in flight in this process
 //! waits for that one to finish (then replays); with
 //! [`KafkaConfig::in_order_per_key`], records of one partition with the same
@@ -71,14 +78,14 @@ pub use hand_off::header_names;
 pub use offsets::{OffsetTracker, PartitionOffsets};
 pub use report::KafkaReport;
 
-use crate::consumer::Consumer;
+use crate::consumer::{Consumer, Handled};
 use crate::decision::Classify;
 use crate::error::ConsumerError;
 use crate::message::Message;
 use futures_util::StreamExt;
-use futures_util::future::OptionFuture;
+use futures_util::future::{Either, OptionFuture};
 use futures_util::stream::FuturesUnordered;
-use gates::{Gated, StartQueue};
+use gates::{Gated, Gates, StartQueue};
 use hand_off::Destination;
 use idem_core::Outcome;
 use poller::{Ctx, Shared, Taken};
@@ -91,6 +98,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -115,16 +123,78 @@ enum End {
 /// One finished record, back in the handler loop.
 struct Done<'a> {
     held: Held<'a>,
-    gates: Vec<String>,
+    gates: Gates,
     end: End,
     report: KafkaReport,
+}
+
+/// A record the loop starts this turn, gated and counted in flight.
+struct Started<'a> {
+    held: Held<'a>,
+    key: Result<String, ConsumerError>,
+    fingerprint: idem_core::Fingerprint,
+    gates: Gates,
+}
+
+/// A record after its first try, in a turn's batch.
+enum After<'a> {
+    Done(Done<'a>),
+    Again(Again<'a>),
+}
+
+/// A record that goes on alone after its batch: another try after a
+/// pause, or a move aside.
+struct Again<'a> {
+    held: Held<'a>,
+    key: Result<String, ConsumerError>,
+    fingerprint: idem_core::Fingerprint,
+    gates: Gates,
+    attempts: Attempts<'a>,
+    report: KafkaReport,
+    then: Then,
+}
+
+/// What a record not yet decided does next.
+enum Then {
+    Pause { delay: Duration, run_again: bool },
+    Move(Destination),
+}
+
+impl Then {
+    /// What follows `step`, counted in `report`; `None` when the record is
+    /// done (acked).
+    fn of(step: Step, outcome: Option<Outcome>, report: &mut KafkaReport) -> Option<Then> {
+        match step {
+            Step::Ack => {
+                match outcome {
+                    Some(Outcome::Replayed) => report.replayed += 1,
+                    Some(Outcome::Recovered) => report.recovered += 1,
+                    _ => {}
+                }
+                None
+            }
+            Step::Move(dest) => Some(Then::Move(dest)),
+            Step::Wait(delay) => {
+                report.nacked += 1;
+                Some(Then::Pause {
+                    delay,
+                    run_again: false,
+                })
+            }
+            Step::Retry(delay) => Some(Then::Pause {
+                delay,
+                run_again: true,
+            }),
+        }
+    }
 }
 
 /// A started record, owned by its handler future until that future hands
 /// it back in a [`Done`] and `finish` accounts for it.
 ///
 /// Created before the future is first polled (it is an argument of
-/// `process`), so that a future dropped at any point still drops it. If
+/// `turn`, then of `resume`), so that a future dropped at any point still
+/// drops it. If
 /// the future is dropped unfinished (still running at the drain deadline,
 /// or `run` itself dropped), the drop does what `finish` would have: the
 /// record is no longer in flight (a revocation need not wait for it), it
@@ -186,12 +256,12 @@ struct Waiting {
     taken: Taken,
     key: Result<String, ConsumerError>,
     fingerprint: idem_core::Fingerprint,
-    gates: Vec<String>,
+    gates: Gates,
 }
 
 impl Gated for Waiting {
-    fn gates(&self) -> &[String] {
-        &self.gates
+    fn gates(&self) -> &[u64] {
+        self.gates.as_slice()
     }
 }
 
@@ -231,6 +301,9 @@ pub struct KafkaConsumer {
     kept: StdMutex<Vec<Taken>>,
     cfg: Arc<KafkaConfig>,
     stop: Arc<AtomicBool>,
+    /// The seed of the gate hashes (random per consumer: no one can pick
+    /// keys that collide on purpose).
+    gate_seed: foldhash::fast::RandomState,
 }
 
 impl fmt::Debug for KafkaConsumer {
@@ -308,6 +381,7 @@ impl KafkaConsumer {
             kept: StdMutex::new(Vec::new()),
             cfg,
             stop,
+            gate_seed: foldhash::fast::RandomState::default(),
         })
     }
 
@@ -384,9 +458,6 @@ impl KafkaConsumer {
             ConsumerError::Config("KafkaConsumer::run is already running on this consumer".into())
         })?;
         let mut shutdown = pin!(shutdown);
-        // Records handled in the same turn, of any partition, share their
-        // round trips to idem's store; none waits for another.
-        let group = consumer.idem().group_unbounded();
         let mut report = KafkaReport::default();
         let mut waiting = Backlog {
             queue: StartQueue::default(),
@@ -408,7 +479,12 @@ impl KafkaConsumer {
         for taken in kept {
             waiting.queue.push(self.gated(consumer, taken));
         }
+        // Where the running futures hand each record back once decided
+        // (made first: they borrow it).
+        let (to_land, mut landed) = mpsc::unbounded_channel();
         let mut running = FuturesUnordered::new();
+        // Records started and not yet decided: a turn's future holds many.
+        let mut in_flight = 0usize;
         let mut ticker = tokio::time::interval(self.cfg.commit_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let limit = consumer.batch_concurrency();
@@ -416,10 +492,11 @@ impl KafkaConsumer {
         let mut committing: Option<tokio::task::JoinHandle<()>> = None;
         self.shared.set_closing(false);
         loop {
-            // Start what the gate rule lets start. A record of a partition
-            // revoked meanwhile is dropped (the next owner reads it from the
-            // last commit).
-            let room = limit.saturating_sub(running.len());
+            // Start what the gate rule lets start, as one batch. A record
+            // of a partition revoked meanwhile is dropped (the next owner
+            // reads it from the last commit).
+            let room = limit.saturating_sub(in_flight);
+            let mut started = Vec::new();
             for w in waiting.queue.start(room, |w| self.shared.begin(&w.taken)) {
                 report.fetched += 1;
                 if w.taken.msg.delivery_count() > 1 {
@@ -431,27 +508,55 @@ impl KafkaConsumer {
                     fingerprint,
                     gates,
                 } = w;
-                let held = Held::new(self, taken);
-                let key = (key, fingerprint);
-                running.push(self.process(consumer, handler, held, key, gates, &group));
+                started.push(Started {
+                    held: Held::new(self, taken),
+                    key,
+                    fingerprint,
+                    gates,
+                });
+            }
+            if !started.is_empty() {
+                in_flight += started.len();
+                running.push(Either::Left(
+                    self.turn(consumer, handler, started, &to_land),
+                ));
             }
             let room = !closed && waiting.queue.len() < self.cfg.buffer;
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break,
-                Some(done) = running.next(), if !running.is_empty() => {
-                    self.finish(done, &mut waiting.queue, &mut report);
+                Some(after) = landed.recv() => {
+                    // The whole wave: a round trip of results lands many
+                    // records at once, and the room they leave starts as
+                    // one turn, not as turns of one.
+                    let mut next = Some(after);
+                    while let Some(after) = next {
+                        if let Some(again) = self.land(after, &mut waiting.queue, &mut report, &mut in_flight) {
+                            running.push(Either::Right(self.resume(consumer, handler, again, &to_land)));
+                        }
+                        next = landed.try_recv().ok();
+                    }
                 }
+                Some(()) = running.next(), if !running.is_empty() => {}
                 Some(_) = OptionFuture::from(committing.as_mut()), if committing.is_some() => {
                     committing = None;
                 }
                 taken = rx.recv(), if room => match taken {
-                    Some(taken) => waiting.queue.push(self.gated(consumer, taken)),
+                    Some(taken) => {
+                        waiting.queue.push(self.gated(consumer, taken));
+                        // What else the poll thread has sent goes in the
+                        // same turn: started one by one, records would
+                        // make batches of one.
+                        while waiting.queue.len() < self.cfg.buffer {
+                            let Ok(taken) = rx.try_recv() else { break };
+                            waiting.queue.push(self.gated(consumer, taken));
+                        }
+                    }
                     None => closed = true,
                 },
                 _ = ticker.tick(), if committing.is_none() => {
                     committing = self.start_commit();
-                    if closed && running.is_empty() {
+                    if closed && in_flight == 0 {
                         return Err(ConsumerError::broker(
                             BROKER,
                             "poll",
@@ -469,13 +574,18 @@ impl KafkaConsumer {
         // kept for the next run (see `kept`).
         self.shared.set_closing(true);
         let end = Instant::now() + consumer.drain_deadline();
-        while !running.is_empty() {
-            match tokio::time::timeout_at(end, running.next()).await {
-                Ok(Some(done)) => self.finish(done, &mut waiting.queue, &mut report),
-                Ok(None) => break,
-                Err(_) => {
+        while in_flight > 0 {
+            tokio::select! {
+                biased;
+                Some(after) = landed.recv() => {
+                    if let Some(again) = self.land(after, &mut waiting.queue, &mut report, &mut in_flight) {
+                        running.push(Either::Right(self.resume(consumer, handler, again, &to_land)));
+                    }
+                }
+                Some(()) = running.next(), if !running.is_empty() => {}
+                _ = tokio::time::sleep_until(end) => {
                     tracing::warn!(
-                        in_flight = running.len(),
+                        in_flight,
                         "shutdown with handlers still running; their records stay uncommitted"
                     );
                     break;
@@ -486,8 +596,13 @@ impl KafkaConsumer {
         // in-flight count and keeps it; then the records that never
         // started are kept after them (the next run sorts them back into
         // arrival order).
-        report.abandoned += running.len();
         drop(running);
+        // Decided before the deadline, still on their way: accounted for;
+        // one that was to go on alone is kept (its `Held` drops).
+        while let Ok(after) = landed.try_recv() {
+            drop(self.land(after, &mut waiting.queue, &mut report, &mut in_flight));
+        }
+        report.abandoned += in_flight;
         self.keep(waiting.queue.drain().map(|w| w.taken));
         let kept = self.kept.lock().unwrap_or_else(|p| p.into_inner()).len();
         if kept > 0 {
@@ -503,6 +618,25 @@ impl KafkaConsumer {
             let _ = c.await;
         }
         Ok(report)
+    }
+
+    /// Accounts for a record a running future handed back: finished when
+    /// done, or returned to go on alone.
+    fn land<'a>(
+        &self,
+        after: After<'a>,
+        waiting: &mut StartQueue<Waiting>,
+        report: &mut KafkaReport,
+        in_flight: &mut usize,
+    ) -> Option<Again<'a>> {
+        match after {
+            After::Done(done) => {
+                *in_flight = in_flight.saturating_sub(1);
+                self.finish(done, waiting, report);
+                None
+            }
+            After::Again(again) => Some(again),
+        }
     }
 
     /// Keeps records this run ends without deciding, for the next run;
@@ -522,13 +656,18 @@ impl KafkaConsumer {
     /// Keys and gates of a record just taken.
     fn gated<C>(&self, consumer: &Consumer<C>, taken: Taken) -> Waiting {
         let (key, fingerprint) = consumer.key_and_fingerprint_of(&taken.msg);
-        let mut gates = Vec::with_capacity(2);
+        let mut gates = Gates::default();
         if let Ok(k) = &key {
-            gates.push(format!("k:{k}"));
+            gates.push(self.gate_seed.hash_one(("k", k.as_str())));
         }
         if self.cfg.in_order_per_key {
             if let Some(rk) = &taken.record_key {
-                gates.push(format!("r:{}:{}:{}", taken.topic, taken.partition, hex(rk)));
+                gates.push(self.gate_seed.hash_one((
+                    "r",
+                    &*taken.topic,
+                    taken.partition,
+                    rk.as_slice(),
+                )));
             }
         }
         Waiting {
@@ -546,7 +685,7 @@ impl KafkaConsumer {
             end,
             report: handled,
         } = done;
-        waiting.release(&gates);
+        waiting.release(gates.as_slice());
         report.add(handled);
         // Accounted for below: its drop does nothing more.
         held.settled = true;
@@ -615,16 +754,142 @@ impl KafkaConsumer {
         }
     }
 
-    /// One record from start to decision: handler runs through idem,
-    /// in-process retries, then the hand-off to another topic when needed.
-    async fn process<'a, C, T, E, H, Fut>(
+    /// The records started in one turn of the loop, their first tries as
+    /// one idem batch: one claims round trip, the handlers that won their
+    /// keys run concurrently, their results stored as they finish. The
+    /// gates let no two records of one key start together, so none waits
+    /// for another. Each record goes to `landed` as soon as its try is
+    /// decided: done, or to go on alone in [`resume`](Self::resume) (another
+    /// try after a pause, or a move aside), so a slower handler never holds
+    /// back another record's decision.
+    async fn turn<'a, C, T, E, H, Fut>(
         &'a self,
         consumer: &Consumer<C>,
         handler: &H,
-        mut held: Held<'a>,
-        (key, fingerprint): (Result<String, ConsumerError>, idem_core::Fingerprint),
-        gates: Vec<String>,
-        group: &idem_core::CallGroup,
+        started: Vec<Started<'a>>,
+        landed: &mpsc::UnboundedSender<After<'a>>,
+    ) where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let n = started.len();
+        // Whether each record's handler ran, and its last error (for the
+        // reason header when it is moved).
+        let ran: Vec<AtomicBool> = (0..n).map(|_| AtomicBool::new(false)).collect();
+        let last_error: Vec<StdMutex<Option<String>>> =
+            (0..n).map(|_| StdMutex::new(None)).collect();
+        let watched = |i: usize, m: Message| {
+            if let Some(r) = ran.get(i) {
+                r.store(true, Ordering::Relaxed);
+            }
+            let fut = handler(m);
+            let last_error = last_error.get(i);
+            async move {
+                let out = fut.await;
+                if let (Err(e), Some(slot)) = (&out, last_error) {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                }
+                out
+            }
+        };
+        let mut keys = Vec::with_capacity(n);
+        let mut fps = Vec::with_capacity(n);
+        // The batch reads copies (a message is a few shared pointers), so
+        // each record can leave the turn as soon as it is decided.
+        let mut msgs = Vec::with_capacity(n);
+        let mut records = Vec::with_capacity(n);
+        for Started {
+            held,
+            key,
+            fingerprint,
+            gates,
+        } in started
+        {
+            keys.push(key);
+            fps.push(fingerprint);
+            msgs.push(held.taken.msg.clone());
+            records.push(Some((held, fingerprint, gates)));
+        }
+        let decided = |i: usize, handled: Handled<T>| {
+            let Some((held, fingerprint, gates)) = records.get_mut(i).and_then(Option::take) else {
+                return;
+            };
+            let mut report = KafkaReport::default();
+            let mut attempts = Attempts::new(&self.cfg, held.taken.topic.clone());
+            let step = attempts.next(
+                handled.decision,
+                ran.get(i).is_some_and(|r| r.load(Ordering::Relaxed)),
+                held.taken.msg.delivery_count(),
+                || {
+                    last_error
+                        .get(i)
+                        .and_then(|slot| slot.lock().unwrap_or_else(|p| p.into_inner()).take())
+                },
+            );
+            let after = match Then::of(step, handled.outcome, &mut report) {
+                None => After::Done(Done {
+                    held,
+                    gates,
+                    end: End::Acked,
+                    report,
+                }),
+                Some(then) => {
+                    // The batch hands each key back; a record without one
+                    // is only ever moved aside, so making it again is for
+                    // the odd case.
+                    let key = match handled.key {
+                        Some(key) => Ok(key),
+                        None => consumer.key_and_fingerprint_of(&held.taken.msg).0,
+                    };
+                    After::Again(Again {
+                        held,
+                        key,
+                        fingerprint,
+                        gates,
+                        attempts,
+                        report,
+                        then,
+                    })
+                }
+            };
+            // The loop is gone only when the run is dropped: the record's
+            // `Held` then keeps it for the next run.
+            let _ = landed.send(after);
+        };
+        consumer
+            .handle_keyed_batch(&msgs, keys, fps, &watched, None, decided)
+            .await;
+    }
+
+    /// A record's tries after its first, alone: the pause, the next try
+    /// through idem, until it is decided, moved aside or its partition is
+    /// no longer ours.
+    async fn resume<'a, C, T, E, H, Fut>(
+        &'a self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        again: Again<'a>,
+        landed: &mpsc::UnboundedSender<After<'a>>,
+    ) where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        C: Classify<E>,
+    {
+        let done = self.go_on(consumer, handler, again).await;
+        let _ = landed.send(After::Done(done));
+    }
+
+    /// [`resume`](Self::resume)'s record, handed back once it is done.
+    async fn go_on<'a, C, T, E, H, Fut>(
+        &'a self,
+        consumer: &Consumer<C>,
+        handler: &H,
+        again: Again<'a>,
     ) -> Done<'a>
     where
         H: Fn(Message) -> Fut,
@@ -633,8 +898,15 @@ impl KafkaConsumer {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let mut report = KafkaReport::default();
-        // The handler's last error, for the reason header when it is moved.
+        let Again {
+            mut held,
+            key,
+            fingerprint,
+            gates,
+            mut attempts,
+            mut report,
+            mut then,
+        } = again;
         let last_error: StdMutex<Option<String>> = StdMutex::new(None);
         let ran = AtomicBool::new(false);
         let watched = |m: Message| {
@@ -649,44 +921,10 @@ impl KafkaConsumer {
                 out
             }
         };
-        let mut attempts = Attempts::new(&self.cfg, held.taken.topic.clone());
         let dest = loop {
-            ran.store(false, Ordering::Relaxed);
-            let handled = consumer
-                .handle_keyed(
-                    &held.taken.msg,
-                    key.clone(),
-                    Some(fingerprint),
-                    Some(group),
-                    &watched,
-                )
-                .await;
-            let step = attempts.next(
-                handled.decision,
-                ran.load(Ordering::Relaxed),
-                held.taken.msg.delivery_count(),
-                || last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-            );
-            let (delay, run_again) = match step {
-                Step::Ack => {
-                    match handled.outcome {
-                        Some(Outcome::Replayed) => report.replayed += 1,
-                        Some(Outcome::Recovered) => report.recovered += 1,
-                        _ => {}
-                    }
-                    return Done {
-                        held,
-                        gates,
-                        end: End::Acked,
-                        report,
-                    };
-                }
-                Step::Move(dest) => break dest,
-                Step::Wait(delay) => {
-                    report.nacked += 1;
-                    (delay, false)
-                }
-                Step::Retry(delay) => (delay, true),
+            let (delay, run_again) = match then {
+                Then::Move(dest) => break dest,
+                Then::Pause { delay, run_again } => (delay, run_again),
             };
             if !self.pause(&held.taken, delay).await {
                 return Done {
@@ -701,6 +939,27 @@ impl KafkaConsumer {
                 let next = held.taken.msg.delivery_count().saturating_add(1);
                 held.taken.msg = held.taken.msg.clone().with_delivery_count(next);
             }
+            ran.store(false, Ordering::Relaxed);
+            let handled = consumer
+                .handle_keyed(&held.taken.msg, key.clone(), Some(fingerprint), &watched)
+                .await;
+            let step = attempts.next(
+                handled.decision,
+                ran.load(Ordering::Relaxed),
+                held.taken.msg.delivery_count(),
+                || last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            );
+            then = match Then::of(step, handled.outcome, &mut report) {
+                Some(then) => then,
+                None => {
+                    return Done {
+                        held,
+                        gates,
+                        end: End::Acked,
+                        report,
+                    };
+                }
+            };
         };
         self.move_aside(consumer, held, gates, dest, report).await
     }
@@ -712,7 +971,7 @@ impl KafkaConsumer {
         &'a self,
         consumer: &Consumer<C>,
         held: Held<'a>,
-        gates: Vec<String>,
+        gates: Gates,
         dest: Destination,
         report: KafkaReport,
     ) -> Done<'a> {

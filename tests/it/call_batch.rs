@@ -202,6 +202,72 @@ async fn a_slow_body_does_not_hold_back_the_others_results() {
     assert!(results.iter().all(Result::is_ok), "{results:?}");
 }
 
+/// `run_each` hands a result over once it is stored, while a slower body
+/// of the same batch still runs: the slow body waits for the quick one's
+/// result to reach the caller, so a batch that held results back would
+/// never end (and the timeout fails it).
+async fn each_result_comes_while_a_slower_body_runs(ctx: TestContext) {
+    let store = ctx.name();
+    let idem = ctx.idem();
+    let (quick_seen, seen_quick) = tokio::sync::oneshot::channel::<()>();
+    let mut quick_seen = Some(quick_seen);
+    let seen_quick = tokio::sync::Mutex::new(Some(seen_quick));
+    let batch: Batch = ["quick", "slow", "failing"]
+        .iter()
+        .map(|k| idem.call("s", k))
+        .collect();
+    let mut order = Vec::new();
+    let run = batch.run_each(
+        |i| {
+            let seen_quick = &seen_quick;
+            async move {
+                match i {
+                    1 => {
+                        let waiting = seen_quick.lock().await.take();
+                        if let Some(waiting) = waiting {
+                            let _ = waiting.await;
+                        }
+                        Ok(i)
+                    }
+                    2 => Err(AppError::Declined),
+                    _ => Ok(i),
+                }
+            }
+        },
+        |i, result: Result<(usize, Outcome), AppError>| {
+            if i == 0 {
+                assert!(result.is_ok(), "{store}");
+                // Stored by now: the store says so.
+                if let Some(tx) = quick_seen.take() {
+                    let _ = tx.send(());
+                }
+            }
+            order.push((i, result.is_ok()));
+        },
+    );
+    tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .unwrap_or_else(|_| panic!("{store}: the quick result was held back for the slow body"));
+    order.sort();
+    assert_eq!(order, [(0, true), (1, true), (2, false)], "{store}");
+    assert_eq!(
+        idem.inspect("s", "quick").await.unwrap().map(|i| i.state),
+        Some(KeyState::Completed),
+        "{store}"
+    );
+    assert_eq!(idem.inspect("s", "failing").await.unwrap(), None, "{store}");
+}
+
+#[tokio::test]
+async fn each_result_comes_while_a_slower_body_runs_on_memory() {
+    each_result_comes_while_a_slower_body_runs(TestContext::memory()).await;
+}
+
+#[tokio::test]
+async fn each_result_comes_while_a_slower_body_runs_on_redis() {
+    each_result_comes_while_a_slower_body_runs(TestContext::redis().await).await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_batch_stores_finished_results_and_keeps_running_keys() {
     let idem = Idempotency::builder(MemoryStore::new())

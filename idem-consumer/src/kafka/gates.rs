@@ -8,10 +8,33 @@
 
 use std::collections::{HashSet, VecDeque};
 
+/// A record's gates, at most two, each the 64-bit hash of the gate's name
+/// under the run's seed: no string per record. Two names with one hash
+/// (one chance in 2^64 a pair) only make a record wait for another.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Gates {
+    ids: [u64; 2],
+    len: usize,
+}
+
+impl Gates {
+    /// Adds a gate; a record has two at most (a third is not held).
+    pub(super) fn push(&mut self, id: u64) {
+        if let Some(slot) = self.ids.get_mut(self.len) {
+            *slot = id;
+            self.len += 1;
+        }
+    }
+
+    pub(super) fn as_slice(&self) -> &[u64] {
+        self.ids.get(..self.len).unwrap_or(&[])
+    }
+}
+
 /// Something that waits to start and holds gates while it runs.
 pub(super) trait Gated {
     /// The gates it holds while it runs.
-    fn gates(&self) -> &[String];
+    fn gates(&self) -> &[u64];
 }
 
 /// Records waiting to start, in arrival order, and the gates held by the
@@ -19,7 +42,7 @@ pub(super) trait Gated {
 #[derive(Debug)]
 pub(super) struct StartQueue<T> {
     waiting: VecDeque<T>,
-    busy: HashSet<String, foldhash::fast::RandomState>,
+    busy: HashSet<u64, foldhash::fast::RandomState>,
 }
 
 impl<T> Default for StartQueue<T> {
@@ -52,8 +75,7 @@ impl<T: Gated> StartQueue<T> {
         // stands, which is at or near the front, as blocked records are
         // few. Rebuilding the queue moved every waiting record on every
         // turn of the run loop: quadratic in the backlog.
-        // Owned: a blocked record stays in the queue we remove from.
-        let mut blocked: HashSet<String, foldhash::fast::RandomState> = HashSet::default();
+        let mut blocked: HashSet<u64, foldhash::fast::RandomState> = HashSet::default();
         let mut at = 0;
         while start.len() < room {
             let Some(item) = self.waiting.get(at) else {
@@ -62,9 +84,9 @@ impl<T: Gated> StartQueue<T> {
             let free = item
                 .gates()
                 .iter()
-                .all(|g| !self.busy.contains(g.as_str()) && !blocked.contains(g.as_str()));
+                .all(|g| !self.busy.contains(g) && !blocked.contains(g));
             if !free {
-                blocked.extend(item.gates().iter().cloned());
+                blocked.extend(item.gates());
                 at += 1;
                 continue;
             }
@@ -72,7 +94,7 @@ impl<T: Gated> StartQueue<T> {
                 break;
             };
             if begin(&item) {
-                self.busy.extend(item.gates().iter().cloned());
+                self.busy.extend(item.gates());
                 start.push(item);
             }
         }
@@ -86,7 +108,7 @@ impl<T: Gated> StartQueue<T> {
     }
 
     /// Frees the gates of a record that finished.
-    pub(super) fn release(&mut self, gates: &[String]) {
+    pub(super) fn release(&mut self, gates: &[u64]) {
         for g in gates {
             self.busy.remove(g);
         }
@@ -98,16 +120,32 @@ mod tests {
     use super::*;
 
     #[derive(Debug, PartialEq)]
-    struct Item(&'static str, Vec<String>);
+    struct Item(&'static str, Vec<u64>);
 
     impl Gated for Item {
-        fn gates(&self) -> &[String] {
+        fn gates(&self) -> &[u64] {
             &self.1
         }
     }
 
+    /// A gate named as the run loop names them, hashed.
+    fn gate(name: &str) -> u64 {
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::default().hash_one(name)
+    }
+
     fn item(name: &'static str, gates: &[&str]) -> Item {
-        Item(name, gates.iter().map(|g| (*g).to_owned()).collect())
+        Item(name, gates.iter().map(|g| gate(g)).collect())
+    }
+
+    #[test]
+    fn gates_hold_two_at_most() {
+        let mut g = Gates::default();
+        assert!(g.as_slice().is_empty());
+        g.push(1);
+        g.push(2);
+        g.push(3);
+        assert_eq!(g.as_slice(), [1, 2]);
     }
 
     fn names(items: &[Item]) -> Vec<&'static str> {
@@ -155,7 +193,7 @@ mod tests {
         assert_eq!(names(&q.start(10, all)), ["a"]);
         assert!(q.start(10, all).is_empty());
         assert_eq!(q.len(), 1);
-        q.release(&["k:x".to_owned()]);
+        q.release(&[gate("k:x")]);
         assert_eq!(names(&q.start(10, all)), ["b"]);
     }
 
@@ -169,9 +207,9 @@ mod tests {
         q.push(item("c", &["k:y", "r:1"]));
         q.push(item("d", &["k:z"]));
         assert_eq!(names(&q.start(10, all)), ["d"]);
-        q.release(&["k:x".to_owned()]);
+        q.release(&[gate("k:x")]);
         assert_eq!(names(&q.start(10, all)), ["b"]);
-        q.release(&["k:x".to_owned(), "r:1".to_owned()]);
+        q.release(&[gate("k:x"), gate("r:1")]);
         assert_eq!(names(&q.start(10, all)), ["c"]);
     }
 

@@ -146,7 +146,63 @@ impl<'a> Batch<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        super::drive::drive(self.calls, self.concurrency, self.riders, body).await
+        let mut results: Vec<Option<Result<(T, Outcome), E>>> =
+            (0..self.calls.len()).map(|_| None).collect();
+        self.run_each(body, |i, result| {
+            if let Some(slot) = results.get_mut(i) {
+                *slot = Some(result);
+            }
+        })
+        .await;
+        results
+            .into_iter()
+            // `run_each` answers every call once.
+            .map(|r| {
+                r.unwrap_or(Err(E::from(Error::InProgress {
+                    retry_after: std::time::Duration::from_secs(1),
+                })))
+            })
+            .collect()
+    }
+
+    /// Runs the calls, `body(i)` being the body of the `i`-th, and hands
+    /// each call's result to `each(i, result)` as soon as it is known: what
+    /// [`Call::run_outcome`] would answer alone, once per call, in the order
+    /// the results come (a stored result once its round trip is back, an
+    /// error at once). A caller that acts per call (a Kafka offset, an
+    /// ack) never waits for a slower body this way.
+    ///
+    /// ```
+    /// use idem_core::{Batch, Idempotency, MemoryStore};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let batch: Batch = ["slow", "fast"].iter().map(|k| idem.call("s", k)).collect();
+    /// let mut order = Vec::new();
+    /// batch
+    ///     .run_each(
+    ///         |i| async move {
+    ///             if i == 0 {
+    ///                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    ///             }
+    ///             Ok::<_, idem_core::Error>(i)
+    ///         },
+    ///         |i, result| order.push((i, result.map(|(v, _)| v).ok())),
+    ///     )
+    ///     .await;
+    /// assert_eq!(order, [(1, Some(1)), (0, Some(0))]);
+    /// # });
+    /// ```
+    pub async fn run_each<F, Fut, T, E>(
+        self,
+        body: F,
+        each: impl FnMut(usize, Result<(T, Outcome), E>),
+    ) where
+        F: Fn(usize) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+    {
+        super::drive::drive(self.calls, self.concurrency, self.riders, body, each).await
     }
 
     /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.

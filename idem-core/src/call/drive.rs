@@ -67,26 +67,49 @@ struct Storing<T> {
 
 const RELEASE_WHY: &str = "the body returned an error";
 
-/// Runs `calls`, `body(i)` being the body of the `i`-th: one result per
-/// call, in order, each what the call alone would answer.
+/// Where a batch's results go: `each(i, result)` once per call, as soon
+/// as the call's result is known (stored, released or refused).
+struct Answers<F> {
+    each: F,
+    answered: Vec<bool>,
+}
+
+impl<F> Answers<F> {
+    fn give<T, E>(&mut self, index: usize, result: Result<(T, Outcome), E>)
+    where
+        F: FnMut(usize, Result<(T, Outcome), E>),
+    {
+        if let Some(answered) = self.answered.get_mut(index) {
+            *answered = true;
+        }
+        (self.each)(index, result);
+    }
+}
+
+/// Runs `calls`, `body(i)` being the body of the `i`-th, and hands each
+/// call's result to `each(i, result)` as soon as it is known, each what the
+/// call alone would answer: a slower body never holds back another's.
 pub(super) async fn drive<'a, F, Fut, T, E>(
     calls: Vec<Call<'a>>,
     concurrency: Option<usize>,
     riders: Option<MakeRider<'a>>,
     body: F,
-) -> Vec<Result<(T, Outcome), E>>
-where
+    each: impl FnMut(usize, Result<(T, Outcome), E>),
+) where
     F: Fn(usize) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     T: Serialize + DeserializeOwned,
     E: From<Error>,
 {
     let Some(first) = calls.first() else {
-        return Vec::new();
+        return;
     };
     let store = Arc::clone(&first.inner.store);
     let n = calls.len();
-    let mut results: Vec<Option<Result<(T, Outcome), E>>> = (0..n).map(|_| None).collect();
+    let mut results = Answers {
+        each,
+        answered: vec![false; n],
+    };
     let mut slots: Vec<Slot<'a>> = Vec::with_capacity(n);
     for (index, call) in calls.into_iter().enumerate() {
         match call.open() {
@@ -96,7 +119,7 @@ where
                 span,
                 seen: Generation::default(),
             }),
-            (_, Err(refused)) => results[index] = Some(Err(E::from(refused))),
+            (_, Err(refused)) => results.give(index, Err(E::from(refused))),
         }
     }
 
@@ -108,7 +131,10 @@ where
     for (k, slot) in slots.iter_mut().enumerate() {
         let exec = &slot.exec;
         if let Some(hit) = &exec.cached {
-            results[slot.index] = Some(in_scope(&slot.span, || exec.replay(hit)).map_err(E::from));
+            results.give(
+                slot.index,
+                in_scope(&slot.span, || exec.replay(hit)).map_err(E::from),
+            );
             continue;
         }
         // A call of a runtime over another store goes on its own.
@@ -243,7 +269,7 @@ where
                             }
                         }
                     }
-                    Next::Answer(result) => results[slot.index] = Some(result.map_err(E::from)),
+                    Next::Answer(result) => results.give(slot.index, result.map_err(E::from)),
                     Next::Unprotected(cause) => rest.push(go_on(k, None, Some(cause))),
                     Next::InProgress { retry_after } => {
                         let first = FirstClaim {
@@ -312,7 +338,7 @@ where
                             token: exec.token,
                         });
                         finishing_of.push(k);
-                        results[slot.index] = Some(Err(e));
+                        results.give(slot.index, Err(e));
                     }
                     Ok(Ok(value)) => {
                         let messages = exec.outgoing(staged);
@@ -391,7 +417,7 @@ where
                                     exec.remember(stored, *kind, value, slot.seen);
                                 }
                                 let outcome = exec.settled(done.ran, stored);
-                                results[slot.index] = Some(Ok((done.value, outcome)));
+                                results.give(slot.index, Ok((done.value, outcome)));
                             }
                         },
                         None => released(&store, &slot.exec, reply.map(|(_, reply)| reply)),
@@ -402,10 +428,10 @@ where
             {
                 let slot = &slots[k];
                 let outcome = in_scope(&slot.span, || slot.exec.settled(ran, stored));
-                results[slot.index] = Some(Ok((value, outcome)));
+                results.give(slot.index, Ok((value, outcome)));
             }
             while let Poll::Ready(Some((k, result))) = rest.poll_next_unpin(cx) {
-                results[slots[k].index] = Some(result);
+                results.give(slots[k].index, result);
             }
             if more || !finishing.is_empty() {
                 continue;
@@ -424,19 +450,21 @@ where
     for slot in slots {
         slot.exec.finish();
     }
-    results
-        .into_iter()
-        .map(|r| {
-            r.unwrap_or_else(|| {
-                // Every call is answered above; were one not, in flight is
-                // the answer that loses nothing (a retry asks the store).
-                tracing::error!("a call of a batch was left unanswered (a defect of idem's batch driver); answered InProgress");
+    // Every call is answered above; were one not, in flight is the answer
+    // that loses nothing (a retry asks the store).
+    for index in 0..n {
+        if !results.answered[index] {
+            tracing::error!(
+                "a call of a batch was left unanswered (a defect of idem's batch driver); answered InProgress"
+            );
+            results.give(
+                index,
                 Err(E::from(Error::InProgress {
                     retry_after: std::time::Duration::from_secs(1),
-                }))
-            })
-        })
-        .collect()
+                })),
+            );
+        }
+    }
 }
 
 /// Enters `span` unless no subscriber takes it: entering a disabled span
