@@ -226,18 +226,23 @@ async fn until_committed_to_the_end(bootstrap: &str, group: &str, topic: &str, p
             .await
             .unwrap()
     };
-    until(
-        "committed offsets at the end of every partition",
-        Duration::from_secs(60),
-        async || {
-            let (b, g, t) = (b.clone(), g.clone(), t.clone());
-            let got = tokio::task::spawn_blocking(move || committed(&b, &g, &t, partitions))
-                .await
-                .unwrap();
-            got.iter().zip(&ends).all(|(c, e)| *c == Some(*e))
-        },
-    )
-    .await;
+    // Its own loop, so a timeout says where each partition stood.
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (b, g, t) = (b.clone(), g.clone(), t.clone());
+        let got = tokio::task::spawn_blocking(move || committed(&b, &g, &t, partitions))
+            .await
+            .unwrap();
+        if got.iter().zip(&ends).all(|(c, e)| *c == Some(*e)) {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "not reached within 60s: committed offsets at the end of every partition of \
+             {topic} (committed {got:?}, ends {ends:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn counts(runs: impl IntoIterator<Item = String>) -> BTreeMap<String, usize> {
