@@ -168,9 +168,10 @@ impl<'a> Batch<'a> {
     /// Runs the calls, `body(i)` being the body of the `i`-th, and hands
     /// each call's result to `each(i, result)` as soon as it is known: what
     /// [`Call::run_outcome`] would answer alone, once per call, in the order
-    /// the results come (a stored result once its round trip is back, an
-    /// error at once). A caller that acts per call (a Kafka offset, an
-    /// ack) never waits for a slower body this way.
+    /// the results come: a stored result once its round trip is back, a
+    /// failed body's error once its key's release is (a retry of the key
+    /// then finds it free), a refusal at once. A caller that acts per call
+    /// (a Kafka offset, an ack) never waits for a slower body this way.
     ///
     /// ```
     /// use idem_core::{Batch, Idempotency, MemoryStore};

@@ -296,6 +296,9 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
 
     // Bodies polled here; what finished in one pass goes in one round trip.
     let mut storing: Vec<Option<Storing<T>>> = (0..slots.len()).map(|_| None).collect();
+    // A failed body's error, answered once its release is back, as a
+    // single call answers: a retry of the key then finds it free.
+    let mut failing: Vec<Option<E>> = (0..slots.len()).map(|_| None).collect();
     let mut finishing: Vec<FinishOp> = Vec::new();
     let mut finishing_of: Vec<usize> = Vec::new();
     let mut waves = FuturesUnordered::new();
@@ -338,7 +341,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                             token: exec.token,
                         });
                         finishing_of.push(k);
-                        results.give(slot.index, Err(e));
+                        failing[k] = Some(e);
                     }
                     Ok(Ok(value)) => {
                         let messages = exec.outgoing(staged);
@@ -420,7 +423,12 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                                 results.give(slot.index, Ok((done.value, outcome)));
                             }
                         },
-                        None => released(&store, &slot.exec, reply.map(|(_, reply)| reply)),
+                        None => {
+                            released(&store, &slot.exec, reply.map(|(_, reply)| reply));
+                            if let Some(e) = failing[k].take() {
+                                results.give(slot.index, Err(e));
+                            }
+                        }
                     }
                 }
             }
