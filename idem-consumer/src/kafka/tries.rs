@@ -85,6 +85,54 @@ impl Then {
     }
 }
 
+/// What a record's handler did in its tries: whether it ran in the last
+/// one, and its last error (the reason header when the record is moved
+/// aside). A try where the handler did not run (the key held elsewhere,
+/// the store down) keeps the error of the one before.
+#[derive(Default)]
+struct Watch {
+    ran: AtomicBool,
+    last_error: StdMutex<Option<String>>,
+}
+
+impl Watch {
+    /// `handler(m)`, noted in `watch` (a batch hands out no index past
+    /// its records, so `None` never comes in practice).
+    fn watch<'w, H, Fut, T, E>(
+        watch: Option<&'w Watch>,
+        handler: &H,
+        m: Message,
+    ) -> impl Future<Output = Result<T, E>> + use<'w, H, Fut, T, E>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: fmt::Display,
+    {
+        if let Some(w) = watch {
+            w.ran.store(true, Ordering::Relaxed);
+        }
+        let fut = handler(m);
+        async move {
+            let out = fut.await;
+            if let (Err(e), Some(w)) = (&out, watch) {
+                *w.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            }
+            out
+        }
+    }
+
+    fn ran(&self) -> bool {
+        self.ran.load(Ordering::Relaxed)
+    }
+
+    fn last_error(&self) -> Option<String> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
 impl KafkaConsumer {
     /// Pauses `d`, or less when `t`'s partition is revoked meanwhile;
     /// returns whether the partition is still ours.
@@ -124,25 +172,8 @@ impl KafkaConsumer {
         C: Classify<E>,
     {
         let n = started.len();
-        // Whether each record's handler ran, and its last error (for the
-        // reason header when it is moved).
-        let ran: Vec<AtomicBool> = (0..n).map(|_| AtomicBool::new(false)).collect();
-        let last_error: Vec<StdMutex<Option<String>>> =
-            (0..n).map(|_| StdMutex::new(None)).collect();
-        let watched = |i: usize, m: Message| {
-            if let Some(r) = ran.get(i) {
-                r.store(true, Ordering::Relaxed);
-            }
-            let fut = handler(m);
-            let last_error = last_error.get(i);
-            async move {
-                let out = fut.await;
-                if let (Err(e), Some(slot)) = (&out, last_error) {
-                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                }
-                out
-            }
-        };
+        let watches: Vec<Watch> = (0..n).map(|_| Watch::default()).collect();
+        let watched = |i: usize, m: Message| Watch::watch(watches.get(i), handler, m);
         let mut keys = Vec::with_capacity(n);
         let mut fps = Vec::with_capacity(n);
         // The batch reads copies (a message is a few shared pointers), so
@@ -167,15 +198,12 @@ impl KafkaConsumer {
             };
             let mut report = KafkaReport::default();
             let mut attempts = Attempts::new(&self.cfg, held.taken.topic.clone());
+            let watch = watches.get(i);
             let step = attempts.next(
                 handled.decision,
-                ran.get(i).is_some_and(|r| r.load(Ordering::Relaxed)),
+                watch.is_some_and(Watch::ran),
                 held.taken.msg.delivery_count(),
-                || {
-                    last_error
-                        .get(i)
-                        .and_then(|slot| slot.lock().unwrap_or_else(|p| p.into_inner()).take())
-                },
+                || watch.and_then(Watch::last_error),
             );
             let after = match Then::of(step, handled.outcome, &mut report) {
                 None => After::Done(Done {
@@ -255,20 +283,8 @@ impl KafkaConsumer {
             mut report,
             mut then,
         } = again;
-        let last_error: StdMutex<Option<String>> = StdMutex::new(None);
-        let ran = AtomicBool::new(false);
-        let watched = |m: Message| {
-            ran.store(true, Ordering::Relaxed);
-            let fut = handler(m);
-            let last_error = &last_error;
-            async move {
-                let out = fut.await;
-                if let Err(e) = &out {
-                    *last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                }
-                out
-            }
-        };
+        let watch = Watch::default();
+        let watched = |m: Message| Watch::watch(Some(&watch), handler, m);
         let dest = loop {
             let (delay, run_again) = match then {
                 Then::Move(dest) => break dest,
@@ -287,15 +303,15 @@ impl KafkaConsumer {
                 let next = held.taken.msg.delivery_count().saturating_add(1);
                 held.taken.msg = held.taken.msg.clone().with_delivery_count(next);
             }
-            ran.store(false, Ordering::Relaxed);
+            watch.ran.store(false, Ordering::Relaxed);
             let handled = consumer
                 .handle_keyed(&held.taken.msg, key.clone(), Some(fingerprint), &watched)
                 .await;
             let step = attempts.next(
                 handled.decision,
-                ran.load(Ordering::Relaxed),
+                watch.ran(),
                 held.taken.msg.delivery_count(),
-                || last_error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                || watch.last_error(),
             );
             then = match Then::of(step, handled.outcome, &mut report) {
                 Some(then) => then,

@@ -219,21 +219,11 @@ async fn until(what: &str, deadline: Duration, mut step: impl AsyncFnMut() -> bo
 
 /// Waits until the broker has the group's commit at the end of every partition.
 async fn until_committed_to_the_end(bootstrap: &str, group: &str, topic: &str, partitions: i32) {
-    let (b, g, t) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
-    let ends = {
-        let (b, t) = (b.clone(), t.clone());
-        tokio::task::spawn_blocking(move || high_watermarks(&b, &t, partitions))
-            .await
-            .unwrap()
-    };
     // Its own loop, so a timeout says where each partition stood.
     let end = Instant::now() + Duration::from_secs(60);
     loop {
-        let (b, g, t) = (b.clone(), g.clone(), t.clone());
-        let got = tokio::task::spawn_blocking(move || committed(&b, &g, &t, partitions))
-            .await
-            .unwrap();
-        if got.iter().zip(&ends).all(|(c, e)| *c == Some(*e)) {
+        let (got, ends) = commits_and_ends(bootstrap, group, topic, partitions).await;
+        if at_the_end(&got, &ends) {
             return;
         }
         assert!(
@@ -243,6 +233,35 @@ async fn until_committed_to_the_end(bootstrap: &str, group: &str, topic: &str, p
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The group's committed offsets, then the partitions' ends, read in that
+/// order: a commit at or past an end read after it covers every record
+/// before that end. Both are read again on each call, as records may
+/// still arrive (a retry topic fills while it is consumed) and tansu may
+/// report an end short of records produced just before.
+async fn commits_and_ends(
+    bootstrap: &str,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+) -> (Vec<Option<i64>>, Vec<i64>) {
+    let (b, g, t) = (bootstrap.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let got = committed(&b, &g, &t, partitions);
+        (got, high_watermarks(&b, &t, partitions))
+    })
+    .await
+    .unwrap()
+}
+
+/// Every partition committed at or past its end.
+fn at_the_end(committed: &[Option<i64>], ends: &[i64]) -> bool {
+    committed.len() == ends.len()
+        && committed
+            .iter()
+            .zip(ends)
+            .all(|(c, e)| c.is_some_and(|c| c >= *e))
 }
 
 fn counts(runs: impl IntoIterator<Item = String>) -> BTreeMap<String, usize> {
@@ -416,12 +435,9 @@ impl Place for Topic {
 
     /// The group's commit at the end of every partition.
     async fn drained(&self) -> bool {
-        let (b, t, n) = (self.bootstrap.clone(), self.name.clone(), self.partitions);
-        let ends = tokio::task::spawn_blocking(move || high_watermarks(&b, &t, n))
-            .await
-            .unwrap();
-        let at = self.committed().await;
-        at.iter().zip(&ends).all(|(c, e)| *c == Some(*e))
+        let (at, ends) =
+            commits_and_ends(&self.bootstrap, &self.group, &self.name, self.partitions).await;
+        at_the_end(&at, &ends)
     }
 
     /// The key header, idem's fields and the payload of the records of the
@@ -792,10 +808,22 @@ async fn two_members_payload_keys_duplicates_and_republishes_run_each_order_once
     };
     let a = KafkaConsumer::connect(t.cfg()).unwrap();
     let b = KafkaConsumer::connect(t.cfg()).unwrap();
+    // Both run until the group's commit is at the end of every partition:
+    // a member stopped earlier (say once every order ran) could leave a
+    // partition the group hands it late unread and uncommitted.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_done = || {
+        let mut stopped = stopped.clone();
+        async move { stopped.wait_for(|s| *s).await.map(drop) }
+    };
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send_replace(true);
+    };
     let (ra, rb, ()) = tokio::join!(
-        a.run(&consumer, &charge, until_stopped(&ledger, n)),
-        b.run(&consumer, &charge, until_stopped(&ledger, n)),
-        t.until_committed_to_the_end(),
+        a.run(&consumer, &charge, until_done()),
+        b.run(&consumer, &charge, until_done()),
+        check,
     );
     let mut total = ra.unwrap();
     total.add(rb.unwrap());
@@ -810,18 +838,6 @@ async fn two_members_payload_keys_duplicates_and_republishes_run_each_order_once
         total.acked >= sent,
         "every record acked: {total:?} of {sent}"
     );
-}
-
-/// Resolves once the ledger holds `n` distinct keys and a little after (so
-/// the commit of the last ones is sent).
-async fn until_stopped(ledger: &Ledger, n: usize) {
-    loop {
-        if ledger.total() >= n {
-            tokio::time::sleep(Duration::from_millis(2000)).await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -998,6 +1014,12 @@ async fn a_retry_topic_takes_what_still_fails_and_the_attempts_carry_on() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let check = async {
         t.until_committed_to_the_end().await;
+        // The retry topic grows while o-1 makes its hops: its end is
+        // final once the fifth run is done.
+        until("o-1's fifth run", Duration::from_secs(60), async || {
+            ledger.count("o-1") >= 5
+        })
+        .await;
         until_committed_to_the_end(&t.bootstrap, &t.group, &retry, 1).await;
         stop.send(()).unwrap();
     };
