@@ -107,6 +107,9 @@ use tries::{After, Again, Started};
 
 const BROKER: &str = "kafka";
 
+/// How many times a run's last commit is tried when the broker refuses it.
+const LAST_COMMIT_TRIES: u32 = 3;
+
 /// Lowercase hex digits, as message ids and gate names spell raw bytes.
 fn hex(bytes: &[u8]) -> String {
     hex::encode(bytes)
@@ -363,8 +366,9 @@ impl KafkaConsumer {
     /// running handlers finish (up to the consumer's
     /// [`drain_timeout`](Consumer::drain_timeout), as every adapter's `run`
     /// does; [`KafkaConfig::revoke_deadline`] is for rebalances) and
-    /// commits what is decided. A handler still running at the
-    /// deadline is dropped: its offset stays uncommitted and its idem key
+    /// commits what is decided (a commit the broker refuses then is tried
+    /// again, three tries in all, a commit interval apart). A handler still
+    /// running at the deadline is dropped: its offset stays uncommitted and its idem key
     /// keeps its lease.
     ///
     /// Records a run ends without deciding (not started yet, paused, or
@@ -552,8 +556,16 @@ impl KafkaConsumer {
         if let Some(c) = committing.take() {
             let _ = c.await;
         }
-        if let Some(c) = self.start_commit() {
+        // The run's last commit: no interval follows to try it again, so a
+        // refused one (a rebalance under way, a broker busy) is tried again
+        // here a few times. What still fails is read again by the next
+        // owner from the last commit, and idem replays it.
+        for attempt in 1..=LAST_COMMIT_TRIES {
+            let Some(c) = self.start_commit() else { break };
             let _ = c.await;
+            if attempt < LAST_COMMIT_TRIES && !self.shared.to_commit().is_empty() {
+                tokio::time::sleep(self.cfg.commit_interval).await;
+            }
         }
         Ok(report)
     }

@@ -11,9 +11,10 @@
 //! or store staged outbox messages goes on as a single call from its batch
 //! claim's reply, so those rules stay defined once.
 //!
-//! What a dropped batch leaves behind is what dropped single calls leave:
-//! round trips in flight run in a task of their own and act on their
-//! replies for the calls that no longer wait ([`BatchOp::orphaned`]:
+//! The round trips are polled by the batch's future too (no task, no
+//! wake-up passed on). What a dropped batch leaves behind is what dropped
+//! single calls leave: round trips in flight go on in a task of their own
+//! and act on their replies for the calls that no longer wait ([`BatchOp::orphaned`]:
 //! a won claim is released, a result is still stored); a body dropped
 //! mid-run keeps its key until its lease ends, unless it releases on
 //! cancel.
@@ -367,8 +368,9 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
             }
             if first_panic.is_some() {
                 if !finishing.is_empty() {
-                    // Sent and not awaited: the round trip's task stores
-                    // these results for calls that no longer wait.
+                    // Sent and not awaited: dropped, the round trip goes
+                    // on in a task and stores these results for calls
+                    // that no longer wait.
                     drop(send_wave(
                         Arc::clone(&store),
                         std::mem::take(&mut finishing),

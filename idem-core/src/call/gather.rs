@@ -312,11 +312,10 @@ impl FinishOp {
     }
 }
 
-/// Sends `ops` as one batch in a task of its own (a batch's round trip,
-/// not a per-call queue): the returned future waits for them back with
-/// their replies, in order; `None` when the task could not answer (no
-/// runtime to run it). Dropped before, it leaves every reply to
-/// [`BatchOp::orphaned`].
+/// Sends `ops` as one batch (a batch's round trip, not a per-call
+/// queue): the returned future, polled by the batch's driver, gives them
+/// back with their replies, in order. Dropped before, it finishes in a
+/// task of its own and leaves every reply to [`BatchOp::orphaned`].
 pub(super) fn send_wave<Op: BatchOp>(store: Arc<dyn Store>, ops: Vec<Op>) -> Wave<Op> {
     let send = Op::send(Arc::clone(&store), ops);
     wave_of(store, send)
@@ -333,55 +332,51 @@ pub(super) fn send_finish_wave(
     wave_of(store, send)
 }
 
-/// `send` run in a task of its own, as [`send_wave`] says.
+/// `send` as a wave its driver polls itself: no task, no channel, and
+/// no wake-up passed on from a task to the driver (a store that answers
+/// in process, `MemoryStore`, answers on the first poll). Dropped before
+/// its answer, the wave hands what is left of `send` to a task of its own,
+/// which acts on the replies for the driver that is gone.
 fn wave_of<Op: BatchOp>(store: Arc<dyn Store>, send: Sent<Op>) -> Wave<Op> {
-    let (to, reply) = oneshot::channel();
-    let orphans = Arc::clone(&store);
-    detach("a batch with store writes in flight", async move {
-        if let Err(replies) = to.send(send.await) {
-            for (op, reply) in replies {
-                Op::orphaned(Arc::clone(&orphans), op, reply);
-            }
-        }
-    });
     Wave {
-        reply,
+        send: Some(send),
         store,
-        answered: false,
     }
 }
 
-/// A batch's round trip, awaited by its driver.
+/// A batch's round trip, polled by its driver.
 pub(super) struct Wave<Op: BatchOp> {
-    reply: oneshot::Receiver<Vec<(Op, Op::Reply)>>,
+    /// `None` once answered.
+    send: Option<Sent<Op>>,
     store: Arc<dyn Store>,
-    answered: bool,
 }
 
 impl<Op: BatchOp> Future for Wave<Op> {
     type Output = Option<Vec<(Op, Op::Reply)>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let out = std::task::ready!(Pin::new(&mut this.reply).poll(cx)).ok();
-        this.answered = true;
-        Poll::Ready(out)
+        let Some(send) = self.send.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let replies = std::task::ready!(send.as_mut().poll(cx));
+        self.send = None;
+        Poll::Ready(Some(replies))
     }
 }
 
 impl<Op: BatchOp> Drop for Wave<Op> {
     fn drop(&mut self) {
-        if self.answered {
+        // As for a single op (`Submitted`): the writes go on, and the
+        // replies of a driver that is gone are acted on for it.
+        let Some(send) = self.send.take() else {
             return;
-        }
-        // As for a single op (`Submitted`): exactly one side acts on the
-        // replies of a driver that is gone.
-        self.reply.close();
-        if let Ok(replies) = self.reply.try_recv() {
-            for (op, reply) in replies {
-                Op::orphaned(Arc::clone(&self.store), op, reply);
+        };
+        let store = Arc::clone(&self.store);
+        detach("a batch with store writes in flight", async move {
+            for (op, reply) in send.await {
+                Op::orphaned(Arc::clone(&store), op, reply);
             }
-        }
+        });
     }
 }
 
