@@ -5,9 +5,11 @@
 //!
 //! * `bare`: the service without the layer;
 //! * `fresh`: through the layer, a new key per call (claim, run, store);
-//! * `fresh-unshared`: the same with `share_round_trips(false)`, each
-//!   call its own claim and complete round trips;
+//! * `fresh-shared`: the same with `share_round_trips(true)`, the claims
+//!   (then the completes) of calls that reach the store in one scheduler
+//!   turn sent as one batch;
 //! * `replay`: through the layer, keys already completed (one read);
+//! * `replay-shared`: the same with `share_round_trips(true)`;
 //! * `cached`: the same replays, the runtime keeping completed results in
 //!   process (`IdempotencyBuilder::local_cache`): no store round trip.
 //!
@@ -172,10 +174,10 @@ fn main() {
             IdempotencyLayer::new(idem.clone()).unary(CREATE_PAYMENT),
         ))
         .await;
-        let single = serve(Some(
+        let shared = serve(Some(
             IdempotencyLayer::new(idem.clone())
                 .unary(CREATE_PAYMENT)
-                .share_round_trips(false),
+                .share_round_trips(true),
         ))
         .await;
         let cached = serve(Some(
@@ -211,16 +213,18 @@ fn main() {
             let replay_key: Arc<dyn Fn(u64) -> String + Send + Sync> = Arc::new(pool_key);
             let bare_rps = phase(&bare, concurrency, secs, fresh_key.clone()).await;
             let fresh_rps = phase(&layered, concurrency, secs, fresh_key.clone()).await;
-            let single_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
-                Arc::new(move |i| format!("single-{round}-{i}"));
-            let single_rps = phase(&single, concurrency, secs, single_key).await;
+            let shared_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
+                Arc::new(move |i| format!("shared-{round}-{i}"));
+            let shared_rps = phase(&shared, concurrency, secs, shared_key).await;
             let replay_rps = phase(&layered, concurrency, secs, replay_key.clone()).await;
+            let replay_shared_rps = phase(&shared, concurrency, secs, replay_key.clone()).await;
             let cached_rps = phase(&cached, concurrency, secs, replay_key).await;
             println!(
-                "round {round}: bare {bare_rps:.0}  fresh {fresh_rps:.0} ({:.2})  fresh-unshared {single_rps:.0} ({:.2})  replay {replay_rps:.0} ({:.2})  cached {cached_rps:.0} ({:.2})",
+                "round {round}: bare {bare_rps:.0}  fresh {fresh_rps:.0} ({:.2})  fresh-shared {shared_rps:.0} ({:.2})  replay {replay_rps:.0} ({:.2})  replay-shared {replay_shared_rps:.0} ({:.2})  cached {cached_rps:.0} ({:.2})",
                 fresh_rps / bare_rps,
-                single_rps / bare_rps,
+                shared_rps / bare_rps,
                 replay_rps / bare_rps,
+                replay_shared_rps / bare_rps,
                 cached_rps / bare_rps
             );
             fr.push(fresh_rps / bare_rps);

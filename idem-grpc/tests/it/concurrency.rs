@@ -7,9 +7,20 @@ use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_concurrent_duplicates_run_once_and_get_one_answer() {
+    sixty_four_duplicates(false).await;
+}
+
+/// The same with the calls' round trips shared (`share_round_trips`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_concurrent_duplicates_sharing_round_trips_run_once_and_get_one_answer() {
+    sixty_four_duplicates(true).await;
+}
+
+async fn sixty_four_duplicates(share_round_trips: bool) {
     let ctx = TestContext::redis().await.with_namespace("grpc-dup");
     let layer = IdempotencyLayer::new(ctx.idem())
         .unary(CREATE_PAYMENT)
+        .share_round_trips(share_round_trips)
         .wait(Duration::from_secs(60));
     let server = TestServer::start(layer, ctx.ledger().clone()).await;
     let raw = server.raw();
@@ -86,11 +97,23 @@ async fn without_wait_a_duplicate_in_flight_is_aborted_with_a_retry_hint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_duplicates_run_once_and_every_key_replays() {
+    cluster_duplicates(false).await;
+}
+
+/// The same with the calls' round trips shared: a batch's keys span every
+/// master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_sharing_round_trips_duplicates_run_once_and_every_key_replays() {
+    cluster_duplicates(true).await;
+}
+
+async fn cluster_duplicates(share_round_trips: bool) {
     let ctx = TestContext::redis_cluster()
         .await
         .with_namespace("grpc-cluster");
     let layer = IdempotencyLayer::new(ctx.idem())
         .unary(CREATE_PAYMENT)
+        .share_round_trips(share_round_trips)
         .wait(Duration::from_secs(60));
     let server = TestServer::start(layer, ctx.ledger().clone()).await;
     let raw = server.raw();

@@ -238,13 +238,19 @@ pub enum TaskError {
     NoAnswer,
 }
 
-/// Runs `job` in a Tokio task of its own and waits for the answer it sends.
+/// Runs `job` and waits for the answer it sends, the job polled by this
+/// future itself (no task to spawn and no wake-up passed on from one: most
+/// runs are over by the time they answer).
 ///
-/// A task because the server drops this future when its client goes away,
-/// and a started handler must not stop half-way through its effects. With
-/// `cancel_on_drop` the task is aborted instead when this future is dropped
+/// The server drops this future when its client goes away, and a started
+/// handler must not stop half-way through its effects: the job still
+/// running then (or still running once it has answered, a streamed
+/// response storing its body) goes on in a Tokio task of its own. With
+/// `cancel_on_drop` it is dropped instead when this future is dropped
 /// before the answer came; as for any call dropped mid-body, its key stays
-/// in flight until its lease ends (the handler may have made effects).
+/// in flight until its lease ends (the handler may have made effects). A
+/// panic out of the job (the handler's own are caught inside it) ends it
+/// without an answer, as it would end its task.
 pub async fn in_task<R, E, Fut>(
     job: impl FnOnce(Reply<R, E>) -> Fut,
     cancel_on_drop: bool,
@@ -253,24 +259,51 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     let runtime = tokio::runtime::Handle::try_current().map_err(|_| TaskError::NoRuntime)?;
-    let (reply, answer) = oneshot::channel();
-    let task = runtime.spawn(job(reply));
-    let abort = cancel_on_drop.then(|| AbortOnDrop(Some(task.abort_handle())));
-    let answer = answer.await;
-    if let Some(mut abort) = abort {
-        // Answered: from here on the response body drives cancellation.
-        abort.0 = None;
-    }
+    let (reply, mut answer) = oneshot::channel();
+    let mut run = Running {
+        job: Some(Box::pin(job(reply))),
+        runtime,
+        cancel_on_drop,
+    };
+    let answer = std::future::poll_fn(|cx| {
+        if let Some(job) = run.job.as_mut() {
+            let polled = std::panic::catch_unwind(AssertUnwindSafe(|| job.as_mut().poll(cx)));
+            match polled {
+                Ok(std::task::Poll::Pending) => {}
+                Ok(std::task::Poll::Ready(())) => run.job = None,
+                Err(_) => {
+                    tracing::error!("an idempotent run panicked before it answered");
+                    run.job = None;
+                }
+            }
+        }
+        std::pin::Pin::new(&mut answer).poll(cx)
+    })
+    .await;
+    // Answered: from here on the response body drives cancellation, and
+    // what is left of the job goes on in a task of its own.
+    run.cancel_on_drop = false;
+    drop(run);
     answer.map_err(|_| TaskError::NoAnswer)
 }
 
-struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+/// A job polled in place; dropped unfinished, it goes on in a task (or,
+/// cancelled on drop, stops).
+struct Running<Fut: Future<Output = ()> + Send + 'static> {
+    job: Option<std::pin::Pin<Box<Fut>>>,
+    runtime: tokio::runtime::Handle,
+    cancel_on_drop: bool,
+}
 
-impl Drop for AbortOnDrop {
+impl<Fut: Future<Output = ()> + Send + 'static> Drop for Running<Fut> {
     fn drop(&mut self) {
-        if let Some(handle) = self.0.take() {
+        let Some(job) = self.job.take() else {
+            return;
+        };
+        if self.cancel_on_drop {
             tracing::debug!("client gone before the answer: cancelling the handler");
-            handle.abort();
+            return;
         }
+        self.runtime.spawn(job);
     }
 }
