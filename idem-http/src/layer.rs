@@ -309,9 +309,10 @@ impl IdempotencyLayer {
     /// Whether a client that disconnects cancels its handler (default
     /// `false`).
     ///
-    /// By default a handler that has started runs to completion in a task
-    /// of its own, whatever the client does: hyper drops a request's future
-    /// when its client goes away (a client timeout does that), and a handler
+    /// By default a handler that has started runs to completion, whatever
+    /// the client does: hyper drops a request's future when its client goes
+    /// away (a client timeout does that), and what is left of the handler
+    /// then moves to a task of its own and finishes there, since a handler
     /// stopped half-way through a payment is worse than one that finishes.
     /// Its response is stored, so the client's retry gets it (`409` while it
     /// still runs).

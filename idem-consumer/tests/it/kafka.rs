@@ -192,9 +192,12 @@ fn read(
 
 /// Test settings: short session and commit interval, quick fetches.
 fn cfg(bootstrap: &str, group: &str, topic: &str) -> KafkaConfig {
-    // `RUST_LOG=idem_consumer=debug` shows the adapter's view when a test fails.
+    // The adapter's view (assignments, revocations, commits, records
+    // kept), shown with a failing test's output; `RUST_LOG` overrides it.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("idem_consumer=debug,warn"));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(filter)
         .with_test_writer()
         .try_init();
     KafkaConfig::new(bootstrap, group, [topic])
@@ -286,6 +289,25 @@ struct Topic {
     producer: FutureProducer,
     /// The next dead letter [`Place::dead_letters`] returns.
     dead_read: std::sync::Mutex<i64>,
+}
+
+impl Drop for Topic {
+    /// A failing test shows the end of the broker's log too.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        if let Some(broker) = &self.broker {
+            let log = std::fs::read_to_string(broker.dir().join("tansu.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines.get(lines.len().saturating_sub(40)..).unwrap_or(&[]);
+            println!(
+                "tansu's log, last {} lines:\n{}",
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
 }
 
 impl Topic {
