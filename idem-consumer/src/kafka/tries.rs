@@ -256,76 +256,63 @@ impl KafkaConsumer {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let done = self.go_on(consumer, handler, again).await;
-        let _ = landed.send(After::Done(done));
-    }
-
-    /// [`resume`](Self::resume)'s record, handed back once it is done.
-    async fn go_on<'a, C, T, E, H, Fut>(
-        &'a self,
-        consumer: &Consumer<C>,
-        handler: &H,
-        again: Again<'a>,
-    ) -> Done<'a>
-    where
-        H: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
-        C: Classify<E>,
-    {
-        let Again {
-            mut held,
-            key,
-            fingerprint,
-            gates,
-            mut attempts,
-            mut report,
-            mut then,
-        } = again;
-        let watch = Watch::default();
-        let watched = |m: Message| Watch::watch(Some(&watch), handler, m);
-        let dest = loop {
-            let (delay, run_again) = match then {
-                Then::Move(dest) => break dest,
-                Then::Pause { delay, run_again } => (delay, run_again),
-            };
-            if !self.pause(&held.taken, delay).await {
-                return Done {
-                    held,
-                    gates,
-                    end: End::Abandoned,
-                    report,
+        // The record is handed back once done, however its tries end.
+        let done: Done<'a> = async {
+            let Again {
+                mut held,
+                key,
+                fingerprint,
+                gates,
+                mut attempts,
+                mut report,
+                mut then,
+            } = again;
+            let watch = Watch::default();
+            let watched = |m: Message| Watch::watch(Some(&watch), handler, m);
+            let dest = loop {
+                let (delay, run_again) = match then {
+                    Then::Move(dest) => break dest,
+                    Then::Pause { delay, run_again } => (delay, run_again),
                 };
-            }
-            if run_again {
-                report.retried += 1;
-                let next = held.taken.msg.delivery_count().saturating_add(1);
-                held.taken.msg = held.taken.msg.clone().with_delivery_count(next);
-            }
-            watch.ran.store(false, Ordering::Relaxed);
-            let handled = consumer
-                .handle_keyed(&held.taken.msg, key.clone(), Some(fingerprint), &watched)
-                .await;
-            let step = attempts.next(
-                handled.decision,
-                watch.ran(),
-                held.taken.msg.delivery_count(),
-                || watch.last_error(),
-            );
-            then = match Then::of(step, handled.outcome, &mut report) {
-                Some(then) => then,
-                None => {
+                if !self.pause(&held.taken, delay).await {
                     return Done {
                         held,
                         gates,
-                        end: End::Acked,
+                        end: End::Abandoned,
                         report,
                     };
                 }
+                if run_again {
+                    report.retried += 1;
+                    let next = held.taken.msg.delivery_count().saturating_add(1);
+                    held.taken.msg = held.taken.msg.clone().with_delivery_count(next);
+                }
+                watch.ran.store(false, Ordering::Relaxed);
+                let handled = consumer
+                    .handle_keyed(&held.taken.msg, key.clone(), Some(fingerprint), &watched)
+                    .await;
+                let step = attempts.next(
+                    handled.decision,
+                    watch.ran(),
+                    held.taken.msg.delivery_count(),
+                    || watch.last_error(),
+                );
+                then = match Then::of(step, handled.outcome, &mut report) {
+                    Some(then) => then,
+                    None => {
+                        return Done {
+                            held,
+                            gates,
+                            end: End::Acked,
+                            report,
+                        };
+                    }
+                };
             };
-        };
-        self.move_aside(consumer, held, gates, dest, report).await
+            self.move_aside(consumer, held, gates, dest, report).await
+        }
+        .await;
+        let _ = landed.send(After::Done(done));
     }
 
     /// Publishes `taken` to `dest`, retrying with the consumer's backoff for
