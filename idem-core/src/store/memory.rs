@@ -18,7 +18,9 @@ use tokio::time::Instant;
 #[derive(Debug)]
 enum State {
     Pending {
-        token: Token,
+        /// The owner's 128 bits: `Token` also keeps its hex (32 bytes more
+        /// per record) for stores that write text.
+        token: [u8; 16],
         deadline: Instant,
         attempt: u32,
     },
@@ -47,8 +49,9 @@ struct Failures {
 }
 
 /// Keys hashed with a fast hash seeded per map (keys come from callers, so
-/// not a fixed seed; SipHash was a tenth of a batched message's work).
-type Keyed<V> = HashMap<String, V, foldhash::fast::RandomState>;
+/// not a fixed seed; SipHash was a tenth of a batched message's work), and
+/// held as `Box<str>`: every byte of a slot is copied when the map grows.
+type Keyed<V> = HashMap<Box<str>, V, foldhash::fast::RandomState>;
 
 #[derive(Debug, Default)]
 struct Map {
@@ -161,7 +164,7 @@ impl Map {
             }
             _ => {
                 self.failures.insert(
-                    key.to_owned(),
+                    key.into(),
                     Failures {
                         count: 1,
                         expires_at,
@@ -179,13 +182,13 @@ impl Map {
         let lease = store_lease(c.lease);
         let ttl = record_ttl(c.ttl, c.lease);
         let pending = |attempt| State::Pending {
-            token: *c.token,
+            token: *c.token.as_raw(),
             deadline: now + lease,
             attempt,
         };
         let Some(entry) = self.live(c.key, now) else {
             self.entries.insert(
-                c.key.to_owned(),
+                c.key.into(),
                 Entry {
                     state: pending(1),
                     steps: Vec::new(),
@@ -211,7 +214,7 @@ impl Map {
                 deadline,
                 attempt,
             } => {
-                if token == *c.token {
+                if token == *c.token.as_raw() {
                     // Our own claim again: its reply was lost and it was re-sent.
                     entry.state = pending(attempt);
                 } else if deadline > now {
@@ -326,7 +329,7 @@ impl Map {
                 ..
             }) => Err(WriteReply::AlreadyCompleted),
             Some(e) => match &e.state {
-                State::Pending { token: t, .. } if t == token => Ok(e),
+                State::Pending { token: t, .. } if t == token.as_raw() => Ok(e),
                 _ => Err(WriteReply::OtherOwner),
             },
         }
@@ -522,24 +525,21 @@ impl Store for MemoryStore {
     ) -> Result<ScanPage, Error> {
         let now = Instant::now();
         let map = self.lock();
-        let mut keys: Vec<&String> = map
+        let mut live: Vec<(&str, &Entry)> = map
             .entries
             .iter()
+            .map(|(k, e)| (&**k, e))
             .filter(|(k, e)| {
-                e.expires_at > now && k.starts_with(prefix) && cursor.is_none_or(|c| k.as_str() > c)
+                e.expires_at > now && k.starts_with(prefix) && cursor.is_none_or(|c| *k > c)
             })
-            .map(|(k, _)| k)
             .collect();
-        keys.sort_unstable();
+        live.sort_unstable_by_key(|(k, _)| *k);
         let count = count.max(1);
-        let more = keys.len() > count;
-        keys.truncate(count);
-        let records: Vec<(String, Result<RecordInfo, Error>)> = keys
+        let more = live.len() > count;
+        live.truncate(count);
+        let records: Vec<(String, Result<RecordInfo, Error>)> = live
             .into_iter()
-            .filter_map(|k| {
-                let e = map.entries.get(k)?;
-                Some((k.clone(), Ok(e.info(now, false))))
-            })
+            .map(|(k, e)| (k.to_owned(), Ok(e.info(now, false))))
             .collect();
         let cursor = if more {
             records.last().map(|(k, _)| k.clone())
