@@ -193,9 +193,12 @@ fn read(
 /// Test settings: short session and commit interval, quick fetches.
 fn cfg(bootstrap: &str, group: &str, topic: &str) -> KafkaConfig {
     // The adapter's view (assignments, revocations, commits, records
-    // kept), shown with a failing test's output; `RUST_LOG` overrides it.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("idem_consumer=debug,warn"));
+    // kept) and librdkafka's group protocol (the shared scenarios'
+    // members ask for `debug=cgrp`), shown with a failing test's output;
+    // `RUST_LOG` overrides it.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("idem_consumer=debug,librdkafka=debug,warn")
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_test_writer()
@@ -359,6 +362,10 @@ impl Topic {
             .set("partition.assignment.strategy", "cooperative-sticky")
             .set("session.timeout.ms", session.to_string())
             .set("heartbeat.interval.ms", (session / 5).to_string())
+            // Joins, syncs and assignments, for the output of a failing
+            // test: a survivor once waited 60 s for an assignment that
+            // never came, and nothing said why.
+            .set("debug", "cgrp")
     }
 
     /// Publishes one record to an explicit partition, its id (if any) in the
