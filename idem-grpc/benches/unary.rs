@@ -16,6 +16,12 @@
 //! A private `redis-server` on 127.0.0.1 is the store. Prints each round,
 //! then the median per phase and `fresh / bare`, `replay / bare`.
 //!
+//! At the default 32 calls in flight a 2-core machine is not saturated:
+//! the ratios say how much the store's round trips lengthen a call.
+//! `IDEM_BENCH_CONCURRENCY=256` saturates it, and the ratios then say what
+//! a call costs in CPU, the Redis server's included when it shares the
+//! cores (docs/performance.md, "What the ratio measures").
+//!
 //! ```text
 //! cargo bench -p idem-grpc --bench unary
 //! IDEM_BENCH_SECS=3 IDEM_BENCH_ROUNDS=7 IDEM_BENCH_CONCURRENCY=64 cargo bench -p idem-grpc --bench unary
