@@ -6,7 +6,8 @@
 //! cargo bench -p idem-consumer --bench consumer -- redis   # or: core, nats, rabbitmq, kafka, postgres
 //! ```
 //!
-//! Every phase pre-publishes `MESSAGES` messages (not timed), then times
+//! Every phase pre-publishes `MESSAGES` messages (Kafka five times as many:
+//! see `consumer/kafka.rs`) (not timed), then times
 //! consuming and acking all of them with batches of 64, three ways on the
 //! same broker: the bare consume+ack loop; the dedup floor (`floor.rs`: the
 //! bare loop plus the two writes per message any deduplication needs,
@@ -68,11 +69,18 @@ impl Timer {
         }
     }
 
-    /// Messages per second since the start; records allocations per message.
+    /// Messages per second since the start, over a loop of `MESSAGES`;
+    /// records allocations per message.
     fn rate(&self) -> f64 {
-        let allocs = allocations().saturating_sub(self.allocs) as f64 / MESSAGES as f64;
+        self.rate_of(MESSAGES)
+    }
+
+    /// [`rate`](Timer::rate) of a loop over `n` messages.
+    fn rate_of(&self, n: usize) -> f64 {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let allocs = allocations().saturating_sub(self.allocs) as f64 / n as f64;
         LAST_ALLOCS.store(allocs.to_bits(), Ordering::SeqCst);
-        MESSAGES as f64 / self.start.elapsed().as_secs_f64()
+        n as f64 / elapsed
     }
 }
 
@@ -517,8 +525,9 @@ fn main() {
     let server = RedisServer::start();
     let url = server.url();
     println!(
-        "{MESSAGES} messages per phase, batches of {BATCH}, best of {ROUNDS} alternating rounds; \
-         floor = the bare loop + one pipelined SET NX and one SET per message (benches/consumer/floor.rs)"
+        "{MESSAGES} messages per phase (kafka {}), batches of {BATCH}, best of {ROUNDS} alternating rounds; \
+         floor = the bare loop + one pipelined SET NX and one SET per message (benches/consumer/floor.rs)",
+        kafka::MESSAGES
     );
     rt.block_on(async {
         let mut run = 0;

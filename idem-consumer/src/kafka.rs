@@ -242,6 +242,8 @@ pub struct KafkaConsumer {
     kept: StdMutex<Vec<Taken>>,
     cfg: Arc<KafkaConfig>,
     stop: Arc<AtomicBool>,
+    /// Taken by [`close`](KafkaConsumer::close), which waits for the thread.
+    poll_thread: Option<std::thread::JoinHandle<()>>,
     /// The seed of the gate hashes (random per consumer: no one can pick
     /// keys that collide on purpose).
     gate_seed: foldhash::fast::RandomState,
@@ -306,14 +308,14 @@ impl KafkaConsumer {
         let consumer = Arc::new(consumer);
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let stop = Arc::new(AtomicBool::new(false));
-        {
+        let poll_thread = {
             let (consumer, shared, cfg, stop) =
                 (consumer.clone(), shared.clone(), cfg.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("idem-kafka-poll".into())
                 .spawn(move || poller::poll_loop(consumer, shared, cfg, tx, stop))
-                .map_err(|e| ConsumerError::Config(format!("cannot start the poll thread: {e}")))?;
-        }
+                .map_err(|e| ConsumerError::Config(format!("cannot start the poll thread: {e}")))?
+        };
         Ok(KafkaConsumer {
             consumer,
             producer,
@@ -322,8 +324,68 @@ impl KafkaConsumer {
             kept: StdMutex::new(Vec::new()),
             cfg,
             stop,
+            poll_thread: Some(poll_thread),
             gate_seed: foldhash::fast::RandomState::default(),
         })
+    }
+
+    /// Leaves the group, and returns once it has left: the poll thread
+    /// stops, then librdkafka gives up the partitions and waits for the
+    /// broker to answer its `LeaveGroup`. Records taken and not decided
+    /// are dropped, undecided: the partition's next owner reads them from
+    /// the last commit (call it after [`run`](Self::run) has returned,
+    /// which drains and commits).
+    ///
+    /// Dropping the consumer leaves the group too, but later: the poll
+    /// thread notices within its poll interval (100 ms) and leaves then. A
+    /// process that exits first never sends the `LeaveGroup`, and a Kafka
+    /// broker keeps its partitions from the other members until
+    /// `session.timeout.ms` has passed (45 s by default). End a shutdown
+    /// with `close`:
+    ///
+    /// ```no_run
+    /// # use idem_consumer::kafka::{KafkaConfig, KafkaConsumer};
+    /// # use idem_consumer::{Consumer, Message};
+    /// # async fn demo(consumer: Consumer) -> Result<(), idem_consumer::ConsumerError> {
+    /// let kafka = KafkaConsumer::connect(KafkaConfig::new("127.0.0.1:9092", "billing", ["orders"]))?;
+    /// let charge = |m: Message| async move { Ok::<_, std::io::Error>(()) };
+    /// let shutdown = tokio::time::sleep(std::time::Duration::from_secs(60));
+    /// kafka.run(&consumer, &charge, shutdown).await?;
+    /// kafka.close().await; // the other members get the partitions now
+    /// # Ok(()) }
+    /// ```
+    pub async fn close(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // A poll thread blocked on a full channel sees it closed.
+        self.rx.get_mut().close();
+        let thread = self.poll_thread.take();
+        let (done, closed) = tokio::sync::oneshot::channel::<()>();
+        // A thread of its own, not `spawn_blocking`: a `close` given up
+        // (a timeout around it) leaves it running without holding up the
+        // runtime's shutdown.
+        let closing = std::thread::Builder::new()
+            .name("idem-kafka-close".into())
+            .spawn(move || {
+                if let Some(thread) = thread
+                    && thread.join().is_err()
+                {
+                    tracing::warn!("the kafka poll thread panicked; closing the consumer anyway");
+                }
+                // The last handle on librdkafka's consumer (the poll
+                // thread's is gone): dropping it closes the consumer, which
+                // revokes the partitions and leaves the group, answered.
+                drop(self);
+                let _ = done.send(());
+            });
+        match closing {
+            Ok(_) => {
+                let _ = closed.await;
+            }
+            // Dropped here instead: the poll thread leaves the group later.
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a thread to close the kafka consumer")
+            }
+        }
     }
 
     /// The configuration.

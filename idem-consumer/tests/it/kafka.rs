@@ -552,8 +552,9 @@ struct GroupMember {
 
 impl GroupMember {
     /// Runs the member (joining first if it is not in the group) until
-    /// `shutdown`, or a quiet moment without one; leaves the group if
-    /// anything is left undecided.
+    /// `shutdown`, or a quiet moment without one; leaves the group (and
+    /// returns once it has left) after a shutdown, or if anything is left
+    /// undecided.
     async fn run_once<C, T, E, H, Fut, S>(
         &self,
         consumer: &Consumer<C>,
@@ -573,12 +574,18 @@ impl GroupMember {
             Some(kc) => kc,
             None => KafkaConsumer::connect(self.cfg.clone())?,
         };
+        let shut_down = shutdown.is_some();
         let ran = match shutdown {
             Some(s) => kc.run(consumer, handler, s).await,
             None => kc.run(consumer, handler, quiet(&kc)).await,
         };
-        if ran.is_ok() && kc.undecided() == 0 {
+        if ran.is_ok() && kc.undecided() == 0 && !shut_down {
             *slot = Some(kc);
+        } else {
+            // Left before the next member joins: one joining while this
+            // one was still leaving was the moment a survivor once waited
+            // 60 s for an assignment (tansu 0.6).
+            kc.close().await;
         }
         ran
     }
@@ -773,6 +780,50 @@ async fn a_handler_abandoned_at_the_drain_deadline_keeps_its_key_until_the_lease
 }
 
 // ------------------------------------------------------------- Kafka's own
+
+/// `close` returns, and the member has left, even when the poll thread is
+/// blocked on a full buffer (records polled that no `run` takes): it sees
+/// the channel closed. A next member then gets the partition and every
+/// record from the commit (none was decided).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_returns_with_the_poll_thread_blocked_on_a_full_buffer() {
+    let t = Topic::create("close-full", 1).await;
+    for i in 0..20 {
+        t.publish(Some(&format!("o-{i}")), &order(i, 1)).await;
+    }
+    let kc = KafkaConsumer::connect(t.member_cfg(Duration::from_secs(1)).buffer(1)).unwrap();
+    until(
+        "the poll thread holding records",
+        Duration::from_secs(30),
+        async || {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            // One in the channel, and one taken that waits for room.
+            kc.undecided() >= 2
+        },
+    )
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), kc.close())
+        .await
+        .expect("close returned");
+    let redis = RedisServer::start();
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders",
+    )
+    .keys(KeySource::MessageId);
+    let ledger = Ledger::new();
+    let charge = async |m: Message| -> Result<(), String> {
+        ledger.record(&order_of(&m));
+        Ok(())
+    };
+    let next = t.adapter("next", Duration::from_secs(1)).await;
+    until("every order charged", Duration::from_secs(60), async || {
+        next.poll(&consumer, &charge).await.unwrap();
+        ledger.total() == 20
+    })
+    .await;
+    assert!(ledger.duplicates().is_empty(), "{:?}", ledger.duplicates());
+}
 
 /// `n` orders round-robin over the topic's partitions with their id in the
 /// key header, then every 5th again with the same id (into another
@@ -1161,6 +1212,9 @@ async fn a_broker_that_restarts_empty_redelivers_everything_and_nothing_runs_twi
             stop.send(()).unwrap();
         };
         let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+        // Closed, not dropped: a drop closes it later, on the poll thread,
+        // maybe after the restart below.
+        kc.close().await;
         report.unwrap()
     };
     run(&t, 20).await;
