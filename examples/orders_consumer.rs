@@ -801,6 +801,7 @@ mod kafka {
             }
         };
         let report = kafka.run(consumer, handler, done).await?;
+        kafka.close().await;
         println!("  {report:?}");
         Ok(Tally {
             executed: report

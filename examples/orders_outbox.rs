@@ -837,6 +837,9 @@ pub(crate) async fn ship(env: &Env, mut stop: Stop) -> Result<ShipTally, Example
         env.ledger.display()
     );
     let report = kafka.run(&consumer, &handler, stop.wait()).await?;
+    // Out of the group before the process exits: the next `ship` gets the
+    // partitions at once, not after the session timeout.
+    kafka.close().await;
     Ok(ShipTally {
         applied: applied.into_inner(),
         found: found.into_inner(),
