@@ -2,7 +2,7 @@
 
 use crate::store::{Completed, Invalidation, InvalidationSink};
 use quick_cache::sync::Cache;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::time::Instant;
@@ -31,7 +31,9 @@ pub(crate) struct Generation {
 struct Generations {
     all: AtomicU64,
     stripes: [AtomicU64; STRIPES],
-    hasher: RandomState,
+    /// Seeded per cache; no SipHash: keys crowded into one stripe on
+    /// purpose would only drop more racing inserts (more misses).
+    hasher: foldhash::fast::RandomState,
 }
 
 impl Generations {
@@ -39,7 +41,7 @@ impl Generations {
         Generations {
             all: AtomicU64::new(0),
             stripes: std::array::from_fn(|_| AtomicU64::new(0)),
-            hasher: RandomState::new(),
+            hasher: foldhash::fast::RandomState::default(),
         }
     }
 

@@ -233,14 +233,16 @@ impl<'a> Call<'a> {
     /// assert_eq!(o, Outcome::Replayed);
     /// # Ok::<(), idem_core::Error>(()) }).unwrap();
     /// ```
-    pub async fn run_outcome<F, Fut, T, E>(self, body: F) -> Result<(T, Outcome), E>
+    pub fn run_outcome<F, Fut, T, E>(self, body: F) -> impl Future<Output = Result<(T, Outcome), E>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        self.run_with(None, body).await
+        // `run_with`'s future itself, not one around it: a future is
+        // moved (copied whole) into each one that awaits it.
+        self.run_with(None, body)
     }
 
     /// Runs a body made of durable steps: like [`run`](Call::run), and
@@ -322,6 +324,15 @@ impl<'a> Call<'a> {
             Err(refused) => return Err(E::from(refused)),
         };
         exec.steps = steps;
+        // A local cache hit replays here: the claim loop's future, built
+        // and moved into this one only to return at its first poll, was a
+        // cached replay's largest copy.
+        if let Some(hit) = &exec.cached {
+            let _enter = exec.traced.then(|| span.enter());
+            let result = exec.replay(hit).map_err(E::from);
+            exec.finish();
+            return result;
+        }
         let result = if exec.traced {
             exec.run(body).instrument(span).await
         } else {
