@@ -371,9 +371,15 @@ impl KafkaConsumer {
                 {
                     tracing::warn!("the kafka poll thread panicked; closing the consumer anyway");
                 }
-                // The last handle on librdkafka's consumer (the poll
-                // thread's is gone): dropping it closes the consumer, which
-                // revokes the partitions and leaves the group, answered.
+                // A commit that a dropped `run` left going holds the
+                // consumer too (a sync commit, bounded by librdkafka's
+                // request timeout): the member leaves with the last handle.
+                while Arc::strong_count(&self.consumer) > 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                // The last handle on librdkafka's consumer: dropping it
+                // closes the consumer, which revokes the partitions and
+                // leaves the group, answered.
                 drop(self);
                 let _ = done.send(());
             });
