@@ -517,7 +517,10 @@ impl Store for RedisStore {
                 .await;
         }
         let plain = self.server.complete_plain_cmd(claim, kind, value);
-        self.complete_confirmed(
+        // Boxed: its future (confirmations, retries) is the largest of the
+        // three, and every complete's future was as large as it, copied
+        // whole into the box `async_trait` makes.
+        Box::pin(self.complete_confirmed(
             claim.key,
             claim.token,
             claim.fingerprint,
@@ -525,7 +528,7 @@ impl Store for RedisStore {
             value,
             durability,
             plain,
-        )
+        ))
         .await
     }
 
