@@ -35,5 +35,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let report = kafka.run(&consumer, &charge, shutdown).await?;
     println!("{report:?}"); // acked, replayed, retried, dead-lettered, …
+    // Leaves the group before the process exits: the other members get
+    // the partitions now, not after `session.timeout.ms`.
+    kafka.close().await;
     Ok(())
 }
