@@ -210,7 +210,8 @@ impl Gated for Waiting {
 ///
 /// [`connect`](Self::connect) joins the group on a polling thread of its
 /// own; [`run`](Self::run) handles records until its shutdown future
-/// completes. Dropping it leaves the group.
+/// completes; [`close`](Self::close) leaves the group before it returns
+/// (dropping it leaves too, later, on the polling thread).
 ///
 /// ```no_run
 /// use idem_consumer::kafka::{KafkaConfig, KafkaConsumer};
@@ -224,6 +225,7 @@ impl Gated for Waiting {
 /// let shutdown = tokio::time::sleep(std::time::Duration::from_secs(60));
 /// kafka.run(&consumer, &charge, shutdown).await?; // drains and commits, then returns
 /// println!("{} commits, partition 0 at {:?}", kafka.commits(), kafka.last_committed("orders", 0));
+/// kafka.close().await; // out of the group before the process exits
 /// # Ok(()) }
 /// ```
 pub struct KafkaConsumer {
