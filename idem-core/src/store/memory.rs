@@ -98,6 +98,30 @@ impl MemoryStore {
         MemoryStore::default()
     }
 
+    /// An empty store with room for `records` records before its map
+    /// grows. A map that grows moves every record into a table twice as
+    /// large, under the store's lock, while every call waits: filling a
+    /// store with 2 million claims, the claim that grew it past a million
+    /// took 390 ms, and with the room reserved the slowest took 0.3 ms
+    /// (a 2-core machine). Size it for the keys live at once (the records
+    /// written within a TTL); it still grows beyond.
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let store = MemoryStore::with_capacity(100_000);
+    /// assert!(store.is_empty());
+    /// let idem = Idempotency::builder(store.clone()).build();
+    /// let v: Result<u32, idem_core::Error> = idem.call("demo", "k1").run(|| async { Ok(7) }).await;
+    /// assert_eq!((v.unwrap(), store.len()), (7, 1));
+    /// # });
+    /// ```
+    pub fn with_capacity(records: usize) -> MemoryStore {
+        let store = MemoryStore::default();
+        store.lock().entries.reserve(records);
+        store
+    }
+
     /// Number of live (unexpired) records.
     ///
     /// ```
