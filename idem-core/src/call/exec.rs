@@ -123,19 +123,6 @@ impl Exec<'_> {
         );
     }
 
-    pub(super) async fn run<F, Fut, T, E>(&self, body: F) -> Result<(T, Outcome), E>
-    where
-        F: FnOnce() -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: From<Error>,
-    {
-        if let Some(hit) = &self.cached {
-            return self.replay(hit).map_err(E::from);
-        }
-        self.run_from(None, body).await
-    }
-
     /// The claim loop, from a first claim reply already in (`first`, the
     /// batch driver's) or from a claim of its own.
     pub(super) async fn run_from<F, Fut, T, E>(

@@ -334,9 +334,9 @@ impl<'a> Call<'a> {
             return result;
         }
         let result = if exec.traced {
-            exec.run(body).instrument(span).await
+            exec.run_from(None, body).instrument(span).await
         } else {
-            exec.run(body).await
+            exec.run_from(None, body).await
         };
         exec.finish();
         result
