@@ -1,7 +1,9 @@
 //! The canonical form written while the payload is parsed: no tree of
-//! `Value`s, no string copied but keys. An object whose keys arrive
-//! sorted (what most producers send) is written in place; one whose keys do
-//! not is re-ordered once its entries are written.
+//! `Value`s, no string copied but keys. A plain document (no escape, no
+//! float) is written by a scan of its bytes ([`plain`](super::plain));
+//! any other by serde_json's visits. An object whose keys arrive sorted is
+//! written in place; one whose keys do not is re-ordered once its entries
+//! are written.
 //!
 //! The bytes are exactly those of sorting a parsed `serde_json::Value`: the
 //! same visits (numbers as `u64`/`i64`/`f64`, strings) serialized by the
@@ -54,11 +56,56 @@ fn canonical_into(
     scratch: &mut Scratch,
     payload: &[u8],
 ) -> Result<(), serde_json::Error> {
+    let written = out.len();
+    scratch.entries.clear();
+    if super::plain::canonical_into(out, &mut scratch.entries, payload) {
+        return Ok(());
+    }
+    out.truncate(written);
+    by_visits(out, scratch, payload)
+}
+
+/// [`canonical_into`] for any document: each value visited by serde_json.
+fn by_visits(
+    out: &mut Vec<u8>,
+    scratch: &mut Scratch,
+    payload: &[u8],
+) -> Result<(), serde_json::Error> {
     scratch.keys.clear();
     scratch.entries.clear();
     let mut de = serde_json::Deserializer::from_slice(payload);
     Canon { out, scratch }.deserialize(&mut de)?;
     de.end()
+}
+
+/// An object's entry: its unescaped key (a range of the bytes keys are
+/// kept in) and where it was written (`"key":value`).
+pub(super) type Entry = (Range<usize>, Range<usize>);
+
+/// Rewrites the entries of an object whose keys did not come strictly
+/// increasing, `out[body..]` being those entries as they came: sorted by
+/// key (bytes of `keys`), and of a key given twice the last value only.
+pub(super) fn write_in_order(out: &mut Vec<u8>, body: usize, keys: &[u8], entries: &mut [Entry]) {
+    // Stable: of a key given twice, the last entry stays last.
+    entries.sort_by(|a, b| keys[a.0.clone()].cmp(&keys[b.0.clone()]));
+    // Written again in order after the entries as they came, which are
+    // then taken out: one buffer, no copy of it.
+    let written = out.len();
+    let mut first = true;
+    for (i, (key, entry)) in entries.iter().enumerate() {
+        if entries
+            .get(i + 1)
+            .is_some_and(|(next, _)| keys[next.clone()] == keys[key.clone()])
+        {
+            continue;
+        }
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        out.extend_from_within(entry.clone());
+    }
+    out.drain(body..written);
 }
 
 /// What the objects being written keep of their entries, in stacks shared
@@ -68,8 +115,8 @@ fn canonical_into(
 struct Scratch {
     /// The keys, unescaped, one after the other.
     keys: Vec<u8>,
-    /// Each entry: its key in `keys`, and where it was written (`"key":value`).
-    entries: Vec<(Range<usize>, Range<usize>)>,
+    /// Each entry: its key in `keys`, and where it was written.
+    entries: Vec<Entry>,
 }
 
 /// Writes the canonical form of the next value at the end of its buffer.
@@ -201,27 +248,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
         }
         if !in_order {
             let Scratch { keys, entries } = &mut *scratch;
-            let entries = &mut entries[base..];
-            // Stable: of a key given twice, the last entry stays last.
-            entries.sort_by(|a, b| keys[a.0.clone()].cmp(&keys[b.0.clone()]));
-            // Written again in order after the entries as they came, which
-            // are then taken out: one buffer, no copy of it.
-            let written = out.len();
-            let mut first = true;
-            for (i, (key, entry)) in entries.iter().enumerate() {
-                if entries
-                    .get(i + 1)
-                    .is_some_and(|(next, _)| keys[next.clone()] == keys[key.clone()])
-                {
-                    continue;
-                }
-                if !first {
-                    out.push(b',');
-                }
-                first = false;
-                out.extend_from_within(entry.clone());
-            }
-            out.drain(body..written);
+            write_in_order(out, body, keys, &mut entries[base..]);
         }
         scratch.entries.truncate(base);
         scratch.keys.truncate(keys_base);
@@ -262,7 +289,7 @@ impl<'de> Visitor<'de> for Key<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{canonical, digest};
+    use super::{Scratch, by_visits, canonical, digest};
     use proptest::prelude::*;
     use serde_json::Value;
     use sha2::{Digest, Sha256};
@@ -288,6 +315,25 @@ mod tests {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
                 prop::collection::vec(("[a-c\\\\\"é]{0,3}", inner), 0..5)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// Documents with no float and no character to escape: most of their
+    /// canonical forms are taken verbatim.
+    fn plain_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            (-1000i64..1000).prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[a-c\u{e9}\u{1F600}/ ]{0,4}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 5, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
+                prop::collection::vec(("[a-c\u{e9}]{0,3}", inner), 0..5)
                     .prop_map(|kv| Value::Object(kv.into_iter().collect())),
             ]
         })
@@ -340,7 +386,55 @@ mod tests {
         #[test]
         fn same_verdict_on_any_bytes(bytes in prop::collection::vec(any::<u8>(), 0..24)) {
             prop_assert_eq!(canonical(&bytes).ok(), by_tree(&bytes));
+            prop_assert_eq!(canonical(&bytes).ok(), visited(&bytes));
         }
+
+        /// The scan of plain documents writes what the visits write, or
+        /// leaves the document to them: documents as producers write them
+        /// (compact, or spaced with keys in reverse), and the same with one
+        /// byte changed, added or taken out.
+        #[test]
+        fn the_plain_scan_writes_what_the_visits_write(
+            value in prop_oneof![json(), plain_json()],
+            spaced in any::<bool>(),
+            edit in (any::<usize>(), 0..3u8, prop_oneof![
+                any::<u8>(),
+                prop::sample::select(b"{}[],:\"\\ 0-19.eE+tfnu\x01".to_vec()),
+            ]),
+        ) {
+            let mut text = value.to_string();
+            if spaced {
+                text.clear();
+                written(&value, true, &mut text);
+            }
+            let mut bytes = text.into_bytes();
+            prop_assert_eq!(scanned(&bytes).or_else(|| visited(&bytes)), visited(&bytes));
+            let (at, how, byte) = edit;
+            let at = at % (bytes.len() + 1);
+            match how {
+                0 if at < bytes.len() => bytes[at] = byte,
+                1 => bytes.insert(at, byte),
+                _ if at < bytes.len() => {
+                    bytes.remove(at);
+                }
+                _ => {}
+            }
+            prop_assert_eq!(scanned(&bytes).or_else(|| visited(&bytes)), visited(&bytes));
+        }
+    }
+
+    /// The plain scan's canonical form, if it takes the document.
+    fn scanned(bytes: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        super::super::plain::canonical_into(&mut out, &mut Vec::new(), bytes).then_some(out)
+    }
+
+    /// The canonical form written by serde_json's visits alone.
+    fn visited(bytes: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        by_visits(&mut out, &mut Scratch::default(), bytes)
+            .ok()
+            .map(|()| out)
     }
 
     #[test]
