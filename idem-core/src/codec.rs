@@ -37,8 +37,21 @@ pub(crate) fn encode_bytes<T: Serialize>(
     compress_above: Option<usize>,
 ) -> (ValueKind, Bytes) {
     encode_with(value, limit, compress_above, |kind, bytes| {
-        (kind, Bytes::copy_from_slice(bytes))
+        (kind, shared_bytes(bytes))
     })
+}
+
+/// `bytes` as a [`Bytes`] of its own, but for the stored form of `()` and
+/// `None`, `null` (what most consumers' handlers return): one static copy
+/// shared by every result, where each would take an allocation, and the
+/// store another.
+pub(crate) fn shared_bytes(bytes: &[u8]) -> Bytes {
+    const NULL: &[u8] = b"null";
+    if bytes == NULL {
+        Bytes::from_static(NULL)
+    } else {
+        Bytes::copy_from_slice(bytes)
+    }
 }
 
 /// Hands `done` the stored form of `value` (see `encode_bytes`).

@@ -288,7 +288,7 @@ impl Map {
         };
         entry.state = State::Completed {
             kind,
-            value: Bytes::copy_from_slice(value),
+            value: crate::codec::shared_bytes(value),
         };
         entry.steps = Vec::new();
         // The expiry stays: the result TTL counts from the claim.
@@ -322,7 +322,7 @@ impl Map {
         if !entry.steps.iter().any(|s| s.name == name) {
             entry.steps.push(StepRecord {
                 name: name.to_owned(),
-                value: Bytes::copy_from_slice(value),
+                value: crate::codec::shared_bytes(value),
             });
         }
         self.note_write(now);
