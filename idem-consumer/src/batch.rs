@@ -1,7 +1,7 @@
 //! A fetched batch: bounded concurrency, one decision per message, and
 //! copies of one message inside the batch run once.
 
-use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler};
+use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler, usable_key};
 use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
@@ -191,13 +191,13 @@ impl<C> Consumer<C> {
             }
             let msg = &msgs[i];
             let span = message_span(msg);
-            match self.call_of(msg, key, fps.get(i).copied()) {
+            match usable_key(key) {
                 Err(refused) => {
                     report(&span, &refused);
                     out.give(i, refused);
                 }
-                Ok((key, call)) => {
-                    calls.push(call);
+                Ok(key) => {
+                    calls.push(self.call_for(msg, &key, fps.get(i).copied()));
                     run_keys.push(key);
                     runs.push(Run {
                         index: i,
@@ -209,10 +209,7 @@ impl<C> Consumer<C> {
         }
         // One claims round trip, the handlers that won, the round trips of
         // completes and releases as they finish.
-        let mut batch = calls
-            .into_iter()
-            .collect::<Batch>()
-            .concurrency(self.batch_concurrency());
+        let mut batch = Batch::from(calls).concurrency(self.batch_concurrency());
         if let Some(make) = riders {
             let runs = &runs;
             batch = batch.riding(move |done| {

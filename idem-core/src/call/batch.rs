@@ -60,6 +60,25 @@ impl<'a> FromIterator<Call<'a>> for Batch<'a> {
     }
 }
 
+/// The calls of a list, in its order, taken as they are: no call is
+/// moved (collecting moves each, and a call is a few hundred bytes).
+///
+/// ```
+/// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+/// let calls: Vec<idem_core::Call> = (0..3).map(|k| idem.call("s", k)).collect();
+/// let batch = idem_core::Batch::from(calls);
+/// assert_eq!(batch.len(), 3);
+/// ```
+impl<'a> From<Vec<Call<'a>>> for Batch<'a> {
+    fn from(calls: Vec<Call<'a>>) -> Self {
+        Batch {
+            calls,
+            concurrency: None,
+            riders: None,
+        }
+    }
+}
+
 impl<'a> Batch<'a> {
     /// An empty batch.
     ///
@@ -350,6 +369,7 @@ impl<'a> Call<'a> {
     /// complete or release go to the store with those of the group's other
     /// calls. It keeps its meaning exactly. A group with no place left, or
     /// of another store, leaves the call on its own.
+    #[inline]
     pub fn in_group(mut self, group: &CallGroup) -> Call<'a> {
         if self.tickets.is_none() {
             self.tickets = group.take(&self.inner.store);

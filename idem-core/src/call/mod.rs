@@ -72,6 +72,7 @@ pub struct Call<'a> {
 }
 
 impl<'a> Call<'a> {
+    #[inline]
     pub(crate) fn new(inner: &'a Inner, scope: &'a str, key: Result<Arc<str>, Error>) -> Call<'a> {
         Call {
             inner,
@@ -103,6 +104,7 @@ impl<'a> Call<'a> {
     /// assert!(matches!(r, Err(idem_core::Error::DurabilityUnsupported { .. })));
     /// # });
     /// ```
+    #[inline]
     pub fn durability(mut self, durability: Durability) -> Self {
         self.durability = durability;
         self
@@ -114,6 +116,7 @@ impl<'a> Call<'a> {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let call = idem.call("s", "k").ttl(std::time::Duration::from_secs(60));
     /// ```
+    #[inline]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -128,6 +131,7 @@ impl<'a> Call<'a> {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let call = idem.call("s", "k").lease(std::time::Duration::from_secs(5));
     /// ```
+    #[inline]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
         self
@@ -141,6 +145,7 @@ impl<'a> Call<'a> {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let call = idem.call("s", "k").wait(std::time::Duration::from_secs(5));
     /// ```
+    #[inline]
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
@@ -181,6 +186,7 @@ impl<'a> Call<'a> {
     /// let call = idem.call("s", "k").release_on_cancel();
     /// # });
     /// ```
+    #[inline]
     pub fn release_on_cancel(mut self) -> Self {
         self.release_on_cancel = true;
         self
@@ -192,6 +198,7 @@ impl<'a> Call<'a> {
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let call = idem.call("s", "k").fingerprint_raw(idem_core::Fingerprint::of_bytes(b"body"));
     /// ```
+    #[inline]
     pub fn fingerprint_raw(mut self, fingerprint: Fingerprint) -> Self {
         self.fingerprint = Ok(Some(fingerprint));
         self
