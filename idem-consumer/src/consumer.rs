@@ -513,19 +513,28 @@ impl<C> Consumer<C> {
         key: &str,
         fingerprint: Option<idem_core::Fingerprint>,
     ) -> idem_core::Call<'_> {
-        let mut call = self.idem.call(&self.scope, key);
-        if self.fingerprint {
-            // A batch has hashed the payload already.
-            let fp = fingerprint.unwrap_or_else(|| self.keys.fingerprint(msg));
-            call = call.fingerprint_raw(fp);
+        // The runtime's own TTL when none is set: the same call, and one
+        // chain of setters, which the compiler builds in place (each
+        // `call = call.setter(..)` copied the whole call).
+        let ttl = self.ttl.unwrap_or_else(|| self.idem.result_ttl());
+        if !self.fingerprint {
+            let call = self.idem.call(&self.scope, key).ttl(ttl);
+            return match self.wait {
+                Some(w) => call.wait(w),
+                None => call,
+            };
         }
-        if let Some(w) = self.wait {
-            call = call.wait(w);
+        // A batch has hashed the payload already.
+        let fp = fingerprint.unwrap_or_else(|| self.keys.fingerprint(msg));
+        let call = self
+            .idem
+            .call(&self.scope, key)
+            .fingerprint_raw(fp)
+            .ttl(ttl);
+        match self.wait {
+            Some(w) => call.wait(w),
+            None => call,
         }
-        if let Some(ttl) = self.ttl {
-            call = call.ttl(ttl);
-        }
-        call
     }
 
     /// Whether `msg` is past the delivery valve: its handler must not run.
