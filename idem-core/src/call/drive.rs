@@ -24,7 +24,7 @@
 use super::Call;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
-use super::gather::{ClaimOp, FinishOp, send_finish_wave, send_wave};
+use super::gather::{Answered, ClaimOp, FinishOp, send_finish_wave, send_wave};
 use super::guard::{detach, free, log_release, release};
 use super::is_unavailable;
 use crate::cache::Generation;
@@ -157,7 +157,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
         claimed.push(k);
     }
     let replies = if claims.is_empty() {
-        Some(Vec::new())
+        Some(Answered::default())
     } else {
         send_wave(Arc::clone(&store), claims).await
     };

@@ -82,7 +82,7 @@ impl BatchOp for ClaimOp {
                 .collect();
             let replies = store.claim_batch(&claims).await;
             drop(claims);
-            ops.into_iter().zip(replies).collect()
+            Answered { ops, replies }
         })
     }
 
@@ -307,7 +307,7 @@ impl FinishOp {
                 None => store.finish_batch(&finishes).await,
             };
             drop(finishes);
-            ops.into_iter().zip(replies).collect()
+            Answered { ops, replies }
         })
     }
 }
@@ -352,7 +352,7 @@ pub(super) struct Wave<Op: BatchOp> {
 }
 
 impl<Op: BatchOp> Future for Wave<Op> {
-    type Output = Option<Vec<(Op, Op::Reply)>>;
+    type Output = Option<Answered<Op>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(send) = self.send.as_mut() else {
@@ -381,7 +381,33 @@ impl<Op: BatchOp> Drop for Wave<Op> {
 }
 
 /// A batch on its way: each op back with its reply, in order.
-pub(super) type Sent<Op> = Pin<Box<dyn Future<Output = Vec<(Op, <Op as BatchOp>::Reply)>> + Send>>;
+pub(super) type Sent<Op> = Pin<Box<dyn Future<Output = Answered<Op>> + Send>>;
+
+/// A batch's ops and the store's replies, paired as they are taken out:
+/// pairing them in a new list moved every op once more.
+pub(super) struct Answered<Op: BatchOp> {
+    ops: Vec<Op>,
+    /// In the order of `ops`; an op past the last reply has none.
+    replies: Vec<Op::Reply>,
+}
+
+impl<Op: BatchOp> Default for Answered<Op> {
+    fn default() -> Self {
+        Answered {
+            ops: Vec::new(),
+            replies: Vec::new(),
+        }
+    }
+}
+
+impl<Op: BatchOp> IntoIterator for Answered<Op> {
+    type Item = (Op, Op::Reply);
+    type IntoIter = std::iter::Zip<std::vec::IntoIter<Op>, std::vec::IntoIter<Op::Reply>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.ops.into_iter().zip(self.replies)
+    }
+}
 
 /// Where an op's reply goes: back to its call, with the op.
 type Reply<Op> = oneshot::Sender<(Op, <Op as BatchOp>::Reply)>;
