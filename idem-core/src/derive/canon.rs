@@ -311,17 +311,11 @@ mod tests {
             any::<f64>().prop_map(Value::from),
             "[a-c\\\\\"é\u{1F600}\n/ ]{0,4}".prop_map(Value::from),
         ];
-        leaf.prop_recursive(4, 32, 5, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
-                prop::collection::vec(("[a-c\\\\\"é]{0,3}", inner), 0..5)
-                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
-            ]
-        })
+        nested(leaf.boxed(), "[a-c\\\\\"é]{0,3}")
     }
 
-    /// Documents with no float and no character to escape: most of their
-    /// canonical forms are taken verbatim.
+    /// Documents with no float and no character to escape: the plain scan
+    /// takes most of them.
     fn plain_json() -> impl Strategy<Value = Value> {
         let leaf = prop_oneof![
             Just(Value::Null),
@@ -330,10 +324,15 @@ mod tests {
             any::<i64>().prop_map(Value::from),
             "[a-c\u{e9}\u{1F600}/ ]{0,4}".prop_map(Value::from),
         ];
-        leaf.prop_recursive(4, 32, 5, |inner| {
+        nested(leaf.boxed(), "[a-c\u{e9}]{0,3}")
+    }
+
+    /// Arrays and objects (keys matching `key`) nested around `leaf`.
+    fn nested(leaf: BoxedStrategy<Value>, key: &'static str) -> impl Strategy<Value = Value> {
+        leaf.prop_recursive(4, 32, 5, move |inner| {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
-                prop::collection::vec(("[a-c\u{e9}]{0,3}", inner), 0..5)
+                prop::collection::vec((key, inner), 0..5)
                     .prop_map(|kv| Value::Object(kv.into_iter().collect())),
             ]
         })
