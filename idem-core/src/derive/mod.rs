@@ -7,6 +7,7 @@
 //! timestamp or trace id (list those as excluded JSON pointers).
 
 mod canon;
+mod order;
 mod plain;
 
 use serde_json::Value;

@@ -9,7 +9,7 @@
 //! writes: a plain string or integer is written back as it came, and
 //! objects are put in order by the same [`write_in_order`].
 
-use super::canon::{Entry, write_in_order};
+use super::order::{Entry, write_in_order};
 
 /// How deep the scan follows nesting: well inside serde_json's limit (128),
 /// so whatever it takes the parser takes too.
