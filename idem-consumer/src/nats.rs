@@ -64,6 +64,11 @@ use tokio::sync::Mutex;
 
 const BROKER: &str = "nats";
 
+/// How long a pull request waits on the server: when it expires unanswered
+/// the client sends a new one, which bounds how long a lost one can stall
+/// the consumer ([`NatsConfig::idle_heartbeat`]).
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
+
 /// How to consume.
 ///
 /// ```
@@ -77,6 +82,7 @@ pub struct NatsConfig {
     dead_letter_subject: Option<String>,
     progress: bool,
     id_header: String,
+    idle_heartbeat: Option<Duration>,
 }
 
 impl Default for NatsConfig {
@@ -88,7 +94,7 @@ impl Default for NatsConfig {
 impl NatsConfig {
     /// Defaults: batches of 32, wait up to 1 s for messages, no dead-letter
     /// subject (dead letters are only terminated), progress acks on, keys
-    /// from the `Nats-Msg-Id` header.
+    /// from the `Nats-Msg-Id` header, no idle heartbeats.
     pub fn new() -> NatsConfig {
         NatsConfig {
             batch: 32,
@@ -96,6 +102,7 @@ impl NatsConfig {
             dead_letter_subject: None,
             progress: true,
             id_header: "Nats-Msg-Id".into(),
+            idle_heartbeat: None,
         }
     }
 
@@ -144,6 +151,36 @@ impl NatsConfig {
     pub fn id_header(mut self, name: impl Into<String>) -> Self {
         self.id_header = name.into();
         self
+    }
+
+    /// Asks the server for a heartbeat every `every` while the pull
+    /// subscription waits with nothing to deliver (default: none). Two
+    /// missed in a row fail the poll, and the next one opens a fresh
+    /// subscription: a pull request lost while the connection stayed up
+    /// is noticed within two heartbeats. Without them the client re-sends
+    /// its pull request when the last one expires (after 10 s, or two
+    /// heartbeats if longer, plus 5 s) and after every reconnect, so a
+    /// consumer never stalls for longer.
+    ///
+    /// Not free: with heartbeats on, the client arms a new timer for every
+    /// message it receives, which cost about a fifth of the adapter's CPU
+    /// per message in `cargo bench -p idem-consumer --bench consumer --
+    /// nats` (docs/performance.md).
+    ///
+    /// ```
+    /// use idem_consumer::nats::NatsConfig;
+    /// use std::time::Duration;
+    /// let cfg = NatsConfig::new().idle_heartbeat(Some(Duration::from_secs(5)));
+    /// ```
+    pub fn idle_heartbeat(mut self, every: Option<Duration>) -> Self {
+        self.idle_heartbeat = every;
+        self
+    }
+
+    /// The server refuses a heartbeat longer than half the pull request's
+    /// expiry.
+    fn pull_expires(&self) -> Duration {
+        PULL_EXPIRES.max(self.idle_heartbeat.unwrap_or_default().saturating_mul(2))
     }
 }
 
@@ -516,8 +553,8 @@ impl Adapter for NatsConsumer {
                 .consumer
                 .stream()
                 .max_messages_per_batch(self.cfg.batch)
-                .heartbeat(Duration::from_secs(5))
-                .expires(Duration::from_secs(30))
+                .heartbeat(self.cfg.idle_heartbeat.unwrap_or_default())
+                .expires(self.cfg.pull_expires())
                 .messages()
                 .await
                 .map_err(|e| ConsumerError::broker_error(BROKER, "subscribe", e))?;
@@ -527,7 +564,12 @@ impl Adapter for NatsConsumer {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
-        let first = tokio::time::timeout(self.cfg.block, stream.next()).await;
+        // A message already buffered is taken without arming a timer (a
+        // new timer wakes the runtime's driver thread).
+        let first = match futures_util::FutureExt::now_or_never(stream.next()) {
+            Some(item) => Ok(item),
+            None => tokio::time::timeout(self.cfg.block, stream.next()).await,
+        };
         let mut next = match first {
             Err(_) | Ok(None) => return Ok(out),
             Ok(Some(item)) => Some(item),

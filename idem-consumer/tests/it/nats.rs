@@ -380,6 +380,45 @@ async fn slow_handlers_send_progress_or_the_redelivery_is_nacked_and_the_late_ac
     }
 }
 
+/// Idle heartbeats (off by default): the server accepts them, an idle
+/// subscription keeps polling without a missed-heartbeat error for many
+/// heartbeats, and the next message is handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_heartbeats_keep_an_idle_subscription_polling_then_a_message_runs_once() {
+    let redis = RedisServer::start();
+    let s = on_shared("idem_heartbeat").await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(6)).await,
+        &unique("heartbeat"),
+    );
+    let nats = NatsConsumer::new(
+        s.pull("c", Duration::from_secs(30)).await,
+        cfg().idle_heartbeat(Some(Duration::from_millis(100))),
+    )
+    .await
+    .unwrap();
+    let ledger = Ledger::new();
+    let ledger_ref = &ledger;
+    let handler = |m: Message| async move {
+        ledger_ref.record(m.id().unwrap_or("?"));
+        Ok::<_, String>(())
+    };
+    // Ten heartbeats' worth of polls (200 ms each) with nothing to deliver.
+    let idle_until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < idle_until {
+        let report = nats.poll(&consumer, &handler).await;
+        assert_eq!(report.map(|r| r.fetched).ok(), Some(0), "an idle poll");
+    }
+    s.publish(Some("h-1"), br#"{"n":1}"#).await;
+    let mut acked = 0;
+    let end = Instant::now() + Duration::from_secs(10);
+    while acked == 0 && Instant::now() < end {
+        acked += nats.poll(&consumer, &handler).await.unwrap().acked;
+    }
+    assert_eq!((acked, ledger.count("h-1")), (1, 1));
+    assert!(s.drained_of("c").await, "settled");
+}
+
 /// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart; every
 /// redelivery after `ack_wait` spends a delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
