@@ -51,7 +51,9 @@ pub fn validate_key_part(part: KeyPart, s: &str) -> Result<(), KeyError> {
 /// a stored key always delimit namespace and scope, whatever the user's key
 /// holds: `("a:b", "c")` and `("a", "b:c")` can never meet.
 pub(crate) fn push_escaped(out: &mut String, s: &str) {
-    if !s.contains([':', '%']) {
+    // Bytes, not chars: both are ASCII, never part of a longer UTF-8
+    // sequence, and a byte scan is a fraction of a char pattern's search.
+    if !s.bytes().any(|b| b == b':' || b == b'%') {
         out.push_str(s);
         return;
     }
