@@ -163,9 +163,9 @@ impl NatsConfig {
     /// consumer never stalls for longer.
     ///
     /// Not free: with heartbeats on, the client arms a new timer for every
-    /// message it receives, which cost about a fifth of the adapter's CPU
-    /// per message in `cargo bench -p idem-consumer --bench consumer --
-    /// nats` (docs/performance.md).
+    /// message it receives, 5–18 % of the consumer thread's work per
+    /// message in `cargo bench -p idem-consumer --bench consumer -- nats`
+    /// (docs/performance.md).
     ///
     /// ```
     /// use idem_consumer::nats::NatsConfig;
