@@ -485,3 +485,51 @@ async fn a_renewed_call_completes_through_the_script_at_once() {
         "a SET besides the claim's and the scripts': {stats}"
     );
 }
+
+/// As [`a_renewed_call_completes_through_the_script_at_once`], for calls
+/// of a [`Batch`](idem::Batch) and of a [`CallGroup`](idem::CallGroup):
+/// each renewed call leaves the shared finish round trip (which completes
+/// with the claim's bytes) and completes through the script on its own.
+/// Every `SET` is a claim's or a script's: none is a plain complete that
+/// could not match, and on Redis 7 no batch script covers them.
+#[tokio::test]
+async fn renewed_calls_of_a_batch_or_a_group_complete_through_the_script_at_once() {
+    let server = RedisServer::start();
+    let idem = idem::Idempotency::builder(connect(&server).await)
+        .lease(Duration::from_millis(300))
+        .build();
+    // Several thirds of the lease: renewed.
+    let slow = |i: usize| async move {
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        Ok::<_, Error>(i)
+    };
+    for grouped in [false, true] {
+        assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+        let scope = if grouped { "group" } else { "batch" };
+        let values: Vec<usize> = if grouped {
+            let group = idem.group(2);
+            let calls = (0..2).map(|i| idem.call(scope, i).in_group(&group).run(move || slow(i)));
+            futures_util::future::join_all(calls).await
+        } else {
+            idem::Batch::from(vec![idem.call(scope, 0), idem.call(scope, 1)])
+                .run(slow)
+                .await
+        }
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap();
+        assert_eq!(values, [0, 1]);
+        let scripts = evalsha_calls(&server);
+        let stats = server.cli(&["INFO", "commandstats"]);
+        assert!(scripts >= 4, "{scope}: no renewals and completes: {stats}");
+        assert_eq!(
+            calls(&server, "set"),
+            2 + scripts,
+            "{scope}: a SET besides the claims' and the scripts': {stats}"
+        );
+        for i in 0..2 {
+            let record = raw(&server, &format!("idem:{scope}:{i}"));
+            assert!(record.starts_with(b"1C"), "{scope} {i}: completed");
+        }
+    }
+}

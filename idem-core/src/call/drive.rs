@@ -195,15 +195,15 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
         }
         .instrument(slot.span.clone())
     };
-    // A result stored on its own: with outbox messages, or re-sent after
-    // the batch's round trip did not reach the store.
-    let store_alone = |k: usize, value: T, messages: Vec<OutboxMessage>, ran: Outcome| {
+    // A result stored on its own: with outbox messages, after its lease
+    // was renewed (the finish round trip completes with the claim's bytes,
+    // which its record no longer holds), or re-sent after the batch's
+    // round trip did not reach the store.
+    let store_alone = |k: usize, value: T, messages: Vec<OutboxMessage>, ran: Outcome, renewed| {
         let slot = &slots[k];
         let exec = &slot.exec;
         async move {
-            // Alone after the batch's round trip: compare the claim's bytes
-            // (a renewed record does not match, and the script answers).
-            let stored = exec.complete(&value, &messages, slot.seen, false).await;
+            let stored = exec.complete(&value, &messages, slot.seen, renewed).await;
             (k, value, ran, stored)
         }
         .instrument(slot.span.clone())
@@ -260,7 +260,13 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                             Poll::Ready(ended) => {
                                 slot.exec.body_ended(running);
                                 spare = Some(boxed);
-                                ended_early.push((k, ran, lease.take_staged(), ended));
+                                ended_early.push((
+                                    k,
+                                    ran,
+                                    lease.take_staged(),
+                                    lease.was_extended(),
+                                    ended,
+                                ));
                                 spare_lease = Some(lease);
                             }
                             Poll::Pending => {
@@ -310,7 +316,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
     let panicked = poll_fn(|cx| {
         loop {
             loop {
-                let (k, ran, staged, ended) = match ended_early.next() {
+                let (k, ran, staged, renewed, ended) = match ended_early.next() {
                     Some(ended) => ended,
                     None if first_panic.is_some() => break,
                     None => match bodies.poll_next_unpin(cx) {
@@ -346,9 +352,10 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                     }
                     Ok(Ok(value)) => {
                         let messages = exec.outgoing(staged);
-                        if !messages.is_empty() {
-                            // The finish round trip carries no messages.
-                            alone_stores.push(store_alone(k, value, messages, ran));
+                        if !messages.is_empty() || renewed {
+                            // The finish round trip carries no messages,
+                            // and completes with the claim's bytes.
+                            alone_stores.push(store_alone(k, value, messages, ran, renewed));
                             continue;
                         }
                         let (kind, bytes) = exec.encoded(&value);
@@ -406,11 +413,23 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                             // on its own, with re-sends (a re-sent complete
                             // that finds its result is `Done`).
                             None => {
-                                alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
+                                alone_stores.push(store_alone(
+                                    k,
+                                    done.value,
+                                    Vec::new(),
+                                    done.ran,
+                                    false,
+                                ));
                                 more = true;
                             }
                             Some((_, Err(e))) if is_unavailable(&e) => {
-                                alone_stores.push(store_alone(k, done.value, Vec::new(), done.ran));
+                                alone_stores.push(store_alone(
+                                    k,
+                                    done.value,
+                                    Vec::new(),
+                                    done.ran,
+                                    false,
+                                ));
                                 more = true;
                             }
                             Some((op, reply)) => {
@@ -500,11 +519,11 @@ async fn body_goes_on<G: Future>(
     mut body: Pin<Box<G>>,
     running: Running<'_>,
     sent: Instant,
-) -> (usize, Outcome, Vec<Staged>, Result<G::Output, Panic>) {
+) -> (usize, Outcome, Vec<Staged>, bool, Result<G::Output, Panic>) {
     let ended = exec
         .body_goes_on(body.as_mut(), &lease, sent, running)
         .await;
-    (k, ran, lease.take_staged(), ended)
+    (k, ran, lease.take_staged(), lease.was_extended(), ended)
 }
 
 /// A failed body's release came back: tried once more on its own when the

@@ -612,15 +612,18 @@ impl Exec<'_> {
             messages,
             durability: self.durability,
         };
-        if !messages.is_empty() {
-            // The batch's finish pipeline completes without messages: this
-            // call completes on its own.
+        // The group's finish pipeline completes without messages, and with
+        // the claim's bytes (`Store::complete_claim`): a call with messages,
+        // or whose record changed since its claim (renewed, steps in it),
+        // completes on its own, where the store reads the record first.
+        let alone = !messages.is_empty() || !completion.as_claimed;
+        if alone {
             self.leave_batch();
         }
-        let ticket = if messages.is_empty() {
-            self.tickets.as_ref().and_then(Tickets::take_finish)
-        } else {
+        let ticket = if alone {
             None
+        } else {
+            self.tickets.as_ref().and_then(Tickets::take_finish)
         };
         let batched = match ticket {
             Some(ticket) => {

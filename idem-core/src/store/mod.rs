@@ -572,6 +572,10 @@ pub trait Store: Send + Sync + 'static {
     /// changed since (a waiter marked it, the lease was extended, steps
     /// were saved, another owner took it over) must still get the answer
     /// `complete` gives. The default is `complete` (or `complete_durable`).
+    /// The runtime completes this way (here, or as a batch's
+    /// [`Finish::Complete`]) only a call that sent no renewal and saved no
+    /// steps, whose record it knows unchanged but for a waiter's mark; the
+    /// others get `complete`.
     ///
     /// ```
     /// use idem_core::{Durability, store::{Claim, MemoryStore, Store, Token, ValueKind, WriteReply}};
