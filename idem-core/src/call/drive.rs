@@ -352,7 +352,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                     }
                     Ok(Ok(value)) => {
                         let messages = exec.outgoing(staged);
-                        if !messages.is_empty() || renewed {
+                        if !messages.is_empty() || !exec.as_claimed(renewed) {
                             // The finish round trip carries no messages,
                             // and completes with the claim's bytes.
                             alone_stores.push(store_alone(k, value, messages, ran, renewed));

@@ -608,7 +608,7 @@ impl Exec<'_> {
             value: &value,
             lease: self.lease,
             ttl: self.ttl,
-            as_claimed: !extended && self.steps.as_ref().is_none_or(|s| !s.in_record()),
+            as_claimed: self.as_claimed(extended),
             messages,
             durability: self.durability,
         };
@@ -650,6 +650,14 @@ impl Exec<'_> {
         };
         self.remember(stored, kind, &value, seen);
         stored
+    }
+
+    /// Whether the call's pending record is still the one its claim wrote,
+    /// as far as it knows: no renewal sent (`extended`), no steps saved in
+    /// it. Only such a call completes with the claim's bytes
+    /// ([`Store::complete_claim`], a batch's finish round trip).
+    pub(super) fn as_claimed(&self, extended: bool) -> bool {
+        !extended && self.steps.as_ref().is_none_or(|s| !s.in_record())
     }
 
     /// The result as the store keeps it; a result that cannot be stored
