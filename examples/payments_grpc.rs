@@ -37,6 +37,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 
@@ -104,7 +105,11 @@ pub(crate) async fn serve(
     Server::builder()
         .layer(layer(idem))
         .add_service(PaymentsServer::new(service))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        // A listener of our own (bound before, so the address is known):
+        // `serve_with_incoming` leaves the sockets as it gets them, so ask
+        // for `TCP_NODELAY` as `serve(addr)` does, or small replies wait
+        // for the client's ACKs.
+        .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)))
         .await
 }
 

@@ -43,6 +43,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status};
 
@@ -93,7 +94,9 @@ fn env(name: &str, default: u64) -> u64 {
 async fn serve(layer: Option<IdempotencyLayer>) -> Channel {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // As `Server::serve(addr)` binds it: without `TCP_NODELAY` the
+    // server's small response frames wait for the client's ACKs (Nagle).
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let svc = PaymentsServer::new(Svc);
     match layer {
         Some(layer) => tokio::spawn(

@@ -23,7 +23,7 @@ use std::pin::Pin;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::{Request as GrpcRequest, Response as GrpcResponse, Status};
 
@@ -176,9 +176,12 @@ impl TestServer {
             Server::builder()
                 .layer(layer)
                 .add_service(svc)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-                    let _ = stopped.await;
-                })
+                .serve_with_incoming_shutdown(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = stopped.await;
+                    },
+                )
                 .await
                 .unwrap();
         });
