@@ -214,11 +214,13 @@ impl IdempotencyLayer {
     /// one round trip (default `false`): their claims go as one batch, and
     /// so do their completions (idem-core's `CallGroup`); a lone call waits
     /// one scheduler turn at most. Each call is still decided, stored and
-    /// answered on its own. Off by default: the group's own task and the
-    /// hand-over of each reply to its call cost more than the round trips
-    /// they save while the store answers quickly (`benches/unary.rs`, local
-    /// Redis: fresh calls 0.81 of the bare service without sharing, 0.66
-    /// with it). Turn it on when the store is far or loaded, and measure.
+    /// answered on its own. Off by default: waiting for the turn and the
+    /// hand-over of each reply from the group's task lengthen a call while
+    /// the server has CPU to spare. When the server's CPU is the limit,
+    /// sharing saves more than it costs (`benches/unary.rs`, 32 calls in
+    /// flight, CPU-bound, local Redis: fresh calls 0.56 of the bare service
+    /// with sharing, 0.52 without; replays 0.75 and 0.74). Turn it on for a
+    /// service that runs its cores full, and measure.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
