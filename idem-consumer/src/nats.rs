@@ -503,6 +503,16 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
+/// An ack, nak or term the client could not send.
+fn ack_failed(e: async_nats::Error) -> ConsumerError {
+    ConsumerError::Broker {
+        broker: BROKER,
+        op: "ack",
+        reason: e.to_string(),
+        source: Some(e.into()),
+    }
+}
+
 /// A delivery's stream sequence and delivery count, when readable.
 fn sequence_of(m: &jetstream::Message) -> Option<(u64, u32)> {
     m.info().ok().map(|info| {
@@ -653,12 +663,7 @@ impl Adapter for NatsConsumer {
                 }
             }
         };
-        sent.map_err(|e| ConsumerError::Broker {
-            broker: BROKER,
-            op: "ack",
-            reason: e.to_string(),
-            source: Some(e.into()),
-        })
+        sent.map_err(ack_failed)
     }
 
     /// Settles each stream message once: two deliveries of one stream
@@ -681,13 +686,36 @@ impl Adapter for NatsConsumer {
                 "several deliveries of one stream message in a batch: settled once"
             );
         }
-        let sent = futures_util::future::join_all(
-            once.iter()
-                .filter_map(|&(m, d)| Some((&decided.get(m)?.0, &decided.get(d)?.1)))
-                .map(|(m, d)| self.apply(m, d)),
-        );
-        sent.await.into_iter().collect::<Result<Vec<()>, _>>()?;
-        Ok(())
+        let mut failed: Option<ConsumerError> = None;
+        let mut dead_letters = Vec::new();
+        for (m, decision) in once
+            .iter()
+            .filter_map(|&(m, d)| Some((&decided.get(m)?.0, &decided.get(d)?.1)))
+        {
+            // An ack or a nak is a publish the client buffers, no reply
+            // awaited: sent in turn, without a future per message (joined,
+            // each would be a task of its own to allocate and poll).
+            let sent = match decision {
+                Decision::Ack => m.ack().await,
+                Decision::Nack { delay } => m.ack_with(AckKind::Nak(Some(*delay))).await,
+                Decision::DeadLetter { .. } => {
+                    dead_letters.push((m, decision));
+                    continue;
+                }
+            };
+            if let Err(e) = sent {
+                failed.get_or_insert(ack_failed(e));
+            }
+        }
+        // A dead letter waits for JetStream's publish ack: together.
+        let dead =
+            futures_util::future::join_all(dead_letters.into_iter().map(|(m, d)| self.apply(m, d)));
+        for sent in dead.await {
+            if let Err(e) = sent {
+                failed.get_or_insert(e);
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Progress acks at least three times per `ack_wait`, when enabled.
