@@ -503,16 +503,6 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
-/// An ack, nak or term the client could not send.
-fn ack_failed(e: async_nats::Error) -> ConsumerError {
-    ConsumerError::Broker {
-        broker: BROKER,
-        op: "ack",
-        reason: e.to_string(),
-        source: Some(e.into()),
-    }
-}
-
 /// A delivery's stream sequence and delivery count, when readable.
 fn sequence_of(m: &jetstream::Message) -> Option<(u64, u32)> {
     m.info().ok().map(|info| {
@@ -663,7 +653,12 @@ impl Adapter for NatsConsumer {
                 }
             }
         };
-        sent.map_err(ack_failed)
+        sent.map_err(|e| ConsumerError::Broker {
+            broker: BROKER,
+            op: "ack",
+            reason: e.to_string(),
+            source: Some(e.into()),
+        })
     }
 
     /// Settles each stream message once: two deliveries of one stream
@@ -692,19 +687,15 @@ impl Adapter for NatsConsumer {
             .iter()
             .filter_map(|&(m, d)| Some((&decided.get(m)?.0, &decided.get(d)?.1)))
         {
+            if matches!(decision, Decision::DeadLetter { .. }) {
+                dead_letters.push((m, decision));
+                continue;
+            }
             // An ack or a nak is a publish the client buffers, no reply
             // awaited: sent in turn, without a future per message (joined,
             // each would be a task of its own to allocate and poll).
-            let sent = match decision {
-                Decision::Ack => m.ack().await,
-                Decision::Nack { delay } => m.ack_with(AckKind::Nak(Some(*delay))).await,
-                Decision::DeadLetter { .. } => {
-                    dead_letters.push((m, decision));
-                    continue;
-                }
-            };
-            if let Err(e) = sent {
-                failed.get_or_insert(ack_failed(e));
+            if let Err(e) = self.apply(m, decision).await {
+                failed.get_or_insert(e);
             }
         }
         // A dead letter waits for JetStream's publish ack: together.
