@@ -376,9 +376,7 @@ impl KafkaConsumer {
                 // A commit that a dropped `run` left going holds the
                 // consumer too (a sync commit, bounded by librdkafka's
                 // request timeout): the member leaves with the last handle.
-                while Arc::strong_count(&self.consumer) > 1 {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
+                self.shared.wait_for_commits();
                 // The last handle on librdkafka's consumer: dropping it
                 // closes the consumer, which revokes the partitions and
                 // leaves the group, answered.
@@ -746,6 +744,7 @@ impl KafkaConsumer {
             return None;
         }
         let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        let running = shared.commit_running();
         Some(tokio::task::spawn_blocking(move || {
             tracing::debug!(offsets = ?list, "committing decided offsets");
             match consumer.commit(&offsets_list(&list), CommitMode::Sync) {
@@ -755,6 +754,10 @@ impl KafkaConsumer {
                     tracing::warn!(error = %e, "offset commit failed; retried at the next interval");
                 }
             }
+            // The consumer first: `close` drops the last handle once no
+            // commit runs.
+            drop(consumer);
+            drop(running);
         }))
     }
 }

@@ -75,6 +75,22 @@ pub(super) struct Shared {
     commits: AtomicU64,
     commit_failures: AtomicU64,
     given_up: AtomicU64,
+    /// Commits started and not ended: each holds librdkafka's consumer
+    /// (a synchronous commit on a blocking thread, which a dropped `run`
+    /// leaves going), and `close` leaves the group only after them.
+    commits_running: Mutex<usize>,
+    commit_ended: Condvar,
+}
+
+/// A commit in progress, counted in [`Shared`] until dropped.
+pub(super) struct CommitRunning(Arc<Shared>);
+
+impl Drop for CommitRunning {
+    fn drop(&mut self) {
+        let mut running = self.0.commits_running();
+        *running = running.saturating_sub(1);
+        self.0.commit_ended.notify_all();
+    }
 }
 
 impl Shared {
@@ -88,6 +104,33 @@ impl Shared {
             commits: AtomicU64::new(0),
             commit_failures: AtomicU64::new(0),
             given_up: AtomicU64::new(0),
+            commits_running: Mutex::new(0),
+            commit_ended: Condvar::new(),
+        }
+    }
+
+    fn commits_running(&self) -> MutexGuard<'_, usize> {
+        // A count, consistent whatever a panicking holder was doing.
+        self.commits_running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts a commit as running until the returned guard is dropped
+    /// (after the commit has let go of the consumer).
+    pub(super) fn commit_running(self: &Arc<Self>) -> CommitRunning {
+        *self.commits_running() += 1;
+        CommitRunning(Arc::clone(self))
+    }
+
+    /// Blocks until no commit is running.
+    pub(super) fn wait_for_commits(&self) {
+        let mut running = self.commits_running();
+        while *running > 0 {
+            running = self
+                .commit_ended
+                .wait(running)
+                .unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -419,4 +462,35 @@ pub(super) fn header<'a>(headers: Option<&'a OwnedHeaders>, name: &str) -> Optio
         .filter(|h| h.key == name)
         .last()
         .map(|h| h.value.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc as std_mpsc;
+
+    /// `close` waits on this before it drops the last handle: it must not
+    /// return while a commit runs, and must return once the last one ends.
+    #[test]
+    fn waiting_for_commits_returns_when_the_last_running_commit_ends() {
+        let shared = Arc::new(Shared::new(Duration::from_secs(1)));
+        shared.wait_for_commits(); // none running: at once
+        let (first, second) = (shared.commit_running(), shared.commit_running());
+        let (tx, rx) = std_mpsc::channel();
+        let waiter = {
+            let shared = Arc::clone(&shared);
+            std::thread::spawn(move || {
+                shared.wait_for_commits();
+                let _ = tx.send(());
+            })
+        };
+        drop(first);
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "returned with a commit still running"
+        );
+        drop(second);
+        assert!(rx.recv_timeout(Duration::from_secs(30)).is_ok());
+        assert!(waiter.join().is_ok());
+    }
 }
