@@ -11,16 +11,22 @@
 //! * `replay`: through the layer, keys already completed (one read);
 //! * `replay-shared`: the same with `share_round_trips(true)`;
 //! * `cached`: the same replays, the runtime keeping completed results in
-//!   process (`IdempotencyBuilder::local_cache`): no store round trip.
+//!   process (`IdempotencyBuilder::local_cache`): no store round trip;
+//! * `floor-fresh`, `floor-replay`: the floor, the least any idempotency
+//!   layer must add, written by hand in the service without idem: per
+//!   new key `SET key pending NX PX ttl GET`, the handler, `SET key reply
+//!   PX ttl` (the encoded message); per completed key the same first
+//!   `SET`, which finds the reply, decoded and answered.
 //!
 //! A private `redis-server` on 127.0.0.1 is the store. Prints each round,
-//! then the median per phase and `fresh / bare`, `replay / bare`.
+//! then the median per phase, `fresh / bare`, `replay / bare`, and idem
+//! against the floor.
 //!
-//! At the default 32 calls in flight a 2-core machine is not saturated:
-//! the ratios say how much the store's round trips lengthen a call.
-//! `IDEM_BENCH_CONCURRENCY=256` saturates it, and the ratios then say what
-//! a call costs in CPU, the Redis server's included when it shares the
-//! cores (docs/performance.md, "What the ratio measures").
+//! On a 2-core machine 32 calls in flight already saturate the CPU (the
+//! servers' sockets have `TCP_NODELAY`, as `Server::serve` sets it): the
+//! ratios say what a call costs in CPU, the Redis server's included as it
+//! shares the cores (docs/performance.md, "The bare service was bound by
+//! Nagle").
 //!
 //! ```text
 //! cargo bench -p idem-grpc --bench unary
@@ -89,6 +95,90 @@ fn env(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// The floor: the bare service's handler between a claim and a store,
+/// both plain commands on the layer's Redis (no owner token, no record
+/// format, no fingerprint: less than any correct layer can do).
+#[derive(Clone)]
+struct FloorSvc {
+    redis: redis::aio::ConnectionManager,
+}
+
+const FLOOR_TTL_MS: u64 = 3_600_000;
+
+#[tonic::async_trait]
+impl Payments for FloorSvc {
+    async fn create_payment(
+        &self,
+        req: Request<CreatePaymentRequest>,
+    ) -> Result<Response<Payment>, Status> {
+        use prost::Message as _;
+        let key = match req.metadata().get("idempotency-key") {
+            Some(v) => format!("floor:{}", v.to_str().unwrap_or_default()),
+            None => return Err(Status::invalid_argument("no key")),
+        };
+        let mut redis = self.redis.clone();
+        let found: Option<Vec<u8>> = redis::cmd("SET")
+            .arg(&key)
+            .arg("pending")
+            .arg("NX")
+            .arg("PX")
+            .arg(FLOOR_TTL_MS)
+            .arg("GET")
+            .query_async(&mut redis)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        if let Some(stored) = found {
+            let reply =
+                Payment::decode(&stored[..]).map_err(|e| Status::internal(e.to_string()))?;
+            return Ok(Response::new(reply));
+        }
+        let reply = Svc.create_payment(req).await?.into_inner();
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(reply.encode_to_vec())
+            .arg("PX")
+            .arg(FLOOR_TTL_MS)
+            .query_async(&mut redis)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(reply))
+    }
+
+    async fn create_order(
+        &self,
+        req: Request<CreateOrderRequest>,
+    ) -> Result<Response<Order>, Status> {
+        Svc.create_order(req).await
+    }
+
+    type WatchStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<Payment, Status>> + Send + 'static>>;
+
+    async fn watch(
+        &self,
+        req: Request<CreatePaymentRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Svc.watch(req).await
+    }
+}
+
+/// Serves the floor service (no layer) on a listener of its own.
+async fn serve_floor(svc: FloorSvc) -> Channel {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    tokio::spawn(
+        Server::builder()
+            .add_service(PaymentsServer::new(svc))
+            .serve_with_incoming(incoming),
+    );
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
 }
 
 async fn serve(layer: Option<IdempotencyLayer>) -> Channel {
@@ -193,11 +283,27 @@ fn main() {
             IdempotencyLayer::new(cached_idem).unary(CREATE_PAYMENT),
         ))
         .await;
+        let floor_redis =
+            redis::aio::ConnectionManager::new(redis::Client::open(redis.url()).unwrap())
+                .await
+                .unwrap();
+        let floor = serve_floor(FloorSvc { redis: floor_redis }).await;
 
         // The replay phase's keys, completed once.
         const POOL: u64 = 1_000;
         let pool_key = |i: u64| format!("replay-{}", i % POOL);
         let mut client = PaymentsClient::new(layered.clone());
+        for i in 0..POOL {
+            let mut req = Request::new(CreatePaymentRequest {
+                amount_cents: 500,
+                currency: "EUR".into(),
+                ..Default::default()
+            });
+            req.metadata_mut()
+                .insert("idempotency-key", pool_key(i).parse().unwrap());
+            client.create_payment(req).await.unwrap();
+        }
+        let mut client = PaymentsClient::new(floor.clone());
         for i in 0..POOL {
             let mut req = Request::new(CreatePaymentRequest {
                 amount_cents: 500,
@@ -216,6 +322,8 @@ fn main() {
         // Ratios per round too: on a shared machine a round's phases see
         // the same load, so their ratio is steadier than the rates.
         let (mut fr, mut rr, mut cr) = (Vec::new(), Vec::new(), Vec::new());
+        // idem against the floor, per round.
+        let (mut ff, mut rf) = (Vec::new(), Vec::new());
         for round in 0..rounds {
             let fresh_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
                 Arc::new(move |i| format!("fresh-{round}-{i}"));
@@ -227,15 +335,23 @@ fn main() {
             let shared_rps = phase(&shared, concurrency, secs, shared_key).await;
             let replay_rps = phase(&layered, concurrency, secs, replay_key.clone()).await;
             let replay_shared_rps = phase(&shared, concurrency, secs, replay_key.clone()).await;
-            let cached_rps = phase(&cached, concurrency, secs, replay_key).await;
+            let cached_rps = phase(&cached, concurrency, secs, replay_key.clone()).await;
+            let floor_key: Arc<dyn Fn(u64) -> String + Send + Sync> =
+                Arc::new(move |i| format!("floor-{round}-{i}"));
+            let floor_fresh_rps = phase(&floor, concurrency, secs, floor_key).await;
+            let floor_replay_rps = phase(&floor, concurrency, secs, replay_key).await;
             println!(
-                "round {round}: bare {bare_rps:.0}  fresh {fresh_rps:.0} ({:.2})  fresh-shared {shared_rps:.0} ({:.2})  replay {replay_rps:.0} ({:.2})  replay-shared {replay_shared_rps:.0} ({:.2})  cached {cached_rps:.0} ({:.2})",
+                "round {round}: bare {bare_rps:.0}  fresh {fresh_rps:.0} ({:.2})  fresh-shared {shared_rps:.0} ({:.2})  replay {replay_rps:.0} ({:.2})  replay-shared {replay_shared_rps:.0} ({:.2})  cached {cached_rps:.0} ({:.2})  floor-fresh {floor_fresh_rps:.0} ({:.2})  floor-replay {floor_replay_rps:.0} ({:.2})",
                 fresh_rps / bare_rps,
                 shared_rps / bare_rps,
                 replay_rps / bare_rps,
                 replay_shared_rps / bare_rps,
-                cached_rps / bare_rps
+                cached_rps / bare_rps,
+                floor_fresh_rps / bare_rps,
+                floor_replay_rps / bare_rps,
             );
+            ff.push(fresh_rps / floor_fresh_rps);
+            rf.push(replay_rps / floor_replay_rps);
             fr.push(fresh_rps / bare_rps);
             rr.push(replay_rps / bare_rps);
             cr.push(cached_rps / bare_rps);
@@ -254,6 +370,11 @@ fn main() {
             median(fr),
             median(rr),
             median(cr)
+        );
+        println!(
+            "median of the rounds' ratios to the floor: fresh {:.2}  replay {:.2}",
+            median(ff),
+            median(rf)
         );
     });
 }
