@@ -1,14 +1,14 @@
 //! Storing a finished body's result, even when the call is dropped
 //! meanwhile.
 
+use super::backoff::resend;
 use super::guard::detach;
-use super::is_unavailable;
 use crate::durability::Durability;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::message::OutboxMessage;
 use crate::store::{Claim, Store, ValueKind, WriteReply};
 use crate::token::Token;
-use backon::{ExponentialBuilder, Retryable};
+use backon::ExponentialBuilder;
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,7 +69,7 @@ impl Completion<'_> {
             .with_max_delay(self.lease / 4)
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
-        let result = (|| async {
+        let result = resend(retries, "complete", || async {
             if self.messages.is_empty() && self.as_claimed {
                 let claim = Claim {
                     key: self.key,
@@ -113,8 +113,6 @@ impl Completion<'_> {
                 Ok(reply)
             }
         })
-        .retry(retries)
-        .when(is_unavailable)
         .await;
         Completion::judge(result)
     }

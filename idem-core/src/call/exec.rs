@@ -1,7 +1,7 @@
 //! The prepared call: claim (waiting out another holder), execute the
 //! body, or replay the stored result.
 
-use super::backoff::store_backoff;
+use super::backoff::{resend, store_backoff};
 use super::completion::{Completion, Stored};
 use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
@@ -20,7 +20,6 @@ use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, ValueKind, WriteReply};
 use crate::token::Token;
-use backon::Retryable;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::Serialize;
@@ -328,18 +327,16 @@ impl Exec<'_> {
             // Not answered, or the store was not reached: on its own, with
             // the same token, as a single call re-sends.
             _ if !self.durability.is_async() => {
-                (|| self.store.claim_durable(claim, self.durability))
-                    .retry(store_backoff(self.inner.store_retries))
-                    .when(is_unavailable)
-                    .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
-                    .await
+                resend(store_backoff(self.inner.store_retries), "claim", || {
+                    self.store.claim_durable(claim, self.durability)
+                })
+                .await
             }
             _ => {
-                (|| self.store.claim(claim))
-                    .retry(store_backoff(self.inner.store_retries))
-                    .when(is_unavailable)
-                    .notify(|e, delay| tracing::debug!(error = %e, ?delay, "claim did not reach the store; re-sending"))
-                    .await
+                resend(store_backoff(self.inner.store_retries), "claim", || {
+                    self.store.claim(claim)
+                })
+                .await
             }
         };
         guard.armed = false;

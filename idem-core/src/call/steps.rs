@@ -3,14 +3,12 @@
 //! takes the key over after a crash (or resumes after a failed step)
 //! replays the finished steps instead of running them again.
 
-use super::backoff::store_backoff;
-use super::is_unavailable;
+use super::backoff::{resend, store_backoff};
 use crate::error::Error;
 use crate::lease::Lease;
 use crate::settings::Inner;
 use crate::store::{StepRecord, Store, WriteReply};
 use crate::token::Token;
-use backon::Retryable;
 use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -303,11 +301,12 @@ impl Steps {
                 limit: self.shared.max_value_size,
             });
         }
-        let reply = (|| holder.store.save_step(&holder.key, &holder.token, name, &bytes))
-            .retry(store_backoff(self.shared.store_retries))
-            .when(is_unavailable)
-            .notify(|e, delay| tracing::debug!(error = %e, ?delay, step = name, "step result did not reach the store; re-sending"))
-            .await?;
+        let reply = resend(store_backoff(self.shared.store_retries), "step", || {
+            holder
+                .store
+                .save_step(&holder.key, &holder.token, name, &bytes)
+        })
+        .await?;
         match reply {
             WriteReply::Done => {
                 self.lock().recorded += 1;
@@ -465,10 +464,12 @@ impl Steps {
         lease: Lease,
     ) -> Result<(), Error> {
         let loaded = if attempt > 1 {
-            let found = (|| store.steps(key, &token))
-                .retry(store_backoff(self.shared.store_retries))
-                .when(is_unavailable)
-                .await?;
+            let found = resend(
+                store_backoff(self.shared.store_retries),
+                "steps read",
+                || store.steps(key, &token),
+            )
+            .await?;
             match found {
                 Some(steps) => steps,
                 // Taken over again between the claim and this read.
