@@ -153,8 +153,7 @@ impl Payments for FloorSvc {
         Svc.create_order(req).await
     }
 
-    type WatchStream =
-        Pin<Box<dyn tokio_stream::Stream<Item = Result<Payment, Status>> + Send + 'static>>;
+    type WatchStream = <Svc as Payments>::WatchStream;
 
     async fn watch(
         &self,
@@ -164,40 +163,35 @@ impl Payments for FloorSvc {
     }
 }
 
-/// Serves the floor service (no layer) on a listener of its own.
-async fn serve_floor(svc: FloorSvc) -> Channel {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tokio::spawn(
-        Server::builder()
-            .add_service(PaymentsServer::new(svc))
-            .serve_with_incoming(incoming),
-    );
-    Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
+/// What a server runs.
+enum Served {
+    Bare,
+    Layered(Box<IdempotencyLayer>),
+    Floor(FloorSvc),
 }
 
-async fn serve(layer: Option<IdempotencyLayer>) -> Channel {
+/// Serves `what` on a port of its own; a channel to it.
+async fn serve(what: Served) -> Channel {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     // As `Server::serve(addr)` binds it: without `TCP_NODELAY` the
     // server's small response frames wait for the client's ACKs (Nagle).
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let svc = PaymentsServer::new(Svc);
-    match layer {
-        Some(layer) => tokio::spawn(
+    match what {
+        Served::Layered(layer) => tokio::spawn(
             Server::builder()
-                .layer(layer)
-                .add_service(svc)
+                .layer(*layer)
+                .add_service(PaymentsServer::new(Svc))
                 .serve_with_incoming(incoming),
         ),
-        None => tokio::spawn(
+        Served::Bare => tokio::spawn(
             Server::builder()
-                .add_service(svc)
+                .add_service(PaymentsServer::new(Svc))
+                .serve_with_incoming(incoming),
+        ),
+        Served::Floor(floor) => tokio::spawn(
+            Server::builder()
+                .add_service(PaymentsServer::new(floor))
                 .serve_with_incoming(incoming),
         ),
     };
@@ -206,6 +200,18 @@ async fn serve(layer: Option<IdempotencyLayer>) -> Channel {
         .connect()
         .await
         .unwrap()
+}
+
+/// The bench's one request, under `key`.
+fn request(key: &str) -> Request<CreatePaymentRequest> {
+    let mut req = Request::new(CreatePaymentRequest {
+        amount_cents: 500,
+        currency: "EUR".into(),
+        ..Default::default()
+    });
+    req.metadata_mut()
+        .insert("idempotency-key", key.parse().unwrap());
+    req
 }
 
 /// Calls per second over `secs`, `concurrency` calls in flight; `key(i)`
@@ -227,14 +233,7 @@ async fn phase(
                 let mut done = 0u64;
                 while Instant::now() < end {
                     let i = counter.fetch_add(1, Ordering::Relaxed);
-                    let mut req = Request::new(CreatePaymentRequest {
-                        amount_cents: 500,
-                        currency: "EUR".into(),
-                        ..Default::default()
-                    });
-                    req.metadata_mut()
-                        .insert("idempotency-key", key(i).parse().unwrap());
-                    client.create_payment(req).await.unwrap();
+                    client.create_payment(request(&key(i))).await.unwrap();
                     done += 1;
                 }
                 done
@@ -268,51 +267,35 @@ fn main() {
             .namespace("bench")
             .local_cache(10_000)
             .build();
-        let bare = serve(None).await;
-        let layered = serve(Some(
+        let bare = serve(Served::Bare).await;
+        let layered = serve(Served::Layered(Box::new(
             IdempotencyLayer::new(idem.clone()).unary(CREATE_PAYMENT),
-        ))
+        )))
         .await;
-        let shared = serve(Some(
+        let shared = serve(Served::Layered(Box::new(
             IdempotencyLayer::new(idem.clone())
                 .unary(CREATE_PAYMENT)
                 .share_round_trips(true),
-        ))
+        )))
         .await;
-        let cached = serve(Some(
+        let cached = serve(Served::Layered(Box::new(
             IdempotencyLayer::new(cached_idem).unary(CREATE_PAYMENT),
-        ))
+        )))
         .await;
         let floor_redis =
             redis::aio::ConnectionManager::new(redis::Client::open(redis.url()).unwrap())
                 .await
                 .unwrap();
-        let floor = serve_floor(FloorSvc { redis: floor_redis }).await;
+        let floor = serve(Served::Floor(FloorSvc { redis: floor_redis })).await;
 
         // The replay phase's keys, completed once.
         const POOL: u64 = 1_000;
         let pool_key = |i: u64| format!("replay-{}", i % POOL);
-        let mut client = PaymentsClient::new(layered.clone());
-        for i in 0..POOL {
-            let mut req = Request::new(CreatePaymentRequest {
-                amount_cents: 500,
-                currency: "EUR".into(),
-                ..Default::default()
-            });
-            req.metadata_mut()
-                .insert("idempotency-key", pool_key(i).parse().unwrap());
-            client.create_payment(req).await.unwrap();
-        }
-        let mut client = PaymentsClient::new(floor.clone());
-        for i in 0..POOL {
-            let mut req = Request::new(CreatePaymentRequest {
-                amount_cents: 500,
-                currency: "EUR".into(),
-                ..Default::default()
-            });
-            req.metadata_mut()
-                .insert("idempotency-key", pool_key(i).parse().unwrap());
-            client.create_payment(req).await.unwrap();
+        for server in [&layered, &floor] {
+            let mut client = PaymentsClient::new(server.clone());
+            for i in 0..POOL {
+                client.create_payment(request(&pool_key(i))).await.unwrap();
+            }
         }
 
         println!(
