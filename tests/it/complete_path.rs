@@ -462,9 +462,7 @@ async fn a_complete_needs_nothing_kept_since_its_claim() {
 #[tokio::test]
 async fn a_renewed_call_completes_through_the_script_at_once() {
     let server = RedisServer::start();
-    let idem = idem::Idempotency::builder(connect(&server).await)
-        .lease(Duration::from_millis(300))
-        .build();
+    let idem = short_lease(&server).await;
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     let v: u32 = idem
         .call("renewed", "k")
@@ -477,6 +475,13 @@ async fn a_renewed_call_completes_through_the_script_at_once() {
         .unwrap();
     assert_eq!(v, 5);
     only_claims_and_scripts_set(&server, 1, 2, "a single call");
+}
+
+/// A runtime on `server` whose calls renew their lease after 100 ms.
+async fn short_lease(server: &RedisServer) -> idem::Idempotency {
+    idem::Idempotency::builder(connect(server).await)
+        .lease(Duration::from_millis(300))
+        .build()
 }
 
 /// Every `SET` since the last reset was one of `claims` claims' or a
@@ -502,9 +507,7 @@ fn only_claims_and_scripts_set(server: &RedisServer, claims: u64, scripts: u64, 
 #[tokio::test]
 async fn renewed_calls_of_a_batch_or_a_group_complete_through_the_script_at_once() {
     let server = RedisServer::start();
-    let idem = idem::Idempotency::builder(connect(&server).await)
-        .lease(Duration::from_millis(300))
-        .build();
+    let idem = short_lease(&server).await;
     // Several thirds of the lease: renewed.
     let slow = |i: usize| async move {
         tokio::time::sleep(Duration::from_millis(450)).await;

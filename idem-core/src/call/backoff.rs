@@ -1,6 +1,6 @@
-//! How a call re-sends a store write that could not reach the store: the
-//! one schedule a claim, a release and a step record share, and the one
-//! loop every re-send (a complete's too) runs.
+//! How a call re-sends a store operation that could not reach the store:
+//! the schedule a claim and a step's record and read share, and the one
+//! loop every re-send runs (a complete's too, on its lease-bound schedule).
 
 use super::is_unavailable;
 use crate::error::Error;

@@ -340,11 +340,11 @@ impl<'a> Call<'a> {
             exec.finish();
             return result;
         }
-        // Boxed: the claim loop's future is most of a call's (2.5 of 2.8
-        // KB in a debug build), and a future holds room for every future it awaits and is
-        // copied whole into each one that awaits it. Boxed, the futures
-        // above it (the user's own too) carry and copy a pointer, and a
-        // cached replay, which never builds it, no room for it.
+        // Boxed: the claim loop's future is most of a call's (2.5 of 2.8 KB
+        // in a debug build), and a future holds room for every future it
+        // awaits and is copied whole into each one that awaits it. Boxed,
+        // the futures above it (the user's own too) carry and copy a
+        // pointer, and a cached replay, which never builds it, no room.
         let result = if exec.traced {
             Box::pin(exec.run_from(None, body).instrument(span)).await
         } else {
