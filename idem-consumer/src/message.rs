@@ -27,7 +27,9 @@ pub struct Message {
     id_error: Option<String>,
     delivery_count: u32,
     broker: &'static str,
-    source: Arc<str>,
+    /// `None` until an adapter names it: no allocation for the empty name
+    /// of a message about to get one.
+    source: Option<Arc<str>>,
     position: Option<Arc<str>>,
 }
 
@@ -40,7 +42,7 @@ impl Message {
             id_error: None,
             delivery_count: 1,
             broker: "custom",
-            source: Arc::from(""),
+            source: None,
             position: None,
         }
     }
@@ -71,7 +73,7 @@ impl Message {
     /// (recorded in the message's tracing span).
     pub fn with_source(mut self, broker: &'static str, source: impl Into<Arc<str>>) -> Message {
         self.broker = broker;
-        self.source = source.into();
+        self.source = Some(source.into());
         self
     }
 
@@ -85,6 +87,13 @@ impl Message {
     /// ```
     pub fn with_position(mut self, position: impl Into<String>) -> Message {
         self.position = Some(Arc::from(position.into()));
+        self
+    }
+
+    /// [`with_position`](Message::with_position) from a shared copy: no
+    /// `String` made on the way.
+    pub(crate) fn at_position(mut self, position: Arc<str>) -> Message {
+        self.position = Some(position);
         self
     }
 
@@ -110,7 +119,7 @@ impl Message {
 
     /// The stream, subject or queue.
     pub fn source(&self) -> &str {
-        &self.source
+        self.source.as_deref().unwrap_or("")
     }
 
     /// Where the delivery sits in its source, if the adapter says.

@@ -539,14 +539,67 @@ fn once_per_sequence(sequences: &[Option<(u64, u32)>]) -> Vec<(usize, usize)> {
     out
 }
 
+/// A JetStream message as the adapter fetched it: the message, and its
+/// stream sequence and delivery count, read from its ack subject once
+/// (the handling, the settling and the batch's report each need them).
+/// Dereferences to the [`jetstream::Message`].
+///
+/// ```no_run
+/// use idem_consumer::Adapter;
+/// # async fn demo(nats: idem_consumer::nats::NatsConsumer) -> Result<(), idem_consumer::ConsumerError> {
+/// for d in nats.fetch().await? {
+///     let subject = &d.subject; // the jetstream::Message's fields
+///     let sequence = d.stream_sequence();
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct NatsDelivery {
+    message: jetstream::Message,
+    /// Stream sequence and delivery count (at least 1); `None` when the
+    /// ack subject could not be read.
+    sequence: Option<(u64, u32)>,
+}
+
+impl NatsDelivery {
+    fn new(message: jetstream::Message) -> NatsDelivery {
+        let sequence = sequence_of(&message);
+        NatsDelivery { message, sequence }
+    }
+
+    /// The message's sequence in its stream, when its ack subject is
+    /// readable.
+    pub fn stream_sequence(&self) -> Option<u64> {
+        self.sequence.map(|(sequence, _)| sequence)
+    }
+
+    /// How many times the server has delivered it (1 when unreadable).
+    pub fn delivered(&self) -> u32 {
+        self.sequence.map_or(1, |(_, delivered)| delivered)
+    }
+
+    /// The message itself.
+    pub fn into_message(self) -> jetstream::Message {
+        self.message
+    }
+}
+
+impl std::ops::Deref for NatsDelivery {
+    type Target = jetstream::Message;
+
+    fn deref(&self) -> &jetstream::Message {
+        &self.message
+    }
+}
+
 /// Pull, `ack` / `nak` with delay / dead-letter subject and `term`, progress
 /// acks while handlers run.
 impl Adapter for NatsConsumer {
-    type Delivery = jetstream::Message;
+    type Delivery = NatsDelivery;
 
     /// Waits up to the configured block time for messages and returns those
     /// ready, at most a batch.
-    async fn fetch(&self) -> Result<Vec<jetstream::Message>, ConsumerError> {
+    async fn fetch(&self) -> Result<Vec<NatsDelivery>, ConsumerError> {
         let mut guard = self.messages.lock().await;
         if guard.is_none() {
             let stream = self
@@ -576,7 +629,7 @@ impl Adapter for NatsConsumer {
         };
         while let Some(item) = next.take() {
             match item {
-                Ok(m) => out.push(m),
+                Ok(m) => out.push(NatsDelivery::new(m)),
                 Err(e) => {
                     // Missed heartbeats and similar: drop the subscription so
                     // the next fetch opens a fresh one; keep what we have.
@@ -599,19 +652,15 @@ impl Adapter for NatsConsumer {
 
     /// Payload, `Nats-Msg-Id` (or the configured header) as id, delivery
     /// count from the JetStream metadata.
-    fn message_of(&self, m: &jetstream::Message) -> Result<Message, ConsumerError> {
-        let (sequence, deliveries) = match sequence_of(m) {
-            Some((sequence, deliveries)) => (Some(sequence), deliveries),
-            None => {
-                tracing::warn!("JetStream message without readable delivery info");
-                (None, 1)
-            }
-        };
+    fn message_of(&self, m: &NatsDelivery) -> Result<Message, ConsumerError> {
+        if m.sequence.is_none() {
+            tracing::warn!("JetStream message without readable delivery info");
+        }
         let mut msg = Message::new(m.payload.clone())
-            .with_delivery_count(deliveries)
+            .with_delivery_count(m.delivered())
             .with_source(BROKER, self.source.clone());
-        if let Some(sequence) = sequence {
-            msg = msg.with_position(sequence.to_string());
+        if let Some(sequence) = m.stream_sequence() {
+            msg = msg.at_position(Arc::from(itoa::Buffer::new().format(sequence)));
         }
         if let Some(id) = m
             .headers
@@ -624,24 +673,19 @@ impl Adapter for NatsConsumer {
     }
 
     /// From the JetStream metadata alone (1 without it).
-    fn delivery_count(&self, m: &jetstream::Message) -> u32 {
-        sequence_of(m).map_or(1, |(_, deliveries)| deliveries)
+    fn delivery_count(&self, m: &NatsDelivery) -> u32 {
+        m.delivered()
     }
 
     /// `ack`, `nak` with the delay, or publish to the dead-letter subject
     /// and `term`. A dead letter that cannot be published is nacked for an
     /// `ack_wait` instead (never lost) and its error returned.
-    async fn apply(
-        &self,
-        m: &jetstream::Message,
-        decision: &Decision,
-    ) -> Result<(), ConsumerError> {
+    async fn apply(&self, m: &NatsDelivery, decision: &Decision) -> Result<(), ConsumerError> {
         let sent = match decision {
             Decision::Ack => m.ack().await,
             Decision::Nack { delay } => m.ack_with(AckKind::Nak(Some(*delay))).await,
             Decision::DeadLetter { reason } => {
-                let deliveries = sequence_of(m).map_or(1, |(_, d)| d);
-                match self.dead_letter(m, reason, deliveries).await {
+                match self.dead_letter(m, reason, m.delivered()).await {
                     Ok(()) => m.ack_with(AckKind::Term).await,
                     Err(e) => {
                         tracing::error!(error = %e, "dead letter not published; nacking instead");
@@ -668,11 +712,8 @@ impl Adapter for NatsConsumer {
     /// copy that decision too) sent on the latest delivery. Acking one
     /// and nacking the other would let the ack remove a message whose
     /// handler failed, and a dead letter per delivery would duplicate it.
-    async fn apply_batch(
-        &self,
-        decided: &[(jetstream::Message, Decision)],
-    ) -> Result<(), ConsumerError> {
-        let sequences: Vec<_> = decided.iter().map(|(m, _)| sequence_of(m)).collect();
+    async fn apply_batch(&self, decided: &[(NatsDelivery, Decision)]) -> Result<(), ConsumerError> {
+        let sequences: Vec<_> = decided.iter().map(|(m, _)| m.sequence).collect();
         let once = once_per_sequence(&sequences);
         if once.len() < decided.len() {
             tracing::debug!(
@@ -715,7 +756,7 @@ impl Adapter for NatsConsumer {
     }
 
     /// An `AckKind::Progress` for every message of the batch.
-    async fn keep_alive(&self, in_flight: &[jetstream::Message]) {
+    async fn keep_alive(&self, in_flight: &[NatsDelivery]) {
         for m in in_flight {
             if let Err(e) = m.ack_with(AckKind::Progress).await {
                 tracing::warn!(error = %e, "progress ack failed");

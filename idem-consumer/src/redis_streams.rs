@@ -453,10 +453,10 @@ impl RedisStreamsConsumer {
             .collect())
     }
 
-    fn entry(&self, sid: StreamId, deliveries: u32) -> StreamEntry {
+    fn entry(&self, mut sid: StreamId, deliveries: u32) -> StreamEntry {
         let message = self
-            .parse_fields(&sid.map, deliveries)
-            .map(|m| m.with_position(sid.id.clone()));
+            .parse_fields(&mut sid.map, deliveries)
+            .map(|m| m.at_position(Arc::from(sid.id.as_str())));
         StreamEntry {
             id: sid.id,
             message,
@@ -471,14 +471,22 @@ impl RedisStreamsConsumer {
         self.scan.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The entry's message, its payload and id taken out of `fields`
+    /// (moved, not copied).
     fn parse_fields(
         &self,
-        fields: &HashMap<String, Value>,
+        fields: &mut HashMap<String, Value>,
         deliveries: u32,
     ) -> Result<Message, ConsumerError> {
-        let payload = match fields.get(&self.cfg.payload_field) {
-            Some(Value::BulkString(b)) => b.clone(),
-            Some(Value::SimpleString(s)) => s.clone().into_bytes(),
+        // One field may be both (a key made of the payload itself).
+        let id = if self.cfg.id_field == self.cfg.payload_field {
+            fields.get(&self.cfg.id_field).cloned()
+        } else {
+            fields.remove(&self.cfg.id_field)
+        };
+        let payload = match fields.remove(&self.cfg.payload_field) {
+            Some(Value::BulkString(b)) => b,
+            Some(Value::SimpleString(s)) => s.into_bytes(),
             Some(other) => {
                 return Err(ConsumerError::Malformed(format!(
                     "field `{}` is not a string but {other:?}",
@@ -496,16 +504,16 @@ impl RedisStreamsConsumer {
         let mut msg = Message::new(payload)
             .with_delivery_count(deliveries)
             .with_source(BROKER, self.source.clone());
-        match fields.get(&self.cfg.id_field) {
+        match id {
             None => {}
-            Some(Value::BulkString(b)) => match String::from_utf8(b.clone()) {
+            Some(Value::BulkString(b)) => match String::from_utf8(b) {
                 Ok(id) => msg = msg.with_id(id),
                 Err(_) => {
                     msg = msg
                         .with_unreadable_id(format!("field `{}` is not UTF-8", self.cfg.id_field))
                 }
             },
-            Some(Value::SimpleString(s)) => msg = msg.with_id(s.clone()),
+            Some(Value::SimpleString(s)) => msg = msg.with_id(s),
             Some(other) => {
                 msg = msg.with_unreadable_id(format!(
                     "field `{}` is {other:?}, not a string",
@@ -833,10 +841,16 @@ impl Adapter for RedisStreamsConsumer {
                     Duration::ZERO
                 };
                 let fresh = self.read_new(self.cfg.batch - entries.len(), wait).await?;
-                // Claimed and new entries are disjoint in Redis; a batch
-                // still never holds an entry id twice, so it is settled once.
-                let mut seen: HashSet<String> = entries.iter().map(|e| e.id.clone()).collect();
-                entries.extend(fresh.into_iter().filter(|e| seen.insert(e.id.clone())));
+                if entries.is_empty() {
+                    // One `XREADGROUP` reply: each id once, in order.
+                    entries = fresh;
+                } else {
+                    // Claimed and new entries are disjoint in Redis; a batch
+                    // still never holds an entry id twice, so it is settled
+                    // once.
+                    let mut seen: HashSet<String> = entries.iter().map(|e| e.id.clone()).collect();
+                    entries.extend(fresh.into_iter().filter(|e| seen.insert(e.id.clone())));
+                }
             }
             if !entries.is_empty() || Instant::now() >= deadline {
                 return Ok(entries);

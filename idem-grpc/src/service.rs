@@ -277,7 +277,7 @@ where
     // A client that goes away (hyper drops this future) does not stop a
     // started handler: the rest of the run moves to a task of its own, and
     // its answer is still stored.
-    match task::in_task(|reply| job.run(reply), false).await {
+    match task::run_until_answered(|reply| job.run(reply), false).await {
         Ok(answer) => answer,
         Err(TaskError::NoRuntime) => Ok(refuse(
             &cfg,

@@ -227,7 +227,7 @@ where
         accept_encoding,
         request,
     };
-    match task::in_task(
+    match task::run_until_answered(
         |reply| job.run(reply).in_current_span(),
         cfg.cancel_on_disconnect,
     )

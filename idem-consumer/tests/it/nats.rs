@@ -8,7 +8,7 @@ use crate::support;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer, stream};
-use idem_consumer::nats::{NatsConfig, NatsConsumer, pull_config};
+use idem_consumer::nats::{NatsConfig, NatsConsumer, NatsDelivery, pull_config};
 use idem_consumer::{Adapter, ConsumerError, Decision, PollReport, dead_letter_field};
 use idem_consumer::{Consumer, ErrorClass, KeyDeriver, KeySource, Message};
 use idem_testkit::{Ledger, NatsServer, RedisServer};
@@ -512,7 +512,7 @@ async fn a_dead_letter_subject_the_consumer_would_receive_is_refused() {
 /// `messages` stream messages: with progress acks off and a short
 /// `ack_wait`, the server redelivers what sits unacked in the client's
 /// buffer. A batch short of that is dropped unsettled, so it comes back.
-async fn batch_with_redeliveries(a: &NatsConsumer, messages: usize) -> Vec<jetstream::Message> {
+async fn batch_with_redeliveries(a: &NatsConsumer, messages: usize) -> Vec<NatsDelivery> {
     for _ in 0..20 {
         tokio::time::sleep(a.ack_wait() * 2).await;
         let batch = a.fetch().await.unwrap();

@@ -461,6 +461,36 @@ async fn an_entry_twice_in_one_batch_is_settled_once() {
     assert!(place.drained().await);
 }
 
+/// A stream whose id field is its payload field (the payload is the key):
+/// the entry's payload and id are both that field's value, as before the
+/// adapter took fields out of the entry instead of copying them; and an
+/// entry with both fields keeps each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_field_can_be_both_the_payload_and_the_id() {
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "one-field").await;
+    place.xadd(&[("payload", b"order-5")]).await;
+    let cfg = place.cfg("a").id_field("payload");
+    let adapter = RedisStreamsConsumer::connect(&place.url, cfg)
+        .await
+        .unwrap();
+    adapter.ensure_group().await.unwrap();
+    let fetched = adapter.fetch().await.unwrap();
+    assert_eq!(fetched.len(), 1);
+    let m = adapter.message_of(&fetched[0]).unwrap();
+    assert_eq!(
+        (m.payload().as_ref(), m.id()),
+        (&b"order-5"[..], Some("order-5"))
+    );
+    assert_eq!(m.position(), Some(fetched[0].id.as_str()));
+
+    place.publish(Some("o-6"), b"{}").await;
+    let both = place.adapter("b", Duration::from_secs(30)).await;
+    let fetched = both.fetch().await.unwrap();
+    let m = both.message_of(&fetched[0]).unwrap();
+    assert_eq!((m.payload().as_ref(), m.id()), (&b"{}"[..], Some("o-6")));
+}
+
 /// Two entries that are copies of one message (same id and payload) in one
 /// batch: each is settled (both acked once the message is done) and the
 /// handler runs once, though its first run failed.

@@ -1,6 +1,7 @@
 //! The steps of one idempotent run that do not depend on the protocol:
-//! buffering the request, running the handler with its panics caught, the
-//! task the run lives in, and turning the run's result into the answer.
+//! buffering the request, running the handler with its panics caught,
+//! where the run goes on when its request is dropped, and turning the run's
+//! result into the answer.
 //! What differs (how a response is kept, replayed or refused) comes in
 //! through [`Answers`] and the layers' own `execute`.
 
@@ -229,7 +230,7 @@ pub fn answer<A: Answers, E>(
     }
 }
 
-/// Why a run in a task gave no answer.
+/// Why a run gave no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
     #[error("no Tokio runtime to run the handler in")]
@@ -251,7 +252,7 @@ pub enum TaskError {
 /// in flight until its lease ends (the handler may have made effects). A
 /// panic out of the job (the handler's own are caught inside it) ends it
 /// without an answer, as it would end its task.
-pub async fn in_task<R, E, Fut>(
+pub async fn run_until_answered<R, E, Fut>(
     job: impl FnOnce(Reply<R, E>) -> Fut,
     cancel_on_drop: bool,
 ) -> Result<Result<R, E>, TaskError>
