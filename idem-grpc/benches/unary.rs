@@ -28,9 +28,14 @@
 //! shares the cores (docs/performance.md, "The bare service was bound by
 //! Nagle").
 //!
+//! `IDEM_BENCH_PIN=1` puts Redis on the last CPU and the bench (client and
+//! servers) on the others, so the store does not share the service's
+//! cores.
+//!
 //! ```text
 //! cargo bench -p idem-grpc --bench unary
 //! IDEM_BENCH_SECS=3 IDEM_BENCH_ROUNDS=7 IDEM_BENCH_CONCURRENCY=64 cargo bench -p idem-grpc --bench unary
+//! IDEM_BENCH_PIN=1 cargo bench -p idem-grpc --bench unary
 //! ```
 
 #[allow(clippy::all, missing_docs, unreachable_pub, dead_code)]
@@ -247,6 +252,32 @@ async fn phase(
     total as f64 / start.elapsed().as_secs_f64()
 }
 
+/// With `IDEM_BENCH_PIN` set: Redis's main thread on the last CPU, this
+/// process (its runtime's threads are made after this) on the others, so
+/// that the store does not take the service's cores, as in production.
+/// False (and nothing pinned) on a single CPU.
+fn pin_apart(redis: &RedisServer) -> bool {
+    use rustix::thread::{CpuSet, Pid, sched_getaffinity, sched_setaffinity};
+    let ours = sched_getaffinity(None).unwrap();
+    let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| ours.is_set(c)).collect();
+    let (Some((&last, rest)), Some(pid)) = (cpus.split_last(), redis.pid()) else {
+        return false;
+    };
+    if rest.is_empty() {
+        return false;
+    }
+    let mut store = CpuSet::new();
+    store.set(last);
+    let mut service = CpuSet::new();
+    for &c in rest {
+        service.set(c);
+    }
+    let redis_pid = Pid::from_raw(i32::try_from(pid).unwrap());
+    sched_setaffinity(redis_pid, &store).unwrap();
+    sched_setaffinity(None, &service).unwrap();
+    true
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -257,6 +288,7 @@ fn main() {
     let rounds = env("IDEM_BENCH_ROUNDS", 5);
     let concurrency = env("IDEM_BENCH_CONCURRENCY", 32);
     let redis = RedisServer::start();
+    let pinned = std::env::var_os("IDEM_BENCH_PIN").is_some() && pin_apart(&redis);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let store = idem_redis::RedisStore::connect(&redis.url()).await.unwrap();
@@ -298,8 +330,13 @@ fn main() {
             }
         }
 
+        let place = if pinned {
+            "local Redis on a CPU of its own"
+        } else {
+            "local Redis"
+        };
         println!(
-            "unary RPCs/s, {concurrency} in flight, {secs} s per phase, {rounds} rounds (local Redis)"
+            "unary RPCs/s, {concurrency} in flight, {secs} s per phase, {rounds} rounds ({place})"
         );
         let (mut b, mut f, mut r) = (Vec::new(), Vec::new(), Vec::new());
         // Ratios per round too: on a shared machine a round's phases see
