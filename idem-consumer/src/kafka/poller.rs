@@ -413,6 +413,9 @@ pub(super) fn poll_loop(
     stop: Arc<AtomicBool>,
 ) {
     let mut topics: HashMap<String, Arc<str>> = HashMap::new();
+    // A record's position (`partition@offset`) is written here, then
+    // shared: one allocation per record.
+    let mut position = String::new();
     let mut seq: u64 = 0;
     while !stop.load(Ordering::Relaxed) {
         let Some(polled) = consumer.poll(Duration::from_millis(100)) else {
@@ -425,16 +428,25 @@ pub(super) fn poll_loop(
                 continue;
             }
         };
-        let topic = topics
-            .entry(m.topic().to_owned())
-            .or_insert_with(|| Arc::from(m.topic()))
-            .clone();
+        // Looked up by `&str`: no `String` per record for a known topic.
+        let topic = match topics.get(m.topic()) {
+            Some(topic) => Arc::clone(topic),
+            None => {
+                let topic: Arc<str> = Arc::from(m.topic());
+                topics.insert(m.topic().to_owned(), Arc::clone(&topic));
+                topic
+            }
+        };
         let epoch = shared.take(&topic, m.partition(), m.offset());
         let headers = m.headers().map(|h| h.detach());
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
+        position.clear();
+        position.push_str(itoa::Buffer::new().format(m.partition()));
+        position.push('@');
+        position.push_str(itoa::Buffer::new().format(m.offset()));
         let msg = cfg
             .message_of(payload, m.key(), headers.as_ref(), &topic)
-            .with_position(format!("{}@{}", m.partition(), m.offset()));
+            .at_position(Arc::from(position.as_str()));
         let taken = Taken {
             topic,
             partition: m.partition(),
