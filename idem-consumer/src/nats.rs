@@ -562,11 +562,6 @@ pub struct NatsDelivery {
 }
 
 impl NatsDelivery {
-    fn new(message: jetstream::Message) -> NatsDelivery {
-        let sequence = sequence_of(&message);
-        NatsDelivery { message, sequence }
-    }
-
     /// The message's sequence in its stream, when its ack subject is
     /// readable.
     pub fn stream_sequence(&self) -> Option<u64> {
@@ -581,6 +576,15 @@ impl NatsDelivery {
     /// The message itself.
     pub fn into_message(self) -> jetstream::Message {
         self.message
+    }
+}
+
+/// A message fetched by other means (your own pull, a test), to hand to
+/// the adapter's `handle` or `settle`: its ack subject is read here.
+impl From<jetstream::Message> for NatsDelivery {
+    fn from(message: jetstream::Message) -> NatsDelivery {
+        let sequence = sequence_of(&message);
+        NatsDelivery { message, sequence }
     }
 }
 
@@ -629,7 +633,7 @@ impl Adapter for NatsConsumer {
         };
         while let Some(item) = next.take() {
             match item {
-                Ok(m) => out.push(NatsDelivery::new(m)),
+                Ok(m) => out.push(NatsDelivery::from(m)),
                 Err(e) => {
                     // Missed heartbeats and similar: drop the subscription so
                     // the next fetch opens a fresh one; keep what we have.

@@ -518,9 +518,14 @@ async fn batch_with_redeliveries(a: &NatsConsumer, messages: usize) -> Vec<NatsD
         let batch = a.fetch().await.unwrap();
         let mut per_sequence: BTreeMap<u64, usize> = BTreeMap::new();
         for m in &batch {
-            *per_sequence
-                .entry(m.info().unwrap().stream_sequence)
-                .or_default() += 1;
+            // What the adapter read once at fetch is what the ack subject says.
+            let info = m.info().unwrap();
+            assert_eq!(m.stream_sequence(), Some(info.stream_sequence));
+            assert_eq!(
+                u64::from(m.delivered()),
+                u64::try_from(info.delivered).unwrap()
+            );
+            *per_sequence.entry(info.stream_sequence).or_default() += 1;
         }
         if per_sequence.len() == messages && per_sequence.values().all(|&n| n >= 2) {
             return batch;
@@ -575,6 +580,11 @@ async fn deliveries_of_one_stream_message_in_one_batch_settle_once_neither_lost_
         }
     };
     let batch = batch_with_redeliveries(&a, 2).await;
+    // Handed back as messages fetched by other means would be.
+    let batch: Vec<NatsDelivery> = batch
+        .into_iter()
+        .map(|d| NatsDelivery::from(d.into_message()))
+        .collect();
     let decided = a.handle(&consumer, &handler, batch).await;
     let flaky_decisions: Vec<&Decision> = decided
         .iter()
