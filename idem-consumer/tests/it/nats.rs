@@ -667,3 +667,52 @@ async fn dead_letters_carry_the_shared_reason_kind_and_count_fields() {
     assert_eq!(field("Idem-Source"), Some(format!("{}/c", s.name).as_str()));
     assert_eq!(payload.as_slice(), br#"{"n":1}"#);
 }
+
+/// A message whose ack subject cannot be read (none at all, as a message
+/// not delivered by a JetStream consumer has): one delivery, no position,
+/// its id from the header as usual; settling it fails with the broker's
+/// error, not a panic, and the batch's other decisions are still sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_without_an_ack_subject_is_one_delivery_and_its_settling_fails_cleanly() {
+    let s = TestStream::create(&shared_url(), "noreply", Duration::from_secs(120)).await;
+    let a = s.adapter("a", Duration::from_secs(30)).await;
+    let mut headers = HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, "x-1");
+    let stray = NatsDelivery::from(jetstream::Message {
+        message: async_nats::Message {
+            subject: s.subject("in").into(),
+            reply: None,
+            payload: "{}".into(),
+            headers: Some(headers),
+            status: None,
+            description: None,
+            length: 2,
+        },
+        context: s.js.clone(),
+    });
+    assert_eq!((stray.stream_sequence(), stray.delivered()), (None, 1));
+    let m = a.message_of(&stray).unwrap();
+    assert_eq!(
+        (m.id(), m.delivery_count(), m.position()),
+        (Some("x-1"), 1, None)
+    );
+
+    s.js.publish(s.subject("in"), "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let fetched = a.fetch().await.unwrap();
+    assert_eq!(fetched.len(), 1);
+    let mut decided: Vec<(NatsDelivery, Decision)> =
+        fetched.into_iter().map(|d| (d, Decision::Ack)).collect();
+    decided.insert(0, (stray, Decision::Ack));
+    let e = a.apply_batch(&decided).await.unwrap_err();
+    assert!(matches!(e, ConsumerError::Broker { op: "ack", .. }), "{e}");
+    // The real message behind the stray one was acked all the same.
+    let end = Instant::now() + Duration::from_secs(5);
+    while !s.drained().await && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(s.drained().await, "the fetched message was acked");
+}
