@@ -7,7 +7,10 @@
 local MISSING, DONE, OTHER_OWNER, COMPLETED, IN_PROGRESS, MISMATCH, UNREADABLE, WRONG_TYPE =
   0, 1, 2, 3, 4, 5, 6, 7
 -- State bytes: pending, and the completed kinds (Rust: ValueKind::tag).
-local PENDING, KINDS = 'P', 'CZLU'
+local PENDING = 'P'
+-- Each state byte's code to its letter: one table lookup where
+-- string.char and a search of the kinds made two new strings per record.
+local STATES = { [80] = PENDING, [67] = 'C', [90] = 'Z', [76] = 'L', [85] = 'U' }
 -- The waiter mark of a pending record (Rust: record::WAITED): a step with
 -- an empty name and an empty value among its steps, written by the claim
 -- of a caller subscribed to the key, so that complete publishes only then.
@@ -18,11 +21,8 @@ local WAITED = '|0:0:'
 -- record of this format version ("1").
 local function header(rec)
   local v, s, n = string.byte(rec, 1, 3)
-  if v ~= 49 or not n or n > 32 or #rec < 3 + n then
-    return nil
-  end
-  local state = string.char(s)
-  if state ~= PENDING and not string.find(KINDS, state, 1, true) then
+  local state = STATES[s]
+  if v ~= 49 or not state or not n or n > 32 or #rec < 3 + n then
     return nil
   end
   return state, n

@@ -409,6 +409,76 @@ async fn a_batch_completes_on_the_servers_path() {
     }
 }
 
+/// A batch of more keys than the script reads at once (`complete_batch`
+/// reads them with one `MGET` per 1,000 on Redis 7) answers each key as
+/// its own: keys taken over on either side of each chunk's edge are
+/// `OtherOwner`, a key turned into a list mid-chunk gets its typed error,
+/// and every other key is completed with its own value.
+#[tokio::test]
+async fn a_batch_of_several_read_chunks_answers_each_key_as_its_own() {
+    use idem::store::Finish;
+    let server = RedisServer::start();
+    let store = connect(&server).await;
+    const N: usize = 2_100;
+    let tokens: Vec<Token> = (0..N).map(|_| Token::random()).collect();
+    let keys: Vec<String> = (0..N).map(|i| format!("chunk:{i}")).collect();
+    let claims: Vec<Claim<'_>> = keys
+        .iter()
+        .zip(&tokens)
+        .map(|(k, t)| claim(k, t, None))
+        .collect();
+    for reply in store.claim_batch(&claims).await {
+        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    }
+    let taken = [0, 999, 1_000, 1_999, 2_000, N - 1];
+    let listed = 1_500;
+    // Their leases (100 ms) run out, and another owner takes these over.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let thief = Token::random();
+    for &i in &taken {
+        assert_eq!(
+            store.claim(claim(&keys[i], &thief, None)).await.unwrap(),
+            ClaimReply::Acquired { attempt: 2 }
+        );
+    }
+    server.cli(&["DEL", &keys[listed]]);
+    server.cli(&["LPUSH", &keys[listed], "x"]);
+    let values: Vec<String> = (0..N).map(|i| format!("{i}")).collect();
+    let ops: Vec<Finish<'_>> = (0..N)
+        .map(|i| Finish::Complete {
+            claim: claim(&keys[i], &tokens[i], None),
+            kind: ValueKind::Json,
+            value: values[i].as_bytes(),
+        })
+        .collect();
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
+    let replies = store.finish_batch(&ops).await;
+    assert_eq!(replies.len(), N);
+    if expected_path(&server) == "script" {
+        // Three reads for the batch; only the keys that were not as their
+        // claim left them are read again, by the complete step.
+        assert_eq!(calls(&server, "mget"), 3);
+        assert_eq!(calls(&server, "get"), taken.len() as u64 + 1);
+    }
+    for (i, reply) in replies.into_iter().enumerate() {
+        if taken.contains(&i) {
+            assert_eq!(reply.unwrap(), WriteReply::OtherOwner, "key {i}");
+        } else if i == listed {
+            assert!(
+                matches!(reply, Err(Error::Corrupt { .. })),
+                "key {i}: {reply:?}"
+            );
+        } else {
+            assert_eq!(reply.unwrap(), WriteReply::Done, "key {i}");
+            let record = raw(&server, &keys[i]);
+            assert!(
+                record.ends_with(values[i].as_bytes()) && record[1] == b'C',
+                "key {i} holds {record:?}"
+            );
+        }
+    }
+}
+
 /// Nothing is kept per call between a claim and its complete (issue 37,
 /// item 4): the complete rebuilds the pending record from the claim's
 /// terms, so a store that never saw the claim (another connection, as

@@ -441,7 +441,7 @@ impl RedisStore {
 /// One call of the `complete_batch` script for `ops`, all completes.
 fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
     let hash = SCRIPTS.complete_batch.script.get_hash();
-    let mut cmd = Cmd::with_capacity(3 + 4 * ops.len(), 64 + 192 * ops.len());
+    let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 160 * ops.len());
     cmd.arg("EVALSHA").arg(hash).arg(ops.len());
     for op in ops {
         cmd.arg(op.key());
@@ -449,16 +449,15 @@ fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
     for op in ops {
         if let Finish::Complete { claim, kind, value } = **op {
             // What the claim wrote, to be compared whole (as IFEQ would);
-            // the completed record keeps its fingerprint.
+            // the completed record keeps its fingerprint. The script reads
+            // the owner token from it.
             let (pending, _) = pending_record(&claim);
             let record = CompletedRecord {
                 kind,
                 fingerprint: pending.fingerprint,
                 value,
             };
-            cmd.arg(claim.token.as_bytes().as_slice())
-                .arg(record)
-                .arg(&pending);
+            cmd.arg(record).arg(&pending);
         }
     }
     cmd

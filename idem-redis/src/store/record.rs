@@ -498,21 +498,31 @@ mod tests {
         .invoke(&mut con)
         .expect("prelude runs");
         assert_eq!(codes, Code::ALL.map(|c| c as i64).to_vec());
-        let kinds: String = redis::Script::new(&format!("{PRELUDE}\nreturn KINDS"))
-            .invoke(&mut con)
-            .expect("prelude runs");
-        let tags: Vec<u8> = [
+        // Every state byte the prelude reads, each paired with the letter
+        // it stands for: the pending state and ValueKind's tags, no other.
+        let states: String = redis::Script::new(&format!(
+            "{PRELUDE}\n\
+             local t = {{}}\n\
+             for b, s in pairs(STATES) do t[#t + 1] = string.char(b) .. s end\n\
+             table.sort(t)\n\
+             return table.concat(t, ' ')"
+        ))
+        .invoke(&mut con)
+        .expect("prelude runs");
+        let mut tags: Vec<String> = [
             ValueKind::Json,
             ValueKind::Lz4Json,
             ValueKind::TooLarge,
             ValueKind::Unstorable,
         ]
-        .map(ValueKind::tag)
+        .map(|k| char::from(k.tag()).to_string().repeat(2))
         .to_vec();
+        tags.push(char::from(PENDING).to_string().repeat(2));
+        tags.sort();
         assert_eq!(
-            kinds.into_bytes(),
-            tags,
-            "Lua's completed kinds are ValueKind's tags"
+            states,
+            tags.join(" "),
+            "Lua's states are the pending state and ValueKind's tags"
         );
         let read = redis::Script::new(&format!(
             "{PRELUDE}\n\
