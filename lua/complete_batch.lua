@@ -11,10 +11,13 @@
 --
 -- The keys are read by one MGET per chunk, not one GET each: every
 -- redis.call pays for building a command and turning its reply into Lua
--- values, and on Redis 7 that was a third of a complete's server time.
--- MGET answers nil for a key of another type, which then takes the
+-- values (docs/performance.md has the counts). MGET answers nil for a key of another type, which then takes the
 -- complete step and gets its WRONG_TYPE there. Chunks keep MGET's
--- arguments within what unpack can put on Lua's stack.
+-- arguments within what unpack can put on Lua's stack. A user whose ACL
+-- predates MGET (docs/operating.md grants it now) is refused it: each key
+-- is then read with GET, as before (and so is a key MGET found empty or
+-- of another type: its GET answers the same, and the compare fails).
+
 if #ARGV ~= 2 * #KEYS then
   return redis.error_reply('ERR idem complete_batch: expected a completed record and the '
     .. 'pending record per key')
@@ -25,8 +28,7 @@ for first = 1, #KEYS, CHUNK do
   local last = math.min(first + CHUNK - 1, #KEYS)
   local held = redis.pcall('MGET', unpack(KEYS, first, last))
   if held.err then
-    -- Refused (an ACL without MGET): each key's own GET says why.
-    held = {}
+    held = nil
   end
   for i = first, last do
     local key, rec, claimed = KEYS[i], ARGV[2 * i - 1], ARGV[2 * i]
@@ -34,7 +36,7 @@ for first = 1, #KEYS, CHUNK do
     if not kind or kind == PENDING then
       out[i] = redis.error_reply('ERR idem complete: expected a completed record ("1", kind '
         .. 'C/Z/L/U, fingerprint length, fingerprint, value)')
-    elseif held[i - first + 1] == claimed then
+    elseif (held and held[i - first + 1] or redis.pcall('GET', key)) == claimed then
       redis.call('SET', key, rec, 'KEEPTTL')
       out[i] = DONE
     else

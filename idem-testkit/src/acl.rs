@@ -4,7 +4,8 @@
 /// The rules for namespace `ns` and password `pw`, to follow
 /// `ACL SETUSER <user> reset`: the commands the client sends (`EVALSHA`,
 /// `SCRIPT LOAD` after a `SCRIPT FLUSH` or a restart, `SET` and `GET` for
-/// plain claims, completes and replays) and those the scripts call, on the
+/// plain claims, completes and replays) and those the scripts call (`MGET`
+/// for a batch's completes on Redis 7), on the
 /// namespace's keys only; and for waiting without polling, the sharded
 /// publish and subscribe on the channels named as those keys.
 ///
@@ -27,6 +28,7 @@ pub fn store_acl(ns: &str, pw: &str) -> Vec<String> {
             "+evalsha",
             "+script|load",
             "+get",
+            "+mget",
             "+set",
             "+del",
             "+pttl",

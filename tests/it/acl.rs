@@ -177,6 +177,17 @@ async fn minimal_acl_user_runs_the_core_semantics() {
     let replay_after_flush = idem.call("charge", "order-1").run(|| runs.body(0u64)).await;
     assert_eq!(replay_after_flush.unwrap(), 500);
 
+    // A batch's claims and completes (one `complete_batch` call on Redis 7,
+    // which reads the keys with MGET).
+    let tokens = [
+        Token::from_u128(11),
+        Token::from_u128(12),
+        Token::from_u128(13),
+    ];
+    let batch_keys = ["payments:b:1", "payments:b:2", "payments:b:3"];
+    let done = batch_round(&store, &batch_keys, &tokens).await;
+    assert_eq!(done, 3, "every key of the batch completed");
+
     // Nothing the client or the scripts sent was denied (CLIENT SETINFO on
     // connect is the one exception, see below).
     let log = server.cli(&["ACL", "LOG"]);
@@ -211,6 +222,80 @@ async fn minimal_acl_user_runs_the_core_semantics() {
         e.to_string().to_lowercase().contains("no permissions"),
         "{e}"
     );
+}
+
+/// Claims `keys` in one batch, completes them in one batch, and counts the
+/// completes that answered `Done`.
+async fn batch_round(store: &RedisStore, keys: &[&str], tokens: &[Token]) -> usize {
+    use idem::store::{ClaimReply, Finish, ValueKind, WriteReply};
+    let claims: Vec<Claim<'_>> = keys
+        .iter()
+        .zip(tokens)
+        .map(|(key, token)| Claim {
+            key,
+            token,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            fingerprint: None,
+            want_ttl_left: false,
+        })
+        .collect();
+    for reply in store.claim_batch(&claims).await {
+        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    }
+    let ops: Vec<Finish<'_>> = claims
+        .iter()
+        .map(|claim| Finish::Complete {
+            claim: *claim,
+            kind: ValueKind::Json,
+            value: b"1",
+        })
+        .collect();
+    store
+        .finish_batch(&ops)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r, Ok(WriteReply::Done)))
+        .count()
+}
+
+/// A user whose ACL predates `+mget` (added for the batch completes on
+/// Redis 7) still completes every key of a batch: the script reads each
+/// key with `GET` when `MGET` is refused, and `ACL LOG` names `mget`.
+#[tokio::test]
+async fn a_user_without_mget_still_completes_batches() {
+    let server = RedisServer::start();
+    set_user(&server, &minimal_without("+mget"));
+    server.cli(&["ACL", "LOG", "RESET"]);
+    let store = RedisStore::connect(&user_url(&server))
+        .await
+        .expect("connect as the ACL user");
+    let tokens = [
+        Token::from_u128(1),
+        Token::from_u128(2),
+        Token::from_u128(3),
+    ];
+    let keys = ["payments:m:1", "payments:m:2", "payments:m:3"];
+    assert_eq!(batch_round(&store, &keys, &tokens).await, 3);
+    let log = server.cli(&["ACL", "LOG"]);
+    let denied = denied_commands(&log);
+    assert!(
+        denied
+            .iter()
+            .all(|d| d == "mget" || d.starts_with("client|setinfo")),
+        "only MGET may be denied: {denied:?}\n{log}"
+    );
+    // Redis 7 (no `SET … IFEQ`) completes the batch with the script, whose
+    // MGET was refused; Valkey 8.1 completes it with plain `SET`s.
+    let info = server.cli(&["INFO", "server"]);
+    if !info.contains("valkey_version") && info.contains("redis_version:7.") {
+        assert!(denied.iter().any(|d| d == "mget"), "{denied:?}\n{log}");
+    }
+    let mut admin = server.connection();
+    for key in keys {
+        let record: Vec<u8> = redis::cmd("GET").arg(key).query(&mut admin).unwrap();
+        assert!(record.starts_with(b"1C"), "{key} holds {record:?}");
+    }
 }
 
 /// redis-rs sends CLIENT SETINFO on connect and ignores a refusal: the
