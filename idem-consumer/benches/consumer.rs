@@ -16,11 +16,17 @@
 //! redis-server. The `core-*` phases take ready messages (no broker) on
 //! the in-process `MemoryStore` (`core-memory`: idem's own cost, no network;
 //! its floor is an in-process set), on Redis and on PostgreSQL (`PgStore`, a
-//! database of its own). Loops alternate over `ROUNDS` rounds and the best
+//! database of its own). Loops alternate over 3 rounds (`IDEM_BENCH_ROUNDS`) and the best
 //! round of each is reported. Every timed loop also counts the process's
 //! heap allocations (a counting global allocator, `stats_alloc`), printed
 //! per message beside the rates (`allocs/msg`: the fewest of the rounds;
-//! they include the broker and Redis clients' own).
+//! they include the broker and Redis clients' own), and the CPU time per
+//! message of this process and of the private redis-server
+//! (`cpu-us/msg`, the least of the rounds; not the brokers', whose work
+//! is the same for the floor and for idem): what each message costs the
+//! machine, beside how fast the loop went. On a virtual machine whose
+//! host steals time both move with the neighbours: compare binaries by
+//! instruction counts there (docs/performance.md, "The commands").
 //! NATS and RabbitMQ are taken from `NATS_URL` / `AMQP_URL` or their
 //! default local ports; PostgreSQL as idem-testkit finds it.
 
@@ -35,7 +41,7 @@ use idem_testkit::RedisServer;
 use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
 use std::alloc::System;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 #[global_allocator]
@@ -54,11 +60,45 @@ fn last_allocs() -> f64 {
     f64::from_bits(LAST_ALLOCS.load(Ordering::SeqCst))
 }
 
+/// CPU µs per message of the last timed loop (see [`cpu_seconds`]).
+static LAST_CPU: AtomicU64 = AtomicU64::new(0);
+
+fn last_cpu() -> f64 {
+    f64::from_bits(LAST_CPU.load(Ordering::SeqCst))
+}
+
+/// The private redis-server's pid, once started (0: not counted).
+static REDIS_PID: AtomicU32 = AtomicU32::new(0);
+
+/// CPU time so far of this process's threads and of the private
+/// redis-server's, in seconds (Linux `schedstat`, nanoseconds; 0
+/// elsewhere). The brokers' own CPU is not in it: it is the same work
+/// for the floor and for idem.
+fn cpu_seconds() -> f64 {
+    let threads = |dir: String| -> u64 {
+        let Ok(tasks) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let mut ns = threads("/proc/self/task".to_owned());
+    let pid = REDIS_PID.load(Ordering::SeqCst);
+    if pid != 0 {
+        ns += threads(format!("/proc/{pid}/task"));
+    }
+    ns as f64 / 1e9
+}
+
 /// A timed loop over `MESSAGES` messages: its rate, and (kept for
 /// [`last_allocs`]) its allocations per message.
 struct Timer {
     start: Instant,
     allocs: usize,
+    cpu: f64,
 }
 
 impl Timer {
@@ -66,6 +106,7 @@ impl Timer {
         Timer {
             start: Instant::now(),
             allocs: allocations(),
+            cpu: cpu_seconds(),
         }
     }
 
@@ -80,6 +121,8 @@ impl Timer {
         let elapsed = self.start.elapsed().as_secs_f64();
         let allocs = allocations().saturating_sub(self.allocs) as f64 / n as f64;
         LAST_ALLOCS.store(allocs.to_bits(), Ordering::SeqCst);
+        let cpu = (cpu_seconds() - self.cpu) * 1e6 / n as f64;
+        LAST_CPU.store(cpu.to_bits(), Ordering::SeqCst);
         n as f64 / elapsed
     }
 }
@@ -92,7 +135,14 @@ mod kafka;
 use floor::{PgFloor, RedisFloor};
 
 const MESSAGES: usize = 5_000;
-const ROUNDS: usize = 3;
+/// Rounds per phase: 3, or `IDEM_BENCH_ROUNDS` (more on a busy machine).
+fn rounds() -> usize {
+    std::env::var("IDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(3)
+}
 const BATCH: usize = 64;
 
 fn payload(run: usize, i: usize) -> String {
@@ -470,7 +520,9 @@ where
 
 /// One line per phase, in the form earlier versions printed plus the floor:
 /// `ratio` is idem against the bare loop, `of-floor` idem against the floor;
-/// then the allocations per message of the floor and of idem.
+/// then the allocations per message of the floor and of idem, and their
+/// CPU µs per message (this process and the private redis-server; the
+/// fewest of the rounds).
 fn report(phase: &str, bare: Option<&[f64]>, floor: &Runs, idem: &Runs) {
     let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     let (f, i) = (best(&floor.rates), best(&idem.rates));
@@ -479,10 +531,12 @@ fn report(phase: &str, bare: Option<&[f64]>, floor: &Runs, idem: &Runs) {
         None => (format!("{:>8}", "-"), "-".to_owned()),
     };
     println!(
-        "{phase:<14} bare {bare} msg/s  floor {f:>8.0} msg/s  idem {i:>8.0} msg/s  ratio {ratio}  of-floor {:.2}  allocs/msg floor {:.1} idem {:.1}",
+        "{phase:<14} bare {bare} msg/s  floor {f:>8.0} msg/s  idem {i:>8.0} msg/s  ratio {ratio}  of-floor {:.2}  allocs/msg floor {:.1} idem {:.1}  cpu-us/msg floor {:.2} idem {:.2}",
         i / f,
         floor.allocs(),
         idem.allocs(),
+        floor.cpu(),
+        idem.cpu(),
     );
 }
 
@@ -491,23 +545,52 @@ fn report(phase: &str, bare: Option<&[f64]>, floor: &Runs, idem: &Runs) {
 struct Runs {
     rates: Vec<f64>,
     allocs: Vec<f64>,
+    cpu: Vec<f64>,
 }
 
 impl Runs {
-    /// Adds a round: its rate, with the allocations its timer recorded.
+    /// Adds a round: its rate, with the allocations and CPU its timer
+    /// recorded.
     fn push(&mut self, rate: f64) {
-        self.rates.push(rate);
-        self.allocs.push(last_allocs());
+        self.push_with(Sample {
+            rate,
+            allocs: last_allocs(),
+            cpu: last_cpu(),
+        });
     }
 
-    /// Adds a round measured elsewhere: (rate, allocations per message).
-    fn push_with(&mut self, (rate, allocs): (f64, f64)) {
-        self.rates.push(rate);
-        self.allocs.push(allocs);
+    /// Adds a round measured elsewhere.
+    fn push_with(&mut self, s: Sample) {
+        self.rates.push(s.rate);
+        self.allocs.push(s.allocs);
+        self.cpu.push(s.cpu);
     }
 
     fn allocs(&self) -> f64 {
         self.allocs.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+
+    fn cpu(&self) -> f64 {
+        self.cpu.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+}
+
+/// One timed loop: messages per second, allocations and CPU µs per message.
+#[derive(Clone, Copy)]
+struct Sample {
+    rate: f64,
+    allocs: f64,
+    cpu: f64,
+}
+
+impl Sample {
+    /// The last timed loop's, at `rate`.
+    fn last(rate: f64) -> Sample {
+        Sample {
+            rate,
+            allocs: last_allocs(),
+            cpu: last_cpu(),
+        }
     }
 }
 
@@ -523,17 +606,19 @@ fn main() {
         .build()
         .unwrap();
     let server = RedisServer::start();
+    REDIS_PID.store(server.pid().unwrap_or(0), Ordering::SeqCst);
     let url = server.url();
     println!(
-        "{MESSAGES} messages per phase (kafka {}), batches of {BATCH}, best of {ROUNDS} alternating rounds; \
+        "{MESSAGES} messages per phase (kafka {}), batches of {BATCH}, best of {} alternating rounds; \
          floor = the bare loop + one pipelined SET NX and one SET per message (benches/consumer/floor.rs)",
-        kafka::MESSAGES
+        kafka::MESSAGES,
+        rounds()
     );
     rt.block_on(async {
         let mut run = 0;
         if wanted("core-memory") {
             let (mut floor, mut idem) = (Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 let seen = Mutex::new(std::collections::HashSet::new());
                 floor.push(
@@ -556,7 +641,7 @@ fn main() {
         }
         if wanted("core-redis") {
             let (mut floor, mut idem) = (Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 let f = RedisFloor::connect(&url, run).await;
                 floor.push(
@@ -574,7 +659,7 @@ fn main() {
             let ctx = idem_testkit::TestContext::postgres().await;
             let pg = PgFloor::new(ctx.pg_db().pool.clone()).await;
             let (mut floor, mut idem) = (Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 floor.push(core_floor(run, |keys| pg.dedup_owned(keys)).await);
                 let c = Consumer::new(
@@ -588,7 +673,7 @@ fn main() {
         }
         if wanted("redis-streams") {
             let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 bare.push(redis_bare(&url, run, None).await);
                 let f = RedisFloor::connect(&url, run).await;
@@ -606,7 +691,7 @@ fn main() {
                     .unwrap_or_else(|e| panic!("NATS at {nats_url}: {e}")),
             );
             let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 bare.push(nats_bare(&js, run, None).await);
                 let f = RedisFloor::connect(&url, run).await;
@@ -622,7 +707,7 @@ fn main() {
                 .await
                 .unwrap_or_else(|e| panic!("RabbitMQ at {amqp}: {e}"));
             let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 bare.push(rabbit_bare(&conn, run, None).await);
                 let f = RedisFloor::connect(&url, run).await;
@@ -634,7 +719,7 @@ fn main() {
         if wanted("kafka") {
             let broker = idem_testkit::KafkaBroker::start();
             let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
-            for _ in 0..ROUNDS {
+            for _ in 0..rounds() {
                 run += 1;
                 let (b, f, i) = kafka::round(&broker, &url, run).await;
                 bare.push(b);

@@ -163,12 +163,13 @@ async fn idem(bootstrap: &str, redis_url: &str, topic: &str, run: usize) -> f64 
 
 /// One round: a fresh topic each for the bare loop, the floor and the
 /// adapter. Returns (bare, floor, idem).
-/// The floor's and idem's rates come with their allocations per message.
+/// The floor's and idem's rates come with their allocations and CPU per
+/// message.
 pub(crate) async fn round(
     kafka: &KafkaBroker,
     redis_url: &str,
     run: usize,
-) -> (f64, (f64, f64), (f64, f64)) {
+) -> (f64, super::Sample, super::Sample) {
     let bootstrap = kafka.bootstrap();
     let mut rates = Vec::new();
     for (offset, floor) in [
@@ -180,9 +181,9 @@ pub(crate) async fn round(
         let rate = tokio::task::spawn_blocking(move || bare(&bs, &t, run, floor))
             .await
             .expect("bare loop");
-        rates.push((rate, super::last_allocs()));
+        rates.push(super::Sample::last(rate));
     }
     let t = setup(&bootstrap, run + 100_000).await;
     let i = idem(&bootstrap, redis_url, &t, run).await;
-    (rates[0].0, rates[1], (i, super::last_allocs()))
+    (rates[0].rate, rates[1], super::Sample::last(i))
 }
