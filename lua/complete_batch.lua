@@ -11,12 +11,12 @@
 --
 -- The keys are read by one MGET per chunk, not one GET each: every
 -- redis.call pays for building a command and turning its reply into Lua
--- values (docs/performance.md has the counts). MGET answers nil for a key of another type, which then takes the
--- complete step and gets its WRONG_TYPE there. Chunks keep MGET's
+-- values (docs/performance.md has the counts). Chunks keep MGET's
 -- arguments within what unpack can put on Lua's stack. A user whose ACL
 -- predates MGET (docs/operating.md grants it now) is refused it: each key
--- is then read with GET, as before (and so is a key MGET found empty or
--- of another type: its GET answers the same, and the compare fails).
+-- is then read with GET, as before. So is a key MGET found empty or of
+-- another type: its GET answers the same, the compare fails, and the
+-- complete step gives its MISSING or WRONG_TYPE.
 
 if #ARGV ~= 2 * #KEYS then
   return redis.error_reply('ERR idem complete_batch: expected a completed record and the '
