@@ -8,6 +8,8 @@
 //! - the macro depends on this file only, not on the shape of `Call`.
 
 use crate::{Call, Error, Idempotency};
+use futures_util::FutureExt;
+use futures_util::future::{Either, ready};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::fmt::Display;
@@ -196,7 +198,7 @@ pub fn fingerprint<'a, F: FingerprintValue + ?Sized>(call: Call<'a>, value: &F) 
 /// `R` is the declared return type. Its bounds are stated on `R`'s `Ok` and
 /// `Err` types rather than on separate type parameters, so that every failed
 /// bound is reported once, on the span the macro gives this call.
-pub async fn run<R, F, Fut>(call: Result<Call<'_>, Error>, body: F) -> R
+pub fn run<R, F, Fut>(call: Result<Call<'_>, Error>, body: F) -> impl Future<Output = R>
 where
     R: IdempotentResult,
     R::Ok: Storable,
@@ -204,11 +206,13 @@ where
     F: FnOnce() -> Fut,
     Fut: Future<Output = R>,
 {
+    // The call's future mapped, not awaited inside one of this function's
+    // own (which would hold it beside the call and copy it in whole).
     match call {
-        Ok(call) => R::from_result(
+        Ok(call) => Either::Left(
             call.run(move || async move { body().await.into_result() })
-                .await,
+                .map(R::from_result),
         ),
-        Err(err) => R::from_result(Err(<R::Err>::from(err))),
+        Err(err) => Either::Right(ready(R::from_result(Err(<R::Err>::from(err))))),
     }
 }

@@ -22,6 +22,7 @@ use crate::outcome::Outcome;
 use crate::settings::{Inner, validate_ttl_lease};
 use crate::token::Token;
 use exec::Exec;
+use futures_util::FutureExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -218,14 +219,18 @@ impl<'a> Call<'a> {
     /// assert_eq!(again.unwrap(), Vec::<u8>::new()); // empty values replay too
     /// # });
     /// ```
-    pub async fn run<F, Fut, T, E>(self, body: F) -> Result<T, E>
+    pub fn run<F, Fut, T, E>(self, body: F) -> impl Future<Output = Result<T, E>>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, E>>,
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        self.run_outcome(body).await.map(|(value, _)| value)
+        // `run_with`'s future mapped, not awaited in one of its own: an
+        // async wrapper would hold it and the call beside it, and copy it
+        // whole into itself when first polled.
+        self.run_with(None, body)
+            .map(|result| result.map(|(value, _)| value))
     }
 
     /// Like [`run`](Call::run), also saying whether the body ran.
