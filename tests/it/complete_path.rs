@@ -177,6 +177,18 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
         .expect("no notification for the completed key");
 }
 
+/// Claims each of `keys` with its token in one batch: all fresh.
+async fn claim_fresh(store: &RedisStore, keys: &[String], tokens: &[Token]) {
+    let claims: Vec<Claim<'_>> = keys
+        .iter()
+        .zip(tokens)
+        .map(|(k, t)| claim(k, t, None))
+        .collect();
+    for reply in store.claim_batch(&claims).await {
+        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
+    }
+}
+
 async fn connect(server: &RedisServer) -> RedisStore {
     RedisStore::connect(&server.url())
         .await
@@ -364,14 +376,7 @@ async fn a_batch_completes_on_the_servers_path() {
     let path = expected_path(&server);
     let tokens: Vec<Token> = (0..8).map(|_| Token::random()).collect();
     let keys: Vec<String> = (0..8).map(|i| format!("b:{i}")).collect();
-    let claims: Vec<Claim<'_>> = keys
-        .iter()
-        .zip(&tokens)
-        .map(|(k, t)| claim(k, t, None))
-        .collect();
-    for reply in store.claim_batch(&claims).await {
-        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
-    }
+    claim_fresh(&store, &keys, &tokens).await;
     // b:7 is taken over by another owner after its lease (100 ms).
     tokio::time::sleep(Duration::from_millis(150)).await;
     let thief = Token::random();
@@ -422,14 +427,7 @@ async fn a_batch_of_several_read_chunks_answers_each_key_as_its_own() {
     const N: usize = 2_100;
     let tokens: Vec<Token> = (0..N).map(|_| Token::random()).collect();
     let keys: Vec<String> = (0..N).map(|i| format!("chunk:{i}")).collect();
-    let claims: Vec<Claim<'_>> = keys
-        .iter()
-        .zip(&tokens)
-        .map(|(k, t)| claim(k, t, None))
-        .collect();
-    for reply in store.claim_batch(&claims).await {
-        assert_eq!(reply.unwrap(), ClaimReply::Acquired { attempt: 1 });
-    }
+    claim_fresh(&store, &keys, &tokens).await;
     let taken = [0, 999, 1_000, 1_999, 2_000, N - 1];
     let listed = 1_500;
     // Their leases (100 ms) run out, and another owner takes these over.
