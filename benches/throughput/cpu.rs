@@ -2,23 +2,10 @@
 
 use redis::aio::ConnectionManager;
 
-/// CPU time of every thread of this process, in seconds (Linux:
-/// `/proc/self/task/*/schedstat`, nanosecond resolution); 0 elsewhere.
+/// CPU time of every thread of this process, in seconds (0 without
+/// `/proc`).
 pub(crate) fn client_cpu() -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    let mut ns = 0u64;
-    for t in tasks.flatten() {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            ns += s
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
-        }
-    }
-    ns as f64 / 1e9
+    idem_testkit::process_cpu("self")
 }
 
 /// CPU time of processes `pids` (same machine), in seconds: the
@@ -26,16 +13,9 @@ pub(crate) fn client_cpu() -> f64 {
 /// (a server on another machine).
 #[cfg(feature = "postgres")]
 pub(crate) fn pids_cpu(pids: &[i32]) -> f64 {
-    let ns: u64 = pids
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/schedstat")).ok())
-        .filter_map(|s| {
-            s.split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .sum();
-    ns as f64 / 1e9
+    pids.iter()
+        .map(|p| idem_testkit::process_cpu(&p.to_string()))
+        .sum()
 }
 
 /// CPU time of the Redis server so far (`INFO cpu`), in seconds.

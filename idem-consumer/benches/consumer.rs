@@ -16,8 +16,8 @@
 //! redis-server. The `core-*` phases take ready messages (no broker) on
 //! the in-process `MemoryStore` (`core-memory`: idem's own cost, no network;
 //! its floor is an in-process set), on Redis and on PostgreSQL (`PgStore`, a
-//! database of its own). Loops alternate over 3 rounds (`IDEM_BENCH_ROUNDS`) and the best
-//! round of each is reported. Every timed loop also counts the process's
+//! database of its own). Loops alternate over 3 rounds (or
+//! `IDEM_BENCH_ROUNDS`) and the best round of each is reported. Every timed loop also counts the process's
 //! heap allocations (a counting global allocator, `stats_alloc`), printed
 //! per message beside the rates (`allocs/msg`: the fewest of the rounds;
 //! they include the broker and Redis clients' own), and the CPU time per
@@ -71,26 +71,16 @@ fn last_cpu() -> f64 {
 static REDIS_PID: AtomicU32 = AtomicU32::new(0);
 
 /// CPU time so far of this process's threads and of the private
-/// redis-server's, in seconds (Linux `schedstat`, nanoseconds; 0
-/// elsewhere). The brokers' own CPU is not in it: it is the same work
-/// for the floor and for idem.
+/// redis-server's, in seconds. The brokers' own CPU is not in it: it is
+/// the same work for the floor and for idem.
 fn cpu_seconds() -> f64 {
-    let threads = |dir: String| -> u64 {
-        let Ok(tasks) = std::fs::read_dir(dir) else {
-            return 0;
-        };
-        tasks
-            .flatten()
-            .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            .sum()
-    };
-    let mut ns = threads("/proc/self/task".to_owned());
     let pid = REDIS_PID.load(Ordering::SeqCst);
-    if pid != 0 {
-        ns += threads(format!("/proc/{pid}/task"));
-    }
-    ns as f64 / 1e9
+    let redis = if pid == 0 {
+        0.0
+    } else {
+        idem_testkit::process_cpu(&pid.to_string())
+    };
+    idem_testkit::process_cpu("self") + redis
 }
 
 /// A timed loop over `MESSAGES` messages: its rate, and (kept for
@@ -552,11 +542,7 @@ impl Runs {
     /// Adds a round: its rate, with the allocations and CPU its timer
     /// recorded.
     fn push(&mut self, rate: f64) {
-        self.push_with(Sample {
-            rate,
-            allocs: last_allocs(),
-            cpu: last_cpu(),
-        });
+        self.push_with(Sample::last(rate));
     }
 
     /// Adds a round measured elsewhere.
