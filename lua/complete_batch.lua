@@ -6,7 +6,9 @@
 -- the completed record (built with its fingerprint) replaces it at once,
 -- as SET … IFEQ would. Any other goes through the complete script's step
 -- (without outbox messages: those complete alone). One script call
--- rather than one per key. Replies one code per key, or an error reply
+-- rather than one per key; a single call's complete told its claim runs
+-- it too, for one key: its common path makes none of the record
+-- operations (record_ops.lua), which the complete script makes first. Replies one code per key, or an error reply
 -- for a malformed item; an item refused does not stop the others.
 --
 -- The keys are read by one MGET per chunk, not one GET each: every
@@ -24,6 +26,9 @@ if #ARGV ~= 2 * #KEYS then
 end
 local CHUNK = 1000
 local out = {}
+-- The complete step and the wake-up, made (record_ops) for the first key
+-- that is not as its claim left it: most calls need neither.
+local completing, notify
 for first = 1, #KEYS, CHUNK do
   local last = math.min(first + CHUNK - 1, #KEYS)
   local held = redis.pcall('MGET', unpack(KEYS, first, last))
@@ -46,6 +51,9 @@ for first = 1, #KEYS, CHUNK do
         out[i] = redis.error_reply('ERR idem complete_batch: expected the pending record the '
           .. 'claim wrote ("1", "P", fingerprint length, fingerprint, 32-byte token, ...)')
       else
+        if not completing then
+          completing, notify = record_ops()
+        end
         local reply, done, waited = completing(key, token, rec, kind, n)
         if reply then
           out[i] = reply

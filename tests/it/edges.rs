@@ -171,10 +171,12 @@ async fn a_body_blocking_past_its_lease_reports_the_lease_lost() {
 async fn claim_refuses_malformed_pending_records_and_writes_nothing() {
     let server = RedisServer::start();
     let mut con = server.connection();
-    // Assembled as idem-core assembles it: the shared prelude, then the body.
+    // Assembled as idem-redis assembles it: the shared prelude and record
+    // operations, then the body.
     let script = redis::Script::new(concat!(
         "#!lua\n",
         include_str!("../../lua/prelude.lua"),
+        include_str!("../../lua/record_ops.lua"),
         include_str!("../../lua/claim.lua")
     ));
     let token = "0123456789abcdef0123456789abcdef";

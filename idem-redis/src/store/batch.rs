@@ -302,11 +302,6 @@ impl RedisStore {
                         .iter()
                         .map(|op| scripted && matches!(op, Finish::Complete { .. }))
                         .collect();
-                    let joint = if joint.iter().filter(|j| **j).count() >= 2 {
-                        joint
-                    } else {
-                        vec![false; batch.len()]
-                    };
                     let mut plain = Vec::with_capacity(batch.len());
                     let mut items: Vec<(&str, ItemCmds)> = batch
                         .iter()
@@ -439,7 +434,7 @@ impl RedisStore {
 }
 
 /// One call of the `complete_batch` script for `ops`, all completes.
-fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
+pub(super) fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
     let hash = SCRIPTS.complete_batch.script.get_hash();
     let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 160 * ops.len());
     cmd.arg("EVALSHA").arg(hash).arg(ops.len());

@@ -23,11 +23,13 @@
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
+use super::batch::complete_batch_cmd;
 use super::record::{CompletedRecord, pending_record};
-use super::reply::{classify, unreached};
+use super::reply::{classify, parse_write, protocol, unreached};
+use super::scripts::SCRIPTS;
 use super::{Conn, RedisStore};
 use idem_core::Error;
-use idem_core::store::{Claim, ValueKind, WriteReply};
+use idem_core::store::{Claim, Finish, ValueKind, WriteReply};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Value};
 use tokio::sync::OnceCell;
@@ -160,6 +162,38 @@ impl Server {
             .arg(&pending)
             .arg("KEEPTTL");
         Some(set)
+    }
+}
+
+impl RedisStore {
+    /// A complete on a server without `IFEQ` (Redis 7), told its claim:
+    /// the `complete_batch` script for this one key, which compares the
+    /// record with the pending one the claim wrote and writes at once, as
+    /// `IFEQ` would, and takes the `complete` script's step only when they
+    /// differ. Its common path makes none of the record operations'
+    /// closures: about a fifth less server work per fresh call than the
+    /// `complete` script (docs/performance.md).
+    pub(super) async fn complete_compared(
+        &self,
+        claim: &Claim<'_>,
+        kind: ValueKind,
+        value: &[u8],
+    ) -> Result<WriteReply, Error> {
+        let op = Finish::Complete {
+            claim: *claim,
+            kind,
+            value,
+        };
+        let cmd = complete_batch_cmd(&[&op]);
+        let lua = &SCRIPTS.complete_batch;
+        match self.eval("complete", lua, claim.key, &cmd).await? {
+            Value::Array(replies) if replies.len() == 1 => match replies.into_iter().next() {
+                Some(Value::ServerError(e)) => Err(classify("complete", e.into())),
+                Some(reply) => parse_write("complete", reply),
+                None => Err(protocol("complete", &Value::Nil)),
+            },
+            other => Err(protocol("complete", &other)),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ mod scripts;
 
 pub use self::config::RedisStoreConfig;
 
-use self::complete::Server;
+use self::complete::{CompletePath, Server};
 use self::notify::{Notifier, Source};
 use self::record::{CompletedRecord, MS_DIGITS, PendingRecord, Record};
 use self::reply::{
@@ -511,6 +511,9 @@ impl Store for RedisStore {
         if durability.is_async() {
             if let Some(done) = self.complete_plain(claim, kind, value).await {
                 return done;
+            }
+            if self.server.path() == CompletePath::Script {
+                return self.complete_compared(claim, kind, value).await;
             }
             return self
                 .complete(claim.key, claim.token, claim.fingerprint, kind, value)

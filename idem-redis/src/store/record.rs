@@ -1,6 +1,6 @@
 //! The Redis record format (lua/README.md) on the client side: the one
 //! Rust definition of versions, state bytes, reply codes, encoding and
-//! decoding. The scripts' side is `lua/prelude.lua`.
+//! decoding. The scripts' side is `lua/prelude.lua` (and `lua/record_ops.lua`).
 
 use bytes::Bytes;
 use idem_core::Error;
@@ -498,12 +498,16 @@ mod tests {
         .invoke(&mut con)
         .expect("prelude runs");
         assert_eq!(codes, Code::ALL.map(|c| c as i64).to_vec());
-        // Every state byte the prelude reads, each paired with the letter
-        // it stands for: the pending state and ValueKind's tags, no other.
+        // Every state byte the prelude's header reads, each paired with the
+        // letter it stands for: the pending state and ValueKind's tags, no
+        // other byte.
         let states: String = redis::Script::new(&format!(
             "{PRELUDE}\n\
              local t = {{}}\n\
-             for b, s in pairs(STATES) do t[#t + 1] = string.char(b) .. s end\n\
+             for b = 0, 255 do\n\
+               local s = header('1' .. string.char(b) .. string.char(0))\n\
+               if s then t[#t + 1] = string.char(b) .. s end\n\
+             end\n\
              table.sort(t)\n\
              return table.concat(t, ' ')"
         ))

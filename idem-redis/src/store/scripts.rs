@@ -4,7 +4,8 @@
 use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
-/// A script's full source: its shebang flags, the prelude, its body.
+/// A script's full source: its shebang flags, the prelude and the record
+/// operations, its body.
 macro_rules! script {
     ($flags:literal, $file:literal) => {
         concat!(
@@ -12,14 +13,39 @@ macro_rules! script {
             $flags,
             "\n",
             include_str!("../../lua/prelude.lua"),
+            include_str!("../../lua/record_ops.lua"),
             include_str!(concat!("../../lua/", $file))
         )
     };
 }
 
-/// The prelude alone, for tests that check it against the Rust side.
+/// A script whose common path needs no record operation: they are made by
+/// `record_ops()`, which returns `completing, notify`, when a key first
+/// needs them. A script's top level runs on every call, and making the
+/// operations' closures there cost each call about 7,000 server
+/// instructions (docs/performance.md).
+macro_rules! lazy_ops_script {
+    ($flags:literal, $file:literal) => {
+        concat!(
+            "#!lua",
+            $flags,
+            "\n",
+            include_str!("../../lua/prelude.lua"),
+            "local function record_ops()\n",
+            include_str!("../../lua/record_ops.lua"),
+            "return completing, notify\nend\n",
+            include_str!(concat!("../../lua/", $file))
+        )
+    };
+}
+
+/// The prelude and the record operations, for tests that check them
+/// against the Rust side.
 #[cfg(test)]
-pub(super) const PRELUDE: &str = include_str!("../../lua/prelude.lua");
+pub(super) const PRELUDE: &str = concat!(
+    include_str!("../../lua/prelude.lua"),
+    include_str!("../../lua/record_ops.lua")
+);
 
 /// A script and its source: `EVALSHA` by hash, and the source to load on a
 /// node that no longer has it.
@@ -61,7 +87,7 @@ pub(super) struct Scripts {
 pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     claim: Lua::new(script!("", "claim.lua")),
     complete: Lua::new(script!(" flags=allow-oom", "complete.lua")),
-    complete_batch: Lua::new(script!(" flags=allow-oom", "complete_batch.lua")),
+    complete_batch: Lua::new(lazy_ops_script!(" flags=allow-oom", "complete_batch.lua")),
     release: Lua::new(script!(" flags=allow-oom", "release.lua")),
     extend: Lua::new(script!(" flags=allow-oom", "extend.lua")),
     forget: Lua::new(script!(" flags=allow-oom", "forget.lua")),
