@@ -4,18 +4,27 @@
 use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
-/// A script's full source: its shebang flags, the prelude and the record
-/// operations, its body.
-macro_rules! script {
-    ($flags:literal, $file:literal) => {
+/// A script's full source: its shebang flags, the prelude, the record
+/// operations between `$open` and `$close`, its body.
+macro_rules! assembled {
+    ($flags:literal, $open:literal, $close:literal, $file:literal) => {
         concat!(
             "#!lua",
             $flags,
             "\n",
             include_str!("../../lua/prelude.lua"),
+            $open,
             include_str!("../../lua/record_ops.lua"),
+            $close,
             include_str!(concat!("../../lua/", $file))
         )
+    };
+}
+
+/// A script with the record operations at its top level.
+macro_rules! script {
+    ($flags:literal, $file:literal) => {
+        assembled!($flags, "", "", $file)
     };
 }
 
@@ -26,15 +35,11 @@ macro_rules! script {
 /// instructions (docs/performance.md).
 macro_rules! lazy_ops_script {
     ($flags:literal, $file:literal) => {
-        concat!(
-            "#!lua",
+        assembled!(
             $flags,
-            "\n",
-            include_str!("../../lua/prelude.lua"),
             "local function record_ops()\n",
-            include_str!("../../lua/record_ops.lua"),
             "return completing, notify\nend\n",
-            include_str!(concat!("../../lua/", $file))
+            $file
         )
     };
 }
