@@ -13,7 +13,7 @@
 //! (`NOSCRIPT`) is sent again alone through the single call, which follows
 //! redirects and loads scripts.
 
-use super::complete::{CompletePath, is_ok};
+use super::complete::{CompletePath, complete_batch_cmd, is_ok};
 use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record, pending_record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
@@ -431,31 +431,6 @@ impl RedisStore {
             })
             .collect()
     }
-}
-
-/// One call of the `complete_batch` script for `ops`, all completes.
-pub(super) fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
-    let hash = SCRIPTS.complete_batch.script.get_hash();
-    let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 160 * ops.len());
-    cmd.arg("EVALSHA").arg(hash).arg(ops.len());
-    for op in ops {
-        cmd.arg(op.key());
-    }
-    for op in ops {
-        if let Finish::Complete { claim, kind, value } = **op {
-            // What the claim wrote, to be compared whole (as IFEQ would);
-            // the completed record keeps its fingerprint. The script reads
-            // the owner token from it.
-            let (pending, _) = pending_record(&claim);
-            let record = CompletedRecord {
-                kind,
-                fingerprint: pending.fingerprint,
-                value,
-            };
-            cmd.arg(record).arg(&pending);
-        }
-    }
-    cmd
 }
 
 /// No key twice: the batch goes to the store as one wave.

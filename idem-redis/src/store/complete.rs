@@ -23,7 +23,6 @@
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
-use super::batch::complete_batch_cmd;
 use super::record::{CompletedRecord, pending_record};
 use super::reply::{classify, parse_write, protocol, unreached};
 use super::scripts::SCRIPTS;
@@ -195,6 +194,31 @@ impl RedisStore {
             other => Err(protocol("complete", &other)),
         }
     }
+}
+
+/// One call of the `complete_batch` script for `ops`, all completes.
+pub(super) fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
+    let hash = SCRIPTS.complete_batch.script.get_hash();
+    let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 160 * ops.len());
+    cmd.arg("EVALSHA").arg(hash).arg(ops.len());
+    for op in ops {
+        cmd.arg(op.key());
+    }
+    for op in ops {
+        if let Finish::Complete { claim, kind, value } = **op {
+            // What the claim wrote, to be compared whole (as IFEQ would);
+            // the completed record keeps its fingerprint. The script reads
+            // the owner token from it.
+            let (pending, _) = pending_record(&claim);
+            let record = CompletedRecord {
+                kind,
+                fingerprint: pending.fingerprint,
+                value,
+            };
+            cmd.arg(record).arg(&pending);
+        }
+    }
+    cmd
 }
 
 /// Whether a `SET` wrote (`OK`).
