@@ -8,8 +8,9 @@
 -- (without outbox messages: those complete alone). One script call
 -- rather than one per key; a single call's complete told its claim runs
 -- it too, for one key: its common path makes none of the record
--- operations (record_ops.lua), which the complete script makes first. Replies one code per key, or an error reply
--- for a malformed item; an item refused does not stop the others.
+-- operations (record_ops.lua), which the complete script makes first.
+-- Replies one code per key, or an error reply for a malformed item; an
+-- item refused does not stop the others.
 --
 -- The keys are read by one MGET per chunk, not one GET each: every
 -- redis.call pays for building a command and turning its reply into Lua

@@ -170,8 +170,8 @@ impl RedisStore {
     /// record with the pending one the claim wrote and writes at once, as
     /// `IFEQ` would, and takes the `complete` script's step only when they
     /// differ. Its common path makes none of the record operations'
-    /// closures: about a fifth less server work per fresh call than the
-    /// `complete` script (docs/performance.md).
+    /// closures: 13 % less server work per fresh call than the `complete`
+    /// script (docs/performance.md).
     pub(super) async fn complete_compared(
         &self,
         claim: &Claim<'_>,
