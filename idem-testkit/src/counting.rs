@@ -32,6 +32,7 @@ pub struct CountingStore<S> {
     inner: S,
     counts: Arc<StoreCounts>,
     claim_delay: Duration,
+    lost_claim_replies: Vec<String>,
 }
 
 /// What a [`CountingStore`] was asked, shared with the test.
@@ -70,6 +71,7 @@ impl<S: Store> CountingStore<S> {
             inner,
             counts: Arc::default(),
             claim_delay: Duration::ZERO,
+            lost_claim_replies: Vec::new(),
         }
     }
 
@@ -85,6 +87,21 @@ impl<S: Store> CountingStore<S> {
     /// ```
     pub fn delay_claim_batches(mut self, delay: Duration) -> CountingStore<S> {
         self.claim_delay = delay;
+        self
+    }
+
+    /// Loses the reply of every batched claim whose store key ends with
+    /// `suffix`: the claim lands in the real store, and the caller gets
+    /// [`Error::Unavailable`] instead of its reply, as when a connection
+    /// drops between the claim's write and its answer.
+    ///
+    /// ```
+    /// use idem_testkit::CountingStore;
+    /// let store = CountingStore::new(idem_core::MemoryStore::new()).lose_claim_replies(":lost");
+    /// # let _ = store;
+    /// ```
+    pub fn lose_claim_replies(mut self, suffix: &str) -> CountingStore<S> {
+        self.lost_claim_replies.push(suffix.to_owned());
         self
     }
 
@@ -161,7 +178,20 @@ impl<S: Store> Store for CountingStore<S> {
         if !self.claim_delay.is_zero() {
             tokio::time::sleep(self.claim_delay).await;
         }
-        self.inner.claim_batch(claims).await
+        let mut replies = self.inner.claim_batch(claims).await;
+        for (claim, reply) in claims.iter().zip(replies.iter_mut()) {
+            if self
+                .lost_claim_replies
+                .iter()
+                .any(|suffix| claim.key.ends_with(suffix.as_str()))
+            {
+                *reply = Err(Error::unavailable(
+                    "claim",
+                    "the claim's reply was lost on its way back (a fault of the test's store)",
+                ));
+            }
+        }
+        replies
     }
 
     async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {

@@ -657,3 +657,259 @@ async fn bodies_waiting_for_their_turn_keep_their_keys_past_a_lease() {
         assert_eq!(ledger.count(k), 1, "{k}");
     }
 }
+
+/// A result that must be stored on its own (its body staged an outbox
+/// message) is stored, with its message, even when a sibling body panics
+/// in the same poll: the next call replays it and the message is in the
+/// outbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_sibling_leaves_a_result_with_outbox_messages_stored() {
+    let ctx = TestContext::redis().await;
+    let idem = ctx.builder().lease(Duration::from_secs(60)).build();
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["boom", "staged"]
+                .iter()
+                .map(|k| idem.call("s", k))
+                .collect();
+            batch
+                .run_outcome(|i| async move {
+                    if i == 0 {
+                        panic!("the body of boom panics");
+                    }
+                    idem::outbox::stage("orders", "o-1", &"created")?;
+                    Ok::<_, Error>(i as u32)
+                })
+                .await
+        }
+    });
+    assert!(run.await.is_err_and(|e| e.is_panic()));
+    idem_testkit::eventually(
+        "the staged body's result stored after the batch unwound",
+        Duration::from_secs(5),
+        || async {
+            let info = idem.inspect("s", "staged").await.ok().flatten();
+            info.is_some_and(|i| i.state == KeyState::Completed)
+                .then_some(())
+        },
+    )
+    .await;
+    let ledger = Ledger::new();
+    let again = idem
+        .call("s", "staged")
+        .run_outcome(|| async {
+            ledger.record("staged");
+            Ok::<_, Error>(99)
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, (1, Outcome::Replayed));
+    assert_eq!(ledger.count("staged"), 0);
+    let backlog = ctx.redis_store().outbox().backlog().await.unwrap();
+    assert_eq!(backlog.pending, 1, "the staged message was lost");
+}
+
+/// A result that must be stored on its own (its body's lease was renewed)
+/// is stored even when a sibling body panics in the same poll: the next
+/// call replays it instead of running the body again as `Recovered`.
+/// (One thread and paused time: both bodies end in one poll of the batch.)
+#[tokio::test(start_paused = true)]
+async fn a_panicking_sibling_leaves_a_renewed_bodys_result_stored() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_millis(300))
+        .build();
+    let (tx_renewed, rx_renewed) = tokio::sync::oneshot::channel::<()>();
+    let (tx_boom, rx_boom) = tokio::sync::oneshot::channel::<()>();
+    let waits = std::sync::Mutex::new((Some(rx_renewed), Some(rx_boom)));
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["renewed", "boom"]
+                .iter()
+                .map(|k| idem.call("s", k))
+                .collect();
+            let waits = &waits;
+            batch
+                .run_outcome(|i| async move {
+                    let rx = {
+                        let mut w = waits.lock().unwrap();
+                        if i == 0 { w.0.take() } else { w.1.take() }
+                    };
+                    if let Some(rx) = rx {
+                        let _ = rx.await;
+                    }
+                    if i == 1 {
+                        panic!("the body of boom panics");
+                    }
+                    Ok::<_, Error>(7u32)
+                })
+                .await
+        }
+    });
+    // Past a renewal (a third of the lease), both bodies are woken at once,
+    // the renewed one first.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tx_renewed.send(()).unwrap();
+    tx_boom.send(()).unwrap();
+    assert!(run.await.is_err_and(|e| e.is_panic()));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let info = idem.inspect("s", "renewed").await.unwrap();
+    assert_eq!(
+        info.map(|i| i.state),
+        Some(KeyState::Completed),
+        "the renewed body's result was dropped with the batch"
+    );
+    // Past the lease: a result that was not stored would run again here.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let ledger = Ledger::new();
+    let again = idem
+        .call("s", "renewed")
+        .run_outcome(|| async {
+            ledger.record("renewed");
+            Ok::<_, Error>(99)
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, (7, Outcome::Replayed));
+    assert_eq!(ledger.count("renewed"), 0);
+}
+
+/// A call whose batched claim landed but whose reply was lost claims again
+/// on its own; when a sibling's panic unwinds the batch before it does,
+/// its key is freed at once (by its token), not held for a whole lease.
+#[tokio::test]
+async fn a_panicking_sibling_frees_a_key_whose_claim_reply_was_lost() {
+    let store = CountingStore::new(MemoryStore::new()).lose_claim_replies(":lost");
+    let idem = Idempotency::builder(store)
+        .lease(Duration::from_secs(60))
+        .build();
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["boom", "lost"].iter().map(|k| idem.call("s", k)).collect();
+            batch
+                .run_outcome(|i| async move {
+                    if i == 0 {
+                        panic!("the body of boom panics");
+                    }
+                    Ok::<_, Error>(1u32)
+                })
+                .await
+        }
+    });
+    assert!(run.await.is_err_and(|e| e.is_panic()));
+    idem_testkit::eventually(
+        "the landed claim whose reply was lost freed, not pending for the lease",
+        Duration::from_secs(5),
+        || async {
+            idem.inspect("s", "lost")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    let ledger = Ledger::new();
+    let (_, o) = idem
+        .call("s", "lost")
+        .run_outcome(|| async {
+            ledger.record("lost");
+            Ok::<_, Error>(2u32)
+        })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Executed);
+    assert_eq!(ledger.count("lost"), 1);
+}
+
+/// Bodies still waiting for their concurrency turn when the batch is
+/// dropped never started: their keys are released at once and the next
+/// call runs as `Executed` (attempt 1); the started body's key stays in
+/// flight until its lease ends.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_batch_releases_the_keys_of_bodies_waiting_for_their_turn() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_secs(60))
+        .build();
+    let batch: Batch = ["started", "waiting-1", "waiting-2"]
+        .iter()
+        .map(|k| idem.call("s", k))
+        .collect();
+    let run = batch.concurrency(1).run_outcome(|_| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Error>(0u32)
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), run)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        idem.inspect("s", "started").await.unwrap().map(|i| i.state),
+        Some(KeyState::Pending)
+    );
+    for k in ["waiting-1", "waiting-2"] {
+        assert_eq!(
+            idem.inspect("s", k).await.unwrap().map(|i| i.state),
+            None,
+            "{k} never started, yet keeps its key"
+        );
+        let (_, o) = idem
+            .call("s", k)
+            .run_outcome(|| async { Ok::<_, Error>(1u32) })
+            .await
+            .unwrap();
+        assert_eq!(o, Outcome::Executed, "{k}");
+    }
+}
+
+/// A sibling's panic unwinds a batch whose other bodies still wait for
+/// their concurrency turn: those never started, so their keys are released
+/// at once and the next call runs them as `Executed`.
+#[tokio::test]
+async fn a_panicking_sibling_releases_the_keys_of_bodies_waiting_for_their_turn() {
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_secs(60))
+        .build();
+    let run = tokio::spawn({
+        let idem = idem.clone();
+        async move {
+            let batch: Batch = ["boom", "waiting"]
+                .iter()
+                .map(|k| idem.call("s", k))
+                .collect();
+            batch
+                .concurrency(1)
+                .run_outcome(|i| async move {
+                    if i == 0 {
+                        tokio::task::yield_now().await;
+                        panic!("the body of boom panics");
+                    }
+                    Ok::<_, Error>(1u32)
+                })
+                .await
+        }
+    });
+    assert!(run.await.is_err_and(|e| e.is_panic()));
+    idem_testkit::eventually(
+        "the key of a body that never started released, not kept for a lease",
+        Duration::from_secs(5),
+        || async {
+            idem.inspect("s", "waiting")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+    let (_, o) = idem
+        .call("s", "waiting")
+        .run_outcome(|| async { Ok::<_, Error>(2u32) })
+        .await
+        .unwrap();
+    assert_eq!(o, Outcome::Executed);
+}

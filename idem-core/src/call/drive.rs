@@ -25,7 +25,7 @@ use super::Call;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
 use super::gather::{Answered, ClaimOp, FinishOp, send_finish_wave, send_wave};
-use super::guard::{detach, free, log_release, release};
+use super::guard::{Turn, detach, free, log_release, release};
 use super::is_unavailable;
 use crate::cache::Generation;
 use crate::error::Error;
@@ -124,6 +124,17 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
         }
     }
 
+    // No gate where it could never close: each permit is a budgeted
+    // (and so sometimes pending) poll of tokio's.
+    let gate = concurrency
+        .filter(|&n| n < slots.len())
+        .map(|n| Semaphore::new(n.max(1)));
+    if gate.is_some() {
+        for slot in &mut slots {
+            slot.exec.turn = Some(Turn::default());
+        }
+    }
+
     // The claims, built straight from the calls: one round trip.
     let sent = Instant::now();
     let mut claims: Vec<ClaimOp> = Vec::with_capacity(slots.len());
@@ -163,33 +174,44 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
     };
 
     let slots = &slots;
-    // No gate where it could never close: each permit is a budgeted
-    // (and so sometimes pending) poll of tokio's.
-    let gate = concurrency
-        .filter(|&n| n < slots.len())
-        .map(|n| Semaphore::new(n.max(1)));
     let (body, gate) = (&body, gate.as_ref());
-    let gated = move |i: usize| async move {
-        // A free permit is taken without `acquire`, whose poll spends the
-        // task's budget and so can leave a body that would end at once
-        // pending. Closed only if dropped, which it is not while in use.
-        let _turn = match gate {
-            Some(g) => match g.try_acquire() {
-                Ok(turn) => Some(turn),
-                Err(_) => g.acquire().await.ok(),
-            },
-            None => None,
-        };
-        body(i).await
+    let gated = move |k: usize| {
+        let slot = &slots[k];
+        async move {
+            // A free permit is taken without `acquire`, whose poll spends
+            // the task's budget and so can leave a body that would end at
+            // once pending. Closed only if dropped, which it is not while
+            // in use.
+            let _permit = match gate {
+                Some(g) => match g.try_acquire() {
+                    Ok(permit) => Some(permit),
+                    Err(_) => g.acquire().await.ok(),
+                },
+                None => None,
+            };
+            if let Some(turn) = &slot.exec.turn {
+                turn.take();
+            }
+            body(slot.index).await
+        }
     };
     // Anything else goes on as a single call from the batch's reply.
-    let go_on = |k: usize, first: Option<FirstClaim>, unprotected: Option<Error>| {
+    // `unsent`: the batch's claim may have landed unanswered, and the call
+    // claims again on its own; dropped before it does (a sibling's panic
+    // unwinds the batch), it frees the key by token, as a single call
+    // dropped with its claim in flight does.
+    let go_on = |k: usize, first: Option<FirstClaim>, unprotected: Option<Error>, unsent: bool| {
         let slot = &slots[k];
         let exec = &slot.exec;
+        let unsent = unsent.then(|| exec.guard());
         async move {
+            if let Some(mut unsent) = unsent {
+                // From here the call's own claim guards the key.
+                unsent.armed = false;
+            }
             let result = match unprotected {
-                Some(cause) => exec.run_unprotected(|| gated(slot.index), cause).await,
-                None => exec.run_from(first, || gated(slot.index)).await,
+                Some(cause) => exec.run_unprotected(|| gated(k), cause).await,
+                None => exec.run_from(first, || gated(k)).await,
             };
             (k, result)
         }
@@ -225,7 +247,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                 let reply = match replies.next() {
                     Some((_, reply)) => reply,
                     None => {
-                        rest.push(go_on(k, None, None));
+                        rest.push(go_on(k, None, None, true));
                         continue;
                     }
                 };
@@ -233,7 +255,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                     // Not reached: on its own, with the same token, as a
                     // single call re-sends.
                     Err(e) if is_unavailable(&e) => {
-                        rest.push(go_on(k, None, None));
+                        rest.push(go_on(k, None, None, true));
                         continue;
                     }
                     reply => reply,
@@ -247,7 +269,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                         let _enter = enter(&slot.span);
                         let (ran, lease) = slot.exec.begin_reusing(attempt, spare_lease.take());
                         let running = slot.exec.body_starts();
-                        let body = gated(slot.index);
+                        let body = gated(k);
                         let mut boxed = match spare.take() {
                             Some(mut boxed) => {
                                 Pin::set(&mut boxed, body);
@@ -277,14 +299,14 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                         }
                     }
                     Next::Answer(result) => results.give(slot.index, result.map_err(E::from)),
-                    Next::Unprotected(cause) => rest.push(go_on(k, None, Some(cause))),
+                    Next::Unprotected(cause) => rest.push(go_on(k, None, Some(cause), false)),
                     Next::InProgress { retry_after } => {
                         let first = FirstClaim {
                             sent,
                             seen: slot.seen,
                             reply: Ok(ClaimReply::InProgress { retry_after }),
                         };
-                        rest.push(go_on(k, Some(first), None));
+                        rest.push(go_on(k, Some(first), None, false));
                     }
                 }
             }
@@ -293,12 +315,12 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
         // claims on its own.
         None => {
             for &k in &claimed {
-                rest.push(go_on(k, None, None));
+                rest.push(go_on(k, None, None, true));
             }
         }
     }
     for k in alone {
-        rest.push(go_on(k, None, None));
+        rest.push(go_on(k, None, None, false));
     }
 
     // Bodies polled here; what finished in one pass goes in one round trip.
@@ -382,6 +404,18 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                         Arc::clone(&store),
                         std::mem::take(&mut finishing),
                     ));
+                }
+                // Results stored on their own start before the batch
+                // unwinds: once started, a completion dropped with its
+                // call goes on in a task of its own, as a single call's
+                // does. Unstarted, it would be lost, and the body run
+                // again after its lease.
+                while let Poll::Ready(Some((k, value, ran, stored))) =
+                    alone_stores.poll_next_unpin(cx)
+                {
+                    let slot = &slots[k];
+                    let outcome = in_scope(&slot.span, || slot.exec.settled(ran, stored));
+                    results.give(slot.index, Ok((value, outcome)));
                 }
                 return Poll::Ready(first_panic.take());
             }

@@ -5,7 +5,7 @@ use super::backoff::{resend, store_backoff};
 use super::completion::{Completion, Stored};
 use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
-use super::guard::{KeptOnDrop, ReleaseGuard, log_release, release};
+use super::guard::{KeptOnDrop, ReleaseGuard, Turn, log_release, release};
 use super::steps::Steps;
 use super::{is_unavailable, observe};
 use crate::cache::Generation;
@@ -63,6 +63,9 @@ pub(super) struct Exec<'a> {
     pub(super) tickets: Option<Tickets>,
     /// A `run_steps` call's steps.
     pub(super) steps: Option<Steps>,
+    /// Its body's turn under its batch's concurrency limit, if it has to
+    /// wait for one: dropped before the turn, the call releases its key.
+    pub(super) turn: Option<Turn>,
     /// Whether the call's span records anything (a subscriber took it):
     /// without one, no span is entered or recorded into, which costs a
     /// cached replay a sixth of its instructions where tracing's `log`
@@ -85,7 +88,7 @@ pub(super) type Panic = Box<dyn std::any::Any + Send>;
 /// ([`Exec::body_ended`]), or, dropped before, when it is cancelled.
 pub(super) struct Running<'a> {
     guard: ReleaseGuard<'a>,
-    kept: KeptOnDrop,
+    kept: KeptOnDrop<'a>,
     body_start: Option<Instant>,
     #[cfg(feature = "metrics")]
     in_flight: crate::metrics::InFlight<'a>,
@@ -482,12 +485,15 @@ impl Exec<'_> {
         // the lease ends: the body may have made effects, and releasing would
         // let a redelivery run them again as `Executed`. Only a body declared
         // undone on drop releases at once.
-        let mut guard = self.guard();
+        // A body still waiting for its batch's concurrency turn has done
+        // nothing yet: dropped then, its key is released at once.
+        let mut guard = self.guard().until_turn(self.turn.as_ref());
         guard.armed = self.release_on_cancel;
         Running {
             guard,
             kept: KeptOnDrop {
                 armed: !self.release_on_cancel,
+                turn: self.turn.as_ref(),
             },
             body_start: self.call_start.map(|_| Instant::now()),
             #[cfg(feature = "metrics")]
@@ -720,7 +726,7 @@ impl Exec<'_> {
             .collect()
     }
 
-    fn guard(&self) -> ReleaseGuard<'_> {
+    pub(super) fn guard(&self) -> ReleaseGuard<'_> {
         ReleaseGuard::new(self.store, &self.key, &self.token, self.steps.is_some())
     }
 

@@ -5,6 +5,7 @@ use crate::store::{Store, WriteReply};
 use crate::token::Token;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::Instrument;
 
 impl<'a> ReleaseGuard<'a> {
@@ -23,8 +24,40 @@ impl<'a> ReleaseGuard<'a> {
             token,
             keep_steps,
             armed: true,
+            turn: None,
         }
     }
+
+    /// Also releases, whatever `armed` says, while `turn` is not yet
+    /// taken: a body still waiting for its batch's concurrency turn has
+    /// made no effect, so its key is freed at once rather than kept for
+    /// a lease and then run again as a takeover.
+    pub(super) fn until_turn(mut self, turn: Option<&'a Turn>) -> Self {
+        self.turn = turn;
+        self
+    }
+}
+
+/// Whether a call's body has got its turn under its batch's concurrency
+/// limit: before that, the call has a claim but no effect.
+#[derive(Debug, Default)]
+pub(super) struct Turn(AtomicBool);
+
+impl Turn {
+    /// The body starts now.
+    pub(super) fn take(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether the body has started.
+    pub(super) fn taken(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Whether a body waiting on `turn` (none: not gated) has started.
+pub(super) fn started(turn: Option<&Turn>) -> bool {
+    turn.is_none_or(Turn::taken)
 }
 
 /// Releases `key` for `token` on purpose (`why` says for the log); a key
@@ -46,13 +79,16 @@ pub(super) fn log_release(why: &str, result: Result<WriteReply, crate::error::Er
 
 /// Says, when a call's future is dropped mid-body without releasing (see
 /// [`Call::release_on_cancel`](super::Call::release_on_cancel)), why the key stays in flight.
-pub(super) struct KeptOnDrop {
+pub(super) struct KeptOnDrop<'a> {
     pub(super) armed: bool,
+    /// The body's concurrency turn, if it waits for one: before it is
+    /// taken the key is released, not kept.
+    pub(super) turn: Option<&'a Turn>,
 }
 
-impl Drop for KeptOnDrop {
+impl Drop for KeptOnDrop<'_> {
     fn drop(&mut self) {
-        if self.armed {
+        if self.armed && started(self.turn) {
             tracing::warn!(
                 "call dropped mid-body: the body may have made effects, so the key stays in flight until its lease ends; the next call then runs the body again as Recovered"
             );
@@ -69,11 +105,12 @@ pub(super) struct ReleaseGuard<'a> {
     token: &'a Token,
     keep_steps: bool,
     pub(super) armed: bool,
+    turn: Option<&'a Turn>,
 }
 
 impl Drop for ReleaseGuard<'_> {
     fn drop(&mut self) {
-        if !self.armed {
+        if !self.armed && started(self.turn) {
             return;
         }
         let (store, key, token) = (Arc::clone(self.store), Arc::from(self.key), *self.token);

@@ -450,6 +450,7 @@ impl<'a> Call<'a> {
             // A batch's pipelines confirm nothing: a durable call goes alone.
             tickets: self.tickets.filter(|_| self.durability.is_async()),
             steps: None,
+            turn: None,
             traced: !span.is_disabled(),
         })
     }
