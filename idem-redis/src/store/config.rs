@@ -54,7 +54,8 @@ impl RedisStoreConfig {
     /// lease, as for any unreachable store. A store made with
     /// [`from_manager`](crate::RedisStore::from_manager) or
     /// [`from_cluster`](crate::RedisStore::from_cluster) uses the default,
-    /// 1 s, for that margin.
+    /// 1 s, for that margin; the response timeout of the connection you
+    /// gave it, if it has one, must leave room for the wait too.
     ///
     /// ```
     /// let c = idem_redis::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
