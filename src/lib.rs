@@ -32,12 +32,16 @@
 //!
 //! ## Which errors to retry
 //!
-//! [`Error::is_retryable`] is true for `InProgress { retry_after }`,
-//! `Unavailable { op, reason, source }`, `LeaseLost`, `StepLeaseLost { name }`
-//! and `Conflict { code, reason }`: calling again with the same key can
-//! succeed (it replays, waits, or runs). Every other error fails the same way
-//! again. A worker loop of your own retries the first kind and gives up on
-//! the rest (docs/semantics.md lists every variant with its fields):
+//! [`Error::is_retryable`] says whether calling again with the same key can
+//! succeed (it replays, waits, or runs); its documentation lists those
+//! errors and what the retry does for each. Every other error fails the
+//! same way again. A worker loop of your own retries the first kind and
+//! gives up on the rest (docs/semantics.md lists every variant with its
+//! fields). With a [`Durability`], a body's value may also come back not
+//! final (stored on the primary only, or not stored):
+//! [`Outcome`] says which, and the builder's `require_final` (on by
+//! default with a durability other than `Async`) makes `run` answer those
+//! with an error this loop retries; docs/semantics.md, "Durability".
 //!
 //! ```
 //! use idem::{Error, Idempotency, MemoryStore};
@@ -52,7 +56,8 @@
 //!         match r {
 //!             // Another worker holds the key: its lease says when to look again.
 //!             Err(Error::InProgress { retry_after }) if tries < 5 => tokio::time::sleep(retry_after).await,
-//!             // The store is down, a lease or a transaction was lost: back off, same key.
+//!             // The store is down, a lease or a transaction was lost, the copies
+//!             // did not confirm: back off, same key.
 //!             Err(e) if e.is_retryable() && tries < 5 => {
 //!                 tokio::time::sleep(backoff).await;
 //!                 backoff *= 2;

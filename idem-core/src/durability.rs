@@ -15,15 +15,40 @@ pub const MAX_DURABILITY_TIMEOUT: Duration = Duration::from_secs(60);
 ///
 /// With anything but [`Async`](Durability::Async), a claim is not reported
 /// won (the body does not start), a replay is not returned, and a result
-/// is not reported stored, until the store has confirmed the copies asked
+/// is not reported final, until the store has confirmed the copies asked
 /// for. On Redis that is `WAIT` (replicas) or `WAITAOF` (fsynced to the
 /// append-only file), pipelined with the write; a store that cannot give
 /// the guarantee refuses it with [`Error::DurabilityUnsupported`] rather
-/// than silently giving less. What happens when the confirmation does not
-/// come in time is in docs/semantics.md ("Durability"): an unconfirmed
-/// claim or replay fails with [`Error::NotConfirmed`] (body not run, claim
-/// released), an unconfirmed result is returned as
-/// [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed).
+/// than silently giving less.
+///
+/// When the confirmation does not come in time, an unconfirmed claim or
+/// replay fails with [`Error::NotConfirmed`] (body not run, claim
+/// released). An unconfirmed result is stored on the primary only:
+/// [`Call::run_outcome`](crate::Call::run_outcome) returns it with
+/// [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed), and
+/// [`Call::run`](crate::Call::run) answers [`Error::NotConfirmed`] for it
+/// when the builder's `require_final` is on (its default once the builder
+/// has a durability other than `Async`), `Ok(v)` otherwise. Details:
+/// docs/semantics.md, "Durability".
+///
+/// **What survives what.** A result survives a failover only with
+/// `replicas` ≥ 1 ([`Replicated`](Durability::Replicated), or
+/// [`Fsynced`](Durability::Fsynced) with replicas): the promoted replica
+/// must be one that confirmed it. `Fsynced { local: true, replicas: 0 }`
+/// covers a restart of the same server on its own append-only file, not a
+/// failover.
+///
+/// **Timeouts.** `WAITAOF` with replicas waits for the replica's
+/// acknowledgement of its fsync, which the replica sends once a second:
+/// measured on Valkey 8.1, a lone caller waited 390–556 ms per call with
+/// `WAITAOF 1 1`, against 1–9 ms with `WAIT 1`, so a timeout of 1 s or
+/// less often ends unconfirmed. Give `Fsynced` with replicas a timeout of
+/// at least 2 s. On Redis the store bounds each durable round trip (the
+/// write, the fence and the wait) by its response timeout
+/// (`RedisStoreConfig::response_timeout`, 1 s by default) plus this
+/// timeout; past that the round trip counts as unanswered
+/// ([`Error::Unavailable`]: a claim is re-sent, a result's complete
+/// retried, as for any unreachable store).
 ///
 /// ```
 /// use idem_core::Durability;
@@ -42,7 +67,9 @@ pub enum Durability {
     /// it.
     #[default]
     Async,
-    /// Reported once at least `replicas` replicas have it (Redis `WAIT`).
+    /// Reported once at least `replicas` replicas have it in memory
+    /// (Redis `WAIT`): survives a failover to one of them, not the loss of
+    /// the primary and those replicas together.
     Replicated {
         /// How many replicas must confirm, at least 1.
         replicas: u32,
@@ -52,14 +79,16 @@ pub enum Durability {
     /// Reported once it is fsynced to the append-only file of the primary
     /// (`local`) and of at least `replicas` replicas (Redis `WAITAOF`,
     /// Redis 7.2+ / Valkey 7.2+, `appendonly yes`; an older server is
-    /// refused with [`Error::DurabilityUnsupported`]).
+    /// refused with [`Error::DurabilityUnsupported`]). With replicas, a
+    /// timeout of at least 2 s (see "Timeouts" above).
     Fsynced {
         /// Whether the primary's own append-only file must have it.
         local: bool,
         /// How many replicas' append-only files must have it (may be 0
         /// when `local` is true).
         replicas: u32,
-        /// How long to wait, 1 ms to [`MAX_DURABILITY_TIMEOUT`].
+        /// How long to wait, 1 ms to [`MAX_DURABILITY_TIMEOUT`]; at least
+        /// 2 s when `replicas` is not 0.
         timeout: Duration,
     },
 }

@@ -52,8 +52,13 @@ pub enum Error {
     InvalidConfig(String),
 
     /// The store could not be reached, timed out, or refused the command.
-    /// With `FailMode::Closed` (the default) the body did not run. The
-    /// reason names the store (Redis, PostgreSQL) and what to check.
+    /// The reason names the store (Redis, PostgreSQL) and what to check;
+    /// `op` says how far the call got: with `FailMode::Closed` (the
+    /// default) and `op` `connect` or `claim`, the body did not run. With
+    /// `op` `complete` the body ran and its result was not stored
+    /// ([`Outcome::NotStored`](crate::Outcome::NotStored)):
+    /// [`Call::run`](crate::Call::run) answers this error for it, instead
+    /// of `Ok(v)`, when the builder's `require_final` is on.
     ///
     /// `source` is the client's own error when there is one (a
     /// `redis::RedisError`, a `sqlx::Error`): downcast it to match on the
@@ -61,7 +66,29 @@ pub enum Error {
     #[error("idempotency store unavailable during {op}: {reason}; {}", unavailable_next(.op))]
     #[non_exhaustive]
     Unavailable {
-        /// The store operation that failed: `connect`, `claim`, `complete`, `release` or `extend`.
+        /// The store operation that failed. The stores of this workspace
+        /// use these values:
+        ///
+        /// - a call: `connect`, `claim`, `complete` (storing the result),
+        ///   `release`, `extend` (renewing the lease), `confirm` (a durable
+        ///   call's fence and wait sent on their own, RedisStore);
+        /// - durable steps (`run_steps`): `step` (recording one), `steps`
+        ///   (reading them), `suspend`, and on PostgreSQL `save_step`;
+        /// - PostgreSQL transactions (`run_in_tx`, `step_in_tx`): `begin`,
+        ///   `commit`;
+        /// - batches: `finish_batch` (RedisStore: the commands that ride
+        ///   in a batch's finish round trip, a Redis Streams consumer's
+        ///   acks);
+        /// - operator calls: `inspect`, `forget`, `scan`, `count_failure`;
+        /// - PostgreSQL upkeep: `migrate`, `maintain` (partitions), `reap`;
+        /// - the outbox and its relays: `outbox publish` (PostgreSQL's
+        ///   `publish`), `outbox read`, `outbox list`, `outbox backlog`,
+        ///   `outbox parked`, `outbox retry`, `outbox drop`,
+        ///   `outbox streams`, `outbox relay`, `outbox relay lock`,
+        ///   `outbox relay park`, `outbox relay delete`,
+        ///   `outbox relay commit`.
+        ///
+        /// A store of your own may use others.
         op: &'static str,
         /// What the store said, and what to check.
         reason: String,
@@ -106,10 +133,20 @@ pub enum Error {
         limit: usize,
     },
 
-    /// The body ran inside a store transaction (PostgreSQL `run_in_tx`) and
-    /// its lease on the key was lost before the result could be stored
-    /// (taken over after the lease ran out, or the record expired): the
-    /// transaction was rolled back, so nothing the body wrote was committed.
+    /// The call's lease on the key was lost before its result could be
+    /// stored (taken over after the lease ran out, or the record expired).
+    ///
+    /// - A body inside a store transaction (PostgreSQL `run_in_tx`): the
+    ///   transaction was rolled back, so nothing the body wrote was
+    ///   committed.
+    /// - Any other body, with the builder's `require_final` on: the body
+    ///   ran and its effects stand, but its result was not stored
+    ///   ([`Outcome::LeaseLost`](crate::Outcome::LeaseLost));
+    ///   [`Call::run`](crate::Call::run) answers this error instead of
+    ///   `Ok(v)`.
+    ///
+    /// Either way the retry replays the new holder's result, or runs the
+    /// body again.
     #[error(
         "the lease on this idempotency key ran out before the result was stored, so the \
          transaction was rolled back and nothing the body wrote was committed; retry with the \
@@ -224,9 +261,24 @@ pub enum Error {
 
     /// The store did not confirm the copies the call's
     /// [`Durability`](crate::Durability) asks for within its timeout
-    /// (replicas behind or missing, fsync slow). For a claim the body did
-    /// not run and the claim was released; for a replay the stored value
-    /// was not returned: it may not survive a failover yet.
+    /// (replicas behind or missing, fsync slow). `op` says which write:
+    ///
+    /// - `claim` or `confirm` (a claim's): the body did not run. A won
+    ///   claim was released (a `run_steps` call's suspended, its steps
+    ///   kept); a stored result found (a replay) was not returned, since it
+    ///   may not survive a failover yet.
+    /// - `complete`: the body ran and its result is stored on the primary,
+    ///   unconfirmed
+    ///   ([`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed)).
+    ///   [`Call::run`](crate::Call::run) answers this error for it when the
+    ///   builder's `require_final` is on (the default with a durable
+    ///   builder), instead of `Ok(v)`;
+    ///   [`run_outcome`](crate::Call::run_outcome) returns the value with
+    ///   its outcome.
+    ///
+    /// Call again with the same key: the retry replays the stored result,
+    /// confirmed, while the primary lives, and runs the body again after a
+    /// failover that lost it (see docs/semantics.md, "Durability").
     #[error(
         "the {op} was not confirmed durable in time: {reason}; the body did not run (a won \
          claim is released, a stored answer found is not returned) — retry with the same key, \
@@ -234,11 +286,17 @@ pub enum Error {
     )]
     #[non_exhaustive]
     NotConfirmed {
-        /// `claim` (a won claim or a replay), or `confirm` (a confirmation
-        /// sent on its own, after a contended claim). A store's `complete` may
-        /// answer it too, but a call turns an unconfirmed result into
-        /// [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed): users
-        /// see this error only for claims.
+        /// `claim` (a fresh claim, with its fence and wait in one round
+        /// trip: a won claim or a replay), `confirm` (the fence and wait
+        /// sent on their own: after a takeover, a re-sent claim or a claim
+        /// answered under Redis's `maxmemory`, and after a complete that
+        /// stored outbox messages), or `complete` (a result stored on the
+        /// primary, unconfirmed). A call turns a store's unconfirmed
+        /// `complete`, or a completion's `confirm`, into
+        /// [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed); with
+        /// `require_final`, `Call::run` answers that outcome with this error
+        /// and `op` `complete`. So a call's error has `op` `claim`,
+        /// `confirm` (a claim's) or `complete`.
         op: &'static str,
         /// What the store confirmed against what was asked.
         reason: String,
@@ -255,9 +313,21 @@ pub enum Error {
 }
 
 impl Error {
-    /// True for errors where trying the same call again later can succeed
-    /// (`InProgress`, `Unavailable`, `LeaseLost`, `StepLeaseLost`,
-    /// `Conflict`, `NotConfirmed`).
+    /// True for the errors after which calling again with the same key
+    /// can succeed. This is the list (a worker loop retries these, with
+    /// backoff, and gives up on the rest):
+    ///
+    /// | variant | what calling again does |
+    /// | --- | --- |
+    /// | [`InProgress`](Error::InProgress) | another call runs the body now: after `retry_after` (its lease left) the retry replays its result, or takes the key over if the holder died; `.wait(d)` waits for it instead |
+    /// | [`Unavailable`](Error::Unavailable) | the store did not answer `op`: back off. Before the body (`connect`, `claim`) nothing ran; after it (`complete`, the result not stored) the key stays in flight until its lease ends, then the retry runs the body again (`Outcome::Recovered`) |
+    /// | [`LeaseLost`](Error::LeaseLost) | the lease ran out before the result was stored: the retry replays the new holder's result, or runs the body again |
+    /// | [`StepLeaseLost`](Error::StepLeaseLost) | the call lost its key, so a step was not recorded: stop the body; the retry replays, or resumes where the new holder is |
+    /// | [`Conflict`](Error::Conflict) | a PostgreSQL transaction conflicted and was rolled back, key released: the retry runs again |
+    /// | [`NotConfirmed`](Error::NotConfirmed) | the copies a `Durability` asks for were not confirmed in time: after a `claim` or `confirm` the body did not run and the retry claims again; after a `complete` the retry replays the stored result, confirmed, while the primary lives, and runs the body again after a failover that lost it |
+    ///
+    /// Every other variant fails the same way again: fix the input, the
+    /// configuration, the record or the calling code.
     ///
     /// ```
     /// assert!(!idem_core::Error::FingerprintMismatch.is_retryable());

@@ -43,6 +43,20 @@ impl RedisStoreConfig {
     /// still have landed; idem re-sends it with the same owner token, which
     /// the script answers as the same claim.
     ///
+    /// A durable call's round trip (its write, the fence and the `WAIT` or
+    /// `WAITAOF` of its `idem_core::Durability`) is bounded by this
+    /// timeout **plus** the durability's timeout: the server holds the
+    /// reply for up to the durability's timeout, and this one is the
+    /// margin for the network and the server. Past the sum the round trip
+    /// counts as unanswered (`Error::Unavailable`, whose reason says "the
+    /// response timeout plus the durability timeout"): a claim is re-sent
+    /// with the same token, a result's complete retried for up to half a
+    /// lease, as for any unreachable store. A store made with
+    /// [`from_manager`](crate::RedisStore::from_manager) or
+    /// [`from_cluster`](crate::RedisStore::from_cluster) uses the default,
+    /// 1 s, for that margin; the response timeout of the connection you
+    /// gave it, if it has one, must leave room for the wait too.
+    ///
     /// ```
     /// let c = idem_redis::RedisStoreConfig::default().response_timeout(std::time::Duration::from_millis(300));
     /// assert_eq!(c.get_response_timeout().as_millis(), 300);
