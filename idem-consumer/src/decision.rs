@@ -7,7 +7,7 @@ use std::time::Duration;
 ///
 /// | idem says | decision |
 /// | --- | --- |
-/// | `Executed`, `Replayed`, `Recovered` (and the body-ran outcomes `LeaseLost`, `NotStored`, `Unprotected`) | [`Ack`](Decision::Ack) |
+/// | `Executed`, `Replayed`, `Recovered` (and the body-ran outcomes `LeaseLost`, `NotStored`, `NotConfirmed`, `Unprotected`: a redelivery could only run the body again, and `require_final` does not apply) | [`Ack`](Decision::Ack) |
 /// | `InProgress { retry_after }` | [`Nack`](Decision::Nack) after `retry_after` (or, with `.wait(d)`, the first run's result and `Ack`) |
 /// | store unavailable (fail-closed, nothing ran) | `Nack` with backoff |
 /// | handler `Err`, retryable | key released, failure counted in idem's store, `Nack` with backoff; `DeadLetter` at `max_failures` failures |

@@ -148,10 +148,11 @@ pub enum Error {
     /// Either way the retry replays the new holder's result, or runs the
     /// body again.
     #[error(
-        "the lease on this idempotency key ran out before the result was stored, so the \
-         transaction was rolled back and nothing the body wrote was committed; retry with the \
-         same key (it replays the new holder's result or runs again), and keep bodies shorter \
-         than the lease or raise it with `.lease(..)`"
+        "the lease on this idempotency key ran out (or the claim was lost in a failover) before \
+         the result was stored: inside a store transaction it was rolled back and nothing the \
+         body wrote was committed, elsewhere the body's effects stand; retry with the same key \
+         (it replays the new holder's result or runs again), and keep bodies shorter than the \
+         lease or raise it with `.lease(..)`"
     )]
     LeaseLost,
 
@@ -280,9 +281,10 @@ pub enum Error {
     /// confirmed, while the primary lives, and runs the body again after a
     /// failover that lost it (see docs/semantics.md, "Durability").
     #[error(
-        "the {op} was not confirmed durable in time: {reason}; the body did not run (a won \
-         claim is released, a stored answer found is not returned) — retry with the same key, \
-         and check the replicas (INFO replication) or raise the durability timeout"
+        "the {op} was not confirmed durable in time: {reason}; retry with the same key (after \
+         a claim the body did not run; after a complete its result is stored on the primary and \
+         the retry replays it), and check the replicas (INFO replication) or raise the \
+         durability timeout"
     )]
     #[non_exhaustive]
     NotConfirmed {

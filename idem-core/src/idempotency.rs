@@ -65,6 +65,7 @@ impl Idempotency {
             wait: None,
             fail_mode: FailMode::Closed,
             durability: Durability::Async,
+            require_final: None,
             max_value_size: 4 * 1024 * 1024,
             compress_above: None,
             store_retries: 2,
@@ -243,6 +244,7 @@ pub struct IdempotencyBuilder {
     wait: Option<Duration>,
     fail_mode: FailMode,
     durability: Durability,
+    require_final: Option<bool>,
     max_value_size: usize,
     compress_above: Option<usize>,
     store_retries: usize,
@@ -330,6 +332,33 @@ impl IdempotencyBuilder {
     /// ```
     pub fn durability(mut self, durability: Durability) -> Self {
         self.durability = durability;
+        self
+    }
+
+    /// Whether [`Call::run`], [`Call::run_steps`], [`Batch::run`](crate::Batch::run)
+    /// and `#[idempotent]` answer a value whose [`Outcome`](crate::Outcome)
+    /// is not [final](crate::Outcome::is_final) with an error instead of
+    /// `Ok(v)`: [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed) with
+    /// [`Error::NotConfirmed`] (`op` `"complete"`),
+    /// [`Outcome::NotStored`](crate::Outcome::NotStored) with
+    /// [`Error::Unavailable`] (`op` `"complete"`) and
+    /// [`Outcome::LeaseLost`](crate::Outcome::LeaseLost) with
+    /// [`Error::LeaseLost`]. `Unprotected` stays `Ok` (`FailMode::Open` asked
+    /// for it), and the `_outcome` forms always return the value with its
+    /// outcome.
+    ///
+    /// Default: on when the builder's [`durability`](IdempotencyBuilder::durability)
+    /// is not [`Durability::Async`], off otherwise. Each of these errors is
+    /// retryable: call again with the same key, and the retry replays the
+    /// stored result (or runs the body again if none was kept).
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// let idem = Idempotency::builder(MemoryStore::new()).require_final(true).build();
+    /// # let _ = idem;
+    /// ```
+    pub fn require_final(mut self, on: bool) -> Self {
+        self.require_final = Some(on);
         self
     }
 
@@ -516,6 +545,7 @@ impl IdempotencyBuilder {
                 wait: self.wait,
                 fail_mode: self.fail_mode,
                 durability: self.durability,
+                require_final: self.require_final.unwrap_or(!self.durability.is_async()),
                 max_value_size: self.max_value_size,
                 compress_above: self.compress_above,
                 store_retries: self.store_retries,

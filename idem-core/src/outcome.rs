@@ -1,5 +1,6 @@
 //! What a call did.
 
+use crate::error::Error;
 use std::fmt;
 
 /// How a call produced its value, from [`Call::run_outcome`](crate::Call::run_outcome).
@@ -67,6 +68,54 @@ impl Outcome {
             self,
             Outcome::LeaseLost | Outcome::NotStored | Outcome::Unprotected
         )
+    }
+
+    /// True when the result is in the store with the copies the call's
+    /// [`Durability`](crate::Durability) asks for, so later calls with this
+    /// key replay it: [`Executed`](Outcome::Executed),
+    /// [`Recovered`](Outcome::Recovered) and [`Replayed`](Outcome::Replayed).
+    ///
+    /// For any other outcome the value is returned but not final: a worker
+    /// should not acknowledge its message or report success, and should call
+    /// again with the same key (the retry replays the stored result, or runs
+    /// the body again if none was kept). With
+    /// [`IdempotencyBuilder::require_final`](crate::IdempotencyBuilder::require_final)
+    /// on, [`Call::run`](crate::Call::run) and `#[idempotent]` answer such a
+    /// value with an error instead of `Ok`.
+    ///
+    /// ```
+    /// use idem_core::Outcome;
+    /// assert!(Outcome::Replayed.is_final());
+    /// assert!(!Outcome::NotConfirmed.is_final());
+    /// ```
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            Outcome::Executed | Outcome::Recovered | Outcome::Replayed
+        )
+    }
+
+    /// The error [`Call::run`](crate::Call::run) answers instead of a value
+    /// whose outcome is not final, under `require_final`; `None` for a final
+    /// outcome, and for [`Unprotected`](Outcome::Unprotected), which
+    /// `FailMode::Open` asked for.
+    pub(crate) fn not_final_error(self) -> Option<Error> {
+        match self {
+            Outcome::NotConfirmed => Some(Error::not_confirmed(
+                "complete",
+                "the result is stored on the primary, but its copies were not confirmed within \
+                 the durability timeout",
+            )),
+            Outcome::NotStored => Some(Error::unavailable(
+                "complete",
+                "the body ran but the store stayed unreachable, so its result was not stored; \
+                 the key stays in flight until its lease ends",
+            )),
+            Outcome::LeaseLost => Some(Error::LeaseLost),
+            Outcome::Executed | Outcome::Recovered | Outcome::Replayed | Outcome::Unprotected => {
+                None
+            }
+        }
     }
 
     /// A short lowercase name, as recorded in tracing spans.

@@ -109,6 +109,9 @@ pub(crate) struct Inner {
     pub(crate) fail_mode: FailMode,
     /// Each call's unless it sets its own.
     pub(crate) durability: crate::durability::Durability,
+    /// Whether the value-only forms answer a value that is not final with
+    /// an error (`IdempotencyBuilder::require_final`).
+    pub(crate) require_final: bool,
     pub(crate) max_value_size: usize,
     pub(crate) compress_above: Option<usize>,
     pub(crate) store_retries: usize,

@@ -336,6 +336,61 @@ async fn a_result_without_its_replica_is_returned_as_not_confirmed() {
     assert_eq!((v, outcome), (7, Outcome::Replayed));
 }
 
+/// With a durability set, `run` (and so `#[idempotent]`) never answers
+/// `Ok` for a result whose copies were not confirmed: it answers
+/// `NotConfirmed` for the `complete`, retryable, and the retry with the
+/// same key replays the stored value instead of running the body again.
+/// `require_final(false)` gives the value back as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_answers_an_unconfirmed_result_as_not_final() {
+    let master = RedisServer::start();
+    let replica = replica_of(&master).await;
+    let store = RedisStore::connect(&master.url()).await.expect("connect");
+    let ledger = Ledger::new();
+    let idem = Idempotency::builder(store.clone())
+        .namespace("durable")
+        .durability(Durability::replicated(1, Duration::from_secs(3)))
+        .try_build()
+        .expect("Redis gives WAIT");
+    let r: Result<u8, Error> = idem
+        .call("charge", "strict")
+        .run(|| async {
+            ledger.record("strict");
+            drop(replica);
+            Ok(7)
+        })
+        .await;
+    assert!(
+        matches!(&r, Err(e @ Error::NotConfirmed { op: "complete", .. }) if e.is_retryable()),
+        "{r:?}"
+    );
+    // The retry with the same key replays the value stored on the primary.
+    let (v, outcome) = idem
+        .call("charge", "strict")
+        .durability(Durability::Async)
+        .run_outcome(|| async {
+            ledger.record("strict");
+            Ok::<_, Error>(8u8)
+        })
+        .await
+        .expect("replayed");
+    assert_eq!((v, outcome), (7, Outcome::Replayed));
+    assert_eq!(ledger.count("strict"), 1);
+    // Opted out: the unconfirmed value is returned as it was.
+    let lenient = Idempotency::builder(store)
+        .namespace("durable")
+        .durability(Durability::replicated(1, Duration::from_millis(300)))
+        .require_final(false)
+        .try_build()
+        .expect("Redis gives WAIT");
+    let r: Result<u8, Error> = lenient
+        .call("charge", "lenient")
+        .durability(Durability::Async)
+        .run(|| async { Ok(9) })
+        .await;
+    assert_eq!(r.ok(), Some(9));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durability_a_store_cannot_give_is_refused_before_anything_runs() {
     let memory = Idempotency::builder(idem::MemoryStore::new())

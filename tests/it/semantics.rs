@@ -23,6 +23,7 @@ idem_testkit::every_store!(
     cancellation_with_release_on_cancel_releases_at_once,
     body_learns_its_lease_is_lost_when_taken_over,
     frozen_holder_is_taken_over_and_late_complete_refused,
+    a_late_holder_that_requires_final_results_gets_lease_lost,
     keep_alive_holds_the_key_past_the_lease,
     wait_gets_the_first_result,
     wait_takes_over_from_a_dead_holder,
@@ -354,6 +355,38 @@ async fn frozen_holder_is_taken_over_and_late_complete_refused(b: TestContext) {
         .await
         .unwrap();
     assert_eq!((v.as_str(), o), ("new holder", Outcome::Replayed));
+}
+
+/// Under `require_final(true)`, a holder whose lease was taken over while
+/// it was frozen gets `Error::LeaseLost` from `run` (its result was not
+/// stored), not `Ok` with a value later calls never replay.
+async fn a_late_holder_that_requires_final_results_gets_lease_lost(b: TestContext) {
+    let lease = Duration::from_millis(300);
+    let idem = b.idem_with(|x| x.lease(lease).require_final(true));
+    let gate = Arc::new(Notify::new());
+    let g2 = gate.clone();
+    let mut old = Box::pin(idem.call("frozen", "k").run(move || async move {
+        g2.notified().await;
+        Res::Ok("old holder".to_owned())
+    }));
+    // Claimed, then no longer polled: a frozen holder renews nothing.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut old)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(lease * 2).await;
+    let taken = idem
+        .call("frozen", "k")
+        .run(|| async { Res::Ok("new holder".to_owned()) })
+        .await;
+    assert_eq!(taken.ok().as_deref(), Some("new holder"));
+    gate.notify_one();
+    let late = old.await;
+    assert!(
+        matches!(&late, Err(e @ Error::LeaseLost) if e.is_retryable()),
+        "{late:?}"
+    );
 }
 
 async fn keep_alive_holds_the_key_past_the_lease(b: TestContext) {

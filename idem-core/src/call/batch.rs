@@ -242,10 +242,13 @@ impl<'a> Batch<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
+        // Each call's own runtime's setting: a batch may mix runtimes.
+        let require_final: Vec<bool> = self.calls.iter().map(|c| c.inner.require_final).collect();
         self.run_outcome(body)
             .await
             .into_iter()
-            .map(|r| r.map(|(value, _)| value))
+            .zip(require_final)
+            .map(|(r, require_final)| super::final_value(r, require_final))
             .collect()
     }
 }

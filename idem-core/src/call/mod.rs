@@ -229,8 +229,9 @@ impl<'a> Call<'a> {
         // `run_with`'s future mapped, not awaited in one of its own: an
         // async wrapper would hold it and the call beside it, and copy it
         // whole into itself when first polled.
+        let require_final = self.inner.require_final;
         self.run_with(None, body)
-            .map(|result| result.map(|(value, _)| value))
+            .map(move |result| final_value(result, require_final))
     }
 
     /// Like [`run`](Call::run), also saying whether the body ran.
@@ -295,7 +296,8 @@ impl<'a> Call<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        self.run_steps_outcome(body).await.map(|(value, _)| value)
+        let require_final = self.inner.require_final;
+        final_value(self.run_steps_outcome(body).await, require_final)
     }
 
     /// Like [`run_steps`](Call::run_steps), also saying what happened
@@ -453,6 +455,20 @@ impl<'a> Call<'a> {
             turn: None,
             traced: !span.is_disabled(),
         })
+    }
+}
+
+/// A call's value as the value-only forms answer it: with
+/// `require_final`, a value whose outcome is not final becomes the error
+/// that says so.
+pub(super) fn final_value<T, E: From<Error>>(
+    result: Result<(T, Outcome), E>,
+    require_final: bool,
+) -> Result<T, E> {
+    let (value, outcome) = result?;
+    match outcome.not_final_error() {
+        Some(e) if require_final => Err(E::from(e)),
+        _ => Ok(value),
     }
 }
 
