@@ -111,12 +111,15 @@
 //! [`tenant`](IdempotencyLayer::tenant), [`shared_keys`](IdempotencyLayer::shared_keys)).
 //!
 //! **What is stored.** The response headers (initial metadata, without
-//! `date` and `content-length`), the response body exactly as the server
-//! framed it (length prefix and compression flag included) and the
-//! trailers, as JSON with the body in base64. A trailers-only answer (an
-//! error status stored by opt-in) keeps its status in the headers, as it
-//! was sent. The call that ran the handler gets its answer once it is
-//! stored, so a retry sent right after it finds it.
+//! `date` and `content-length`: a replay gets its own), the response body
+//! exactly as the server framed it (length prefix and compression flag
+//! included) and the trailers, as JSON with the body in base64. A reply
+//! whose record would be over the runtime's `max_value_size` is not kept
+//! (see [`max_response_bytes`](IdempotencyLayer::max_response_bytes)). A
+//! trailers-only answer (an error status stored by opt-in) keeps its
+//! status in the headers, as it was sent. The call that ran the handler
+//! gets its answer once it is stored, so a retry sent right after it finds
+//! it.
 //!
 //! **Streaming.** Only methods you declare are protected. A declared
 //! method whose request holds more than one message is refused before the

@@ -445,6 +445,16 @@ where
     match code {
         Some(code) if cfg.stores(code) => {
             let stored = stored::kept(code, live.headers(), &data, trailers.as_ref());
+            if !stored.fits(cfg.settings.max_value) {
+                // The runtime would keep a "too large" marker no retry can
+                // be answered from: this reply is not kept, as one over
+                // max_response_bytes is not.
+                tracing::debug!(
+                    max_value_size = cfg.settings.max_value,
+                    "reply's record over the runtime's max_value_size: answered, stored as processed, not kept"
+                );
+                return Ok(Ran::new(stored::not_kept(NotKept::TooLarge), Some(live)));
+            }
             Ok(Ran::new(stored, Some(live)))
         }
         code => {

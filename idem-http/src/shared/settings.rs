@@ -101,6 +101,10 @@ pub struct Settings<H: ?Sized> {
     pub max_request: usize,
     /// Largest response body stored for replay.
     pub max_response: usize,
+    /// The runtime's `max_value_size`: a record longer than this once
+    /// serialized is not kept (the runtime would store a "too large"
+    /// marker, which no layer can replay).
+    pub max_value: usize,
 }
 
 impl<H: ?Sized> Clone for Settings<H> {
@@ -114,6 +118,7 @@ impl<H: ?Sized> Clone for Settings<H> {
             tenant: self.tenant.clone(),
             max_request: self.max_request,
             max_response: self.max_response,
+            max_value: self.max_value,
         }
     }
 }
@@ -129,6 +134,7 @@ impl<H: ?Sized> fmt::Debug for Settings<H> {
             .field("tenant", &self.tenant)
             .field("max_request", &self.max_request)
             .field("max_response", &self.max_response)
+            .field("max_value", &self.max_value)
             .finish()
     }
 }
@@ -148,6 +154,7 @@ impl<H: ?Sized> Settings<H> {
             tenant: TenantSource::default_credentials(),
             max_request: DEFAULT_BODY_LIMIT,
             max_response: DEFAULT_BODY_LIMIT,
+            max_value: idem.max_value_size(),
         }
     }
 
