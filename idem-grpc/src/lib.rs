@@ -91,7 +91,8 @@
 //! with idem-http's grammar (crate `idem-key`): a bare token such as a
 //! UUID, or a quoted string; 1–255 printable ASCII characters, not all
 //! spaces. Or a field of the request message ([`UnaryMethod::key_from_request`]):
-//! AIP-155's `request_id`, AEP-155's `idempotency_key.key`.
+//! AIP-155's `request_id`, AEP-155's `idempotency_key.key`; the field then
+//! replaces the metadata entry, which is not read at all.
 //!
 //! **The fingerprint.** SHA-256 over the method path and the request
 //! message's bytes as sent (or the part [`UnaryMethod::fingerprint_request`]

@@ -121,9 +121,14 @@ where
     ResBody: BytesBody,
 {
     let (parts, body) = request.into_parts();
-    let metadata_key = match key_from_metadata(&parts.headers) {
-        Ok(key) => key,
-        Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
+    // A method keyed by a request field ignores the metadata entry: the
+    // field replaces it, so the entry is not even read.
+    let metadata_key = match method.key {
+        KeySource::Metadata => match key_from_metadata(&parts.headers) {
+            Ok(key) => key,
+            Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
+        },
+        KeySource::Message(_) => None,
     };
     let bytes = match read_limited(body, cfg.settings.max_request).await {
         Ok(bytes) => bytes,

@@ -243,3 +243,30 @@ async fn without_a_key_a_declared_method_runs_unprotected_unless_a_key_is_requir
     assert!(s.message().contains("idempotency-key"), "{s:?}");
     assert_eq!(ctx.ledger().total(), 2);
 }
+
+/// On a method keyed by a request field, the `idempotency-key` metadata
+/// entry is ignored: an over-long or doubled entry next to a valid
+/// `request_id` neither refuses the first call nor its replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_field_keyed_method_ignores_the_metadata_entry() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-field-md");
+    let server = TestServer::start(field_keyed(ctx.idem()), ctx.ledger().clone()).await;
+    let raw = server.raw();
+    let long = "k".repeat(300);
+    let entries: [&[(&str, &str)]; 2] = [
+        &[("idempotency-key", long.as_str())],
+        &[("idempotency-key", "a"), ("idempotency-key", "b")],
+    ];
+    for (i, metadata) in entries.into_iter().enumerate() {
+        let mut m = payment(10);
+        m.request_id = format!("3f2a6b1e-0000-4000-8000-00000000010{i}");
+        let first = raw.call(CREATE_PAYMENT, metadata, &m).await;
+        assert_eq!(first.grpc_status().as_deref(), Some("0"), "{first:?}");
+        assert!(!first.replayed());
+        let again = raw.call(CREATE_PAYMENT, metadata, &m).await;
+        assert_eq!(again.grpc_status().as_deref(), Some("0"), "{again:?}");
+        assert!(again.replayed(), "the retry replays: {again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(server.ledger.total(), 2);
+}
