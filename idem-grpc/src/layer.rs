@@ -279,6 +279,11 @@ impl IdempotencyLayer {
     /// the default digest of `authorization`. Requests without it share the
     /// tenant-less key space.
     ///
+    /// The tenant is the value's exact bytes (a value that is not UTF-8 is
+    /// a tenant of its own); for a binary entry (a name ending in `-bin`),
+    /// the bytes its base64 decodes to, padded or not. A `-bin` value that
+    /// is not base64 is refused with `INVALID_ARGUMENT` (`invalid-tenant`).
+    ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem)

@@ -59,15 +59,16 @@
 //! | situation | answer |
 //! | --- | --- |
 //! | no key | runs without idempotency, or `INVALID_ARGUMENT` (`missing-key`) with [`require_key(true)`](IdempotencyLayer::require_key) |
-//! | malformed key (metadata or request field), metadata entry sent twice | `INVALID_ARGUMENT` (`invalid-key`) |
+//! | malformed key (metadata or request field), metadata entry sent twice (on a method keyed by metadata) | `INVALID_ARGUMENT` (`invalid-key`) |
+//! | a `-bin` tenant entry ([`tenant_from_metadata`](IdempotencyLayer::tenant_from_metadata)) that is not base64 | `INVALID_ARGUMENT` (`invalid-tenant`) |
 //! | request not one gRPC message, or its key field does not decode | `INVALID_ARGUMENT` (`unreadable-request`) |
 //! | more than one request message (client streaming) | `UNIMPLEMENTED` (`not-unary`) |
 //! | compressed request message, when the key or fingerprint reads the message | `UNIMPLEMENTED` (`compressed-request`) |
 //! | request over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (4 MiB) | `RESOURCE_EXHAUSTED` (`request-too-large`) |
 //! | first call with this key | the handler runs in a task of its own (a client that goes away does not stop it); its answer is stored if it is `OK` (or a code of [`store_error_codes`](IdempotencyLayer::store_error_codes)), then sent |
-//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` for the answer and replays it |
+//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` for the answer and replays it (`idempotent-replayed: true`) |
 //! | same key, completed | the stored initial metadata, message bytes and trailers (status, message, details, trailing metadata) + `idempotent-replayed: true`; the handler does not run |
-//! | same key, processed but answer not kept (a stream, or over [`max_response_bytes`](IdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` (`response-not-kept`) |
+//! | same key, processed but answer not kept (a stream, over [`max_response_bytes`](IdempotencyLayer::max_response_bytes), or its record over the runtime's `max_value_size`) | `FAILED_PRECONDITION` (`response-not-kept`) |
 //! | same key, another request message (or method, under a shared scope) | `FAILED_PRECONDITION` (`key-reused`) |
 //! | store unreachable | `UNAVAILABLE` (`store-unavailable`) with `grpc-retry-pushback-ms`; the handler does not run (the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
 //! | the store did not confirm the call (a `Durability` the runtime asked for, a lease lost) | `UNAVAILABLE` (`store-not-confirmed`) with `grpc-retry-pushback-ms`; retry with the same key |

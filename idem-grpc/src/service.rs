@@ -263,8 +263,17 @@ where
             }
         },
     };
-    let tenant = tenant_of(&cfg.settings.tenant, request.headers());
-    let scope = idem_key::scope::compose(
+    let tenant = match tenant_of(&cfg.settings.tenant, request.headers()) {
+        Ok(tenant) => tenant,
+        Err(message) => {
+            return Ok(refuse(
+                &cfg,
+                Refusal::InvalidTenant,
+                &format!("{message}; the request was not processed"),
+            ));
+        }
+    };
+    let scope = idem_key::scope::compose_bytes(
         method.scope.as_deref().unwrap_or(&method.path),
         tenant.as_deref(),
     );

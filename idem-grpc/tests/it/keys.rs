@@ -270,3 +270,83 @@ async fn a_field_keyed_method_ignores_the_metadata_entry() {
     }
     assert_eq!(server.ledger.total(), 2);
 }
+
+/// A tenant read from a metadata entry is its exact bytes: two different
+/// non-UTF-8 values are two tenants, so one never gets the other's reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_utf8_tenant_values_are_distinct_tenants() {
+    let ctx = TestContext::redis()
+        .await
+        .with_namespace("grpc-tenant-bytes");
+    let server = TestServer::start(
+        IdempotencyLayer::new(ctx.idem())
+            .unary(CREATE_PAYMENT)
+            .tenant_from_metadata(http::HeaderName::from_static("x-tenant")),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let raw = server.raw();
+    let as_tenant = |tenant: &'static [u8]| {
+        let raw = raw.clone();
+        async move {
+            raw.call_bytes(
+                CREATE_PAYMENT,
+                &[("idempotency-key", b"t-1"), ("x-tenant", tenant)],
+                &payment(1),
+            )
+            .await
+        }
+    };
+    let a = as_tenant(b"acme\xff").await;
+    let b = as_tenant(b"acme\xfe").await;
+    assert_eq!(a.grpc_status().as_deref(), Some("0"));
+    assert_eq!(b.grpc_status().as_deref(), Some("0"));
+    assert!(!b.replayed(), "another tenant's reply was replayed: {b:?}");
+    assert_eq!(server.ledger.count("t-1"), 2);
+    let a2 = as_tenant(b"acme\xff").await;
+    assert!(a2.replayed());
+    assert_eq!(a2.body, a.body);
+    assert_eq!(server.ledger.count("t-1"), 2);
+}
+
+/// A `-bin` tenant entry is its decoded bytes: the padded and unpadded
+/// base64 forms of one value are one tenant, other values other tenants,
+/// and a value that is not base64 is refused before the handler runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bin_tenant_is_its_decoded_bytes() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-tenant-bin");
+    let server = TestServer::start(
+        IdempotencyLayer::new(ctx.idem())
+            .unary(CREATE_PAYMENT)
+            .tenant_from_metadata(http::HeaderName::from_static("x-tenant-bin")),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let raw = server.raw();
+    let call = |tenant: &'static str| {
+        let raw = raw.clone();
+        async move {
+            raw.call(
+                CREATE_PAYMENT,
+                &[("idempotency-key", "b-1"), ("x-tenant-bin", tenant)],
+                &payment(1),
+            )
+            .await
+        }
+    };
+    // "YWI=" and "YWI" are both b"ab".
+    let padded = call("YWI=").await;
+    let unpadded = call("YWI").await;
+    assert_eq!(padded.grpc_status().as_deref(), Some("0"));
+    assert!(!padded.replayed());
+    assert!(unpadded.replayed(), "one value, one tenant: {unpadded:?}");
+    assert_eq!(unpadded.body, padded.body);
+    let other = call("YWM=").await;
+    assert!(!other.replayed());
+    assert_eq!(server.ledger.count("b-1"), 2);
+    // Not base64: refused, never a tenant of its own raw bytes.
+    let bad = call("!!").await;
+    assert_eq!(bad.grpc_status().as_deref(), Some("3"), "{bad:?}");
+    assert_eq!(bad.headers["idem-error"], "invalid-tenant");
+    assert_eq!(server.ledger.count("b-1"), 2);
+}
