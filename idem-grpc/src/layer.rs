@@ -169,7 +169,8 @@ impl IdempotencyLayer {
         self.with_settings(|s| s.retention(retention))
     }
 
-    /// The lease of each call (default: the runtime's): how long after a
+    /// The lease of each call (default: the runtime's, 30 s unless set with
+    /// `Idempotency::builder(..).lease(..)`): how long after a
     /// server dies mid-call its key stays in flight before a retry takes
     /// it over and runs the handler again.
     ///
