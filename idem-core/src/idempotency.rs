@@ -208,6 +208,22 @@ impl Idempotency {
         self.inner.lease
     }
 
+    /// The largest result this runtime stores, in bytes of its serialized
+    /// (JSON) form before compression: a larger one is stored as a marker
+    /// and later calls get [`Error::TooLarge`]. Layers that store what they
+    /// were answered check against it, so they never keep a result the
+    /// runtime would refuse.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
+    ///     .max_value_size(64 * 1024)
+    ///     .build();
+    /// assert_eq!(idem.max_value_size(), 64 * 1024);
+    /// ```
+    pub fn max_value_size(&self) -> usize {
+        self.inner.max_value_size
+    }
+
     /// The installed default, if any.
     ///
     /// ```

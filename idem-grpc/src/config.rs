@@ -4,6 +4,10 @@
 
 use crate::RETRY_PUSHBACK;
 use crate::method::UnaryMethod;
+use base64::Engine as _;
+use base64::alphabet;
+use base64::engine::DecodePaddingMode;
+use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
 use http::{HeaderMap, HeaderValue, Response};
 use idem_http::shared::settings::Settings;
 use std::collections::HashMap;
@@ -13,12 +17,38 @@ use tonic::metadata::MetadataMap;
 /// Where a request's tenant comes from; the hook sees the metadata.
 pub(crate) type TenantSource = idem_http::shared::settings::TenantSource<MetadataMap>;
 
-/// The tenant of a request, `None` for the tenant-less key space.
-pub(crate) fn tenant_of(tenant: &TenantSource, headers: &HeaderMap) -> Option<String> {
-    tenant.tenant_of(headers, |hook| {
+/// The tenant of a request as bytes, `None` for the tenant-less key space;
+/// the error, for a `-bin` entry that is not base64, says what to send.
+///
+/// A binary (`-bin`) metadata entry travels base64-encoded, padded or not
+/// (gRPC's spec has receivers accept both): its tenant is the decoded
+/// bytes, so both forms of one value are one tenant.
+pub(crate) fn tenant_of(
+    tenant: &TenantSource,
+    headers: &HeaderMap,
+) -> Result<Option<Vec<u8>>, String> {
+    if let TenantSource::Header(name) = tenant {
+        if name.as_str().ends_with("-bin") {
+            let Some(value) = headers.get(name) else {
+                return Ok(None);
+            };
+            return BIN.decode(value.as_bytes()).map(Some).map_err(|e| {
+                format!(
+                    "the tenant metadata entry {name} is not base64 ({e}); send its value base64-encoded, as binary metadata is"
+                )
+            });
+        }
+    }
+    Ok(tenant.tenant_of(headers, |hook| {
         hook(&MetadataMap::from_headers(headers.clone()))
-    })
+    }))
 }
+
+/// Binary metadata's base64: the standard alphabet, padding optional.
+const BIN: GeneralPurpose = GeneralPurpose::new(
+    &alphabet::STANDARD,
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+);
 
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
@@ -44,6 +74,7 @@ impl Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
     InvalidKey,
+    InvalidTenant,
     MissingKey,
     UnreadableRequest,
     CompressedRequest,
@@ -63,6 +94,7 @@ impl Refusal {
     pub(crate) fn slug(self) -> &'static str {
         match self {
             Refusal::InvalidKey => "invalid-key",
+            Refusal::InvalidTenant => "invalid-tenant",
             Refusal::MissingKey => "missing-key",
             Refusal::UnreadableRequest => "unreadable-request",
             Refusal::CompressedRequest => "compressed-request",
@@ -81,9 +113,10 @@ impl Refusal {
 
     pub(crate) fn code(self) -> Code {
         match self {
-            Refusal::InvalidKey | Refusal::MissingKey | Refusal::UnreadableRequest => {
-                Code::InvalidArgument
-            }
+            Refusal::InvalidKey
+            | Refusal::InvalidTenant
+            | Refusal::MissingKey
+            | Refusal::UnreadableRequest => Code::InvalidArgument,
             Refusal::CompressedRequest | Refusal::NotUnary => Code::Unimplemented,
             Refusal::RequestTooLarge => Code::ResourceExhausted,
             Refusal::KeyInUse => Code::Aborted,

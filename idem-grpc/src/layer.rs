@@ -19,7 +19,9 @@ use tower_layer::Layer;
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
 
 /// Default limit on a stored reply: 1 MiB (base64 in the record makes it
-/// about 1.4 MiB, under the runtime's 4 MiB `max_value_size`).
+/// about 1.4 MiB, under the runtime's default 4 MiB `max_value_size`), or
+/// less under a runtime whose `max_value_size` cannot hold that (see
+/// [`IdempotencyLayer::max_response_bytes`]).
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 
 /// A tower [`Layer`] giving the unary RPCs you name exactly-once semantics
@@ -84,11 +86,12 @@ impl IdempotencyLayer {
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).unary("/shop.v1.Orders/PlaceOrder");
     /// ```
     pub fn new(idem: Idempotency) -> IdempotencyLayer {
+        let max_response = DEFAULT_MAX_RESPONSE_BYTES.min(largest_reply(&idem));
         IdempotencyLayer {
             config: Config {
                 settings: Settings::new(&idem)
                     .max_request(DEFAULT_MAX_REQUEST_BYTES)
-                    .max_response(DEFAULT_MAX_RESPONSE_BYTES),
+                    .max_response(max_response),
                 methods: HashMap::new(),
                 stored_codes: Vec::new(),
                 share_round_trips: false,
@@ -166,7 +169,8 @@ impl IdempotencyLayer {
         self.with_settings(|s| s.retention(retention))
     }
 
-    /// The lease of each call (default: the runtime's): how long after a
+    /// The lease of each call (default: the runtime's, 30 s unless set with
+    /// `Idempotency::builder(..).lease(..)`): how long after a
     /// server dies mid-call its key stays in flight before a retry takes
     /// it over and runs the handler again.
     ///
@@ -246,18 +250,40 @@ impl IdempotencyLayer {
     /// as it is and recorded as "processed, answer not kept": a retry gets
     /// `FAILED_PRECONDITION` (`response-not-kept`), never a second run.
     ///
+    /// The runtime's `max_value_size` (4 MiB by default) bounds the stored
+    /// record, in which the reply is base64 (4 bytes for 3): a limit over
+    /// what that can hold is lowered to it, with a warning (raise the
+    /// runtime's `max_value_size` to keep larger replies). A reply within
+    /// the limit whose record is still too long for the runtime (large
+    /// metadata) is not kept either, never stored as something a retry
+    /// cannot be answered from.
+    ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_response_bytes(256 * 1024);
     /// ```
     pub fn max_response_bytes(self, bytes: usize) -> Self {
-        self.with_settings(|s| s.max_response(bytes))
+        let largest = largest_reply(&self.idem);
+        if bytes > largest {
+            tracing::warn!(
+                max_response_bytes = bytes,
+                lowered_to = largest,
+                max_value_size = self.idem.max_value_size(),
+                "max_response_bytes is over what the runtime's max_value_size can store (replies are base64 in the record): lowered; raise the runtime's max_value_size to keep larger replies"
+            );
+        }
+        self.with_settings(|s| s.max_response(bytes.min(largest)))
     }
 
     /// The tenant is the value of this metadata entry (an API client or
     /// account id set by your gateway or an auth interceptor), instead of
     /// the default digest of `authorization`. Requests without it share the
     /// tenant-less key space.
+    ///
+    /// The tenant is the value's exact bytes (a value that is not UTF-8 is
+    /// a tenant of its own); for a binary entry (a name ending in `-bin`),
+    /// the bytes its base64 decodes to, padded or not. A `-bin` value that
+    /// is not base64 is refused with `INVALID_ARGUMENT` (`invalid-tenant`).
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
@@ -322,6 +348,12 @@ impl IdempotencyLayer {
     }
 }
 
+/// The largest reply whose record the runtime can store: a larger one
+/// never fits its `max_value_size`, whatever its metadata.
+fn largest_reply(idem: &Idempotency) -> usize {
+    idem_http::shared::record::largest_binary_body(idem.max_value_size())
+}
+
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = IdempotencyService<S>;
 
@@ -332,5 +364,40 @@ impl<S> Layer<S> for IdempotencyLayer {
             .share_round_trips
             .then(|| self.idem.group_unbounded());
         IdempotencyService::new(inner, self.idem.clone(), Arc::new(config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::MemoryStore;
+    use idem_http::shared::record::largest_binary_body;
+
+    /// `max_response_bytes` (and its default) never exceeds the largest
+    /// reply whose base64 record fits the runtime's `max_value_size`.
+    #[test]
+    fn the_reply_limit_is_lowered_to_what_the_runtime_can_store() {
+        let small = Idempotency::builder(MemoryStore::new())
+            .max_value_size(64 * 1024)
+            .build();
+        let largest = largest_binary_body(64 * 1024);
+        assert!(largest > 40 * 1024 && largest < 48 * 1024, "{largest}");
+        let layer = IdempotencyLayer::new(small.clone());
+        assert_eq!(layer.config.settings.max_response, largest);
+        let layer = IdempotencyLayer::new(small).max_response_bytes(1024);
+        assert_eq!(layer.config.settings.max_response, 1024);
+
+        let default = Idempotency::builder(MemoryStore::new()).build();
+        let layer = IdempotencyLayer::new(default.clone());
+        assert_eq!(
+            layer.config.settings.max_response,
+            DEFAULT_MAX_RESPONSE_BYTES
+        );
+        let layer = IdempotencyLayer::new(default).max_response_bytes(4 * 1024 * 1024);
+        assert_eq!(
+            layer.config.settings.max_response,
+            largest_binary_body(4 * 1024 * 1024)
+        );
+        assert!(layer.config.settings.max_response < 3 * 1024 * 1024 + 1);
     }
 }

@@ -59,15 +59,16 @@
 //! | situation | answer |
 //! | --- | --- |
 //! | no key | runs without idempotency, or `INVALID_ARGUMENT` (`missing-key`) with [`require_key(true)`](IdempotencyLayer::require_key) |
-//! | malformed key (metadata or request field), metadata entry sent twice | `INVALID_ARGUMENT` (`invalid-key`) |
+//! | malformed key (metadata or request field), metadata entry sent twice (on a method keyed by metadata) | `INVALID_ARGUMENT` (`invalid-key`) |
+//! | a `-bin` tenant entry ([`tenant_from_metadata`](IdempotencyLayer::tenant_from_metadata)) that is not base64 | `INVALID_ARGUMENT` (`invalid-tenant`) |
 //! | request not one gRPC message, or its key field does not decode | `INVALID_ARGUMENT` (`unreadable-request`) |
 //! | more than one request message (client streaming) | `UNIMPLEMENTED` (`not-unary`) |
 //! | compressed request message, when the key or fingerprint reads the message | `UNIMPLEMENTED` (`compressed-request`) |
 //! | request over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (4 MiB) | `RESOURCE_EXHAUSTED` (`request-too-large`) |
 //! | first call with this key | the handler runs in a task of its own (a client that goes away does not stop it); its answer is stored if it is `OK` (or a code of [`store_error_codes`](IdempotencyLayer::store_error_codes)), then sent |
-//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` for the answer and replays it |
+//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` for the answer and replays it (`idempotent-replayed: true`) |
 //! | same key, completed | the stored initial metadata, message bytes and trailers (status, message, details, trailing metadata) + `idempotent-replayed: true`; the handler does not run |
-//! | same key, processed but answer not kept (a stream, or over [`max_response_bytes`](IdempotencyLayer::max_response_bytes)) | `FAILED_PRECONDITION` (`response-not-kept`) |
+//! | same key, processed but answer not kept (a stream, over [`max_response_bytes`](IdempotencyLayer::max_response_bytes), or its record over the runtime's `max_value_size`) | `FAILED_PRECONDITION` (`response-not-kept`) |
 //! | same key, another request message (or method, under a shared scope) | `FAILED_PRECONDITION` (`key-reused`) |
 //! | store unreachable | `UNAVAILABLE` (`store-unavailable`) with `grpc-retry-pushback-ms`; the handler does not run (the runtime's default `FailMode::Closed`; with `FailMode::Open` it runs unprotected) |
 //! | the store did not confirm the call (a `Durability` the runtime asked for, a lease lost) | `UNAVAILABLE` (`store-not-confirmed`) with `grpc-retry-pushback-ms`; retry with the same key |
@@ -91,7 +92,8 @@
 //! with idem-http's grammar (crate `idem-key`): a bare token such as a
 //! UUID, or a quoted string; 1–255 printable ASCII characters, not all
 //! spaces. Or a field of the request message ([`UnaryMethod::key_from_request`]):
-//! AIP-155's `request_id`, AEP-155's `idempotency_key.key`.
+//! AIP-155's `request_id`, AEP-155's `idempotency_key.key`; the field then
+//! replaces the metadata entry, which is not read at all.
 //!
 //! **The fingerprint.** SHA-256 over the method path and the request
 //! message's bytes as sent (or the part [`UnaryMethod::fingerprint_request`]
@@ -111,12 +113,15 @@
 //! [`tenant`](IdempotencyLayer::tenant), [`shared_keys`](IdempotencyLayer::shared_keys)).
 //!
 //! **What is stored.** The response headers (initial metadata, without
-//! `date` and `content-length`), the response body exactly as the server
-//! framed it (length prefix and compression flag included) and the
-//! trailers, as JSON with the body in base64. A trailers-only answer (an
-//! error status stored by opt-in) keeps its status in the headers, as it
-//! was sent. The call that ran the handler gets its answer once it is
-//! stored, so a retry sent right after it finds it.
+//! `date` and `content-length`: a replay gets its own), the response body
+//! exactly as the server framed it (length prefix and compression flag
+//! included) and the trailers, as JSON with the body in base64. A reply
+//! whose record would be over the runtime's `max_value_size` is not kept
+//! (see [`max_response_bytes`](IdempotencyLayer::max_response_bytes)). A
+//! trailers-only answer (an error status stored by opt-in) keeps its
+//! status in the headers, as it was sent. The call that ran the handler
+//! gets its answer once it is stored, so a retry sent right after it finds
+//! it.
 //!
 //! **Streaming.** Only methods you declare are protected. A declared
 //! method whose request holds more than one message is refused before the

@@ -121,9 +121,14 @@ where
     ResBody: BytesBody,
 {
     let (parts, body) = request.into_parts();
-    let metadata_key = match key_from_metadata(&parts.headers) {
-        Ok(key) => key,
-        Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
+    // A method keyed by a request field ignores the metadata entry: the
+    // field replaces it, so the entry is not even read.
+    let metadata_key = match method.key {
+        KeySource::Metadata => match key_from_metadata(&parts.headers) {
+            Ok(key) => key,
+            Err(message) => return Ok(refuse(&cfg, Refusal::InvalidKey, &message)),
+        },
+        KeySource::Message(_) => None,
     };
     let bytes = match read_limited(body, cfg.settings.max_request).await {
         Ok(bytes) => bytes,
@@ -258,8 +263,17 @@ where
             }
         },
     };
-    let tenant = tenant_of(&cfg.settings.tenant, request.headers());
-    let scope = idem_key::scope::compose(
+    let tenant = match tenant_of(&cfg.settings.tenant, request.headers()) {
+        Ok(tenant) => tenant,
+        Err(message) => {
+            return Ok(refuse(
+                &cfg,
+                Refusal::InvalidTenant,
+                &format!("{message}; the request was not processed"),
+            ));
+        }
+    };
+    let scope = idem_key::scope::compose_bytes(
         method.scope.as_deref().unwrap_or(&method.path),
         tenant.as_deref(),
     );
@@ -445,6 +459,16 @@ where
     match code {
         Some(code) if cfg.stores(code) => {
             let stored = stored::kept(code, live.headers(), &data, trailers.as_ref());
+            if !stored.fits(cfg.settings.max_value) {
+                // The runtime would keep a "too large" marker no retry can
+                // be answered from: this reply is not kept, as one over
+                // max_response_bytes is not.
+                tracing::debug!(
+                    max_value_size = cfg.settings.max_value,
+                    "reply's record over the runtime's max_value_size: answered, stored as processed, not kept"
+                );
+                return Ok(Ran::new(stored::not_kept(NotKept::TooLarge), Some(live)));
+            }
             Ok(Ran::new(stored, Some(live)))
         }
         code => {

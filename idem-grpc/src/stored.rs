@@ -10,7 +10,9 @@ use idem_http::shared::record::{Blob, NEVER_STORED, NotKept, Record};
 /// Why the answer was not kept, in a `response-not-kept` refusal.
 pub(crate) fn explain(why: NotKept) -> &'static str {
     match why {
-        NotKept::TooLarge => "its reply was over the size limit of stored replies",
+        NotKept::TooLarge => {
+            "its reply was over the size limit of stored replies (max_response_bytes, or the runtime's max_value_size once encoded)"
+        }
         NotKept::Streamed => {
             "its reply was a stream of messages (the method is not unary), which is never stored"
         }

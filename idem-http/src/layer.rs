@@ -92,9 +92,10 @@ impl IdempotencyLayer {
     /// let layer = idem_http::IdempotencyLayer::new(idem);
     /// ```
     pub fn new(idem: Idempotency) -> IdempotencyLayer {
+        let max_response = DEFAULT_BODY_LIMIT.min(largest_response(&idem));
         IdempotencyLayer {
             config: Config {
-                settings: Settings::new(&idem),
+                settings: Settings::new(&idem).max_response(max_response),
                 methods: vec![Method::POST, Method::PATCH],
                 replay_set_cookie: false,
                 problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
@@ -192,15 +193,31 @@ impl IdempotencyLayer {
     /// larger response is streamed to the client as it is, and the key
     /// records that the request was processed but its response not kept: a
     /// retry gets `410` [`response-not-kept`](crate#response-not-kept), and
-    /// the handler does not run again. Keep it under the runtime's
-    /// `max_value_size` (4 MiB by default), which bounds the stored record.
+    /// the handler does not run again.
+    ///
+    /// The runtime's `max_value_size` (4 MiB by default) bounds the stored
+    /// record: a limit over it is lowered to the largest body a record can
+    /// hold, with a warning (raise the runtime's `max_value_size` to keep
+    /// larger responses). A body within the limit whose record is still too
+    /// long for the runtime (JSON escaping, a binary body in base64, large
+    /// headers) is not kept either: the first client gets it, retries get
+    /// `410`, never an error a retry cannot get past.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
     /// let layer = idem_http::IdempotencyLayer::new(idem).max_response_body(256 * 1024);
     /// ```
     pub fn max_response_body(self, bytes: usize) -> Self {
-        self.with_settings(|s| s.max_response(bytes))
+        let largest = largest_response(&self.idem);
+        if bytes > largest {
+            tracing::warn!(
+                max_response_body = bytes,
+                lowered_to = largest,
+                max_value_size = self.idem.max_value_size(),
+                "max_response_body is over what the runtime's max_value_size can store: lowered; raise the runtime's max_value_size to keep larger responses"
+            );
+        }
+        self.with_settings(|s| s.max_response(bytes.min(largest)))
     }
 
     /// A hook naming the tenant (account, API client) of a request, so that
@@ -405,6 +422,12 @@ impl IdempotencyLayer {
         self.config.settings = set(self.config.settings);
         self
     }
+}
+
+/// The largest body whose record the runtime can store (as text, its
+/// shortest form): a larger one never fits its `max_value_size`.
+fn largest_response(idem: &Idempotency) -> usize {
+    crate::shared::record::largest_text_body(idem.max_value_size())
 }
 
 impl<S> Layer<S> for IdempotencyLayer {

@@ -224,7 +224,7 @@ async fn tee<E>(
                 parts,
                 body: bytes.clone(),
             };
-            Ok(head.with_body(&bytes, Some(live)))
+            Ok(head.with_body(&bytes, Some(live), cfg.settings.max_value))
         }
         (None, tx) => {
             // The client's body ends only once the response is stored (the
@@ -233,7 +233,7 @@ async fn tee<E>(
             if let Some(tx) = tx {
                 *rest = Some(Forward { body: None, tx });
             }
-            Ok(head.with_body(&bytes, None))
+            Ok(head.with_body(&bytes, None, cfg.settings.max_value))
         }
     }
 }

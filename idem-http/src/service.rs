@@ -186,7 +186,7 @@ where
         .settings
         .tenant
         .tenant_of(&parts.headers, |hook| hook(&parts));
-    let scope = idem_key::scope::compose(&cfg.scope, tenant.as_deref());
+    let scope = idem_key::scope::compose_bytes(&cfg.scope, tenant.as_deref());
 
     let body = match read_limited(body, cfg.settings.max_request).await {
         Ok(body) => body,

@@ -21,7 +21,9 @@ pub(crate) struct Live {
 /// Why the response was not kept, in a `response-not-kept` answer.
 pub(crate) fn explain(why: NotKept) -> &'static str {
     match why {
-        NotKept::TooLarge => "its body was over the size limit of stored responses",
+        NotKept::TooLarge => {
+            "its body was over the size limit of stored responses (max_response_body, or the runtime's max_value_size once encoded)"
+        }
         NotKept::Streamed => "it was a stream (such as Server-Sent Events), which is never stored",
         NotKept::ClientGone => {
             "its client went away while it was sent, and the rest of it was not read"
@@ -63,10 +65,29 @@ impl StoredHead {
     }
 
     /// The record, and the response to send once it is stored when nothing
-    /// was sent yet.
-    pub(crate) fn with_body(self, body: &[u8], live: Option<Live>) -> StoredResponse {
+    /// was sent yet. A record longer than `max_value` bytes once serialized
+    /// (the runtime's `max_value_size`) becomes a "processed, response not
+    /// kept" marker: the runtime would keep a "too large" marker instead,
+    /// which no retry can be answered from.
+    pub(crate) fn with_body(
+        self,
+        body: &[u8],
+        live: Option<Live>,
+        max_value: usize,
+    ) -> StoredResponse {
         let mut record = self.record;
         record.body = Blob::from_bytes(body);
+        if !record.fits(max_value) {
+            tracing::debug!(
+                max_value_size = max_value,
+                "response's record over the runtime's max_value_size: stored as processed, not kept"
+            );
+            let mut marker = not_kept(self.status, NotKept::TooLarge);
+            if let Some(live) = live {
+                marker = Ran::new(marker.record, Some(live));
+            }
+            return marker;
+        }
         Ran::new(record, live)
     }
 }
@@ -138,7 +159,7 @@ mod tests {
         parts
             .headers
             .insert("x-custom", HeaderValue::from_static("yes"));
-        let stored = StoredHead::of(&parts, false).with_body(b"{\"id\":7}", None);
+        let stored = StoredHead::of(&parts, false).with_body(b"{\"id\":7}", None, 1 << 20);
         let json = serde_json::to_string(&stored).unwrap();
         assert_eq!(
             json,

@@ -25,17 +25,45 @@ const MAX_SCOPE_LEN: usize = 255;
 /// assert_ne!(compose("a|b", None), compose("a", Some("b")));
 /// ```
 pub fn compose(scope: &str, tenant: Option<&str>) -> String {
-    let mut out = String::with_capacity(scope.len() + tenant.map_or(0, str::len) + 1);
+    compose_bytes(scope, tenant.map(str::as_bytes))
+}
+
+/// [`compose`] for a tenant given as bytes (a header or metadata value as
+/// sent, which need not be UTF-8): a UTF-8 tenant gives exactly what
+/// [`compose`] gives, and each byte of the tenant that is not part of valid
+/// UTF-8 is written `%XX` (upper-case hex).
+///
+/// Injective over all byte strings, UTF-8 or not: outside `%XX` triples the
+/// escaped form holds no `%`, so reading each `%XX` back as its byte and
+/// every other character as its UTF-8 gives the tenant back. So two
+/// different tenants never share a scope, and a non-UTF-8 tenant never
+/// takes the scope of a UTF-8 one (whose form is unchanged).
+///
+/// ```
+/// use idem_key::scope::{compose, compose_bytes};
+/// assert_eq!(compose_bytes("grpc", Some(b"acme")), compose("grpc", Some("acme")));
+/// assert_eq!(compose_bytes("grpc", Some(b"acme\xff")), "grpc|acme%FF");
+/// assert_ne!(compose_bytes("grpc", Some(b"\xff")), compose_bytes("grpc", Some(b"\xfe")));
+/// // The UTF-8 tenant "%FF" is escaped to "%25FF": no collision.
+/// assert_ne!(compose_bytes("grpc", Some(b"\xff")), compose("grpc", Some("%FF")));
+/// ```
+pub fn compose_bytes(scope: &str, tenant: Option<&[u8]>) -> String {
+    let mut out = String::with_capacity(scope.len() + tenant.map_or(0, <[u8]>::len) + 1);
     escape_into(&mut out, scope);
     if let Some(tenant) = tenant {
         out.push('|');
         let mark = out.len();
-        escape_into(&mut out, tenant);
+        for chunk in tenant.utf8_chunks() {
+            escape_into(&mut out, chunk.valid());
+            for b in chunk.invalid() {
+                // Writing to a String cannot fail.
+                let _ = write!(out, "%{b:02X}");
+            }
+        }
         if out.len() > MAX_SCOPE_LEN {
             out.truncate(mark);
             out.push('#');
-            for b in Sha256::digest(tenant.as_bytes()) {
-                // Writing to a String cannot fail.
+            for b in Sha256::digest(tenant) {
                 let _ = write!(out, "{b:02x}");
             }
         }
@@ -112,6 +140,32 @@ mod tests {
         assert_ne!(compose("a", Some("b|c")), compose("a|b", Some("c")));
         assert_ne!(compose("h", Some("a:b")), compose("h:a", Some("b")));
         assert_eq!(compose("h", Some("a%|#\n")), "h|a%25%7C%23%0A");
+    }
+
+    #[test]
+    fn byte_tenants_keep_utf8_forms_and_never_collide() {
+        for t in ["", "acme", "a%|#\n", "é\u{85}", &"t".repeat(400)] {
+            assert_eq!(
+                compose_bytes("g", Some(t.as_bytes())),
+                compose("g", Some(t))
+            );
+        }
+        assert_eq!(compose_bytes("g", Some(b"a\xffb")), "g|a%FFb");
+        // A lone continuation byte and the character it belongs to.
+        assert_eq!(compose_bytes("g", Some(b"\x85")), "g|%85");
+        assert_eq!(compose_bytes("g", Some("\u{85}".as_bytes())), "g|%C2%85");
+        let forms: Vec<String> = [&b"\xff"[..], b"\xfe", b"%FF", b"\xc2", b"\xc2\x85", b"\x85"]
+            .iter()
+            .map(|t| compose_bytes("g", Some(t)))
+            .collect();
+        for (i, a) in forms.iter().enumerate() {
+            for b in forms.iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
+        let long: Vec<u8> = std::iter::repeat_n(0xffu8, 200).collect();
+        let hashed = compose_bytes("g", Some(&long));
+        assert!(hashed.starts_with("g|#") && hashed.len() <= MAX_SCOPE_LEN);
     }
 
     #[test]

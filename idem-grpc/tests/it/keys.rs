@@ -243,3 +243,110 @@ async fn without_a_key_a_declared_method_runs_unprotected_unless_a_key_is_requir
     assert!(s.message().contains("idempotency-key"), "{s:?}");
     assert_eq!(ctx.ledger().total(), 2);
 }
+
+/// On a method keyed by a request field, the `idempotency-key` metadata
+/// entry is ignored: an over-long or doubled entry next to a valid
+/// `request_id` neither refuses the first call nor its replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_field_keyed_method_ignores_the_metadata_entry() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-field-md");
+    let server = TestServer::start(field_keyed(ctx.idem()), ctx.ledger().clone()).await;
+    let raw = server.raw();
+    let long = "k".repeat(300);
+    let entries: [&[(&str, &str)]; 2] = [
+        &[("idempotency-key", long.as_str())],
+        &[("idempotency-key", "a"), ("idempotency-key", "b")],
+    ];
+    for (i, metadata) in entries.into_iter().enumerate() {
+        let mut m = payment(10);
+        m.request_id = format!("3f2a6b1e-0000-4000-8000-00000000010{i}");
+        let first = raw.call(CREATE_PAYMENT, metadata, &m).await;
+        assert_eq!(first.grpc_status().as_deref(), Some("0"), "{first:?}");
+        assert!(!first.replayed());
+        let again = raw.call(CREATE_PAYMENT, metadata, &m).await;
+        assert_eq!(again.grpc_status().as_deref(), Some("0"), "{again:?}");
+        assert!(again.replayed(), "the retry replays: {again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(server.ledger.total(), 2);
+}
+
+/// A tenant read from a metadata entry is its exact bytes: two different
+/// non-UTF-8 values are two tenants, so one never gets the other's reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_utf8_tenant_values_are_distinct_tenants() {
+    let ctx = TestContext::redis()
+        .await
+        .with_namespace("grpc-tenant-bytes");
+    let server = TestServer::start(
+        IdempotencyLayer::new(ctx.idem())
+            .unary(CREATE_PAYMENT)
+            .tenant_from_metadata(http::HeaderName::from_static("x-tenant")),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let raw = server.raw();
+    let as_tenant = |tenant: &'static [u8]| {
+        let raw = raw.clone();
+        async move {
+            raw.call_bytes(
+                CREATE_PAYMENT,
+                &[("idempotency-key", b"t-1"), ("x-tenant", tenant)],
+                &payment(1),
+            )
+            .await
+        }
+    };
+    let a = as_tenant(b"acme\xff").await;
+    let b = as_tenant(b"acme\xfe").await;
+    assert_eq!(a.grpc_status().as_deref(), Some("0"));
+    assert_eq!(b.grpc_status().as_deref(), Some("0"));
+    assert!(!b.replayed(), "another tenant's reply was replayed: {b:?}");
+    assert_eq!(server.ledger.count("t-1"), 2);
+    let a2 = as_tenant(b"acme\xff").await;
+    assert!(a2.replayed());
+    assert_eq!(a2.body, a.body);
+    assert_eq!(server.ledger.count("t-1"), 2);
+}
+
+/// A `-bin` tenant entry is its decoded bytes: the padded and unpadded
+/// base64 forms of one value are one tenant, other values other tenants,
+/// and a value that is not base64 is refused before the handler runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bin_tenant_is_its_decoded_bytes() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-tenant-bin");
+    let server = TestServer::start(
+        IdempotencyLayer::new(ctx.idem())
+            .unary(CREATE_PAYMENT)
+            .tenant_from_metadata(http::HeaderName::from_static("x-tenant-bin")),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let raw = server.raw();
+    let call = |tenant: &'static str| {
+        let raw = raw.clone();
+        async move {
+            raw.call(
+                CREATE_PAYMENT,
+                &[("idempotency-key", "b-1"), ("x-tenant-bin", tenant)],
+                &payment(1),
+            )
+            .await
+        }
+    };
+    // "YWI=" and "YWI" are both b"ab".
+    let padded = call("YWI=").await;
+    let unpadded = call("YWI").await;
+    assert_eq!(padded.grpc_status().as_deref(), Some("0"));
+    assert!(!padded.replayed());
+    assert!(unpadded.replayed(), "one value, one tenant: {unpadded:?}");
+    assert_eq!(unpadded.body, padded.body);
+    let other = call("YWM=").await;
+    assert!(!other.replayed());
+    assert_eq!(server.ledger.count("b-1"), 2);
+    // Not base64: refused, never a tenant of its own raw bytes.
+    let bad = call("!!").await;
+    assert_eq!(bad.grpc_status().as_deref(), Some("3"), "{bad:?}");
+    assert_eq!(bad.headers["idem-error"], "invalid-tenant");
+    assert_eq!(server.ledger.count("b-1"), 2);
+}

@@ -10,4 +10,5 @@ mod concurrency;
 mod failures;
 mod keys;
 mod kill;
+mod limits;
 mod replay;

@@ -42,6 +42,40 @@ async fn a_retry_gets_the_first_answer_byte_for_byte() {
     assert_eq!(server.ledger.count("r-1"), 1);
 }
 
+/// Trailing metadata a handler sets on an `OK` reply (a response extension
+/// moved into the trailers by a layer inside the idempotency layer) is
+/// stored and replayed; a replay has a `date` of its own and a
+/// `content-length` of its message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailing_metadata_of_an_ok_reply_is_replayed() {
+    let ctx = TestContext::redis().await.with_namespace("grpc-trailing");
+    let server = TestServer::start_with_trailing(
+        IdempotencyLayer::new(ctx.idem()).unary(CREATE_PAYMENT),
+        ctx.ledger().clone(),
+    )
+    .await;
+    let raw = server.raw();
+    let md = [("idempotency-key", "tr-1")];
+    let mut m = payment(5);
+    m.currency = "trailing".into();
+    let first = raw.call(CREATE_PAYMENT, &md, &m).await;
+    assert_eq!(first.trailers["grpc-status"], "0");
+    assert_eq!(first.trailers["x-trailing-run"], "1", "{first:?}");
+    let again = raw.call(CREATE_PAYMENT, &md, &m).await;
+    assert!(again.replayed());
+    assert_eq!(again.trailers, first.trailers);
+    assert!(again.headers.contains_key("date"));
+    assert_eq!(
+        again.headers["content-length"],
+        again.body.len().to_string().as_str()
+    );
+    // tonic's client merges the trailers into the reply's metadata.
+    let mut client = server.client().await;
+    let r = client.create_payment(with_key(m, "tr-1")).await.unwrap();
+    assert_eq!(r.metadata().get("x-trailing-run").unwrap(), "1");
+    assert_eq!(server.ledger.count("tr-1"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn error_statuses_release_the_key_unless_opted_in_and_then_replay_exactly() {
     let ctx = TestContext::redis().await.with_namespace("grpc-errors");

@@ -92,14 +92,25 @@ impl Payments for Svc {
                 md,
             ));
         }
+        // `currency: "pad:<n>"` asks for a reply `n` bytes longer.
+        let pad = r
+            .currency
+            .strip_prefix("pad:")
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
         let mut response = GrpcResponse::new(Payment {
-            id: format!("pay-{key}"),
+            id: format!("pay-{key}{}", "x".repeat(pad)),
             amount_cents: r.amount_cents,
             run,
         });
         response
             .metadata_mut()
             .insert("x-run", run.to_string().parse().unwrap());
+        if r.currency == "trailing" {
+            let mut trailing = tonic::metadata::MetadataMap::new();
+            trailing.insert("x-trailing-run", run.to_string().parse().unwrap());
+            response.extensions_mut().insert(Trailing(trailing));
+        }
         Ok(response)
     }
 
@@ -139,6 +150,33 @@ impl Payments for Svc {
         });
         Ok(GrpcResponse::new(Box::pin(tokio_stream::iter(items))))
     }
+}
+
+/// Trailing metadata for an `OK` reply: a handler puts it in its
+/// response's extensions (tonic 0.14 has no other way), and
+/// [`move_trailing`] sends it in the trailers.
+#[derive(Clone)]
+pub(crate) struct Trailing(pub(crate) tonic::metadata::MetadataMap);
+
+/// Moves a reply's [`Trailing`] extension into its trailers frame (after
+/// `grpc-status`), as docs/grpc.md shows.
+pub(crate) fn move_trailing(
+    response: http::Response<tonic::body::Body>,
+) -> http::Response<tonic::body::Body> {
+    use http_body_util::BodyExt as _;
+    let (mut parts, body) = response.into_parts();
+    let Some(Trailing(trailing)) = parts.extensions.remove::<Trailing>() else {
+        return http::Response::from_parts(parts, body);
+    };
+    let mut trailing = Some(trailing.into_headers());
+    let body = body.map_frame(move |frame| match frame.into_trailers() {
+        Ok(mut trailers) => {
+            trailers.extend(trailing.take().unwrap_or_default());
+            http_body::Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
+    });
+    http::Response::from_parts(parts, tonic::body::Body::new(body))
 }
 
 /// A tonic server with the layer on a free port of 127.0.0.1; stopped on drop.
@@ -192,6 +230,39 @@ impl TestServer {
         }
     }
 
+    /// [`start`](Self::start) with [`move_trailing`] as a layer inside
+    /// the idempotency layer (added after it), so trailing metadata is in
+    /// the reply the idempotency layer stores.
+    pub(crate) async fn start_with_trailing(layer: IdempotencyLayer, ledger: Ledger) -> TestServer {
+        let svc = PaymentsServer::new(Svc {
+            ledger: ledger.clone(),
+            file: None,
+            hang: false,
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            Server::builder()
+                .layer(layer)
+                .layer(tower::util::MapResponseLayer::new(move_trailing))
+                .add_service(svc)
+                .serve_with_incoming_shutdown(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+                .unwrap();
+        });
+        TestServer {
+            addr,
+            ledger,
+            stop: Some(stop),
+        }
+    }
+
     pub(crate) async fn client(&self) -> PaymentsClient<Channel> {
         let channel = Channel::from_shared(format!("http://{}", self.addr))
             .unwrap()
@@ -203,6 +274,15 @@ impl TestServer {
 
     pub(crate) fn raw(&self) -> RawClient {
         RawClient::new(self.addr)
+    }
+}
+
+/// A payment request whose reply is `pad` bytes longer than usual.
+pub(crate) fn padded_payment(amount_cents: i64, pad: usize) -> CreatePaymentRequest {
+    CreatePaymentRequest {
+        amount_cents,
+        currency: format!("pad:{pad}"),
+        ..Default::default()
     }
 }
 
@@ -293,6 +373,18 @@ impl RawClient {
         metadata: &[(&str, &str)],
         message: &impl prost::Message,
     ) -> RawAnswer {
+        let metadata: Vec<(&str, &[u8])> =
+            metadata.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+        self.call_bytes(path, &metadata, message).await
+    }
+
+    /// [`call`](Self::call) with metadata values as bytes (not UTF-8, say).
+    pub(crate) async fn call_bytes(
+        &self,
+        path: &str,
+        metadata: &[(&str, &[u8])],
+        message: &impl prost::Message,
+    ) -> RawAnswer {
         let bytes = message.encode_to_vec();
         let mut framed = Vec::with_capacity(5 + bytes.len());
         framed.push(0);
@@ -302,7 +394,7 @@ impl RawClient {
             .header("content-type", "application/grpc")
             .header("te", "trailers");
         for (k, v) in metadata {
-            req = req.header(*k, *v);
+            req = req.header(*k, http::HeaderValue::from_bytes(v).unwrap());
         }
         let req = req.body(Full::new(Bytes::from(framed))).unwrap();
         let response = self.client.request(req).await.unwrap();

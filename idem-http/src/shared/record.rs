@@ -122,6 +122,50 @@ impl Record {
         }
     }
 
+    /// Whether the record, serialized as the runtime stores it (compact
+    /// JSON), is at most `limit` bytes: a longer one the runtime would not
+    /// store (it keeps a "too large" marker instead, which a layer cannot
+    /// replay). Exact; a bound computed from the parts' lengths answers
+    /// most records without serializing them.
+    pub fn fits(&self, limit: usize) -> bool {
+        self.size_bound() <= limit || self.encoded_len().is_some_and(|n| n <= limit)
+    }
+
+    /// The length of the record's compact JSON; `None` if it cannot be
+    /// serialized.
+    pub fn encoded_len(&self) -> Option<usize> {
+        let mut count = Count(0);
+        serde_json::to_writer(&mut count, self).ok()?;
+        Some(count.0)
+    }
+
+    /// An upper bound of [`encoded_len`](Self::encoded_len): every
+    /// character of a string escaped the longest way JSON can (`\u00XX`,
+    /// six bytes), plus the punctuation and fields around them.
+    fn size_bound(&self) -> usize {
+        // `{"v":..,"s":..,"c":..,"h":[],"b":{"b64":""},"t":[],"nk":".."}`
+        // with the longest numbers and reason: under 128 bytes.
+        const FIXED: usize = 128;
+        // `["",],` around a pair, `{"b64":""}` around a blob.
+        const PER_PAIR: usize = 8 + 12;
+        let blob = |b: &Blob| match b {
+            Blob::Text(s) => s.len().saturating_mul(6).saturating_add(2),
+            // The base64 alphabet needs no escaping.
+            Blob::Base64 { b64 } => b64.len().saturating_add(12),
+        };
+        let pairs = |list: &[(String, Blob)]| {
+            list.iter().fold(0usize, |n, (name, value)| {
+                n.saturating_add(name.len().saturating_mul(6))
+                    .saturating_add(blob(value))
+                    .saturating_add(PER_PAIR)
+            })
+        };
+        FIXED
+            .saturating_add(pairs(&self.headers))
+            .saturating_add(pairs(&self.trailers))
+            .saturating_add(blob(&self.body))
+    }
+
     /// The body, headers and trailers of a kept record, ready to send; the
     /// error says what is damaged.
     pub fn decode(&self) -> Result<Decoded, String> {
@@ -137,6 +181,42 @@ impl Record {
             trailers: decode_headers(&self.trailers)?,
         })
     }
+}
+
+/// A writer that only counts what it is given.
+struct Count(usize);
+
+impl std::io::Write for Count {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 = self.0.saturating_add(buf.len());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The largest body whose record can fit in `limit` bytes of the runtime,
+/// when it is stored as base64 (idem-gRPC's messages): a larger one never
+/// fits, whatever its headers. 0 when not even an empty record fits.
+pub fn largest_binary_body(limit: usize) -> usize {
+    let mut empty = Record::kept([], Blob::binary(&[]), []);
+    // The longest gRPC status code.
+    empty.code = Some(16);
+    let empty = empty.encoded_len().unwrap_or(usize::MAX);
+    // base64 writes 4 characters for each 3 bytes (or part of them).
+    (limit.saturating_sub(empty) / 4).saturating_mul(3)
+}
+
+/// The largest body whose record can fit in `limit` bytes of the runtime,
+/// when it is stored as text (idem-http's UTF-8 bodies, each byte at least
+/// one character of JSON): a larger one never fits.
+pub fn largest_text_body(limit: usize) -> usize {
+    let mut empty = Record::kept([], Blob::Text(String::new()), []);
+    // HTTP statuses have three digits.
+    empty.status = Some(599);
+    limit.saturating_sub(empty.encoded_len().unwrap_or(usize::MAX))
 }
 
 /// A kept record's parts, decoded.
@@ -221,5 +301,49 @@ mod tests {
         let xs: Vec<_> = decoded.trailers.get_all("x-t").iter().collect();
         assert_eq!(xs, ["a", "b"]);
         assert!(Record::not_kept(NotKept::Streamed).decode().is_err());
+    }
+
+    /// `fits` agrees with the length of the record's JSON, for text that
+    /// JSON escapes (quotes, control characters) and for base64.
+    #[test]
+    fn fits_is_the_serialized_length() {
+        let mut h = HeaderMap::new();
+        h.insert("x-run", HeaderValue::from_static("1"));
+        for body in [
+            Blob::Text("\"".repeat(1000)),
+            Blob::Text("\u{1}".repeat(1000)),
+            Blob::Text("plain".repeat(1000)),
+            Blob::binary(&[0xff; 3000]),
+        ] {
+            let record = Record::kept(&h, body, &h);
+            let len = serde_json::to_vec(&record).unwrap().len();
+            assert_eq!(record.encoded_len(), Some(len));
+            assert!(record.fits(len));
+            assert!(!record.fits(len - 1));
+            assert!(record.size_bound() >= len);
+        }
+    }
+
+    /// The largest bodies of `largest_*_body` fit in the limit with no
+    /// headers, and one more byte does not.
+    #[test]
+    fn largest_bodies_fit_exactly() {
+        for limit in [1000, 64 * 1024, 4 * 1024 * 1024] {
+            let n = largest_binary_body(limit);
+            let mut r = Record::kept([], Blob::binary(&vec![0; n]), []);
+            r.code = Some(16);
+            assert!(r.fits(limit), "{limit}");
+            let mut r = Record::kept([], Blob::binary(&vec![0; n + 1]), []);
+            r.code = Some(16);
+            assert!(!r.fits(limit), "{limit}");
+            let n = largest_text_body(limit);
+            let mut r = Record::kept([], Blob::Text("a".repeat(n)), []);
+            r.status = Some(599);
+            assert!(r.fits(limit));
+            let mut r = Record::kept([], Blob::Text("a".repeat(n + 1)), []);
+            r.status = Some(599);
+            assert!(!r.fits(limit));
+        }
+        assert_eq!(largest_binary_body(10), 0);
     }
 }

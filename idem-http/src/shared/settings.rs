@@ -19,7 +19,8 @@ pub type TenantFn<H> = dyn Fn(&H) -> Option<String> + Send + Sync + 'static;
 pub enum TenantSource<H: ?Sized> {
     /// A digest of these headers' values (credentials), when any is present.
     Credentials(Vec<HeaderName>),
-    /// The value of this header, as it is (a tenant id set by a gateway).
+    /// The value of this header, its exact bytes (a tenant id set by a
+    /// gateway).
     Header(HeaderName),
     /// The user's hook.
     Hook(Arc<TenantFn<H>>),
@@ -55,14 +56,19 @@ impl<H: ?Sized> TenantSource<H> {
         TenantSource::Credentials(vec![header::AUTHORIZATION])
     }
 
-    /// The tenant of a request, `None` for the tenant-less key space.
-    /// `call_hook` runs the user's hook on what it takes; it is called only
-    /// for a hook, so a layer builds that input only when it is needed.
+    /// The tenant of a request as bytes (for `idem_key::scope::compose_bytes`),
+    /// `None` for the tenant-less key space. `call_hook` runs the user's
+    /// hook on what it takes; it is called only for a hook, so a layer
+    /// builds that input only when it is needed.
+    ///
+    /// A header's tenant is the value's exact bytes: header values need not
+    /// be UTF-8, and a lossy decoding would make two different values one
+    /// tenant.
     pub fn tenant_of(
         &self,
         headers: &HeaderMap,
         call_hook: impl FnOnce(&TenantFn<H>) -> Option<String>,
-    ) -> Option<String> {
+    ) -> Option<Vec<u8>> {
         match self {
             TenantSource::Credentials(names) => {
                 idem_key::scope::credentials_tenant(names.iter().flat_map(|name| {
@@ -71,11 +77,10 @@ impl<H: ?Sized> TenantSource<H> {
                         .iter()
                         .map(move |value| (name.as_str(), value.as_bytes()))
                 }))
+                .map(String::into_bytes)
             }
-            TenantSource::Header(name) => headers
-                .get(name)
-                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
-            TenantSource::Hook(hook) => call_hook(&**hook),
+            TenantSource::Header(name) => headers.get(name).map(|v| v.as_bytes().to_vec()),
+            TenantSource::Hook(hook) => call_hook(&**hook).map(String::into_bytes),
             TenantSource::Shared => None,
         }
     }
@@ -101,6 +106,10 @@ pub struct Settings<H: ?Sized> {
     pub max_request: usize,
     /// Largest response body stored for replay.
     pub max_response: usize,
+    /// The runtime's `max_value_size`: a record longer than this once
+    /// serialized is not kept (the runtime would store a "too large"
+    /// marker, which no layer can replay).
+    pub max_value: usize,
 }
 
 impl<H: ?Sized> Clone for Settings<H> {
@@ -114,6 +123,7 @@ impl<H: ?Sized> Clone for Settings<H> {
             tenant: self.tenant.clone(),
             max_request: self.max_request,
             max_response: self.max_response,
+            max_value: self.max_value,
         }
     }
 }
@@ -129,6 +139,7 @@ impl<H: ?Sized> fmt::Debug for Settings<H> {
             .field("tenant", &self.tenant)
             .field("max_request", &self.max_request)
             .field("max_response", &self.max_response)
+            .field("max_value", &self.max_value)
             .finish()
     }
 }
@@ -148,6 +159,7 @@ impl<H: ?Sized> Settings<H> {
             tenant: TenantSource::default_credentials(),
             max_request: DEFAULT_BODY_LIMIT,
             max_response: DEFAULT_BODY_LIMIT,
+            max_value: idem.max_value_size(),
         }
     }
 
@@ -254,11 +266,27 @@ mod tests {
         assert_eq!(of(&[]), None);
         let a = of(&["Bearer a"]).unwrap();
         assert_eq!(a.len(), 5 + 32);
-        assert!(a.starts_with("cred:"));
+        assert!(a.starts_with(b"cred:"));
         assert_eq!(Some(&a), of(&["Bearer a"]).as_ref());
         assert_ne!(Some(&a), of(&["Bearer b"]).as_ref());
         assert_ne!(of(&["a", "b"]), of(&["ab"]));
         let shared = TenantSource::<()>::Shared;
         assert_eq!(shared.tenant_of(&headers(&["Bearer a"]), |_| None), None);
+    }
+
+    /// A header tenant is the value's exact bytes: two non-UTF-8 values are
+    /// two tenants, and a UTF-8 value keeps the scope it always had.
+    #[test]
+    fn a_header_tenant_is_its_exact_bytes() {
+        let src = TenantSource::<()>::Header(HeaderName::from_static("x-tenant"));
+        let of = |value: &[u8]| {
+            let mut h = HeaderMap::new();
+            h.insert("x-tenant", HeaderValue::from_bytes(value).unwrap());
+            let tenant = src.tenant_of(&h, |_| None);
+            idem_key::scope::compose_bytes("s", tenant.as_deref())
+        };
+        assert_ne!(of(b"acme\xff"), of(b"acme\xfe"));
+        assert_eq!(of(b"acme"), idem_key::scope::compose("s", Some("acme")));
+        assert_eq!(of(b"acme\xff"), "s|acme%FF");
     }
 }

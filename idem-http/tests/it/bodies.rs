@@ -45,6 +45,24 @@ async fn oversized_responses_pass_through_and_are_not_cached() {
     assert_eq!(h.runs(), 2);
 }
 
+/// A response within `max_response_body` whose stored record would be over
+/// the runtime's value limit (40 KiB of quotes, twice that JSON-escaped,
+/// under a 64 KiB limit) reaches the first client whole; retries get 410
+/// `response-not-kept`, and the handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_over_the_runtimes_value_limit_is_answered_once_then_not_kept() {
+    let h = Harness::start_with_runtime(|b| b.max_value_size(64 * 1024), |l| l).await;
+    let a = send(h.post("/quotes/40960", "quotes-1")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body.len(), 40960);
+    for _ in 0..2 {
+        let d = send(h.post("/quotes/40960", "quotes-1")).await;
+        d.assert_problem(410, "response-not-kept");
+        assert_eq!(d.json()["processed_status"], 200);
+    }
+    assert_eq!(h.runs(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_limit_is_configurable() {
     let h = Harness::start(|l| l.max_response_body(16)).await;

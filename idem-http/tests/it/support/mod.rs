@@ -13,7 +13,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Router};
-use idem_core::{Idempotency, Outcome};
+use idem_core::{Idempotency, IdempotencyBuilder, Outcome};
 use idem_http::{IdempotencyKey, IdempotencyLayer};
 use idem_redis::{RedisStore, RedisStoreConfig};
 use idem_testkit::{RedisServer, eventually};
@@ -135,6 +135,12 @@ async fn big(State(c): State<Counters>) -> Response {
     let mut body = vec![b'x'; BIG];
     body[0] = b'0' + (n % 10) as u8;
     body.into_response()
+}
+
+/// `n` double quotes: a body that doubles in size once JSON-escaped.
+async fn quotes(State(c): State<Counters>, Path(n): Path<usize>) -> Response {
+    c.runs.fetch_add(1, SeqCst);
+    ([("content-type", "text/plain")], vec![b'"'; n]).into_response()
 }
 
 /// 3 × 600 000 bytes with no Content-Length: over 1 MiB only mid-stream.
@@ -271,6 +277,7 @@ pub(crate) fn routes(c: &Counters) -> Router {
         .route("/panic-once", post(panic_once))
         .route("/big", post(big))
         .route("/big-stream", post(big_stream))
+        .route("/quotes/{n}", post(quotes))
         .route("/key", post(key_echo))
         .route("/key-json", post(key_json))
         .route("/sse", post(sse))
@@ -300,8 +307,16 @@ impl Harness {
     pub(crate) async fn start(
         configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
     ) -> Harness {
+        Harness::start_with_runtime(|b| b, configure).await
+    }
+
+    /// [`start`](Self::start), the runtime configured by `runtime` too.
+    pub(crate) async fn start_with_runtime(
+        runtime: impl FnOnce(IdempotencyBuilder) -> IdempotencyBuilder,
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> Harness {
         let redis = RedisServer::start();
-        let idem = idem_over(&redis).await;
+        let idem = runtime(builder_over(&redis).await).build();
         let counters = Counters::default();
         let app = routes(&counters).layer(configure(
             IdempotencyLayer::new(idem).problem_type_base(PROBLEM_BASE),
@@ -350,6 +365,11 @@ impl Harness {
 
 /// An idem runtime over `redis` with short timeouts, so a killed server fails fast.
 pub(crate) async fn idem_over(redis: &RedisServer) -> Idempotency {
+    builder_over(redis).await.build()
+}
+
+/// The builder of [`idem_over`]'s runtime.
+pub(crate) async fn builder_over(redis: &RedisServer) -> IdempotencyBuilder {
     let config = RedisStoreConfig::default()
         .connection_timeout(Duration::from_millis(300))
         .response_timeout(Duration::from_millis(300))
@@ -360,7 +380,6 @@ pub(crate) async fn idem_over(redis: &RedisServer) -> Idempotency {
     Idempotency::builder(store)
         .namespace("http-test")
         .store_retries(1)
-        .build()
 }
 
 /// Serves `app` on a free port of 127.0.0.1 and returns its base URL.
