@@ -806,7 +806,8 @@ pub trait Store: Send + Sync + 'static {
     /// [`finish_batch`](Store::finish_batch), with `rider`'s commands sent
     /// in the same round trip after every write of `ops`, if this store
     /// can carry them ([`Rider`]): it then calls [`Rider::land`] with
-    /// their reply. The default carries nothing: it drops `rider`, whose
+    /// their reply. A store that carries them runs them only if every
+    /// complete of `ops` is stored by then, and withholds them otherwise. The default carries nothing: it drops `rider`, whose
     /// maker then sends its commands itself.
     ///
     /// A store that wraps another forwards this method, or its riders are
