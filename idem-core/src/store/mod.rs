@@ -183,13 +183,19 @@ pub enum ClaimReply {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteReply {
-    /// The caller owned the pending record and the write happened.
+    /// The caller owned the pending record and the write happened; for a
+    /// `complete`, also a record already completed with exactly this
+    /// result (same kind, same bytes): a stored result keeps no owner
+    /// token, so it is taken for this same complete re-sent after its
+    /// reply was lost (docs/semantics.md, "old holder finishes after a
+    /// takeover").
     Done,
     /// No record: it expired or was released.
     Missing,
     /// Another owner took the record over; nothing changed.
     OtherOwner,
-    /// The record is already completed; nothing changed.
+    /// The record is already completed (for a `complete`: with another
+    /// result); nothing changed.
     AlreadyCompleted,
 }
 
