@@ -24,12 +24,18 @@ pub enum Outcome {
     /// The store was unreachable and `FailMode::Open` ran the body without
     /// protection: a duplicate may have run too.
     Unprotected,
-    /// The body ran and its value is returned, but its lease had run out
-    /// before the result could be stored (the body blocked its thread, or
-    /// the process froze, longer than the lease) and the record was taken
-    /// over or expired: the result was **not stored**, and another call may
-    /// have run the body too (it reports [`Outcome::Recovered`]). Bodies must
-    /// not block the executor: use `spawn_blocking` for blocking work.
+    /// The body ran and its value is returned, but the record was no
+    /// longer its own when the result came to be stored: the result was
+    /// **not stored**, and another call may have run the body too. Either
+    /// its lease had run out first (the body blocked its thread, or the
+    /// process froze, longer than the lease) and the record was taken over
+    /// (that call reports [`Outcome::Recovered`]) or expired; or the store
+    /// failed over to a replica that had not received the claim (Redis
+    /// replicates asynchronously), so the new primary holds no record of
+    /// it, or another call's (which reports [`Outcome::Executed`]). Bodies
+    /// must not block the executor: use `spawn_blocking` for blocking work;
+    /// a [`Durability`](crate::Durability) that waits for a replica narrows
+    /// the failover case.
     LeaseLost,
     /// The body ran and its value is returned, but the store stayed
     /// unreachable for the whole completion retry window: the result was

@@ -31,6 +31,8 @@
 //!   masters (no replicas), with helpers to restart a node and move a slot.
 //! * [`FaultProxy`]: a TCP proxy that can add latency, stall, blackhole,
 //!   drop or refuse connections.
+//! * [`Monitor`]: the commands a server runs, in order (`MONITOR`), for
+//!   tests that check the order of writes made on several connections.
 //!
 //! ```no_run
 //! use idem_testkit::TestContext;
@@ -75,6 +77,7 @@ mod every_store;
 mod kafka;
 mod ledger;
 mod logs;
+mod monitor;
 mod nats;
 mod poll;
 mod ports;
@@ -98,6 +101,7 @@ pub use errors::{BodyError, is_typed_store_error, is_unavailable};
 pub use kafka::{KafkaBroker, TANSU_INSTALL, require_tansu};
 pub use ledger::{FileLedger, FileRun, Ledger, unix_ms};
 pub use logs::LogCapture;
+pub use monitor::Monitor;
 pub use nats::{NatsServer, require_nats};
 pub use poll::eventually;
 pub use ports::free_port;

@@ -372,3 +372,98 @@ async fn a_flushed_complete_batch_completes_alone_then_is_one_call_again() {
         }
     }
 }
+
+/// A rider's command runs only once every complete of its batch is
+/// stored, so a consumer that acks with it never acks an entry whose
+/// result is not stored yet: its maker sends it itself after. After
+/// `SCRIPT FLUSH` the batch's completes get `NOSCRIPT` in the round trip
+/// that carries it and are stored alone after it: the command is withheld
+/// (its write is not made; the reply is an error). So it is when a
+/// complete is refused (another owner's pending record); it runs again
+/// once every result is stored.
+#[tokio::test]
+async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
+    use idem::store::{Rider, RiderReply};
+    use std::sync::{Arc, Mutex};
+    fn marking() -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
+        let heard = Arc::new(Mutex::new(None));
+        let h = Arc::clone(&heard);
+        let mut mark = redis::cmd("SET");
+        mark.arg("batch:gate:carried").arg("1");
+        (
+            Rider::new(mark, move |reply| *h.lock().unwrap() = Some(reply)),
+            heard,
+        )
+    }
+    fn heard_value(heard: &Mutex<Option<RiderReply>>) -> redis::Value {
+        let reply = heard.lock().unwrap().take().expect("its reply came back");
+        *reply.unwrap().downcast::<redis::Value>().unwrap()
+    }
+    let ctx = TestContext::redis().await;
+    let store = ctx.store();
+    let server = ctx.server();
+    let carried = || server.cli(&["EXISTS", "batch:gate:carried"]).trim() == "1";
+
+    // The scripts gone: stored alone, after the round trip.
+    let keys: Vec<String> = ["batch:gate:a", "batch:gate:b"].map(String::from).to_vec();
+    let tokens = [Token::random(), Token::random()];
+    claim_all(store, &keys, &tokens).await;
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    let (ride, heard) = marking();
+    let ops = [
+        complete(&keys[0], &tokens[0], b"1"),
+        complete(&keys[1], &tokens[1], b"2"),
+    ];
+    let replies = store.finish_batch_riding(&ops, ride).await;
+    assert!(
+        replies.iter().all(|r| matches!(r, Ok(WriteReply::Done))),
+        "stored alone: {replies:?}"
+    );
+    let value = heard_value(&heard);
+    assert!(
+        matches!(&value, redis::Value::ServerError(e) if ["UNSTORED", "NOSCRIPT"].contains(&e.code())),
+        "withheld: {value:?}"
+    );
+    assert!(!carried(), "the carried command did not run");
+    for key in &keys {
+        assert!(
+            ctx.record_state(key).is_some_and(|s| s.is_completed()),
+            "{key}"
+        );
+    }
+
+    // One complete refused: its key stays another owner's pending record.
+    let keys: Vec<String> = ["batch:gate:c", "batch:gate:d"].map(String::from).to_vec();
+    let tokens = [Token::random(), Token::random()];
+    claim_all(store, &keys, &tokens).await;
+    let other = Token::random();
+    let (ride, heard) = marking();
+    let ops = [
+        complete(&keys[0], &tokens[0], b"3"),
+        complete(&keys[1], &other, b"4"),
+    ];
+    let replies = store.finish_batch_riding(&ops, ride).await;
+    assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
+    assert!(
+        matches!(replies[1], Ok(WriteReply::OtherOwner)),
+        "{replies:?}"
+    );
+    let value = heard_value(&heard);
+    assert!(
+        matches!(&value, redis::Value::ServerError(e) if e.code() == "UNSTORED"),
+        "withheld: {value:?}"
+    );
+    assert!(!carried(), "the carried command did not run");
+
+    // Every result stored in the round trip: the command runs in it.
+    let keys: Vec<String> = ["batch:gate:e"].map(String::from).to_vec();
+    let tokens = [Token::random()];
+    claim_all(store, &keys, &tokens).await;
+    let (ride, heard) = marking();
+    let replies = store
+        .finish_batch_riding(&[complete(&keys[0], &tokens[0], b"5")], ride)
+        .await;
+    assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
+    assert_eq!(heard_value(&heard), redis::Value::Okay);
+    assert!(carried());
+}

@@ -391,6 +391,74 @@ async fn run_answers_an_unconfirmed_result_as_not_final() {
     assert_eq!(r.ok(), Some(9));
 }
 
+/// A durable claim that finds a pending record (here an expired lease,
+/// taken over) sends the claim script in the same pipeline as the fence
+/// and the `WAIT` that confirm it, on one connection: the confirmation
+/// is given by the server that made the write. A script on one connection
+/// and its confirmation on another could, across a failover between the
+/// two, have the new primary's fence vouch for a takeover written on the
+/// old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_durable_claim_is_confirmed_on_the_connection_that_wrote_it() {
+    use idem::store::{Claim, Store, Token};
+    let master = RedisServer::start();
+    let _replica = replica_of(&master).await;
+    let store = RedisStore::connect(&master.url()).await.expect("connect");
+    // An earlier holder's claim, whose lease runs out.
+    let earlier = Token::random();
+    let reply = store
+        .claim(Claim {
+            key: "durable:charge:taken",
+            token: &earlier,
+            lease: Duration::from_millis(100),
+            ttl: Duration::from_secs(60),
+            fingerprint: None,
+            want_ttl_left: false,
+        })
+        .await
+        .expect("claimed");
+    assert!(
+        matches!(reply, idem::store::ClaimReply::Acquired { .. }),
+        "{reply:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let idem = Idempotency::builder(store)
+        .namespace("durable")
+        .durability(Durability::replicated(1, Duration::from_secs(3)))
+        .try_build()
+        .expect("Redis gives WAIT");
+    let monitor = idem_testkit::Monitor::start(master.addr());
+    let ledger = Ledger::new();
+    let (v, outcome) = charge(&idem, &ledger, "taken").await.expect("taken over");
+    assert_eq!((v, outcome), (5, Outcome::Recovered));
+    let seen = monitor.until_now();
+    // `<time> [<db> <client address>] "<command>" …`
+    let client = |i: usize| {
+        let line = &seen[i];
+        line.split_once('[')
+            .and_then(|(_, rest)| rest.split_once(']'))
+            .map(|(client, _)| client.to_owned())
+            .unwrap_or_default()
+    };
+    let after = |from: usize, what: &str| {
+        (from..seen.len())
+            .find(|&i| seen[i].contains(what))
+            .unwrap_or_else(|| panic!("no {what} after line {from}: {seen:#?}"))
+    };
+    let script = after(0, r#""EVALSHA""#);
+    assert!(
+        seen[script].contains(r#""durable:charge:taken""#),
+        "the first script is the claim's: {seen:#?}"
+    );
+    let fence = after(script, "::fence{");
+    let wait = after(fence, r#""WAIT""#);
+    assert_eq!(
+        (client(script), client(fence)),
+        (client(wait), client(wait)),
+        "the claim script, its fence and its WAIT on one connection: {seen:#?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durability_a_store_cannot_give_is_refused_before_anything_runs() {
     let memory = Idempotency::builder(idem::MemoryStore::new())

@@ -35,6 +35,8 @@ idem_testkit::every_store!(
     stored_type_mismatch_is_codec,
     same_token_resend_is_acquired_again,
     late_writes_by_old_owner_are_refused,
+    an_old_holders_complete_of_the_stored_result_itself_is_done,
+    an_old_holder_that_returns_the_stored_result_itself_reports_executed,
 );
 
 type Res<T> = Result<T, Error>;
@@ -730,6 +732,121 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
         store.release("raw:none", &old).await.unwrap(),
         WriteReply::Missing
     );
+}
+
+/// A stored result keeps no owner token, so a complete that finds the
+/// record completed with exactly its own result (same kind, same bytes)
+/// is taken for its own complete re-sent after a lost reply: `Done`, on
+/// every store and every complete path (the script, a complete told its
+/// claim). So an old holder whose key was taken over gets `Done` when the
+/// new holder stored that very result, and `AlreadyCompleted` for any
+/// other result or kind: what it reports `Done` for is, byte for byte,
+/// what the key replays.
+async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestContext) {
+    let store = b.store();
+    let (old, new) = (Token::from_u128(1), Token::from_u128(2));
+    let claim = |token| Claim {
+        key: "raw:same",
+        token,
+        lease: Duration::from_millis(100),
+        ttl: Duration::from_secs(60),
+        fingerprint: None,
+        want_ttl_left: false,
+    };
+    assert_eq!(
+        store.claim(claim(&old)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 1 }
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        store.claim(claim(&new)).await.unwrap(),
+        ClaimReply::Acquired { attempt: 2 }
+    );
+    assert_eq!(
+        store
+            .complete_claim(&claim(&new), ValueKind::Json, b"2", idem::Durability::Async)
+            .await
+            .unwrap(),
+        WriteReply::Done
+    );
+    assert_eq!(
+        store
+            .complete_claim(&claim(&old), ValueKind::Json, b"2", idem::Durability::Async)
+            .await
+            .unwrap(),
+        WriteReply::Done,
+        "told its claim"
+    );
+    assert_eq!(
+        store
+            .complete("raw:same", &old, None, ValueKind::Json, b"2")
+            .await
+            .unwrap(),
+        WriteReply::Done,
+        "the script"
+    );
+    assert_eq!(
+        store
+            .complete("raw:same", &old, None, ValueKind::Json, b"1")
+            .await
+            .unwrap(),
+        WriteReply::AlreadyCompleted,
+        "another result"
+    );
+    assert_eq!(
+        store
+            .complete("raw:same", &old, None, ValueKind::Lz4Json, b"2")
+            .await
+            .unwrap(),
+        WriteReply::AlreadyCompleted,
+        "another kind"
+    );
+    match store.claim(claim(&old)).await.unwrap() {
+        ClaimReply::Completed(c) => {
+            assert_eq!((c.kind, &c.value[..]), (ValueKind::Json, &b"2"[..]))
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A holder taken over that finishes after the new holder stored the
+/// same result (same bytes) reports `Executed`, not `LeaseLost`: its
+/// complete cannot be told from its own re-sent one, and the value it
+/// returns is exactly what the key replays. The takeover is reported by
+/// the new holder (`Recovered`). A different result is refused
+/// (`LeaseLost`, `frozen_holder_is_taken_over_and_late_complete_refused`).
+async fn an_old_holder_that_returns_the_stored_result_itself_reports_executed(b: TestContext) {
+    let lease = Duration::from_millis(300);
+    let idem = b.idem_with(|x| x.lease(lease));
+    let gate = Arc::new(Notify::new());
+    let g2 = gate.clone();
+    let mut old = Box::pin(idem.call("same", "k").run_outcome(move || async move {
+        g2.notified().await;
+        Res::Ok("the result".to_owned())
+    }));
+    // Poll until the claim is held and the body waits, then stop polling:
+    // a frozen holder renews nothing.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut old)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(lease * 2).await;
+    let (v, o) = idem
+        .call("same", "k")
+        .run_outcome(|| async { Res::Ok("the result".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("the result", Outcome::Recovered));
+    gate.notify_one();
+    let (v, o) = old.await.unwrap();
+    assert_eq!((v.as_str(), o), ("the result", Outcome::Executed));
+    let (v, o) = idem
+        .call("same", "k")
+        .run_outcome(|| async { Res::Ok("third".to_owned()) })
+        .await
+        .unwrap();
+    assert_eq!((v.as_str(), o), ("the result", Outcome::Replayed));
 }
 
 // ---- Redis-only: other processes, server faults, raw records ----

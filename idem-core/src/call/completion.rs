@@ -134,7 +134,7 @@ impl Completion<'_> {
             Ok(other) => {
                 tracing::error!(
                     ?other,
-                    "the body finished after its lease was lost (it blocked or was not polled for longer than the lease): another caller may have run it too; this result was NOT stored"
+                    "the body finished after its lease was lost: it blocked or was not polled for longer than the lease, or the store failed over to a replica that had not received the claim (a Durability that waits for a replica narrows that); another caller may have run it too; this result was NOT stored"
                 );
                 Stored::LeaseLost
             }

@@ -183,13 +183,19 @@ pub enum ClaimReply {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteReply {
-    /// The caller owned the pending record and the write happened.
+    /// The caller owned the pending record and the write happened; for a
+    /// `complete`, also a record already completed with exactly this
+    /// result (same kind, same bytes): a stored result keeps no owner
+    /// token, so it is taken for this same complete re-sent after its
+    /// reply was lost (docs/semantics.md, "old holder finishes after a
+    /// takeover").
     Done,
     /// No record: it expired or was released.
     Missing,
     /// Another owner took the record over; nothing changed.
     OtherOwner,
-    /// The record is already completed; nothing changed.
+    /// The record is already completed (for a `complete`: with another
+    /// result); nothing changed.
     AlreadyCompleted,
 }
 
@@ -806,7 +812,8 @@ pub trait Store: Send + Sync + 'static {
     /// [`finish_batch`](Store::finish_batch), with `rider`'s commands sent
     /// in the same round trip after every write of `ops`, if this store
     /// can carry them ([`Rider`]): it then calls [`Rider::land`] with
-    /// their reply. The default carries nothing: it drops `rider`, whose
+    /// their reply. A store that carries them runs them only if every
+    /// complete of `ops` is stored by then, and withholds them otherwise. The default carries nothing: it drops `rider`, whose
     /// maker then sends its commands itself.
     ///
     /// A store that wraps another forwards this method, or its riders are

@@ -21,7 +21,11 @@ pub type RiderReply = Result<Box<dyn Any + Send>, Error>;
 /// reply; any other store, or a store that cannot carry this one, drops
 /// it, and its maker then sends the commands itself. Carried commands go
 /// after every write of the round trip, so a server that executes them
-/// has executed those writes first.
+/// has executed those writes first; and they run only if every complete
+/// of the round trip is stored by then: a complete that is not (stored
+/// alone after the round trip, or refused) withholds them, and the reply
+/// is an error reply (idem-redis: `UNSTORED`, or `NOSCRIPT`), after which
+/// the maker sends them itself.
 ///
 /// ```
 /// use idem_core::store::Rider;

@@ -327,10 +327,31 @@ impl RedisStore {
                     if let Some(first) = completes.first() {
                         items.push((first.key(), smallvec![complete_batch_cmd(&completes)]));
                     }
-                    let mut replies = match (rider, &self.conn) {
-                        (Some(rider), Conn::Single(c)) => {
-                            let extra = rider.commands::<Cmd>().cloned();
-                            let (replies, extra) = send_group(&mut c.clone(), items, extra).await;
+                    // The rider's command goes through the `rider` script,
+                    // which runs it only once every complete of the batch
+                    // is stored: a complete that is not (its script gone,
+                    // an `IFEQ` that did not match) is stored alone after
+                    // this round trip, and its entry must not be acked
+                    // before that.
+                    let gate = rider.and_then(|rider| {
+                        let keys = batch.iter().filter_map(|op| match op {
+                            Finish::Complete { claim, .. } => Some(claim.key),
+                            Finish::Release { .. } => None,
+                        });
+                        let cmd = rider.commands::<Cmd>().and_then(|c| rider_cmd(keys, c))?;
+                        Some((rider, cmd))
+                    });
+                    let mut replies = match (gate, &self.conn) {
+                        (Some((rider, gate)), Conn::Single(c)) => {
+                            let (replies, extra) =
+                                send_group(&mut c.clone(), items, Some(gate)).await;
+                            if let Some(Ok(Value::ServerError(e))) = &extra
+                                && e.code() == "NOSCRIPT"
+                                && let Some(op) = batch.first()
+                                && let Err(load) = self.reload(&SCRIPTS.rider, op.key()).await
+                            {
+                                tracing::debug!(error = %load, "the rider script could not be loaded again");
+                            }
                             rider.land(match extra {
                                 Some(Ok(v)) => Ok(Box::new(v)),
                                 Some(Err(e)) => Err(classify("finish_batch", e)),
@@ -431,6 +452,28 @@ impl RedisStore {
             })
             .collect()
     }
+}
+
+/// The `rider` script's invocation: `carried` (a rider's command), run
+/// only if each of `keys` holds a completed record by then. `None` for a
+/// command with a cursor argument (no rider has one), or an argument of
+/// a kind redis-rs adds later: not carried.
+fn rider_cmd<'k>(keys: impl Iterator<Item = &'k str> + Clone, carried: &Cmd) -> Option<Cmd> {
+    let n = keys.clone().count();
+    let mut cmd = Cmd::with_capacity(3 + n + carried.args_iter().len(), 0);
+    cmd.arg("EVALSHA")
+        .arg(SCRIPTS.rider.script.get_hash())
+        .arg(n);
+    for key in keys {
+        cmd.arg(key);
+    }
+    for arg in carried.args_iter() {
+        match arg {
+            redis::Arg::Simple(a) => cmd.arg(a),
+            _ => return None,
+        };
+    }
+    Some(cmd)
 }
 
 /// No key twice: the batch goes to the store as one wave.

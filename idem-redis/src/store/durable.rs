@@ -20,8 +20,8 @@ use super::complete::is_ok;
 use super::outbox::slot_tag;
 use super::record::{Record, decode, pending_record};
 use super::reply::{
-    answer_found, classify, classify_claim, is_noscript, is_oom, parse_write, protocol,
-    server_error,
+    answer_found, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
+    protocol, server_error,
 };
 use super::scripts::SCRIPTS;
 use super::{Conn, RedisStore, batch};
@@ -371,8 +371,8 @@ impl RedisStore {
     /// `claim`, confirmed: the fresh path's `SET NX GET` goes with the fence
     /// and the wait (one round trip), which confirm the record it wrote or
     /// the completed record it read. A pending record found goes to the
-    /// claim script as always, and its answer is confirmed after it (a
-    /// second round trip, on the rare contended path).
+    /// claim script, itself sent with the fence and the wait (a second
+    /// round trip, on the rare contended path).
     pub(super) async fn claim_confirmed(
         &self,
         claim: Claim<'_>,
@@ -400,8 +400,8 @@ impl RedisStore {
             }
             Ok(Value::BulkString(found)) => match decode(found, pttl)? {
                 Record::Pending(_) => {
-                    let reply = self.claim_contended(&claim, record, ttl).await?;
-                    self.confirm_reply(claim.key, reply, durability).await
+                    self.claim_contended_confirmed(claim, record, ttl, durability)
+                        .await
                 }
                 completed => match answer_found(completed, &claim, pttl) {
                     Some(reply @ ClaimReply::Completed(_)) => confirmed.map(|()| reply),
@@ -417,6 +417,66 @@ impl RedisStore {
                 self.confirm_reply(claim.key, reply, durability).await
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// A durable claim that found a pending record (a takeover, a re-sent
+    /// claim, a live holder): the claim script goes with the fence and the
+    /// wait, one pipeline on the durable connection (two after
+    /// `NOSCRIPT`), and a won claim or a replay counts once they confirm.
+    ///
+    /// Not the script on the shared connection and the confirmation after
+    /// it on the durable one: `WAIT` / `WAITAOF` confirm what the server
+    /// they run on has, and the two connections may reach different
+    /// servers. A failover between the two round trips (the shared
+    /// connection's write on the old primary, the durable connection
+    /// reconnected to the new one; or either of them reconnected between
+    /// its own round trips) would let the new primary's fence vouch for a
+    /// takeover it never received. One pipeline on one connection runs on
+    /// one server, in order: if that server is demoted or lost meanwhile,
+    /// the wait is refused or the connection fails, and nothing counts.
+    async fn claim_contended_confirmed(
+        &self,
+        claim: Claim<'_>,
+        record: super::record::PendingRecord<'_>,
+        ttl: u64,
+        durability: Durability,
+    ) -> Result<ClaimReply, Error> {
+        let waiting = self.waited_on(claim.key);
+        let cmd = batch::claim_script_cmd(&claim, &record, ttl, waiting);
+        let (mut replies, mut confirmed) = self
+            .durable_pipe("claim", claim.key, vec![cmd.clone()], durability)
+            .await?;
+        // The script gone: loaded in the same pipeline, ahead of the call,
+        // as `complete_confirmed` does.
+        if is_noscript_reply(replies.first()) {
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(SCRIPTS.claim.source);
+            (replies, confirmed) = self
+                .durable_pipe("claim", claim.key, vec![load, cmd], durability)
+                .await?;
+            let mut rest = replies.into_iter();
+            if let Some(Value::ServerError(e)) = rest.next() {
+                return Err(classify_claim(redis::RedisError::from(e)));
+            }
+            replies = rest.collect();
+        }
+        let first = replies.into_iter().next().unwrap_or(Value::Nil);
+        let reply = match server_error(Ok(first)).map_err(classify_claim) {
+            Ok(v) => parse_claim(v)?,
+            // Out of memory (the claim script may write): the plain claim
+            // answers from a read what needs no write; the fence (a write)
+            // then cannot confirm, and says so.
+            Err(e) if is_oom(&e) => {
+                let reply = self.claim_plain(claim).await?;
+                return self.confirm_reply(claim.key, reply, durability).await;
+            }
+            Err(e) => return Err(e),
+        };
+        match reply {
+            ClaimReply::Acquired { .. } | ClaimReply::Completed(_) => confirmed.map(|()| reply),
+            // A live holder or another fingerprint: nothing acknowledged.
+            other => Ok(other),
         }
     }
 
@@ -465,10 +525,6 @@ impl RedisStore {
         let (mut replies, mut confirmed) = self
             .durable_pipe("complete", key, vec![cmd.clone()], durability)
             .await?;
-        let noscript = |v: Option<&Value>| match v {
-            Some(Value::ServerError(e)) => is_noscript(&redis::RedisError::from(e.clone())),
-            _ => false,
-        };
         // Redis lost the script (restart, fail-over, SCRIPT FLUSH): load it
         // in the same pipeline, ahead of the call, on the durable
         // connection that just met the node without it. Loading it through
@@ -477,7 +533,7 @@ impl RedisStore {
         // primary from a keyed command's MOVED, the durable path sends it
         // none, and its unkeyed SCRIPT LOAD went to the old primary, now a
         // replica, which takes it without a redirect.
-        if noscript(replies.first()) {
+        if is_noscript_reply(replies.first()) {
             let mut load = redis::cmd("SCRIPT");
             load.arg("LOAD").arg(lua.source);
             (replies, confirmed) = self
@@ -496,5 +552,13 @@ impl RedisStore {
             confirmed?;
         }
         Ok(reply)
+    }
+}
+
+/// Whether a pipeline's reply is `NOSCRIPT` (the server lost the script).
+fn is_noscript_reply(v: Option<&Value>) -> bool {
+    match v {
+        Some(Value::ServerError(e)) => is_noscript(&redis::RedisError::from(e.clone())),
+        _ => false,
     }
 }

@@ -258,6 +258,7 @@ impl RedisStore {
             &s.failure,
             &s.step,
             &s.suspend,
+            &s.rider,
         ] {
             let loaded = match &self.conn {
                 Conn::Single(c) => lua.script.load_async(&mut c.clone()).await,
@@ -627,7 +628,9 @@ impl Store for RedisStore {
 
     /// Carries a rider whose commands are a `redis::Cmd`, on a single
     /// Redis (not a cluster) and for a batch with no key twice: the
-    /// command goes last in the pipeline that stores the results.
+    /// command goes last in the pipeline that stores the results, through
+    /// the `rider` script, which runs it only if every complete of the
+    /// batch is stored by then (lua/README.md, "rider").
     async fn finish_batch_riding(
         &self,
         ops: &[Finish<'_>],

@@ -85,6 +85,9 @@ pub(super) struct Scripts {
     pub(super) step: Lua,
     /// `Store::suspend`: end our lease now, keeping the steps.
     pub(super) suspend: Lua,
+    /// `Store::finish_batch_riding`: the carried command, run only once
+    /// every complete of the batch is stored.
+    pub(super) rider: Lua,
 }
 
 // `claim` may write, so Redis refuses it when out of memory; the others
@@ -99,6 +102,7 @@ pub(super) static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
     failure: Lua::new(script!("", "failure.lua")),
     step: Lua::new(script!(" flags=allow-oom", "step.lua")),
     suspend: Lua::new(script!(" flags=allow-oom", "suspend.lua")),
+    rider: Lua::new(lazy_ops_script!("", "rider.lua")),
 });
 
 /// `EVALSHA <sha1> 1 <key>`, sized for `extra` more bytes in `args` more
