@@ -14,7 +14,7 @@
 --
 -- The keys are read by one MGET per chunk, not one GET each: every
 -- redis.call pays for building a command and turning its reply into Lua
--- values (docs/performance.md has the counts). Chunks keep MGET's
+-- values (lua/README.md has the counts). Chunks keep MGET's
 -- arguments within what unpack can put on Lua's stack. A user whose ACL
 -- predates MGET (docs/operating.md grants it now) is refused it: each key
 -- is then read with GET, as before. So is a key MGET found empty or of

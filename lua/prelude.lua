@@ -20,7 +20,7 @@ local WAITED = '|0:0:'
 -- record of this format version ("1").
 -- Comparisons against constants, not a table of the states: a script's
 -- top level runs on every call, and building a table there cost each
--- call about 2,000 server instructions (docs/performance.md).
+-- call about 2,000 server instructions (lua/README.md).
 local function header(rec)
   local v, s, n = string.byte(rec, 1, 3)
   local state

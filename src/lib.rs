@@ -1,7 +1,9 @@
 //! # idem
 //!
-//! Run side-effecting async operations exactly once per idempotency key,
-//! across tasks, processes and machines, with Redis as the arbiter.
+//! Run side-effecting async operations exactly once per idempotency key:
+//! across tasks, processes and machines on Redis/Valkey (`RedisStore`,
+//! feature `redis`) or PostgreSQL (`idem::postgres::PgStore`, feature
+//! `postgres`), or within one process on `MemoryStore`.
 //!
 //! ```
 //! use idem::{idempotent, Idempotency, MemoryStore};

@@ -1,4 +1,4 @@
-//! The durability phase (issue 39, `--only durability`, not run by
+//! The durability phase (`--only durability`, not run by
 //! default): fresh calls/s and replays/s with each `Durability` against
 //! `Async`, in the same run on the same servers, interleaved in rounds.
 //!

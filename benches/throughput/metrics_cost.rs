@@ -1,5 +1,5 @@
-//! What recording metrics costs (feature `metrics`, issue 13's target:
-//! within 3 %): `idem_fresh` and `idem_replay` at the bench's concurrency
+//! What recording metrics costs (feature `metrics`; the aim: within
+//! 3 %): `idem_fresh` and `idem_replay` at the bench's concurrency
 //! with a Prometheus recorder recording, against the same phases with the
 //! recorder switched off (it hands out no-op handles, as the facade does
 //! with no recorder installed), interleaved in short alternating slices

@@ -1,5 +1,5 @@
 //! PostgreSQL phases (feature `postgres`): idem over `PgStore` against the
-//! SQL floor of issue 10, measured in the same run, on the same pool,
+//! bare SQL floor (docs/performance.md), measured in the same run, on the same pool,
 //! interleaved round by round so that machine drift hits every phase alike.
 //!
 //! ```text

@@ -164,8 +164,7 @@ impl NatsConfig {
     ///
     /// Not free: with heartbeats on, the client arms a new timer for every
     /// message it receives, 5–18 % of the consumer thread's work per
-    /// message in `cargo bench -p idem-consumer --bench consumer -- nats`
-    /// (docs/performance.md).
+    /// message in `cargo bench -p idem-consumer --bench consumer -- nats`.
     ///
     /// ```
     /// use idem_consumer::nats::NatsConfig;

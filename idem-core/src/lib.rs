@@ -2,7 +2,8 @@
 //!
 //! The runtime of [idem](https://docs.rs/idem): run a side-effecting async
 //! operation exactly once per idempotency key, across tasks, processes and
-//! machines, with Redis (or, in one process, memory) as the arbiter.
+//! machines on a shared store (Redis/Valkey in `idem-redis`, PostgreSQL in
+//! `idem-postgres`), or within one process on [`MemoryStore`].
 //!
 //! ```
 //! use idem_core::{Error, Idempotency, MemoryStore, Outcome};

@@ -25,8 +25,7 @@
 //! On a 2-core machine 32 calls in flight already saturate the CPU (the
 //! servers' sockets have `TCP_NODELAY`, as `Server::serve` sets it): the
 //! ratios say what a call costs in CPU, the Redis server's included as it
-//! shares the cores (docs/performance.md, "The bare service was bound by
-//! Nagle").
+//! shares the cores (docs/performance.md, "gRPC unary RPCs").
 //!
 //! `IDEM_BENCH_PIN=1` puts Redis on the last CPU and the bench (client and
 //! servers) on the others, so the store does not share the service's

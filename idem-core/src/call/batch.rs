@@ -291,9 +291,11 @@ impl<'a> Batch<'a> {
 /// **What it costs.** Each shared round trip is sent from a task of its
 /// own, and each call gets its reply handed over from that task. Against a
 /// store that answers quickly (Redis on the same host), that costs more
-/// than the round trips it saves: the gRPC layer's bench ran fresh calls
-/// at 0.47–0.75 of the bare service with a group and 0.65–1.00 without
-/// (docs/performance.md), and `idem-grpc` no longer groups by default. A
+/// than the round trips it saves unless the calls wait for CPU: in the
+/// gRPC layer's bench a group costs 10–15 % of the calls per second with
+/// cores to spare and gains a few hundredths under CPU load
+/// (docs/performance.md, "gRPC unary RPCs"), and `idem-grpc` does not
+/// group by default. A
 /// group pays off when round trips are dear (a far or loaded store); when
 /// the calls are known together, a [`Batch`] shares its round trips with
 /// none of this. Measure before you adopt one.

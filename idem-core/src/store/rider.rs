@@ -13,7 +13,7 @@ pub type RiderReply = Result<Box<dyn Any + Send>, Error>;
 /// Commands that a store may send in the round trip that stores a batch's
 /// results, after them: a Redis Streams consumer whose stream lives in
 /// the store's own Redis acks its entries in the round trip that stores
-/// their results, not in one more (issue 37, item 5).
+/// their results, not in one more.
 ///
 /// The commands are opaque to idem-core. A store carries the kind it
 /// knows (idem-redis's `RedisStore`, on one Redis server rather than a

@@ -171,7 +171,7 @@ impl RedisStore {
     /// `IFEQ` would, and takes the `complete` script's step only when they
     /// differ. Its common path makes none of the record operations'
     /// closures: 13 % less server work per fresh call than the `complete`
-    /// script (docs/performance.md).
+    /// script (lua/README.md).
     pub(super) async fn complete_compared(
         &self,
         claim: &Claim<'_>,

@@ -32,7 +32,7 @@ macro_rules! script {
 /// `record_ops()`, which returns `completing, notify`, when a key first
 /// needs them. A script's top level runs on every call, and making the
 /// operations' closures there cost each call about 7,000 server
-/// instructions (docs/performance.md).
+/// instructions (lua/README.md).
 macro_rules! lazy_ops_script {
     ($flags:literal, $file:literal) => {
         assembled!(
