@@ -226,7 +226,7 @@ async fn a_moved_slot_is_followed_key_by_key() {
     assert!(ctx.record_state(moved).is_some(), "{moved} was written");
 }
 
-/// Issue 37 item 5: a rider's command goes last in the pipeline that
+/// A rider's command goes last in the pipeline that
 /// stores the results, so it sees them (a `GET` of a completed key reads
 /// the completed record); its reply reaches the rider. A batch with a key
 /// twice (two waves) and a cluster carry nothing, so the rider is dropped

@@ -366,7 +366,7 @@ fn racing_batches_run_each_key_once() {
     drop(ctx);
 }
 
-/// Issue 34, item 1: the bodies of a batch have finished and its finish
+/// The bodies of a batch have finished and its finish
 /// round trip is in flight when the batch is dropped (a consumer giving up
 /// at its drain timeout); the round trip then fails (the connection is
 /// cut). The results must still be stored, as a dropped single call's are,
@@ -436,7 +436,7 @@ async fn a_dropped_batch_whose_finish_met_a_blip_still_stores_its_results() {
     }
 }
 
-/// Issue 34, item 4: a batch dropped while its claims are on their way to
+/// A batch dropped while its claims are on their way to
 /// the store. Its keys must be free as soon as the claims land, not after
 /// a whole lease: a release sent at the drop would reach the store first
 /// (as it can on a pool of connections) and find nothing, and the claims

@@ -1,4 +1,4 @@
-//! `forget` and the local replay caches of *other* processes (issue 13):
+//! `forget` and the local replay caches of *other* processes:
 //! a forget publishes the key on its namespace's channel, and every
 //! `Idempotency` with `local_cache` on drops its copy, so it stops
 //! replaying the evicted value. Each `Idempotency` here has a store of its

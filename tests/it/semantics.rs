@@ -1028,7 +1028,7 @@ async fn completed_record_is_compact() {
     assert!(ttl > 23 * 3600 * 1000, "default TTL is 24 h, got {ttl} ms");
 }
 
-/// Issue 34, item 2: a local cache serves only while it hears forgets. With
+/// A local cache serves only while it hears forgets. With
 /// Redis gone, a hot key may replay from the cache until the subscriber
 /// connection's loss is heard, and from then on the cache serves nothing:
 /// calls fail closed, and no body runs again.

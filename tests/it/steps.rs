@@ -717,7 +717,7 @@ async fn a_cancelled_call_with_release_on_cancel_keeps_its_steps(b: TestContext)
     assert_eq!((v, o, ledger.count("reserve")), (1, Outcome::Recovered, 1));
 }
 
-/// Issue 34, item 3: the key is taken from a running body (here forced out
+/// The key is taken from a running body (here forced out
 /// by an operator's `forget`); once its keep-alive has flagged the lease
 /// lost, the body's next step must not run its effect (the new holder
 /// runs it): `StepLeaseLost` before the effect, and the ledger shows it.

@@ -108,7 +108,7 @@ async fn retryable_nacks_with_backoff_then_dead_letters_at_the_failure_limit() {
     assert_eq!(ledger.count("p"), 3);
 }
 
-/// Issue 21 item 3: deliveries that never ran the handler (a consumer
+/// Deliveries that never ran the handler (a consumer
 /// killed before it, in-flight duplicates nacked) spend no failures.
 #[tokio::test]
 async fn deliveries_that_never_ran_the_handler_do_not_count_as_failures() {
@@ -173,7 +173,7 @@ async fn over_the_delivery_valve_undone_work_is_dead_lettered_unrun_done_work_ac
     assert_eq!((ledger.count("loop"), ledger.count("done")), (0, 1));
 }
 
-/// Issue 21 item 1: a copy inside a batch settles as its first copy did.
+/// A copy inside a batch settles as its first copy did.
 /// Acking it whatever the first copy's decision lost the message on
 /// JetStream, where both deliveries are one stream message.
 #[tokio::test]
@@ -469,7 +469,7 @@ async fn store_down_nacks_and_runs_nothing_then_the_redelivery_runs_once() {
     assert_eq!(ledger.count("o"), 1);
 }
 
-/// Issue 22 section 2: a fetched batch costs idem's store one claims round
+/// A fetched batch costs idem's store one claims round
 /// trip and one round trip of results, whatever its size; the redelivered
 /// batch replays in one more. Handlers that finish together are stored
 /// together (no handler waits here).

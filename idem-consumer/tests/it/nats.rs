@@ -419,7 +419,7 @@ async fn idle_heartbeats_keep_an_idle_subscription_polling_then_a_message_runs_o
     assert!(s.drained_of("c").await, "settled");
 }
 
-/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart; every
+/// A consumer SIGKILLed 12 times 0.3–0.8 s apart; every
 /// redelivery after `ack_wait` spends a delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
@@ -439,7 +439,7 @@ async fn a_handler_abandoned_at_the_drain_deadline_keeps_its_key_until_the_lease
     support::shutdown_past_the_deadline_keeps_the_key_until_the_lease(place).await;
 }
 
-/// Issue 21 item 5: with a stream on `<name>.>`, a consumer without a
+/// With a stream on `<name>.>`, a consumer without a
 /// filter and dead letters to `<name>.dead`, every dead letter came back
 /// as a new message (2 poison messages made 6,850 dead letters in 8 s).
 /// Such a subject is refused, by both constructors; one outside the
@@ -534,7 +534,7 @@ async fn batch_with_redeliveries(a: &NatsConsumer, messages: usize) -> Vec<NatsD
     panic!("no batch held two deliveries of each message in 20 tries");
 }
 
-/// Issue 21 item 1 (NATS): a batch that outlives `ack_wait` is followed by
+/// A batch that outlives `ack_wait` is followed by
 /// a fetch holding the first delivery of a message and its redelivery,
 /// the same stream message. The core gives the copy the first's decision;
 /// the adapter settles the stream sequence once. Before, a copy was acked
@@ -625,7 +625,7 @@ async fn deliveries_of_one_stream_message_in_one_batch_settle_once_neither_lost_
     assert!(dead[0].deliveries.is_some_and(|n| n >= 2), "{:?}", dead[0]);
 }
 
-/// Issue 21 item 8: a dead letter carries idem's fields under the names
+/// A dead letter carries idem's fields under the names
 /// every broker uses (`dead_letter_field`), plus its original id and
 /// where it came from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

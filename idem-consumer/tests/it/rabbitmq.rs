@@ -470,7 +470,7 @@ async fn core_bad_input_reasons_for_amqp_messages() {
     }
 }
 
-/// Issue 21 item 3, as reported: a quorum queue, a consumer SIGKILLed 12
+/// A quorum queue, a consumer SIGKILLed 12
 /// times 0.3–0.8 s apart; every requeue spends a delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
@@ -703,7 +703,7 @@ async fn without_a_dead_letter_exchange_dead_letters_are_rejected_to_the_queues(
     assert!(header_text(&dead[0], dead_letter_field::KIND).is_none());
 }
 
-// ---------------------------------------------------------- copies (item 1)
+// ---------------------------------------------------------- copies
 
 /// Two copies of one message (same id and payload) handled in one batch,
 /// the first run failing: each delivery tag is settled once (a second

@@ -350,7 +350,7 @@ async fn slow_handlers_keep_their_entries_or_the_duplicate_waits_for_a_replay() 
     }
 }
 
-/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart; every
+/// A consumer SIGKILLed 12 times 0.3–0.8 s apart; every
 /// re-claim of a dead consumer's entry spends a delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
@@ -579,7 +579,7 @@ async fn a_nacked_entry_comes_back_in_the_next_fetch_not_before_its_delay() {
 
 // ------------------------------------------- acks riding with the results
 
-/// Issue 37 item 5: with idem's store on the stream's own Redis, the acks
+/// With idem's store on the stream's own Redis, the acks
 /// of the entries whose handlers succeeded go in the round trip that
 /// stores their results. `handle` alone (no `settle`) has acked them: a
 /// consumer killed between the two leaves nothing to redeliver. The

@@ -707,7 +707,7 @@ async fn a_process_migrating_while_a_relay_pass_holds_its_rows_neither_waits_nor
     assert_eq!(report.unwrap().sent, 1, "the pass was not aborted");
 }
 
-/// Issue 34, item 5: a key's later messages never overtake an earlier one
+/// A key's later messages never overtake an earlier one
 /// that cannot go now. Key `a`'s second message waits out a retry backoff,
 /// key `b`'s second is parked; each key's head is sendable. A pass sends
 /// the heads and stops each key there: neither third message goes ahead of

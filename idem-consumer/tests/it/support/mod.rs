@@ -898,7 +898,7 @@ pub(crate) async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
     assert_drained(&place).await;
 }
 
-/// Issue 21 item 3: a consumer SIGKILLed 12 times 0.3–0.8 s apart, with
+/// A consumer SIGKILLed 12 times 0.3–0.8 s apart, with
 /// the default limits. Broker redeliveries after crashes and in-flight
 /// nacks used to spend `max_deliveries` and dead-letter valid orders that
 /// never ran; failures are now counted per key in idem's store, so
@@ -962,7 +962,7 @@ pub(crate) async fn crash_loop_with_the_store_at<P: Place>(
     );
 }
 
-/// Issue 21 item 4: `run`'s shutdown lets the batch in flight finish and
+/// `run`'s shutdown lets the batch in flight finish and
 /// settles it. It used to drop the batch, release its keys, and leave the
 /// messages to be run again (as `Executed`) by the next consumer.
 pub(crate) async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
@@ -1001,7 +1001,7 @@ pub(crate) async fn shutdown_drains_the_batch_in_flight<P: Place>(place: P) {
     assert_drained(&place).await;
 }
 
-/// Issue 21 item 4: a handler still running at the drain deadline is
+/// A handler still running at the drain deadline is
 /// abandoned, not released: its key stays held until the lease runs out,
 /// and the redelivery takes over as `Recovered` (one extra run, after the
 /// lease), never as a fresh `Executed`.
