@@ -4,8 +4,9 @@
 //! batch spans every master and a slot moved under a batch is followed key
 //! by key.
 
-use idem::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
-use idem::{Error, RedisStore};
+use idem_core::Error;
+use idem_core::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem_redis::RedisStore;
 use idem_testkit::{TestContext, claim, key_slot};
 use std::collections::BTreeSet;
 
@@ -226,14 +227,14 @@ async fn a_moved_slot_is_followed_key_by_key() {
     assert!(ctx.record_state(moved).is_some(), "{moved} was written");
 }
 
-/// Issue 37 item 5: a rider's command goes last in the pipeline that
+/// A rider's command goes last in the pipeline that
 /// stores the results, so it sees them (a `GET` of a completed key reads
 /// the completed record); its reply reaches the rider. A batch with a key
 /// twice (two waves) and a cluster carry nothing, so the rider is dropped
 /// unheard and its maker sends its own round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rider_goes_after_the_results_on_one_server_only() {
-    use idem::store::{Rider, RiderReply};
+    use idem_core::store::{Rider, RiderReply};
     use std::sync::{Arc, Mutex};
     fn rider(cmd: redis::Cmd) -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
         let heard = Arc::new(Mutex::new(None));

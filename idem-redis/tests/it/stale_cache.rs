@@ -1,16 +1,17 @@
-//! Local replay caches never keep a forgotten key (issue 21, items 6 and
-//! 7): not when the forget races the read that fills the cache, not after
-//! a blip at the first call, not after the subscriber task restarted, not
-//! after a cluster reconnection. Real Redis servers (private, so that
+//! Local replay caches never keep a forgotten key: not when the forget
+//! races the read that fills the cache, not after a blip at the first
+//! call, not after the subscriber task restarted, not after a cluster
+//! reconnection. Real Redis servers (private, so that
 //! `PUBSUB SHARDCHANNELS` sees only this test's subscribers).
 
 use crate::shared_store::Shared;
 use async_trait::async_trait;
-use idem::store::{
+use idem_core::store::{
     Claim, ClaimReply, Invalidation, InvalidationSink, KeyWatch, Store, Token, ValueKind,
     WriteReply,
 };
-use idem::{Error, Fingerprint, Idempotency, Outcome, RecordInfo, RedisStore};
+use idem_core::{Error, Fingerprint, Idempotency, Outcome, RecordInfo};
+use idem_redis::RedisStore;
 use idem_testkit::TestContext;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -173,7 +174,7 @@ async fn forget_heard(a: &Idempotency, key: &str, heard: &mut mpsc::UnboundedRec
         .expect("B's cache never heard the forget");
 }
 
-/// Item 6, at the replay: B's claim reads the completed record, the key is
+/// At the replay: B's claim reads the completed record, the key is
 /// forgotten and B's cache hears it, and only then does B see the reply.
 /// The copy must not enter the cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,7 +199,7 @@ async fn a_forget_racing_a_replay_is_not_cached() {
     );
 }
 
-/// Item 6, at the completion: B's result is stored, the key is forgotten
+/// At the completion: B's result is stored, the key is forgotten
 /// and B's cache hears it, and only then does B see the complete's reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forget_racing_a_completion_is_not_cached() {
@@ -259,7 +260,7 @@ async fn forget_is_heard(a: &Idempotency, b: &Idempotency, key: &str) {
     );
 }
 
-/// Item 7: the server is down at B's first call (the registration of its
+/// The server is down at B's first call (the registration of its
 /// cache fails), then back. B must register again and hear forgets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blip_at_the_first_call_does_not_deafen_the_cache() {
@@ -277,7 +278,7 @@ async fn a_blip_at_the_first_call_does_not_deafen_the_cache() {
     forget_is_heard(&a, &b, "k").await;
 }
 
-/// Item 7: B's subscriber task stops (it ran on a runtime that shut
+/// B's subscriber task stops (it ran on a runtime that shut
 /// down); the next one must subscribe the cache's channel again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_subscriber_resubscribes_the_cache() {
@@ -309,7 +310,7 @@ async fn a_restarted_subscriber_resubscribes_the_cache() {
     forget_is_heard(&a, &b, "k").await;
 }
 
-/// Item 7: on a cluster, a reconnection resubscribes every channel of the
+/// On a cluster, a reconnection resubscribes every channel of the
 /// lost node, one confirmation each, in no set order; the cache must be
 /// emptied whichever comes first. Twenty key channels share the node of
 /// the namespace's channel, so before the fix the cache's channel was
@@ -355,7 +356,7 @@ async fn a_cluster_reconnection_empties_the_cache() {
     drop(watches);
 }
 
-/// Issue 34, item 2: the server is down at B's first call (the forget
+/// The server is down at B's first call (the forget
 /// subscription fails), then back; B's next call executes, and later calls
 /// of that key would be cache hits, which never claim. Nothing may enter
 /// or be served from the cache until the feed is heard, and the feed must
