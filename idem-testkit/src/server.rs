@@ -462,7 +462,7 @@ fn tail(path: &Path, from: u64, lines: usize) -> String {
 
 /// The environment variable that names the server binary the tests run
 /// instead of `redis-server` from `PATH`, e.g. a Valkey:
-/// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test --test it semantics::`.
+/// `IDEM_REDIS_SERVER=/path/to/valkey-server cargo test -p idem-redis --test it`.
 pub const SERVER_ENV: &str = "IDEM_REDIS_SERVER";
 
 /// Names the Valkey 8.1+ binary of [`RedisServer::start_valkey_with`];

@@ -1,6 +1,6 @@
 //! The child side of multi-process tests: a test binary re-executed as a
-//! worker process (see `tests/it/processes.rs`), which must never outlive the
-//! test that started it.
+//! worker process (see `idem-redis/tests/it/processes.rs`), which must
+//! never outlive the test that started it.
 
 use std::future::Future;
 use std::time::Duration;

@@ -2,30 +2,19 @@
 //! module per topic, so `cargo test --test it semantics::` runs one. The
 //! programs of the README and the guides stay in `tests/readme/`;
 //! `tests/metrics.rs` stays its own binary (it needs features `http` and
-//! `metrics`, `[[test]]` in Cargo.toml).
+//! `metrics`, `[[test]]` in Cargo.toml). Here: the suites that run every
+//! store through the facade (memory, Redis, PostgreSQL) and the examples;
+//! the Redis store's own suites are idem-redis's (`idem-redis/tests/it/`).
 
-mod acl;
 mod bad_input;
-mod batch;
 mod call_batch;
-mod cluster;
-mod complete_path;
-mod durability;
-mod edges;
 mod error_sources;
 mod failures;
-mod faults;
-mod invalidate;
 mod model;
+mod operate;
 mod orders_consumer_example;
 mod orders_outbox_example;
-mod outbox_redis;
-mod outbox_redis_processes;
-mod processes;
 mod readme_consumers;
 mod semantics;
-mod shared_store;
-mod stale_cache;
 mod steps;
 mod steps_processes;
-mod wait;

@@ -678,7 +678,7 @@ fn run_fixed(rt: &tokio::runtime::Runtime, redis: &TestContext, pg: &Pg, steps: 
 /// each transition: every store answers each item as the reference
 /// answers the same calls one by one, in batch order.
 #[test]
-fn batches_answer_as_the_single_calls_in_order() {
+fn memory_and_redis_batches_answer_as_the_single_calls_in_order() {
     use Op::*;
     let (rt, redis, pg) = runtime_and_redis();
     let claim = |key, token, fp| Claim {

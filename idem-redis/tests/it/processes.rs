@@ -5,7 +5,8 @@
 //! truth: exactly one run per key, and after `SIGKILL` of holders mid-body,
 //! exactly one more run for each key a dead holder had, after its lease.
 
-use idem::{Error, Idempotency, RedisStore};
+use idem_core::{Error, Idempotency};
+use idem_redis::RedisStore;
 use idem_testkit::{FileLedger, RedisServer, Rng, unix_ms};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};

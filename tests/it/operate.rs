@@ -3,9 +3,8 @@
 //! forget means for local replay caches.
 
 use futures_util::StreamExt;
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
-use idem_core::{Error, Idempotency, KeyState, MemoryStore, Outcome};
-use idem_redis::{RedisStore, redis};
+use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem::{Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore};
 use idem_testkit::{RedisCluster, RedisServer, TestContext};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -315,7 +314,7 @@ impl Store for Deaf {
         &self,
         key: &str,
         token: &Token,
-        fp: Option<&idem_core::Fingerprint>,
+        fp: Option<&idem::Fingerprint>,
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
@@ -327,14 +326,14 @@ impl Store for Deaf {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.0.extend(key, token, lease).await
     }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<idem_core::RecordInfo>, Error> {
+    async fn forget(&self, key: &str, force: bool) -> Result<Option<idem::RecordInfo>, Error> {
         self.0.forget(key, force).await
     }
 }
 
 /// A forget in one `Idempotency` drops the copy in another's local cache
 /// at once when the store delivers invalidations (MemoryStore clones here;
-/// Redis in `tests/it/invalidate.rs`).
+/// Redis in `idem-redis/tests/it/invalidate.rs`).
 #[tokio::test(start_paused = true)]
 async fn forget_reaches_other_local_caches() {
     let store = MemoryStore::new();
@@ -360,9 +359,9 @@ async fn forget_reaches_other_local_caches() {
     );
 }
 
-/// A store that cannot tell local caches of forgets: nothing enters them
-/// (issue 34, item 2), so after a forget this process and another both run
-/// the body again at once; `ttl_left` still says what the record had left.
+/// A store that cannot tell local caches of forgets: nothing enters them,
+/// so after a forget this process and another both run the body again at
+/// once; `ttl_left` still says what the record had left.
 #[tokio::test(start_paused = true)]
 async fn forget_and_local_caches() {
     let store = Deaf(MemoryStore::new());

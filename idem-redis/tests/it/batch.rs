@@ -4,8 +4,9 @@
 //! batch spans every master and a slot moved under a batch is followed key
 //! by key.
 
-use idem::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
-use idem::{Error, RedisStore};
+use idem_core::Error;
+use idem_core::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem_redis::RedisStore;
 use idem_testkit::{TestContext, claim, key_slot};
 use std::collections::BTreeSet;
 
@@ -233,7 +234,7 @@ async fn a_moved_slot_is_followed_key_by_key() {
 /// unheard and its maker sends its own round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rider_goes_after_the_results_on_one_server_only() {
-    use idem::store::{Rider, RiderReply};
+    use idem_core::store::{Rider, RiderReply};
     use std::sync::{Arc, Mutex};
     fn rider(cmd: redis::Cmd) -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
         let heard = Arc::new(Mutex::new(None));

@@ -2,10 +2,10 @@
 //! store it hands to a builder, to read or steer it while calls run.
 
 use async_trait::async_trait;
-use idem::store::{
+use idem_core::store::{
     Claim, ClaimReply, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
-use idem::{Durability, Error, Fingerprint, RecordInfo};
+use idem_core::{Durability, Error, Fingerprint, RecordInfo};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -2,8 +2,9 @@
 //! "Redis ACL"), what a missing permission looks like, and that keys are
 //! not logged in clear by default.
 
-use idem::store::{Claim, Store, Token};
-use idem::{Error, Idempotency, Outcome, RedisStore};
+use idem_core::store::{Claim, Store, Token};
+use idem_core::{Error, Idempotency, Outcome};
+use idem_redis::RedisStore;
 use idem_testkit::{LogCapture, RedisServer, Runs};
 use std::time::Duration;
 
@@ -227,7 +228,7 @@ async fn minimal_acl_user_runs_the_core_semantics() {
 /// Claims `keys` in one batch, completes them in one batch, and counts the
 /// completes that answered `Done`.
 async fn batch_round(store: &RedisStore, keys: &[&str], tokens: &[Token]) -> usize {
-    use idem::store::{ClaimReply, Finish, ValueKind, WriteReply};
+    use idem_core::store::{ClaimReply, Finish, ValueKind, WriteReply};
     let claims: Vec<Claim<'_>> = keys
         .iter()
         .zip(tokens)
@@ -475,7 +476,10 @@ async fn durable_calls_without_wait_are_refused_with_the_grant_to_add() {
     let store = RedisStore::connect(&user_url(&server)).await.unwrap();
     let idem = Idempotency::builder(store)
         .namespace("payments")
-        .durability(idem::Durability::replicated(1, Duration::from_millis(300)))
+        .durability(idem_core::Durability::replicated(
+            1,
+            Duration::from_millis(300),
+        ))
         .build();
     let runs = Runs::default();
     let refused: Result<u8, Error> = idem.call("charge", "k").run(|| runs.body(1)).await;
@@ -496,7 +500,7 @@ async fn durable_calls_without_wait_are_refused_with_the_grant_to_add() {
     // The same user without durability is unaffected.
     let ok: u8 = idem
         .call("charge", "k")
-        .durability(idem::Durability::Async)
+        .durability(idem_core::Durability::Async)
         .run(|| runs.body(2))
         .await
         .unwrap();
@@ -560,7 +564,7 @@ async fn keys_are_not_logged_in_clear_by_default() {
     for store in ["memory", "redis"] {
         let builder = |ns: &str| {
             let b = match store {
-                "memory" => Idempotency::builder(idem::MemoryStore::new()),
+                "memory" => Idempotency::builder(idem_core::MemoryStore::new()),
                 _ => Idempotency::builder(redis.clone()),
             };
             b.namespace(ns)

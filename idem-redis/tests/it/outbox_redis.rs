@@ -4,9 +4,11 @@
 //! sink, outside the store, and counted exactly.
 
 use async_trait::async_trait;
-use idem::outbox::{self, OutboxMessage, RedisRelay, Sink, SinkError, message_id};
-use idem::store::Store;
-use idem::{Error, Idempotency, Outcome, RedisStore};
+use idem_core::outbox::{self, OutboxMessage, Sink, SinkError, message_id};
+use idem_core::store::Store;
+use idem_core::{Error, Idempotency, Outcome};
+use idem_redis::RedisStore;
+use idem_redis::outbox::RedisRelay;
 use idem_testkit::TestContext;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -200,7 +202,7 @@ async fn the_messages_are_stored_with_the_result_or_not_at_all() {
         outbox::stage("orders", "o-4", &1),
         Err(Error::InvalidConfig(_))
     ));
-    let memory = Idempotency::builder(idem::MemoryStore::new()).build();
+    let memory = Idempotency::builder(idem_core::MemoryStore::new()).build();
     let runs = AtomicUsize::new(0);
     for _ in 0..2 {
         let r: Res<u32> = memory
@@ -273,7 +275,7 @@ async fn a_complete_that_cannot_append_stores_nothing() {
         "the result was stored without its messages: {state:?}"
     );
     assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
-    let token = idem::store::Token::random();
+    let token = idem_core::store::Token::random();
     let claim = idem_testkit::claim("outbox:orders.create:r-3", &token, 30_000, 60_000, None);
     svc.claim(claim).await.unwrap();
     let m = OutboxMessage {
@@ -288,7 +290,7 @@ async fn a_complete_that_cannot_append_stores_nothing() {
             "outbox:orders.create:r-3",
             &token,
             None,
-            idem::store::ValueKind::Json,
+            idem_core::store::ValueKind::Json,
             b"1",
             &[m],
         )
@@ -339,7 +341,7 @@ async fn through_the_redis_streams_sink_the_id_is_in_field_id() {
     place(&idem, "r-x", "o-x").await.unwrap();
     // Scripts flushed (a restart, a fail-over): the relay loads its own.
     ctx.server().cli(&["SCRIPT", "FLUSH"]);
-    let sink = idem::outbox::RedisStreamsSink::connect(&ctx.server().url())
+    let sink = idem_consumer::outbox::RedisStreamsSink::connect(&ctx.server().url())
         .await
         .unwrap();
     drain(&RedisRelay::new(&store, sink)).await;

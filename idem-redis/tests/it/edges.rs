@@ -1,12 +1,12 @@
-//! Exactly-once at the edges of the runtime (issue "Exactly-once at the
-//! edges"): a caller that gives up after its body succeeded, a body that
-//! blocks past its lease, records the scripts must never write or
-//! misread, a re-sent complete, scripts gone from a node while another is
+//! Exactly-once at the edges of the runtime: a caller that gives up after
+//! its body succeeded, a body that blocks past its lease, records the
+//! scripts must never write or misread, a re-sent complete, scripts gone from a node while another is
 //! down, and a TTL shorter than the default lease. Real redis-server
 //! processes throughout; exact run counts.
 
-use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
-use idem::{Error, Idempotency, MemoryStore, Outcome, RedisStore, RedisStoreConfig};
+use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::{Error, Idempotency, MemoryStore, Outcome};
+use idem_redis::{RedisStore, RedisStoreConfig};
 use idem_testkit::{FaultProxy, RedisCluster, RedisServer};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -8,12 +8,11 @@
 
 use crate::shared_store::Shared;
 use async_trait::async_trait;
-use idem::store::{
+use idem_core::store::{
     Claim, ClaimReply, Hub, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
 };
-use idem::{
-    Durability, Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo, RedisStore,
-};
+use idem_core::{Durability, Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo};
+use idem_redis::RedisStore;
 use idem_testkit::{Ledger, TestContext};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -475,7 +474,7 @@ impl<S: Store> Store for Told<S> {
     }
 }
 
-/// The race of publish-on-mark (issue 37, item 3): the holder's complete
+/// The race of publish-on-mark: the holder's complete
 /// and the waiters' first claims, subscription and marking claim start at
 /// the same moment, round after round, with the holder's complete moved a
 /// little later each round so that every interleaving comes up. Every

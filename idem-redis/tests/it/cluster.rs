@@ -5,8 +5,9 @@
 //! load. Every assertion on executions is exact, from a ledger the bodies
 //! write to.
 
-use idem::store::ValueKind;
-use idem::{Error, Idempotency, Outcome, RedisStore};
+use idem_core::store::ValueKind;
+use idem_core::{Error, Idempotency, Outcome};
+use idem_redis::RedisStore;
 use idem_testkit::{
     BodyError, Ledger, RecordState, RedisCluster, Rng, TestContext, eventually, is_unavailable,
     key_slot, record_state,

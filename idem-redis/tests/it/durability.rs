@@ -1,4 +1,4 @@
-//! Durability across a failover (issue 39): a master with one replica, a
+//! Durability across a failover: a master with one replica, a
 //! pool of workers calling through a `FaultProxy` (the clients' virtual
 //! IP), and a killer that SIGKILLs the master right after acknowledged
 //! completes, promotes the replica (`REPLICAOF NO ONE`) and points the
@@ -8,7 +8,8 @@
 //! it loses anything (that is a race). The counts are exact, from the
 //! ledger; nothing is timed.
 
-use idem::{Durability, Error, Idempotency, Outcome, RedisStore, RedisStoreConfig};
+use idem_core::{Durability, Error, Idempotency, Outcome};
+use idem_redis::{RedisStore, RedisStoreConfig};
 use idem_testkit::{FaultProxy, Ledger, RedisCluster, RedisServer, eventually, key_slot};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -461,11 +462,11 @@ async fn a_contended_durable_claim_is_confirmed_on_the_connection_that_wrote_it(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durability_a_store_cannot_give_is_refused_before_anything_runs() {
-    let memory = Idempotency::builder(idem::MemoryStore::new())
+    let memory = Idempotency::builder(idem_core::MemoryStore::new())
         .durability(replicated())
         .try_build();
     assert!(matches!(memory, Err(Error::DurabilityUnsupported { .. })));
-    let invalid = Idempotency::builder(idem::MemoryStore::new())
+    let invalid = Idempotency::builder(idem_core::MemoryStore::new())
         .durability(Durability::replicated(0, Duration::from_secs(1)))
         .try_build();
     assert!(matches!(invalid, Err(Error::InvalidConfig(_))));

@@ -1,15 +1,17 @@
-//! Local replay caches never keep a forgotten key: not when the forget races the read that fills the cache, not after
-//! a blip at the first call, not after the subscriber task restarted, not
-//! after a cluster reconnection. Real Redis servers (private, so that
+//! Local replay caches never keep a forgotten key: not when the forget
+//! races the read that fills the cache, not after a blip at the first
+//! call, not after the subscriber task restarted, not after a cluster
+//! reconnection. Real Redis servers (private, so that
 //! `PUBSUB SHARDCHANNELS` sees only this test's subscribers).
 
 use crate::shared_store::Shared;
 use async_trait::async_trait;
-use idem::store::{
+use idem_core::store::{
     Claim, ClaimReply, Invalidation, InvalidationSink, KeyWatch, Store, Token, ValueKind,
     WriteReply,
 };
-use idem::{Error, Fingerprint, Idempotency, Outcome, RecordInfo, RedisStore};
+use idem_core::{Error, Fingerprint, Idempotency, Outcome, RecordInfo};
+use idem_redis::RedisStore;
 use idem_testkit::TestContext;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -172,7 +174,7 @@ async fn forget_heard(a: &Idempotency, key: &str, heard: &mut mpsc::UnboundedRec
         .expect("B's cache never heard the forget");
 }
 
-/// B's claim reads the completed record, the key is
+/// At the replay: B's claim reads the completed record, the key is
 /// forgotten and B's cache hears it, and only then does B see the reply.
 /// The copy must not enter the cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,7 +199,7 @@ async fn a_forget_racing_a_replay_is_not_cached() {
     );
 }
 
-/// B's result is stored, the key is forgotten
+/// At the completion: B's result is stored, the key is forgotten
 /// and B's cache hears it, and only then does B see the complete's reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forget_racing_a_completion_is_not_cached() {

@@ -2,11 +2,12 @@
 //! where the server has it (Valkey 8.1+, Redis 8.4+), the Lua script on
 //! Redis 7; and that a plain complete that does not match answers exactly
 //! as the script would. Run on Redis 7 by `cargo test`, and on Valkey by
-//! `.ci/run`'s second pass (`IDEM_REDIS_SERVER=…/valkey-server`).
+//! `cargo xtask test`'s second pass (`IDEM_REDIS_SERVER=…/valkey-server`).
 
-use idem::Durability::Async;
-use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
-use idem::{Error, Fingerprint, RedisStore};
+use idem_core::Durability::Async;
+use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::{Error, Fingerprint};
+use idem_redis::RedisStore;
 use idem_testkit::RedisServer;
 use std::time::Duration;
 
@@ -73,7 +74,7 @@ fn raw(server: &RedisServer, key: &str) -> Vec<u8> {
         .expect("GET the record")
 }
 
-/// Publish only when someone waits (issue 37, item 3): a caller subscribed
+/// Publish only when someone waits: a caller subscribed
 /// to the key marks the pending record with its claim (the record's bytes
 /// change, its TTL and fields stay, the holder's `extend` keeps the mark);
 /// the holder's complete then does not match its `SET … IFEQ` (Valkey
@@ -379,7 +380,7 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
 /// the script answers it.
 #[tokio::test]
 async fn a_batch_completes_on_the_servers_path() {
-    use idem::store::Finish;
+    use idem_core::store::Finish;
     let server = RedisServer::start();
     let store = connect(&server).await;
     let path = expected_path(&server);
@@ -430,7 +431,7 @@ async fn a_batch_completes_on_the_servers_path() {
 /// and every other key is completed with its own value.
 #[tokio::test]
 async fn a_batch_of_several_read_chunks_answers_each_key_as_its_own() {
-    use idem::store::Finish;
+    use idem_core::store::Finish;
     let server = RedisServer::start();
     let store = connect(&server).await;
     const N: usize = 2_100;
@@ -487,8 +488,8 @@ async fn a_batch_of_several_read_chunks_answers_each_key_as_its_own() {
     }
 }
 
-/// Nothing is kept per call between a claim and its complete (issue 37,
-/// item 4): the complete rebuilds the pending record from the claim's
+/// Nothing is kept per call between a claim and its complete: the
+/// complete rebuilds the pending record from the claim's
 /// terms, so a store that never saw the claim (another connection, as
 /// after a process restart with the same owner token) completes it with
 /// one plain `SET … IFEQ` on Valkey 8.1+, and terms that are not the
@@ -556,8 +557,8 @@ async fn a_renewed_call_completes_through_the_script_at_once() {
 }
 
 /// A runtime on `server` whose calls renew their lease after 100 ms.
-async fn short_lease(server: &RedisServer) -> idem::Idempotency {
-    idem::Idempotency::builder(connect(server).await)
+async fn short_lease(server: &RedisServer) -> idem_core::Idempotency {
+    idem_core::Idempotency::builder(connect(server).await)
         .lease(Duration::from_millis(300))
         .build()
 }
@@ -577,7 +578,7 @@ fn only_claims_and_scripts_set(server: &RedisServer, claims: u64, scripts: u64, 
 }
 
 /// As [`a_renewed_call_completes_through_the_script_at_once`], for calls
-/// of a [`Batch`](idem::Batch) and of a [`CallGroup`](idem::CallGroup):
+/// of a [`Batch`](idem_core::Batch) and of a [`CallGroup`](idem_core::CallGroup):
 /// each renewed call leaves the shared finish round trip (which completes
 /// with the claim's bytes) and completes through the script on its own.
 /// Every `SET` is a claim's or a script's: none is a plain complete that
@@ -599,7 +600,7 @@ async fn renewed_calls_of_a_batch_or_a_group_complete_through_the_script_at_once
             let calls = (0..2).map(|i| idem.call(scope, i).in_group(&group).run(move || slow(i)));
             futures_util::future::join_all(calls).await
         } else {
-            idem::Batch::from(vec![idem.call(scope, 0), idem.call(scope, 1)])
+            idem_core::Batch::from(vec![idem.call(scope, 0), idem.call(scope, 1)])
                 .run(slow)
                 .await
         }

@@ -4,8 +4,9 @@
 //! ends with its value or a typed error, and nothing is stranded beyond the
 //! lease.
 
-use idem::store::ValueKind;
-use idem::{Error, FailMode, Idempotency, Outcome, RedisStore, RedisStoreConfig};
+use idem_core::store::ValueKind;
+use idem_core::{Error, FailMode, Idempotency, Outcome};
+use idem_redis::{RedisStore, RedisStoreConfig};
 use idem_testkit::{
     BodyError, FaultProxy, Ledger, LogCapture, RecordPeek, RecordState, RedisServer, TestContext,
     eventually, is_typed_store_error, is_unavailable, record_state,
@@ -829,7 +830,7 @@ async fn store_outage_past_the_lease_tells_the_body_and_the_next_holder_recovers
         idem.call("op", "outage")
             .run_outcome(|| async move {
                 l.record("outage");
-                let lease = idem::lease().expect("a body has a lease");
+                let lease = idem_core::lease().expect("a body has a lease");
                 let _ = entered_tx.send(());
                 let heard = tokio::time::timeout(Duration::from_secs(10), lease.lost()).await;
                 if heard.is_ok() {

@@ -12,8 +12,11 @@
 //! run again after a crash adds no third), `created` first; and every body
 //! run but the last was in a process that was killed.
 
-use idem::outbox::{self, RedisRelay, RedisStreamsSink, message_id};
-use idem::{Error, Idempotency, RedisStore};
+use idem_consumer::outbox::RedisStreamsSink;
+use idem_core::outbox::{self, message_id};
+use idem_core::{Error, Idempotency};
+use idem_redis::RedisStore;
+use idem_redis::outbox::RedisRelay;
 use idem_testkit::{FileLedger, RedisServer, Rng, unix_ms};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

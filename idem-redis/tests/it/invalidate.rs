@@ -4,7 +4,7 @@
 //! replaying the evicted value. Each `Idempotency` here has a store of its
 //! own (its own connections and subscriber), as two processes would.
 
-use idem::{Error, Idempotency, MemoryStore, Outcome};
+use idem_core::{Error, Idempotency, MemoryStore, Outcome};
 use idem_testkit::TestContext;
 use std::time::Duration;
 
@@ -28,7 +28,7 @@ async fn until_executed(idem: &Idempotency, key: &str, value: u32) -> Outcome {
     last
 }
 
-fn cached(idem_store: impl idem::store::Store) -> Idempotency {
+fn cached(idem_store: impl idem_core::store::Store) -> Idempotency {
     Idempotency::builder(idem_store)
         .namespace("payments")
         .result_ttl(Duration::from_secs(3600))
@@ -126,7 +126,7 @@ fn cache_worker() {
     let url = std::env::var("IDEM_URL").expect("worker: IDEM_URL");
     idem_testkit::run_worker(async move {
         let idem = cached(
-            idem::RedisStore::connect(&url)
+            idem_redis::RedisStore::connect(&url)
                 .await
                 .expect("worker: connect"),
         );
@@ -210,7 +210,7 @@ async fn a_forget_in_another_process_drops_the_copy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_replays_from_the_cache_without_a_round_trip() {
     let server = idem_testkit::RedisServer::start();
-    let store = idem::RedisStore::connect(&server.url())
+    let store = idem_redis::RedisStore::connect(&server.url())
         .await
         .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", server.url()));
     let idem = cached(store);
