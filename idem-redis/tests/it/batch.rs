@@ -384,7 +384,7 @@ async fn a_flushed_complete_batch_completes_alone_then_is_one_call_again() {
 /// once every result is stored.
 #[tokio::test]
 async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
-    use idem::store::{Rider, RiderReply};
+    use idem_core::store::{Rider, RiderReply};
     use std::sync::{Arc, Mutex};
     fn marking() -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
         let heard = Arc::new(Mutex::new(None));

@@ -401,7 +401,7 @@ async fn run_answers_an_unconfirmed_result_as_not_final() {
 /// old one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_contended_durable_claim_is_confirmed_on_the_connection_that_wrote_it() {
-    use idem::store::{Claim, Store, Token};
+    use idem_core::store::{Claim, Store, Token};
     let master = RedisServer::start();
     let _replica = replica_of(&master).await;
     let store = RedisStore::connect(&master.url()).await.expect("connect");
@@ -419,7 +419,7 @@ async fn a_contended_durable_claim_is_confirmed_on_the_connection_that_wrote_it(
         .await
         .expect("claimed");
     assert!(
-        matches!(reply, idem::store::ClaimReply::Acquired { .. }),
+        matches!(reply, idem_core::store::ClaimReply::Acquired { .. }),
         "{reply:?}"
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
