@@ -5,30 +5,24 @@
 //!
 //! * `IdempotencyLayer` in front of the routes: a `POST /payments` must carry
 //!   an `Idempotency-Key`; a retry with the same key gets the first response
-//!   again (`Idempotent-Replayed: true`), a duplicate still in flight gets
-//!   `409` + `Retry-After`, a key reused with another body gets `422`. Each
-//!   `Authorization` value has its own key space, and a client that
-//!   disconnects (a timeout) does not stop a charge half-way: it completes
-//!   and the retry gets its receipt.
+//!   again (`Idempotent-Replayed: true`), a duplicate still in flight `409` +
+//!   `Retry-After`, a key reused with another body `422`. Each
+//!   `Authorization` value has its own key space; a client that disconnects
+//!   does not stop a charge half-way: the retry gets its receipt.
 //! * `#[idempotent]` on the service function that talks to the card
 //!   processor, keyed by the order id: even two requests with *different*
 //!   idempotency keys for the same order charge it once.
 //!
 //! ```text
-//! cargo run --example payments_server --features http
-//! REDIS_URL=redis://127.0.0.1:6379/ ADDR=0.0.0.0:3000 cargo run --example payments_server --features http
+//! cargo run --example payments_server --features http    # REDIS_URL, ADDR=127.0.0.1:3000
 //!
 //! curl -i -X POST http://127.0.0.1:3000/payments \
 //!      -H 'Idempotency-Key: 8e0f6c1a-3f4b-4c1e-9a59-0d1c2b3a4f5e' \
 //!      -H 'Content-Type: application/json' \
 //!      -d '{"order_id":"order-1","amount_cents":1999,"currency":"EUR"}'
 //! ```
-//!
 //! Without `REDIS_URL` the in-process `MemoryStore` is used: same semantics,
-//! but only within this one process.
-//!
-//! With `--features http,metrics`, `GET /metrics` serves idem's metrics in
-//! Prometheus' text format (`idem_calls_total`, `idem_store_seconds`, …).
+//! within this one process. `--features http,metrics` adds `GET /metrics`.
 
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -37,11 +31,14 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use idem::http::IdempotencyLayer;
 use idem::{Idempotency, MemoryStore, RedisStore, idempotent};
+#[cfg(feature = "metrics")]
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+use tracing_subscriber::EnvFilter;
 
 /// The body of `POST /payments`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -81,13 +78,6 @@ pub(crate) struct Payments {
 }
 
 impl Payments {
-    pub(crate) fn new(idem: Idempotency) -> Payments {
-        Payments {
-            idem,
-            charges: AtomicU64::new(0),
-        }
-    }
-
     /// Charges the order's card once per order id, for 24 hours.
     #[idempotent(
         key = req.order_id,
@@ -110,11 +100,6 @@ impl Payments {
             amount_cents: req.amount_cents,
             currency: req.currency,
         })
-    }
-
-    /// How many times a card was really charged.
-    pub(crate) fn charges(&self) -> u64 {
-        self.charges.load(Ordering::SeqCst)
     }
 }
 
@@ -152,13 +137,17 @@ async fn create_payment(
 }
 
 async fn stats(State(payments): State<Arc<Payments>>) -> Json<serde_json::Value> {
-    Json(json!({ "charges": payments.charges() }))
+    Json(json!({ "charges": payments.charges.load(Ordering::SeqCst) }))
 }
 
 /// The whole API: `POST /payments` behind the idempotency layer, and
 /// `GET /stats` (passes through: the layer only handles POST and PATCH).
 pub(crate) fn app(idem: Idempotency) -> Router {
-    let payments = Arc::new(Payments::new(idem.clone()));
+    let charges = AtomicU64::new(0);
+    let payments = Arc::new(Payments {
+        idem: idem.clone(),
+        charges,
+    });
     Router::new()
         .route("/payments", post(create_payment))
         .route("/stats", get(stats))
@@ -174,10 +163,7 @@ pub(crate) fn app(idem: Idempotency) -> Router {
 /// Adds `GET /metrics`: everything recorded on the `metrics` facade, idem's
 /// counters and histograms included, as Prometheus scrapes it.
 #[cfg(feature = "metrics")]
-pub(crate) fn with_metrics(
-    app: Router,
-    handle: metrics_exporter_prometheus::PrometheusHandle,
-) -> Router {
+pub(crate) fn with_metrics(app: Router, handle: PrometheusHandle) -> Router {
     app.route("/metrics", get(move || std::future::ready(handle.render())))
 }
 
@@ -190,9 +176,7 @@ pub(crate) async fn idempotency_from_env() -> Result<Idempotency, idem::Error> {
             Idempotency::builder(store)
         }
         Err(_) => {
-            tracing::info!(
-                "idempotency store: in-process MemoryStore (set REDIS_URL to share keys between processes)"
-            );
+            tracing::info!("idempotency store: in-process MemoryStore (REDIS_URL: Redis)");
             Idempotency::builder(MemoryStore::new())
         }
     };
@@ -201,22 +185,16 @@ pub(crate) async fn idempotency_from_env() -> Result<Idempotency, idem::Error> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,idem_http=debug".into()),
-        )
-        .init();
+    let filter = EnvFilter::try_from_default_env();
+    let filter = filter.unwrap_or_else(|_| "info,idem_http=debug".into());
+    tracing_subscriber::fmt().with_env_filter(filter).init();
     let idem = idempotency_from_env().await?;
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "payments server listening");
     let app = app(idem);
     #[cfg(feature = "metrics")]
-    let app = with_metrics(
-        app,
-        metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?,
-    );
+    let app = with_metrics(app, PrometheusBuilder::new().install_recorder()?);
     axum::serve(listener, app).await?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 """A producer in another language: puts order events on a Redis stream for
-`cargo run --example orders_consumer --features redis-streams,nats,rabbitmq
--- consume <stream> <ledger>` (docs/consumers.md, "A producer in Python").
+`cargo run --example orders_consumer --features redis-streams -- <stream>
+<ledger>` (docs/consumers.md, "A producer in Python").
 
     pip install redis
     python3 examples/producers/redis_streams_orders.py orders        # REDIS_URL or 127.0.0.1:6379

@@ -1,9 +1,10 @@
-//! The orders_consumer example driven as a user drives it: a Python
+//! `examples/orders_consumer.rs` driven as a user drives it: a Python
 //! producer fills a Redis stream (duplicates, re-publishes, one poison
-//! order), the example consumes it in consume mode, is SIGKILLed mid-way
-//! three times and restarted, then stopped with SIGTERM. The ledger file it
-//! writes holds each order's charge exactly once, the poison order is
-//! dead-lettered once, and nothing is left pending.
+//! order), the example consumes it, is SIGKILLed mid-batch three times and
+//! restarted, then stopped with SIGTERM. Checks that a consumer killed at
+//! any point and restarted charges each order exactly once (the ledger file
+//! it writes), dead-letters the poison order once, leaves nothing pending
+//! and stops cleanly on SIGTERM.
 //!
 //! The example runs in a child process: this test binary re-executed as
 //! the `worker` test, which calls the example's own `run` (the example's
@@ -54,19 +55,15 @@ for _ in out:
 print(len(out))
 "#;
 
-/// In a re-executed child: the example in consume mode, until SIGTERM.
+/// In a re-executed child: the example on the stream, until SIGTERM.
 #[test]
 fn worker() {
     let Ok(ledger) = std::env::var(WORKER_ENV) else {
         return;
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mode = example::Mode::Consume {
-        source: STREAM.into(),
-        ledger: ledger.into(),
-    };
-    let code = match rt.block_on(example::run(mode)) {
-        Ok(_) => 0,
+    let code = match rt.block_on(example::run(STREAM, example::Ledger(ledger.into()))) {
+        Ok(()) => 0,
         Err(e) => {
             eprintln!("orders_consumer: {e}");
             1
@@ -85,12 +82,9 @@ fn spawn_example(redis: &str, ledger: &Path, out: &Path) -> Child {
             "1",
         ])
         .env(WORKER_ENV, ledger)
+        // The example's pretend payment provider takes 50 ms a charge: the
+        // kills land mid-batch.
         .env("REDIS_URL", redis)
-        // A payment provider that takes a while, so that kills land mid-batch.
-        .env("ORDERS_CHARGE_DELAY_MS", "50")
-        .env_remove("NATS_URL")
-        .env_remove("AMQP_URL")
-        .env_remove("KAFKA_BROKERS")
         .stdout(std::fs::File::create(out).unwrap())
         .stderr(Stdio::inherit())
         .spawn()
@@ -98,7 +92,7 @@ fn spawn_example(redis: &str, ledger: &Path, out: &Path) -> Child {
 }
 
 fn charges(ledger: &Path) -> Vec<(String, String, i64)> {
-    example::Ledger::at(ledger).charges().unwrap()
+    example::Ledger(ledger.into()).charges().unwrap()
 }
 
 fn produce(port: u16, run: &str) -> usize {
@@ -154,6 +148,9 @@ async fn unsettled(conn: &mut redis::aio::MultiplexedConnection) -> (i64, i64) {
     (pending.0, lag)
 }
 
+/// The example SIGKILLed mid-batch three times and restarted: each order
+/// charged exactly once, the poison order dead-lettered once, nothing left
+/// pending, and SIGTERM a clean stop that prints the summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_restarted_the_example_charges_each_order_once() {
     let server = RedisServer::start();

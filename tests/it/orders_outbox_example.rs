@@ -1,20 +1,23 @@
-//! The outbox's end-to-end proof, driving `examples/orders_outbox.rs` as a
-//! user would: a Python producer (pika) publishes orders to RabbitMQ with
-//! duplicates; the example's `take`, `relay` and `ship` stages run as
-//! child processes and are SIGKILLed at random points and restarted, and
-//! PostgreSQL is stopped (immediately, like a crash) and restarted twice
-//! while orders flow. Once everything has settled, PostgreSQL and the
-//! ledger file show: each order's row exactly once, each downstream effect
-//! (order, event) exactly once, nothing lost (every order's two events),
-//! `created` before `paid` for every order, the outbox empty and nothing
-//! parked or dead-lettered.
+//! The outbox's end-to-end proof: the chain RabbitMQ → `run_in_tx`
+//! (`examples/orders_outbox.rs`'s `place`) → relay → Kafka → idem consumer,
+//! each stage a process (`tests/systems/orders_outbox.rs`). A Python
+//! producer (pika) publishes orders to RabbitMQ with duplicates; the
+//! `take`, `relay` and `ship` stages are SIGKILLed at random points and
+//! restarted, and PostgreSQL is stopped (immediately, like a crash) and
+//! restarted twice while orders flow.
+//!
+//! The invariant: once everything has settled, whatever was killed when,
+//! PostgreSQL and the ledger file show each order's row exactly once, each
+//! downstream effect (order, event) exactly once, nothing lost (every
+//! order's two events), `created` before `paid` for every order, the outbox
+//! empty and nothing parked or dead-lettered; and SIGTERM stops every
+//! stage cleanly.
 //!
 //! The stages run in child processes: this test binary re-executed as the
-//! `worker` test, which calls the example's own `run` (its source is
-//! compiled in, as `tests/it/orders_consumer_example.rs` does with its
-//! example). PostgreSQL and the Kafka broker (tansu) are private to the
-//! test; RabbitMQ is the shared one on 127.0.0.1:5672 (`AMQP_URL`), on a
-//! queue of the test's own, deleted at the end.
+//! `worker` test, which calls the stages' `run` (their source and the
+//! example's are compiled in). PostgreSQL and the Kafka broker (tansu) are
+//! private to the test; RabbitMQ is the shared one on 127.0.0.1:5672
+//! (`AMQP_URL`), on a queue of the test's own, deleted at the end.
 //!
 //! A killed `ship` member is restarted after the group's session timeout
 //! (the others at once): see the fault loop for the broker's reason.
@@ -28,6 +31,9 @@
 #[path = "../../examples/orders_outbox.rs"]
 #[allow(dead_code)]
 mod example;
+
+#[path = "../systems/orders_outbox.rs"]
+mod stages;
 
 use idem::consumer::rabbitmq::{declare_queue, lapin};
 use idem::postgres::sqlx::postgres::{PgPool, PgPoolOptions};
@@ -78,15 +84,15 @@ conn.close()
 print(sent)
 "#;
 
-/// In a re-executed child: one stage of the example, until SIGTERM.
+/// In a re-executed child: one stage, until SIGTERM.
 #[test]
 fn worker() {
     let Ok(mode) = std::env::var(WORKER_ENV) else {
         return;
     };
-    let mode = example::Mode::from_args(std::iter::once(mode)).unwrap();
+    let mode = stages::Mode::from_args(std::iter::once(mode)).unwrap();
     let code = idem_testkit::run_worker(async {
-        match example::run(mode).await {
+        match stages::run(mode).await {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("orders_outbox: {e}");
@@ -336,6 +342,10 @@ fn wait_bounded(child: &mut Child, limit: Duration) -> Option<std::process::Exit
     }
 }
 
+/// Stages SIGKILLed at random and PostgreSQL restarted while orders flow:
+/// each order's row once, each (order, event) effect once with `created`
+/// before `paid`, nothing lost, parked or dead-lettered, and every stage
+/// stops cleanly on SIGTERM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_stages_and_a_restarted_postgres_still_apply_each_order_and_event_once_in_order() {
     require_pika();
@@ -350,7 +360,7 @@ async fn killed_stages_and_a_restarted_postgres_still_apply_each_order_and_event
     std::fs::create_dir_all(&dir).unwrap();
     let ledger_path = dir.join("ledger.txt");
     let topic = format!("shipping-{run}");
-    let env = example::Env {
+    let env = stages::Env {
         database_url: pg.url("postgres"),
         amqp_url: amqp.clone(),
         queue: queue.name.clone(),
@@ -363,7 +373,7 @@ async fn killed_stages_and_a_restarted_postgres_still_apply_each_order_and_event
         // A slow step in each body, so that kills land inside them.
         work_delay: Duration::from_millis(50),
     };
-    example::ensure_topics(&env).await.unwrap();
+    stages::ensure_topics(&env).await.unwrap();
     let setup = Setup {
         env: vec![
             ("DATABASE_URL", env.database_url.clone()),
@@ -491,7 +501,7 @@ async fn killed_stages_and_a_restarted_postgres_still_apply_each_order_and_event
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy(&env.database_url)
         .unwrap();
-    let ledger = example::Ledger::at(&ledger_path);
+    let ledger = stages::Ledger::at(&ledger_path);
     let outbox_table = format!("{DEFAULT_TABLE}_outbox");
     let expected_events = ORDERS * example::EVENTS.len();
     let end = Instant::now() + SETTLE;
