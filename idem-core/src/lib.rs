@@ -24,6 +24,21 @@
 //! ([`Call::run_steps`], [`Steps`]): after a crash, the call that takes the
 //! key over replays the finished steps and runs only the rest.
 //!
+//! [`KeyDeriver`] derives a key from a JSON payload that carries no id of
+//! its own (canonical JSON minus volatile fields, SHA-256). idem-consumer's
+//! `KeySource::Payload` is its one user inside idem, yet it lives here
+//! rather than in idem-consumer: it depends on no broker nor transport (an
+//! HTTP handler keys a request body with it as well), and the facade offers
+//! it as `idem::KeyDeriver` in every build, the `consumer` feature on or
+//! off, which only a crate the facade always depends on can give.
+//!
+//! The limits a call's durations must keep ([`MIN_DURATION`], [`MAX_TTL`],
+//! [`MAX_LEASE`]; other values are [`Error::InvalidConfig`]) are defined in
+//! `idem-key`, as [`MAX_KEY_LEN`] is, and re-exported here where they are
+//! enforced: the `#[idempotent]` macro checks literal durations against the
+//! same definitions at compile time, and a proc-macro crate depending on
+//! the runtime would compile it (Tokio and all) for the host.
+//!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`store::Store`] for the state machine both
 //! stores implement.
@@ -81,7 +96,7 @@ pub use key::{MAX_KEY_LEN, validate_key_part};
 pub use lease::{Lease, lease};
 pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
-pub use settings::FailMode;
+pub use settings::{FailMode, MAX_LEASE, MAX_TTL, MIN_DURATION};
 pub use store::{KeyState, MemoryStore, RecordInfo};
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may

@@ -4,7 +4,7 @@
 use crate::cache::ReplayCache;
 use crate::hook::Hook;
 use crate::store::{InvalidationSink, Store};
-use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
+pub use idem_key::{MAX_LEASE, MAX_TTL, MIN_DURATION};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;

@@ -9,13 +9,13 @@ use base64::alphabet;
 use base64::engine::DecodePaddingMode;
 use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig};
 use http::{HeaderMap, HeaderValue, Response};
-use idem_http::shared::settings::Settings;
+use idem_layer::settings::Settings;
 use std::collections::HashMap;
 use tonic::Code;
 use tonic::metadata::MetadataMap;
 
 /// Where a request's tenant comes from; the hook sees the metadata.
-pub(crate) type TenantSource = idem_http::shared::settings::TenantSource<MetadataMap>;
+pub(crate) type TenantSource = idem_layer::settings::TenantSource<MetadataMap>;
 
 /// The tenant of a request as bytes, `None` for the tenant-less key space;
 /// the error, for a `-bin` entry that is not base64, says what to send.

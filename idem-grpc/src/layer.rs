@@ -5,7 +5,7 @@ use crate::method::UnaryMethod;
 use crate::service::IdempotencyService;
 use http::HeaderName;
 use idem_core::Idempotency;
-use idem_http::shared::settings::Settings;
+use idem_layer::settings::Settings;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -351,7 +351,7 @@ impl IdempotencyLayer {
 /// The largest reply whose record the runtime can store: a larger one
 /// never fits its `max_value_size`, whatever its metadata.
 fn largest_reply(idem: &Idempotency) -> usize {
-    idem_http::shared::record::largest_binary_body(idem.max_value_size())
+    idem_layer::record::largest_binary_body(idem.max_value_size())
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -371,7 +371,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 mod tests {
     use super::*;
     use idem_core::MemoryStore;
-    use idem_http::shared::record::largest_binary_body;
+    use idem_layer::record::largest_binary_body;
 
     /// `max_response_bytes` (and its default) never exceeds the largest
     /// reply whose base64 record fits the runtime's `max_value_size`.

@@ -13,9 +13,9 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use idem_core::{Error, Fingerprint, Idempotency};
-use idem_http::shared::record::{NotKept, Record};
-use idem_http::shared::settings::Claim;
-use idem_http::shared::task::{
+use idem_layer::record::{NotKept, Record};
+use idem_layer::settings::Claim;
+use idem_layer::task::{
     self, Answers, BytesBody, Inner, Ran, ReadError, TaskError, read_limited, take_ready,
 };
 use std::future::Future;

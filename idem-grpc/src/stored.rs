@@ -1,11 +1,12 @@
 //! What is kept of an RPC's answer: initial metadata, the framed response
 //! message(s) as sent, and the trailers (status included), so a replay is
 //! byte for byte what the first call got. The record format is idem-http's
-//! stored exchange, with the gRPC status code in place of the HTTP status.
+//! too (`idem_layer::record`), with the gRPC status code in place of the
+//! HTTP status.
 
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue};
-use idem_http::shared::record::{Blob, NEVER_STORED, NotKept, Record};
+use idem_layer::record::{Blob, NEVER_STORED, NotKept, Record};
 
 /// Why the answer was not kept, in a `response-not-kept` refusal.
 pub(crate) fn explain(why: NotKept) -> &'static str {

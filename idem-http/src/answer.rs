@@ -4,8 +4,6 @@
 use crate::config::Config;
 use crate::encoding::{self, Replay};
 use crate::problem::{ProblemKind, problem_response};
-use crate::shared::record::Record;
-use crate::shared::task::Answers;
 use crate::stored::{Live, StoredResponse, explain};
 use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED};
 use axum::body::Body;
@@ -13,6 +11,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Response, StatusCode};
 use idem_core::{Error, KeyError, KeyPart};
+use idem_layer::record::Record;
+use idem_layer::task::Answers;
 
 fn retention_header(cfg: &Config, response: &mut Response<Body>) {
     if cfg.advertise_retention {

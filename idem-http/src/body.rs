@@ -3,12 +3,12 @@
 //! a panic of the wrapped body into an error instead of unwinding through
 //! the connection.
 
-use crate::shared::task::panic_message;
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
+use idem_layer::task::panic_message;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};

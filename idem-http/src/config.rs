@@ -3,17 +3,17 @@
 //! that `layer` depends on `service` and never the other way round.
 
 use crate::problem::{ProblemKind, problem_response};
-use crate::shared::settings::Settings;
 use axum::body::Body;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName, Method, Response, header};
+use idem_layer::settings::Settings;
 use std::sync::Arc;
 
 /// The bypass predicate's type: `true` passes the request through unclaimed.
 pub(crate) type BypassFn = dyn Fn(&Parts) -> bool + Send + Sync + 'static;
 
 /// Where a request's tenant comes from; the hook sees the request head.
-pub(crate) type TenantSource = crate::shared::settings::TenantSource<Parts>;
+pub(crate) type TenantSource = idem_layer::settings::TenantSource<Parts>;
 
 /// The tenant source, for the layer's `Debug`.
 pub(crate) fn describe(tenant: &TenantSource) -> String {

@@ -2,17 +2,17 @@
 
 use crate::config::{Config, describe};
 use crate::service::IdempotencyService;
-use crate::shared::settings::Settings;
 use http::request::Parts;
 use http::{HeaderName, Method};
 use idem_core::Idempotency;
+use idem_layer::settings::Settings;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 use tower_layer::Layer;
 
 /// Default limit on buffered request and response bodies: 1 MiB.
-pub const DEFAULT_BODY_LIMIT: usize = crate::shared::settings::DEFAULT_BODY_LIMIT;
+pub const DEFAULT_BODY_LIMIT: usize = idem_layer::settings::DEFAULT_BODY_LIMIT;
 
 /// Default problem `type` base: the "Problem types" section of these docs.
 pub const DEFAULT_PROBLEM_TYPE_BASE: &str = "https://docs.rs/idem-http/latest/idem_http/#";
@@ -427,7 +427,7 @@ impl IdempotencyLayer {
 /// The largest body whose record the runtime can store (as text, its
 /// shortest form): a larger one never fits its `max_value_size`.
 fn largest_response(idem: &Idempotency) -> usize {
-    crate::shared::record::largest_text_body(idem.max_value_size())
+    idem_layer::record::largest_text_body(idem.max_value_size())
 }
 
 impl<S> Layer<S> for IdempotencyLayer {

@@ -262,8 +262,6 @@ mod layer;
 mod problem;
 mod run;
 mod service;
-#[doc(hidden)]
-pub mod shared;
 mod stored;
 
 pub use key::{IdempotencyKey, KeyError, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};

@@ -1,11 +1,11 @@
 //! What is kept of a response, in the record format shared with idem-gRPC
-//! (`shared::record`), and which headers a replay repeats.
+//! (`idem_layer::record`), and which headers a replay repeats.
 
-use crate::shared::record::{Blob, NEVER_STORED, NotKept, Record};
-use crate::shared::task::Ran;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::response::Parts;
+use idem_layer::record::{Blob, NEVER_STORED, NotKept, Record};
+use idem_layer::task::Ran;
 
 /// What one run stores, with the response of the request that ran the
 /// handler (it gets every header, `Set-Cookie` included).

@@ -31,6 +31,29 @@
 //! assert_eq!(decode(b"5f0c7a3e-1c2b").unwrap(), decode(br#""5f0c7a3e-1c2b""#).unwrap());
 //! assert!(encode("tab\there").is_err());
 //! ```
+//!
+//! ## What else a key comes with
+//!
+//! Besides its grammar, the crate holds the rest of what the crates on both
+//! sides of a key must agree on, each defined once:
+//!
+//! * **its key space**, [`scope`]: the scope a server layer stores a key
+//!   under (its own scope plus the request's tenant, by default a digest of
+//!   the credentials), the same for idem's HTTP and gRPC layers, so one
+//!   client's key never answers another tenant's request;
+//! * **its lifetime limits**, [`MIN_DURATION`], [`MAX_TTL`] and
+//!   [`MAX_LEASE`]: how long a key's result and its lease may be kept. The
+//!   runtime (`idem-core`, which re-exports them) refuses other values at
+//!   run time and the `#[idempotent]` macro (`idem-macros`) refuses literal
+//!   ones at compile time; this crate is the one both depend on (a
+//!   proc-macro crate depending on the runtime would compile it for the
+//!   host);
+//! * **how a key is re-sent**, [`RetryPolicy`]: every retry of idem's
+//!   clients re-sends the same key, on one schedule for the HTTP client
+//!   (`idem-client`, re-exported as `idem_client::RetryPolicy`) and the
+//!   gRPC client (`idem_grpc::client::RetryPolicy`); those two share no
+//!   other crate but the runtime, and the gRPC client must not depend on
+//!   the HTTP one (reqwest).
 #![cfg_attr(
     not(test),
     deny(

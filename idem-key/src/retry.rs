@@ -4,7 +4,8 @@
 use backon::{BackoffBuilder, ExponentialBuilder};
 use std::time::Duration;
 
-/// How a idem's clients (`idem-client`'s `Client`, `idem-grpc`'s `client`) retries one logical operation.
+/// How idem's clients (`idem-client`'s `Client`, `idem-grpc`'s `client`)
+/// retry one logical operation.
 ///
 /// Every retry re-sends the *same* `Idempotency-Key`, so a retry can never
 /// apply the operation twice: the server either finishes the first attempt's

@@ -19,6 +19,7 @@ use std::sync::Mutex;
 use tokio::sync::oneshot;
 use tower_service::Service;
 
+/// A boxed error of a request body.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A body of `Bytes` a layer can buffer or hand on, as both layers take
@@ -59,7 +60,9 @@ pub fn take_ready<S: Clone>(inner: &mut S) -> S {
 /// Why a request body was not buffered.
 #[derive(Debug)]
 pub enum ReadError {
+    /// The body is over the limit.
     TooLarge,
+    /// The body failed while it was read.
     Failed(BoxError),
 }
 
@@ -152,11 +155,14 @@ pub fn panic_message(panic: &(dyn Any + Send)) -> &str {
 /// bodies are not): the runtime holds a reference to the value while it
 /// stores it.
 pub struct Ran<L> {
+    /// What the run stores.
     pub record: Record,
     live: Mutex<Option<L>>,
 }
 
 impl<L> Ran<L> {
+    /// A run's record, with the answer of the request that ran it (`None`
+    /// when there is none to hand, as for a run read back from the store).
     pub fn new(record: Record, live: Option<L>) -> Ran<L> {
         Ran {
             record,
@@ -164,6 +170,7 @@ impl<L> Ran<L> {
         }
     }
 
+    /// The answer of the request that ran the handler, if any.
     pub fn take_live(self) -> Option<L> {
         // A poisoned lock still holds the answer: nothing panics while it
         // is held.
@@ -187,6 +194,7 @@ impl<'de, L> serde::Deserialize<'de> for Ran<L> {
 
 /// What a layer answers, from a run's result.
 pub trait Answers {
+    /// The layer's response type.
     type Response;
     /// What the run stores besides the record (the first request's answer).
     type Live;
@@ -233,8 +241,10 @@ pub fn answer<A: Answers, E>(
 /// Why a run gave no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
+    /// Not called within a Tokio runtime.
     #[error("no Tokio runtime to run the handler in")]
     NoRuntime,
+    /// The run ended (it panicked) before it sent an answer.
     #[error("the idempotent run ended without an answer")]
     NoAnswer,
 }

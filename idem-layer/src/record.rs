@@ -24,11 +24,17 @@ pub const MARKER_VERSION: u8 = 2;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Blob {
+    /// UTF-8 bytes, as a JSON string.
     Text(String),
-    Base64 { b64: String },
+    /// Other bytes, as `{"b64": "…"}`.
+    Base64 {
+        /// The bytes in standard base64, padded.
+        b64: String,
+    },
 }
 
 impl Blob {
+    /// Text when `bytes` are UTF-8, else base64.
     pub fn from_bytes(bytes: &[u8]) -> Blob {
         match std::str::from_utf8(bytes) {
             Ok(s) => Blob::Text(s.to_owned()),
@@ -46,6 +52,7 @@ impl Blob {
         }
     }
 
+    /// The bytes back; an error for damaged base64.
     pub fn to_bytes(&self) -> Result<Bytes, base64::DecodeError> {
         match self {
             Blob::Text(s) => Ok(Bytes::copy_from_slice(s.as_bytes())),
@@ -73,16 +80,24 @@ pub enum NotKept {
 /// its own and refuses a record without it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
+    /// [`FORMAT_VERSION`] for a kept response, [`MARKER_VERSION`] for a
+    /// marker.
     #[serde(rename = "v")]
     pub version: u8,
+    /// An HTTP record's status.
     #[serde(rename = "s", default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
+    /// A gRPC record's status code.
     #[serde(rename = "c", default, skip_serializing_if = "Option::is_none")]
     pub code: Option<i32>,
+    /// The kept headers (initial metadata over gRPC), in order, with
+    /// repeated names repeated.
     #[serde(rename = "h")]
     pub headers: Vec<(String, Blob)>,
+    /// The body as sent (over gRPC, the framed message(s)).
     #[serde(rename = "b")]
     pub body: Blob,
+    /// The kept trailers (the gRPC status among them).
     #[serde(rename = "t", default, skip_serializing_if = "Vec::is_empty")]
     pub trailers: Vec<(String, Blob)>,
     /// Set on markers: the request was processed, its response not kept.
@@ -222,8 +237,11 @@ pub fn largest_text_body(limit: usize) -> usize {
 /// A kept record's parts, decoded.
 #[derive(Debug)]
 pub struct Decoded {
+    /// The stored headers.
     pub headers: HeaderMap,
+    /// The stored body.
     pub body: Bytes,
+    /// The stored trailers.
     pub trailers: HeaderMap,
 }
 

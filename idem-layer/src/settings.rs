@@ -101,6 +101,7 @@ pub struct Settings<H: ?Sized> {
     pub lease: Option<Duration>,
     /// How long a duplicate waits for an in-flight first request.
     pub wait: Duration,
+    /// Where a request's tenant comes from.
     pub tenant: TenantSource<H>,
     /// Largest request body buffered to read its key and fingerprint.
     pub max_request: usize,
@@ -163,31 +164,37 @@ impl<H: ?Sized> Settings<H> {
         }
     }
 
+    /// Sets [`require_key`](Self::require_key).
     pub fn require_key(mut self, required: bool) -> Self {
         self.require_key = required;
         self
     }
 
+    /// Sets [`retry_after`](Self::retry_after).
     pub fn retry_after(mut self, hint: Duration) -> Self {
         self.retry_after = hint;
         self
     }
 
+    /// Sets [`retention`](Self::retention).
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
     }
 
+    /// Sets [`lease`](Self::lease).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
         self
     }
 
+    /// Sets [`wait`](Self::wait).
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self
     }
 
+    /// Names each request's tenant with `hook` ([`TenantSource::Hook`]).
     pub fn tenant<F>(mut self, hook: F) -> Self
     where
         F: Fn(&H) -> Option<String> + Send + Sync + 'static,
@@ -196,26 +203,32 @@ impl<H: ?Sized> Settings<H> {
         self
     }
 
+    /// A tenant per digest of these headers' values
+    /// ([`TenantSource::Credentials`]).
     pub fn tenant_from_credentials(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
         self.tenant = TenantSource::Credentials(names.into_iter().collect());
         self
     }
 
+    /// The tenant is this header's value ([`TenantSource::Header`]).
     pub fn tenant_from_header(mut self, name: HeaderName) -> Self {
         self.tenant = TenantSource::Header(name);
         self
     }
 
+    /// One key space for every request ([`TenantSource::Shared`]).
     pub fn shared_keys(mut self) -> Self {
         self.tenant = TenantSource::Shared;
         self
     }
 
+    /// Sets [`max_request`](Self::max_request).
     pub fn max_request(mut self, bytes: usize) -> Self {
         self.max_request = bytes;
         self
     }
 
+    /// Sets [`max_response`](Self::max_response).
     pub fn max_response(mut self, bytes: usize) -> Self {
         self.max_response = bytes;
         self
@@ -224,9 +237,15 @@ impl<H: ?Sized> Settings<H> {
 
 /// What one request claims: its key in its scope, with its fingerprint.
 pub struct Claim {
+    /// The runtime the layer runs on.
     pub idem: Idempotency,
+    /// The layer's scope with the request's tenant
+    /// (`idem_key::scope::compose_bytes`).
     pub scope: String,
+    /// The request's idempotency key.
     pub key: String,
+    /// The request's fingerprint: a request under the same key with
+    /// another one is refused.
     pub fingerprint: Fingerprint,
 }
 
