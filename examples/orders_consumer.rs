@@ -42,6 +42,15 @@
 //! `redis://127.0.0.1:6379/`; for Kafka: `tansu broker --storage-engine
 //! memory://tansu/` is a Kafka-protocol broker from crates.io, `cargo
 //! install tansu --features dynostore`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};
 use idem::consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue, lapin};

@@ -68,6 +68,15 @@
 //! restart neither inserts an order twice nor applies an event twice.
 //! `tests/it/orders_outbox_example.rs` proves it by SIGKILLing the three
 //! stages and restarting PostgreSQL while orders flow.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::Idempotency;
 use idem::consumer::kafka::rdkafka::admin::{

@@ -1,4 +1,10 @@
 //! `idem`: inspect, forget and scan idempotency records (see `--help`).
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::indexing_slicing,
+    reason = "a command-line program prints; its indexing is not audited yet"
+)]
 
 mod args;
 mod outbox;

@@ -26,6 +26,10 @@
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`store::Store`] for the state machine both
 //! stores implement.
+#![allow(
+    clippy::indexing_slicing,
+    reason = "its indexing predates the workspace-wide deny and is not audited yet"
+)]
 
 mod cache;
 mod call;

@@ -31,16 +31,6 @@
 //! assert_eq!(decode(b"5f0c7a3e-1c2b").unwrap(), decode(br#""5f0c7a3e-1c2b""#).unwrap());
 //! assert!(encode("tab\there").is_err());
 //! ```
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
-
 mod limits;
 mod retry;
 pub mod scope;

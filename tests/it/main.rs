@@ -3,6 +3,15 @@
 //! programs of the README and the guides stay in `tests/readme/`;
 //! `tests/metrics.rs` stays its own binary (it needs features `http` and
 //! `metrics`, `[[test]]` in Cargo.toml).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod acl;
 mod bad_input;

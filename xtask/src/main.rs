@@ -21,6 +21,12 @@
 //! Started when their ports do not answer: PostgreSQL on 127.0.0.1:5432
 //! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672. Redis and
 //! Kafka need nothing running: the suites spawn private servers.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::expect_used,
+    reason = "a build tool: it reports on stdout/stderr and stops on a broken set-up"
+)]
 
 use std::env;
 use std::fs;
