@@ -13,6 +13,15 @@
 //! server started for the run with PostgreSQL's default settings, autovacuum
 //! on; a database of its own is created and dropped). The relay's sink
 //! confirms at once: the broker is not what is measured here.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a bench program: it fails loudly and prints its report"
+)]
 
 use async_trait::async_trait;
 use idem::outbox::{self, OutboxMessage, Relay, Sink, SinkError};

@@ -20,6 +20,15 @@
 //! The charge passes `s.key("charge")` to the payment provider (a tiny one
 //! kept in Redis here), which honours idempotency keys: even a crash in the
 //! middle of the charge step cannot charge twice.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::{Error, Idempotency, Outcome, RedisStore, Steps};
 use serde::{Deserialize, Serialize};

@@ -14,6 +14,15 @@
 //! 4. a request whose body fails after its INSERT: the row is rolled back and
 //!    the key released, so the retry creates the order once;
 //! 5. the same key with another payload: refused (fingerprint mismatch).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::postgres::sqlx::{self, PgConnection, PgPool};
 use idem::postgres::{PgStore, RunInTx};

@@ -11,6 +11,15 @@
 //! cargo run --example payments_server --features http &
 //! SERVER_URL=http://127.0.0.1:3000 cargo run --example payments_client --features client
 //! ```
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::client::{Client, ClientError, RetryPolicy};
 use serde::{Deserialize, Serialize};

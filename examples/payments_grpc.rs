@@ -19,6 +19,15 @@
 //! committed in `examples/pb/` (no build script, no protoc). Without
 //! `REDIS_URL` the in-process `MemoryStore` is used: the same semantics,
 //! within this one process. Each charge prints one `charged` line.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 /// The generated messages, client and server (`include!`, so that rustfmt
 /// leaves the generated file as the generator wrote it).

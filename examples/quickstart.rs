@@ -5,6 +5,15 @@
 //! cargo run --example quickstart                                # embedded MemoryStore
 //! REDIS_URL=redis://127.0.0.1:6379/ cargo run --example quickstart  # against Redis
 //! ```
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "an example program: it fails loudly and prints what it does"
+)]
 
 use idem::{Error, Idempotency, MemoryStore, Outcome, RedisStore, idempotent};
 use serde::{Deserialize, Serialize};

@@ -84,6 +84,7 @@
 //! giving axum services `Idempotency-Key` semantics; with feature `grpc`,
 //! [`grpc`] runs tonic services' unary RPCs once per key and replays their
 //! answers, and its `client` resends one key per operation.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// `#[idem::async_trait]`: implements a trait with `async fn`s, such as
 /// [`outbox::Sink`], with no `async-trait` dependency of your own.
@@ -94,8 +95,10 @@ pub use idem_macros::idempotent;
 /// The Redis store (feature `redis`, on by default): [`RedisStore`],
 /// standalone or Cluster, and its outbox; see [`idem_redis`].
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idem_redis as redis;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use idem_redis::{RedisStore, RedisStoreConfig};
 
 pub mod store {
@@ -109,25 +112,30 @@ pub mod store {
 
 /// The typed, retrying HTTP client (feature `client`); see [`idem_client`].
 #[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub use idem_client as client;
 
 /// The `Idempotency-Key` tower layer (feature `http`); see [`idem_http`].
 #[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use idem_http as http;
 
 /// Exactly-once unary RPCs for tonic servers, and the retrying client side
 /// (feature `grpc`); see [`idem_grpc`].
 #[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
 pub use idem_grpc as grpc;
 
 /// Exactly-once message consumers: the broker-agnostic core and the Redis
 /// Streams, NATS JetStream, RabbitMQ and Kafka adapters (feature `consumer`,
 /// plus `redis-streams`, `nats`, `rabbitmq`, `kafka`); see [`idem_consumer`].
 #[cfg(feature = "consumer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub use idem_consumer as consumer;
 
 /// The PostgreSQL store and `run_in_tx` (feature `postgres`); see [`idem_postgres`].
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
 
 /// The transactional outbox: messages for the next system committed with a
@@ -150,10 +158,13 @@ pub use idem_postgres as postgres;
 /// The guide is `docs/outbox.md`.
 pub mod outbox {
     #[cfg(feature = "consumer")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
     pub use idem_consumer::outbox::*;
     pub use idem_core::outbox::*;
     #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub use idem_postgres::outbox::*;
     #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub use idem_redis::outbox::*;
 }

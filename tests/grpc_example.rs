@@ -8,6 +8,15 @@
 //! grpcio and grpcio-tools live in `~/.cache/idem-grpcio`:
 //! `cargo xtask setup` installs them (`python3 -m pip install --target
 //! ~/.cache/idem-grpcio grpcio grpcio-tools`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 #[path = "../examples/payments_grpc.rs"]
 #[allow(dead_code)]

@@ -1,5 +1,14 @@
 //! The payments example's `/metrics`, scraped over a real socket after a
 //! known sequence of requests: exact counts per outcome.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 #[path = "../examples/payments_server.rs"]
 #[allow(dead_code)]

@@ -43,6 +43,15 @@
 //! table), for `valgrind --tool=callgrind` on the bench binary, or on a
 //! redis-server given with `--redis`: two runs with different N give the
 //! instructions per call on either side.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a bench program: it fails loudly and prints its report"
+)]
 // The JSON report is one `json!` object with many fields.
 #![recursion_limit = "256"]
 

@@ -89,9 +89,9 @@ fn value() -> Receipt {
 
 async fn one(ctx: &Ctx, phase: Phase, n: u64) -> Result<(), String> {
     let phase = match phase {
-        Phase::FloorMixed if n % MIXED_REPLAY_EVERY == 0 => Phase::FloorReplay,
+        Phase::FloorMixed if n.is_multiple_of(MIXED_REPLAY_EVERY) => Phase::FloorReplay,
         Phase::FloorMixed => Phase::FloorFresh,
-        Phase::IdemMixed if n % MIXED_REPLAY_EVERY == 0 => Phase::IdemReplay,
+        Phase::IdemMixed if n.is_multiple_of(MIXED_REPLAY_EVERY) => Phase::IdemReplay,
         Phase::IdemMixed => Phase::IdemFresh,
         other => other,
     };

@@ -1,4 +1,10 @@
 //! `idem`: inspect, forget and scan idempotency records (see `--help`).
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::indexing_slicing,
+    reason = "a command-line program prints; its indexing is not audited yet"
+)]
 
 mod args;
 mod outbox;
@@ -179,10 +185,10 @@ async fn run(cli: Cli) -> Result<u8, Error> {
                 if state.is_some_and(|s| s != info.state) {
                     continue;
                 }
-                if let Some(min) = older_than {
-                    if info.age(ttl).is_none_or(|age| age < min) {
-                        continue;
-                    }
+                if let Some(min) = older_than
+                    && info.age(ttl).is_none_or(|age| age < min)
+                {
+                    continue;
                 }
                 if shown == limit {
                     eprintln!("idem: stopped after --limit {limit} keys; more match");

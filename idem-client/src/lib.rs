@@ -91,17 +91,6 @@
 //! `GET`). Each attempt emits a `tracing` event with the method, path, key,
 //! attempt number, status or error, and the chosen delay.
 
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::print_stdout,
-        clippy::print_stderr
-    )
-)]
-
 mod client;
 mod error;
 mod key;

@@ -239,13 +239,13 @@ impl Operation<'_> {
         };
         let snippet =
             String::from_utf8_lossy(body.get(..SNIPPET_CAP).unwrap_or(&body)).into_owned();
-        if status == StatusCode::GONE {
-            if let Some(processed_status) = problem.as_ref().and_then(Problem::response_not_kept) {
-                return Outcome::Final(fail(ClientErrorKind::ResponseNotKept {
-                    processed_status,
-                    problem: problem.unwrap_or_default(),
-                }));
-            }
+        if status == StatusCode::GONE
+            && let Some(processed_status) = problem.as_ref().and_then(Problem::response_not_kept)
+        {
+            return Outcome::Final(fail(ClientErrorKind::ResponseNotKept {
+                processed_status,
+                problem: problem.unwrap_or_default(),
+            }));
         }
         let error = fail(ClientErrorKind::Status {
             status,

@@ -1,6 +1,15 @@
 //! End-to-end tests over real sockets against scripted axum servers on 127.0.0.1.
 //!
 //! Timing assertions are lower bounds only.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod support;
 

@@ -1,5 +1,14 @@
 //! Every attempt emits one `tracing` event with method, path, attempt,
 //! status or error, and the chosen delay.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod support;
 

@@ -29,6 +29,15 @@
 //! instruction counts there (docs/performance.md, "The commands").
 //! NATS and RabbitMQ are taken from `NATS_URL` / `AMQP_URL` or their
 //! default local ports; PostgreSQL as idem-testkit finds it.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a bench program: it fails loudly and prints its report"
+)]
 
 use futures_util::StreamExt;
 use idem_consumer::nats::{NatsConfig, NatsConsumer, async_nats, pull_config};

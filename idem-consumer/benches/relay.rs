@@ -21,6 +21,15 @@
 //! Kafka a private tansu (skipped when tansu is not installed), NATS and
 //! RabbitMQ the local ones (`NATS_URL`, `AMQP_URL`), PostgreSQL as
 //! idem-testkit finds it.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a bench program: it fails loudly and prints its report"
+)]
 
 use futures_util::future::join_all;
 use idem_consumer::kafka::rdkafka::ClientConfig;

@@ -292,10 +292,10 @@ impl KafkaConsumer {
             })
             .map_err(|e| ConsumerError::Config(format!("kafka consumer: {e}")))?;
         let mut topics: Vec<&str> = cfg.topics.iter().map(String::as_str).collect();
-        if let Some(rt) = &cfg.retry_topic {
-            if !topics.contains(&rt.as_str()) {
-                topics.push(rt);
-            }
+        if let Some(rt) = &cfg.retry_topic
+            && !topics.contains(&rt.as_str())
+        {
+            topics.push(rt);
         }
         consumer
             .subscribe(&topics)
@@ -678,15 +678,15 @@ impl KafkaConsumer {
         if let Ok(k) = &key {
             gates.push(self.gate_seed.hash_one(("k", k.as_str())));
         }
-        if self.cfg.in_order_per_key {
-            if let Some(rk) = &taken.record_key {
-                gates.push(self.gate_seed.hash_one((
-                    "r",
-                    &*taken.topic,
-                    taken.partition,
-                    rk.as_slice(),
-                )));
-            }
+        if self.cfg.in_order_per_key
+            && let Some(rk) = &taken.record_key
+        {
+            gates.push(self.gate_seed.hash_one((
+                "r",
+                &*taken.topic,
+                taken.partition,
+                rk.as_slice(),
+            )));
         }
         Waiting {
             taken,

@@ -50,6 +50,11 @@
 //! assert_eq!(again.outcome, Some(idem_core::Outcome::Replayed));
 //! # });
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![allow(
+    clippy::indexing_slicing,
+    reason = "its indexing predates the workspace-wide deny and is not audited yet"
+)]
 
 mod adapter;
 mod batch;
@@ -60,13 +65,17 @@ mod heartbeat;
 mod message;
 
 #[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub mod kafka;
 #[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub mod nats;
 pub mod outbox;
 #[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
 
 pub use adapter::{Adapter, PollReport, Recovery};

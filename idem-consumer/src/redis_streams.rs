@@ -583,10 +583,10 @@ impl RedisStreamsConsumer {
         xack.arg(&self.cfg.stream).arg(&self.cfg.group);
         let mut ids: HashSet<&str> = HashSet::with_capacity(done.len());
         for &i in done {
-            if let Some(entry) = fetched.get(i) {
-                if ids.insert(entry.id.as_str()) {
-                    xack.arg(&entry.id);
-                }
+            if let Some(entry) = fetched.get(i)
+                && ids.insert(entry.id.as_str())
+            {
+                xack.arg(&entry.id);
             }
         }
         if ids.is_empty() {

@@ -42,6 +42,11 @@
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
 //! defaults, and [`store::Store`] for the state machine both
 //! stores implement.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![allow(
+    clippy::indexing_slicing,
+    reason = "its indexing predates the workspace-wide deny and is not audited yet"
+)]
 
 mod cache;
 mod call;

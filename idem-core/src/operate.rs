@@ -62,10 +62,10 @@ impl Idempotency {
         let Some(mut info) = self.inner.store.inspect(&key, true).await? else {
             return Ok(None);
         };
-        if info.kind == Some(ValueKind::Lz4Json) {
-            if let Some(packed) = &info.value {
-                info.value = Some(Bytes::from(decompress(packed, self.inner.max_value_size)?));
-            }
+        if info.kind == Some(ValueKind::Lz4Json)
+            && let Some(packed) = &info.value
+        {
+            info.value = Some(Bytes::from(decompress(packed, self.inner.max_value_size)?));
         }
         Ok(Some(info))
     }

@@ -36,6 +36,15 @@
 //! IDEM_BENCH_SECS=3 IDEM_BENCH_ROUNDS=7 IDEM_BENCH_CONCURRENCY=64 cargo bench -p idem-grpc --bench unary
 //! IDEM_BENCH_PIN=1 cargo bench -p idem-grpc --bench unary
 //! ```
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "a bench program: it fails loudly and prints its report"
+)]
 
 #[allow(clippy::all, missing_docs, unreachable_pub, dead_code)]
 mod pb {

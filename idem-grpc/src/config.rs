@@ -27,17 +27,17 @@ pub(crate) fn tenant_of(
     tenant: &TenantSource,
     headers: &HeaderMap,
 ) -> Result<Option<Vec<u8>>, String> {
-    if let TenantSource::Header(name) = tenant {
-        if name.as_str().ends_with("-bin") {
-            let Some(value) = headers.get(name) else {
-                return Ok(None);
-            };
-            return BIN.decode(value.as_bytes()).map(Some).map_err(|e| {
+    if let TenantSource::Header(name) = tenant
+        && name.as_str().ends_with("-bin")
+    {
+        let Some(value) = headers.get(name) else {
+            return Ok(None);
+        };
+        return BIN.decode(value.as_bytes()).map(Some).map_err(|e| {
                 format!(
                     "the tenant metadata entry {name} is not base64 ({e}); send its value base64-encoded, as binary metadata is"
                 )
             });
-        }
     }
     Ok(tenant.tenant_of(headers, |hook| {
         hook(&MetadataMap::from_headers(headers.clone()))

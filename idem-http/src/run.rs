@@ -188,15 +188,15 @@ async fn tee<E>(
                     return Ok(client_gone(&head));
                 }
             }
-            if let Some(sender) = &tx {
-                if sender.send(Ok(frame)).await.is_err() {
-                    tracing::debug!("client gone mid-response");
-                    tx = None;
-                    if cfg.cancel_on_disconnect {
-                        return Ok(client_gone(&head));
-                    }
-                    // Otherwise read on: the retry gets the stored response.
+            if let Some(sender) = &tx
+                && sender.send(Ok(frame)).await.is_err()
+            {
+                tracing::debug!("client gone mid-response");
+                tx = None;
+                if cfg.cancel_on_disconnect {
+                    return Ok(client_gone(&head));
                 }
+                // Otherwise read on: the retry gets the stored response.
             }
         }
         if over {

@@ -54,15 +54,6 @@
 //!   gRPC client (`idem_grpc::client::RetryPolicy`); those two share no
 //!   other crate but the runtime, and the gRPC client must not depend on
 //!   the HTTP one (reqwest).
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
 
 mod limits;
 mod retry;

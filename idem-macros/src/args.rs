@@ -266,18 +266,20 @@ impl Args {
                 );
             }
         }
-        if let (Some((ttl, _)), Some((lease, span))) = (lit(&self.ttl), lit(&self.lease)) {
-            if lease > ttl && lease <= MAX_LEASE && ttl >= MIN_DURATION {
-                errors.push_spanned(
-                    span,
-                    format!(
-                        "`lease` ({}) is longer than `ttl` ({}); the ttl must cover the lease, \
+        if let (Some((ttl, _)), Some((lease, span))) = (lit(&self.ttl), lit(&self.lease))
+            && lease > ttl
+            && lease <= MAX_LEASE
+            && ttl >= MIN_DURATION
+        {
+            errors.push_spanned(
+                span,
+                format!(
+                    "`lease` ({}) is longer than `ttl` ({}); the ttl must cover the lease, \
                          so shorten the lease or lengthen the ttl",
-                        fmt(lease),
-                        fmt(ttl)
-                    ),
-                );
-            }
+                    fmt(lease),
+                    fmt(ttl)
+                ),
+            );
         }
     }
 }

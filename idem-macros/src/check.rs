@@ -75,14 +75,14 @@ fn invalid() -> syn::Error {
 
 /// The error for an item that is not a plain function with a body.
 pub(crate) fn not_a_function(item: TokenStream) -> syn::Error {
-    if let Ok(decl) = syn::parse2::<syn::TraitItemFn>(item.clone()) {
-        if decl.default.is_none() {
-            return syn::Error::new_spanned(
-                decl.semi_token,
-                "#[idempotent] needs a function body: put it on the `async fn` in the `impl` block, \
+    if let Ok(decl) = syn::parse2::<syn::TraitItemFn>(item.clone())
+        && decl.default.is_none()
+    {
+        return syn::Error::new_spanned(
+            decl.semi_token,
+            "#[idempotent] needs a function body: put it on the `async fn` in the `impl` block, \
                  not on the trait's declaration",
-            );
-        }
+        );
     }
     // Point at the item's keyword (`struct`, `impl`, …), after attributes
     // and visibility.

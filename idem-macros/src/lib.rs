@@ -3,6 +3,10 @@
 //! Use it through the `idem` crate (`use idem::idempotent;`): the expansion
 //! refers to `idem`'s runtime (or to `idem-core`'s, for crates that depend on
 //! that instead).
+#![allow(
+    clippy::indexing_slicing,
+    reason = "its indexing predates the workspace-wide deny and is not audited yet"
+)]
 
 mod args;
 mod check;

@@ -26,6 +26,10 @@
 //! items at the paths applications already use (`idem::RedisStore`,
 //! `idem::outbox::RedisRelay`). The store contract it implements is
 //! [`idem_core::store::Store`].
+#![allow(
+    clippy::indexing_slicing,
+    reason = "its indexing predates the workspace-wide deny and is not audited yet"
+)]
 
 pub mod outbox;
 mod store;

@@ -65,6 +65,15 @@
 //! let client = redis::Client::open(proxy.url()).unwrap();
 //! # let _ = client;
 //! ```
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test support: a set-up that fails panics the test that asked for it"
+)]
 
 mod acl;
 mod claims;

@@ -45,8 +45,8 @@ pub(crate) fn spawn(command: Command) -> io::Result<Child> {
 }
 
 #[cfg(target_os = "linux")]
-// The crate's one unsafe block (idem-testkit denies unsafe_code where the
-// other crates forbid it): `CommandExt::pre_exec` is an unsafe fn, and no
+// The workspace's one unsafe block (the workspace denies unsafe_code, and
+// .ci/run fails on an `allow(unsafe_code)` anywhere else): `CommandExt::pre_exec` is an unsafe fn, and no
 // safe API sets a child's parent-death signal between fork and exec. The
 // calls inside are rustix's safe wrappers of raw syscalls.
 #[allow(unsafe_code)]

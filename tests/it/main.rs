@@ -5,6 +5,15 @@
 //! `metrics`, `[[test]]` in Cargo.toml). Here: the suites that run every
 //! store through the facade (memory, Redis, PostgreSQL) and the examples;
 //! the Redis store's own suites are idem-redis's (`idem-redis/tests/it/`).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod bad_input;
 mod call_batch;

@@ -39,6 +39,12 @@
 //!   (idem-redis's cluster suites run on a Valkey cluster). Without
 //!   nextest, libtest filters by substring: the root crate's tests whose
 //!   name contains `redis`.
+#![allow(
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::expect_used,
+    reason = "a build tool: it reports on stdout/stderr and stops on a broken set-up"
+)]
 
 use std::env;
 use std::fs;

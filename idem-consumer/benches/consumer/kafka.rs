@@ -111,7 +111,7 @@ fn bare(bootstrap: &str, topic: &str, run: usize, floor: Option<RedisFloor>) -> 
         if floor.is_some() {
             keys.push(m.payload().unwrap_or_default().to_vec());
         }
-        if seen % BATCH == 0 {
+        if seen.is_multiple_of(BATCH) {
             flush(&mut keys);
             c.commit_message(&m, CommitMode::Async).expect("commit");
         }

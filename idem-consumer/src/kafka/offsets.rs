@@ -269,8 +269,8 @@ mod tests {
                 }
                 prop_assert!(p.decide(offsets[i]));
                 decided[i] = true;
-                if steps.next().copied().unwrap_or(true) {
-                    if let Some(c) = p.to_commit() {
+                if steps.next().copied().unwrap_or(true)
+                    && let Some(c) = p.to_commit() {
                         // The rule: every offset below the commit is decided.
                         for (j, &o) in offsets.iter().enumerate().take(taken) {
                             if o < c {
@@ -281,7 +281,6 @@ mod tests {
                         p.committed(c);
                         last_commit = Some(c);
                     }
-                }
             }
             let end = offsets[offsets.len() - 1] + 1;
             if let Some(c) = p.to_commit() {

@@ -347,10 +347,10 @@ impl Shared {
                 .tracker
                 .partition(topic, *partition)
                 .and_then(|p| p.to_commit());
-            if let Some(o) = to {
-                if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(o)) {
-                    tracing::warn!(error = %e, "cannot list an offset to commit");
-                }
+            if let Some(o) = to
+                && let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(o))
+            {
+                tracing::warn!(error = %e, "cannot list an offset to commit");
             }
         }
         drop(st);

@@ -59,12 +59,16 @@ mod rabbitmq;
 mod redis_streams;
 
 #[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
 pub use kafka::KafkaSink;
 #[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use nats::NatsSink;
 #[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub use rabbitmq::RabbitSink;
 #[cfg(feature = "redis-streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub use redis_streams::RedisStreamsSink;
 
 /// The same failure for every message of a batch (a connection lost

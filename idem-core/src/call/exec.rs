@@ -264,10 +264,10 @@ impl Exec<'_> {
         &self,
         record: &Completed,
     ) -> Result<(T, Outcome), Error> {
-        if let (Some(given), Some(stored)) = (&self.fingerprint, &record.fingerprint) {
-            if given != stored {
-                return Err(self.fail(Error::FingerprintMismatch));
-            }
+        if let (Some(given), Some(stored)) = (&self.fingerprint, &record.fingerprint)
+            && given != stored
+        {
+            return Err(self.fail(Error::FingerprintMismatch));
         }
         self.record("outcome", "replayed");
         self.report.outcome(CallOutcome::Replayed);
@@ -397,18 +397,17 @@ impl Exec<'_> {
         E: From<Error>,
     {
         let (outcome, lease) = self.begin(attempt);
-        if let Some(steps) = &self.steps {
-            if let Err(e) = steps
+        if let Some(steps) = &self.steps
+            && let Err(e) = steps
                 .attach(self.store, &self.key, self.token, attempt, lease.clone())
                 .await
-            {
-                self.leave_batch();
-                if !matches!(e, Error::LeaseLost) {
-                    // Keep what earlier holders recorded for the next call.
-                    self.suspend("the recorded steps could not be read").await;
-                }
-                return Err(self.fail(e));
+        {
+            self.leave_batch();
+            if !matches!(e, Error::LeaseLost) {
+                // Keep what earlier holders recorded for the next call.
+                self.suspend("the recorded steps could not be read").await;
             }
+            return Err(self.fail(e));
         }
         match self.run_body(body, &lease, claimed).await {
             Err(panic) => {

@@ -1,4 +1,13 @@
 //! idem-core's integration tests, one binary (`cargo test -p idem-core --test
 //! it`): one module per topic, so `--test it hook::` runs one.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod hook;

@@ -436,10 +436,10 @@ impl RedisStore {
                 return vec![Err(e); n];
             }
             Err(e) => {
-                if is_noscript(&e) {
-                    if let Err(load) = self.reload(&SCRIPTS.complete_batch, key).await {
-                        tracing::debug!(error = %load, "complete_batch could not be loaded again");
-                    }
+                if is_noscript(&e)
+                    && let Err(load) = self.reload(&SCRIPTS.complete_batch, key).await
+                {
+                    tracing::debug!(error = %load, "complete_batch could not be loaded again");
                 }
                 return vec![Err(e); n];
             }
