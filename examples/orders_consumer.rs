@@ -18,16 +18,7 @@
 //! idem's records go to the Redis at `REDIS_URL` (default 127.0.0.1:6379).
 //! `tests/it/orders_consumer_example.rs` feeds this program from a Python
 //! producer and SIGKILLs it mid-batch: each order is still charged once.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing,
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "an example program: it fails loudly and prints what it does"
-)]
-
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "it prints")]
 use idem::consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
 use idem::consumer::{Adapter, Consumer, ErrorClass, KeyDeriver, KeySource, Message, PollReport};
 use idem::{Idempotency, RedisStore};

@@ -25,16 +25,7 @@
 //! `tests/it/orders_outbox_example.rs` runs [`place`] in a chain of
 //! processes (RabbitMQ → place → relay → Kafka → ship) that it SIGKILLs
 //! while PostgreSQL restarts: each order's row and each effect once.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing,
-    clippy::print_stdout,
-    clippy::print_stderr,
-    reason = "an example program: it fails loudly and prints what it does"
-)]
-
+#![allow(clippy::print_stdout, clippy::print_stderr, reason = "it prints")]
 use idem::Idempotency;
 use idem::consumer::kafka::rdkafka::admin::{
     AdminClient, AdminOptions, NewTopic, TopicReplication,

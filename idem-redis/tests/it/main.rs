@@ -5,6 +5,15 @@
 //! Valkey, as `cargo xtask test`'s second pass does. The suites that run
 //! every store through the facade (Redis among them) stay in the root
 //! crate's `tests/it/`.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    reason = "test code: a failed unwrap, index or assertion is a failed test, and a test may print"
+)]
 
 mod acl;
 mod batch;
