@@ -69,7 +69,9 @@ mod token;
 /// }
 /// ```
 pub use async_trait::async_trait;
-pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, StepStart, Steps};
+pub use call::{
+    Batch, Call, CallGroup, FinishRoundTrip, MAX_STEP_NAME, StepStart, Steps, finish_round_trip,
+};
 pub use derive::{DeriveError, KeyDeriver};
 pub use durability::{Durability, MAX_DURABILITY_TIMEOUT};
 pub use error::{BoxError, Error, KeyError, KeyPart};

@@ -4,7 +4,7 @@
 //! batch spans every master and a slot moved under a batch is followed key
 //! by key.
 
-use idem::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem::store::{ClaimReply, Complete, Finish, Store, Token, ValueKind, WriteReply};
 use idem::{Error, RedisStore};
 use idem_testkit::{TestContext, claim, key_slot};
 use std::collections::BTreeSet;
@@ -13,11 +13,11 @@ const LEASE_MS: u64 = 30_000;
 const TTL_MS: u64 = 60_000;
 
 fn complete<'a>(key: &'a str, token: &'a Token, value: &'a [u8]) -> Finish<'a> {
-    Finish::Complete {
-        claim: claim(key, token, LEASE_MS, TTL_MS, None),
-        kind: ValueKind::Json,
+    Finish::Complete(Complete::of_claim(
+        &claim(key, token, LEASE_MS, TTL_MS, None),
+        ValueKind::Json,
         value,
-    }
+    ))
 }
 
 /// Claims `keys` one batch, each by its own token of `tokens`.
@@ -226,46 +226,31 @@ async fn a_moved_slot_is_followed_key_by_key() {
     assert!(ctx.record_state(moved).is_some(), "{moved} was written");
 }
 
-/// Issue 37 item 5: a rider's command goes last in the pipeline that
-/// stores the results, so it sees them (a `GET` of a completed key reads
-/// the completed record); its reply reaches the rider. A batch with a key
-/// twice (two waves) and a cluster carry nothing, so the rider is dropped
-/// unheard and its maker sends its own round trip.
+/// Issue 37 item 5: the command sent with a batch's results
+/// (`RedisStore::finish_batch_then`) goes last in the pipeline that stores
+/// them, so it sees them (a `GET` of a completed key reads the completed
+/// record); its reply comes back. A batch with a key twice (two waves) and
+/// a cluster carry nothing, so no reply comes back and its sender sends its
+/// own round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rider_goes_after_the_results_on_one_server_only() {
-    use idem::store::{Rider, RiderReply};
-    use std::sync::{Arc, Mutex};
-    fn rider(cmd: redis::Cmd) -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
-        let heard = Arc::new(Mutex::new(None));
-        let h = Arc::clone(&heard);
-        (
-            Rider::new(cmd, move |reply| *h.lock().unwrap() = Some(reply)),
-            heard,
-        )
-    }
+async fn a_command_goes_after_the_results_on_one_server_only() {
     let ctx = TestContext::redis().await;
-    let store = ctx.store();
+    let store = ctx.redis_store();
     let keys: Vec<String> = ["batch:ride:a", "batch:ride:b"].map(String::from).to_vec();
     let tokens = [Token::random(), Token::random()];
     claim_all(store, &keys, &tokens).await;
     let mut get = redis::cmd("GET");
     get.arg(&keys[0]);
-    let (ride, heard) = rider(get);
     let ops = [
         complete(&keys[0], &tokens[0], b"\"ridden\""),
         complete(&keys[1], &tokens[1], b"2"),
     ];
-    let replies = store.finish_batch_riding(&ops, ride).await;
+    let (replies, heard) = store.finish_batch_then(&ops, &get).await;
     assert!(
         replies.iter().all(|r| matches!(r, Ok(WriteReply::Done))),
         "{replies:?}"
     );
-    let reply = heard
-        .lock()
-        .unwrap()
-        .take()
-        .expect("carried: its reply came back");
-    let value = *reply.unwrap().downcast::<redis::Value>().unwrap();
+    let value = heard.expect("carried: its reply came back").unwrap();
     let record: Vec<u8> = redis::from_redis_value(value).unwrap();
     assert!(
         record.ends_with(b"\"ridden\""),
@@ -281,7 +266,6 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
         std::slice::from_ref(&twice),
     )
     .await;
-    let (ride, heard) = rider(redis::cmd("PING"));
     let ops = [
         complete("batch:ride:c", &twice, b"3"),
         Finish::Release {
@@ -289,14 +273,11 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
             token: &twice,
         },
     ];
-    store.finish_batch_riding(&ops, ride).await;
-    assert!(
-        heard.lock().unwrap().is_none(),
-        "a batch of two waves carries nothing"
-    );
+    let (_, heard) = store.finish_batch_then(&ops, &redis::cmd("PING")).await;
+    assert!(heard.is_none(), "a batch of two waves carries nothing");
 
     let ctx = TestContext::redis_cluster().await;
-    let store = ctx.store();
+    let store = ctx.redis_store();
     let token = Token::random();
     claim_all(
         store,
@@ -304,12 +285,14 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
         std::slice::from_ref(&token),
     )
     .await;
-    let (ride, heard) = rider(redis::cmd("PING"));
-    let replies = store
-        .finish_batch_riding(&[complete("batch:ride:d", &token, b"4")], ride)
+    let (replies, heard) = store
+        .finish_batch_then(
+            &[complete("batch:ride:d", &token, b"4")],
+            &redis::cmd("PING"),
+        )
         .await;
     assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
-    assert!(heard.lock().unwrap().is_none(), "a cluster carries nothing");
+    assert!(heard.is_none(), "a cluster carries nothing");
 }
 
 /// On Redis 7 a wave's completes go as one `complete_batch` call. After

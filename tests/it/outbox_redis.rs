@@ -5,7 +5,7 @@
 
 use async_trait::async_trait;
 use idem::outbox::{self, OutboxMessage, RedisRelay, Sink, SinkError, message_id};
-use idem::store::Store;
+use idem::store::{Complete, Store};
 use idem::{Error, Idempotency, Outcome, RedisStore};
 use idem_testkit::TestContext;
 use std::collections::{HashMap, HashSet};
@@ -284,13 +284,14 @@ async fn a_complete_that_cannot_append_stores_nothing() {
         attempts: 0,
     };
     let refused = svc
-        .complete_with_outbox(
-            "outbox:orders.create:r-3",
-            &token,
-            None,
-            idem::store::ValueKind::Json,
-            b"1",
-            &[m],
+        .complete(
+            Complete::new(
+                "outbox:orders.create:r-3",
+                &token,
+                idem::store::ValueKind::Json,
+                b"1",
+            )
+            .outbox(&[m]),
         )
         .await;
     let e = refused.expect_err("the ACL refuses the outbox");

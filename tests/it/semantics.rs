@@ -2,7 +2,7 @@
 //! PostgreSQL (PgStore, a fresh database per test) and against
 //! MemoryStore: every store must behave as one state machine.
 
-use idem::store::{Claim, ClaimReply, Token, ValueKind, WriteReply};
+use idem::store::{Claim, ClaimReply, Complete, Token, ValueKind, WriteReply};
 use idem::{Error, FailMode, Idempotency, Outcome, RedisStore};
 use idem_testkit::{RedisServer, TestContext};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -652,13 +652,13 @@ async fn stored_type_mismatch_is_codec(b: TestContext) {
 async fn same_token_resend_is_acquired_again(b: TestContext) {
     let store = b.store();
     let (a, other) = (Token::from_u128(1), Token::from_u128(2));
-    let claim = |token| Claim {
-        key: "raw:resend",
-        token,
-        lease: Duration::from_secs(10),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
+    let claim = |token| {
+        Claim::new(
+            "raw:resend",
+            token,
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+        )
     };
     assert_eq!(
         store.claim(claim(&a)).await.unwrap(),
@@ -681,13 +681,13 @@ async fn same_token_resend_is_acquired_again(b: TestContext) {
 async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     let store = b.store();
     let (old, new) = (Token::from_u128(1), Token::from_u128(2));
-    let claim = |token| Claim {
-        key: "raw:late",
-        token,
-        lease: Duration::from_millis(100),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
+    let claim = |token| {
+        Claim::new(
+            "raw:late",
+            token,
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        )
     };
     let ttl = Duration::from_secs(60);
     assert_eq!(
@@ -701,7 +701,7 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     );
     for reply in [
         store
-            .complete("raw:late", &old, None, ValueKind::Json, b"1")
+            .complete(Complete::new("raw:late", &old, ValueKind::Json, b"1"))
             .await,
         store.extend("raw:late", &old, ttl).await,
         store.release("raw:late", &old).await,
@@ -710,14 +710,14 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     }
     assert_eq!(
         store
-            .complete("raw:late", &new, None, ValueKind::Json, b"2")
+            .complete(Complete::new("raw:late", &new, ValueKind::Json, b"2"))
             .await
             .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
         store
-            .complete("raw:late", &old, None, ValueKind::Json, b"1")
+            .complete(Complete::new("raw:late", &old, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted

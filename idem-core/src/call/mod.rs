@@ -11,7 +11,7 @@ mod guard;
 mod keep_alive;
 mod steps;
 
-pub use batch::{Batch, CallGroup};
+pub use batch::{Batch, CallGroup, FinishRoundTrip, finish_round_trip};
 pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
 use crate::durability::Durability;
@@ -344,7 +344,7 @@ impl<'a> Call<'a> {
         if let Some(hit) = &exec.cached {
             let _enter = exec.traced.then(|| span.enter());
             let result = exec.replay(hit).map_err(E::from);
-            exec.finish();
+            exec.report();
             return result;
         }
         // Boxed: the claim loop's future is most of a call's (2.5 of 2.8 KB
@@ -357,7 +357,7 @@ impl<'a> Call<'a> {
         } else {
             Box::pin(exec.run_from(None, body)).await
         };
-        exec.finish();
+        exec.report();
         result
     }
 

@@ -13,8 +13,8 @@
 //! (`NOSCRIPT`) is sent again alone through the single call, which follows
 //! redirects and loads scripts.
 
-use super::complete::{CompletePath, complete_batch_cmd, is_ok};
-use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record, pending_record};
+use super::complete::{CompletePath, complete_batch_cmd, complete_script_cmd, is_ok};
+use super::record::{self, MS_DIGITS, PendingRecord, Record, pending_record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
     protocol, unreached,
@@ -23,14 +23,14 @@ use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
 use futures_util::future::join_all;
 use idem_core::Error;
-use idem_core::Fingerprint;
 use idem_core::store::Token;
-use idem_core::store::{Claim, ClaimReply, Finish, Rider, ValueKind, WriteReply};
+use idem_core::store::{Claim, ClaimReply, Finish, WriteReply};
 use idem_core::store::{Store, in_waves};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use smallvec::{SmallVec, smallvec};
 use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, PoisonError};
 
 /// What one item of a pipeline got back: the replies of its commands, or
 /// the error of its first command (or of the whole pipeline). Inline: an
@@ -78,29 +78,6 @@ pub(super) fn claim_script_cmd(
         3 + 16 + 32 + 2 * MS_DIGITS + 4,
     );
     cmd.arg(record).arg(ttl).arg(want).arg(waiting);
-    cmd
-}
-
-/// The complete script's invocation.
-fn complete_cmd(
-    key: &str,
-    token: &Token,
-    fingerprint: Option<&Fingerprint>,
-    kind: ValueKind,
-    value: &[u8],
-) -> Cmd {
-    let record = CompletedRecord {
-        kind,
-        fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
-        value,
-    };
-    let mut cmd = invocation(
-        SCRIPTS.complete.script.get_hash(),
-        key,
-        2,
-        32 + 3 + 16 + value.len(),
-    );
-    cmd.arg(token.as_bytes().as_slice()).arg(record);
     cmd
 }
 
@@ -276,23 +253,39 @@ impl RedisStore {
     /// complete or release; on Valkey 8.1+ and Redis 8.4+, a complete of a
     /// claim this process made fresh is a plain `SET … IFEQ` instead (and
     /// the script, alone, when that does not match).
+    ///
+    /// `then` goes last in the pipeline, after every write, when it can:
+    /// on a single Redis (not a cluster) and for a batch with no key twice
+    /// (one wave). Its reply comes back with the writes' (an error reply as
+    /// `Value::ServerError`); `None` when it was not sent.
     pub(super) async fn finish_many(
         &self,
         ops: &[Finish<'_>],
-        rider: Option<Rider>,
-    ) -> Vec<Result<WriteReply, Error>> {
+        then: Option<&Cmd>,
+    ) -> (Vec<Result<WriteReply, Error>>, Option<Result<Value, Error>>) {
+        // A complete with outbox messages or a durability has a path of
+        // its own (complete.rs): such a batch is answered as single calls
+        // in its order would be. The runtime's batches have none.
+        if ops.iter().any(|op| {
+            matches!(op, Finish::Complete(c) if !c.outbox.is_empty() || !c.durability.is_async())
+        }) {
+            let mut replies = Vec::with_capacity(ops.len());
+            for op in ops {
+                replies.push(op.run_on(self).await);
+            }
+            return (replies, None);
+        }
         // Carried by one server, after every write: so only on a single
         // Redis, and with a batch that is one wave (no key twice).
-        let mut rider = rider.filter(|r| {
-            matches!(self.conn, Conn::Single(_))
-                && r.commands::<Cmd>().is_some()
-                && distinct_keys(ops)
-        });
-        in_waves(
+        let mut then = then.filter(|_| matches!(self.conn, Conn::Single(_)) && distinct_keys(ops));
+        // Written by the one wave that carries `then`.
+        let then_reply: Mutex<Option<Result<Value, Error>>> = Mutex::new(None);
+        let replies = in_waves(
             ops,
             Finish::key,
             |batch| {
-                let rider = rider.take();
+                let then = then.take();
+                let then_reply = &then_reply;
                 async move {
                     // Without IFEQ the completes are scripts: on one Redis
                     // they go as one call (a cluster's keys span slots).
@@ -300,7 +293,9 @@ impl RedisStore {
                         && self.server.path() == CompletePath::Script;
                     let joint: Vec<bool> = batch
                         .iter()
-                        .map(|op| scripted && matches!(op, Finish::Complete { .. }))
+                        .map(|op| {
+                            scripted && matches!(op, Finish::Complete(c) if c.as_claimed.is_some())
+                        })
                         .collect();
                     let mut plain = Vec::with_capacity(batch.len());
                     let mut items: Vec<(&str, ItemCmds)> = batch
@@ -309,9 +304,9 @@ impl RedisStore {
                         .filter(|(_, joint)| !**joint)
                         .map(|(op, _)| {
                             let cmd = match **op {
-                                Finish::Complete { claim, kind, value } => {
-                                    self.server.complete_plain_cmd(&claim, kind, value)
-                                }
+                                Finish::Complete(c) => c.claim().and_then(|claim| {
+                                    self.server.complete_plain_cmd(&claim, c.kind, c.value)
+                                }),
                                 Finish::Release { .. } => None,
                             };
                             plain.push(cmd.is_some());
@@ -327,15 +322,17 @@ impl RedisStore {
                     if let Some(first) = completes.first() {
                         items.push((first.key(), smallvec![complete_batch_cmd(&completes)]));
                     }
-                    let mut replies = match (rider, &self.conn) {
-                        (Some(rider), Conn::Single(c)) => {
-                            let extra = rider.commands::<Cmd>().cloned();
-                            let (replies, extra) = send_group(&mut c.clone(), items, extra).await;
-                            rider.land(match extra {
-                                Some(Ok(v)) => Ok(Box::new(v)),
+                    let mut replies = match (then, &self.conn) {
+                        (Some(then), Conn::Single(c)) => {
+                            let (replies, extra) =
+                                send_group(&mut c.clone(), items, Some(then.clone())).await;
+                            let extra = match extra {
+                                Some(Ok(v)) => Ok(v),
                                 Some(Err(e)) => Err(classify("finish_batch", e)),
                                 None => Err(protocol("finish_batch", &Value::Nil)),
-                            });
+                            };
+                            *then_reply.lock().unwrap_or_else(PoisonError::into_inner) =
+                                Some(extra);
                             replies
                         }
                         _ => self.pipelined(items).await,
@@ -390,7 +387,47 @@ impl RedisStore {
             },
             || protocol("complete", &Value::Nil),
         )
-        .await
+        .await;
+        let then_reply = then_reply
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        (replies, then_reply)
+    }
+
+    /// [`finish_batch`](idem_core::store::Store::finish_batch), with `then`
+    /// sent in the same round trip after every write of `ops`, when this
+    /// store can carry it: on a single Redis (not a cluster) and for a
+    /// batch with no key twice. Answers the writes' replies, as
+    /// `finish_batch` would, and `then`'s reply (an error reply as
+    /// `Value::ServerError`; `Err` when the round trip failed, and it may
+    /// or may not have run), or `None` when `then` was not sent: its
+    /// caller then sends it itself. A server that executes `then` has
+    /// executed those writes first. idem-consumer's Redis Streams adapter
+    /// acks the entries whose results these are this way.
+    ///
+    /// ```no_run
+    /// use idem_core::store::{Claim, Complete, Finish, Store, Token, ValueKind};
+    /// use idem_redis::RedisStore;
+    /// use std::time::Duration;
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = RedisStore::connect("redis://127.0.0.1/").await?;
+    /// let token = Token::random();
+    /// let claim = Claim::new("idem:orders:7", &token, Duration::from_secs(5), Duration::from_secs(60));
+    /// store.claim(claim).await?;
+    /// let mut xack = redis::cmd("XACK");
+    /// xack.arg("orders").arg("billing").arg("1-0");
+    /// let done = [Finish::Complete(Complete::of_claim(&claim, ValueKind::Json, b"7"))];
+    /// let (replies, acked) = store.finish_batch_then(&done, &xack).await;
+    /// assert!(replies[0].is_ok());
+    /// println!("XACK answered {acked:?}");
+    /// # Ok(()) }
+    /// ```
+    pub async fn finish_batch_then(
+        &self,
+        ops: &[Finish<'_>],
+        then: &Cmd,
+    ) -> (Vec<Result<WriteReply, Error>>, Option<Result<Value, Error>>) {
+        self.finish_many(ops, Some(then)).await
     }
 }
 
@@ -445,11 +482,8 @@ impl RedisStore {
     /// (which load themselves where they are gone, and follow redirects):
     /// a plain `SET … IFEQ` that did not match is not tried twice.
     async fn finish_alone(&self, op: &Finish<'_>) -> Result<WriteReply, Error> {
-        match *op {
-            Finish::Complete { claim, kind, value } => {
-                self.complete(claim.key, claim.token, claim.fingerprint, kind, value)
-                    .await
-            }
+        match op {
+            Finish::Complete(c) => self.complete_script(c).await,
             Finish::Release { key, token } => self.release(key, token).await,
         }
     }
@@ -457,10 +491,8 @@ impl RedisStore {
 
 /// The command of one complete or release.
 fn finish_cmd(op: &Finish<'_>) -> Cmd {
-    match *op {
-        Finish::Complete { claim, kind, value } => {
-            complete_cmd(claim.key, claim.token, claim.fingerprint, kind, value)
-        }
+    match op {
+        Finish::Complete(c) => complete_script_cmd(c),
         Finish::Release { key, token } => release_cmd(key, token),
     }
 }
@@ -489,7 +521,7 @@ fn short_reply() -> RedisError {
 /// Sends the items' commands as one pipeline on `conn` and splits the
 /// replies per item. A failed pipeline fails each of its items.
 ///
-/// `extra`, a rider's command, goes last; its reply comes back apart.
+/// `extra` goes last; its reply comes back apart.
 async fn send_group(
     conn: &mut impl redis::aio::ConnectionLike,
     items: Vec<(&str, ItemCmds)>,
@@ -528,7 +560,7 @@ async fn send_group(
             }
         })
         .collect();
-    // An error reply (`Value::ServerError`) is the rider's to read.
+    // An error reply (`Value::ServerError`) is `extra`'s sender's to read.
     let extra = with_extra.then(|| replies.next().ok_or_else(short_reply));
     (items, extra)
 }
