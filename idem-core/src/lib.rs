@@ -24,8 +24,32 @@
 //! key over replays the finished steps and runs only the rest.
 //!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
-//! defaults, and [`store::Store`] for the state machine both
-//! stores implement.
+//! defaults, and [`store::Store`] for the state machine every store
+//! implements.
+//!
+//! # Glossary
+//!
+//! One word per idea, in the API and its documentation:
+//!
+//! - **record**: what a store keeps under one key: pending (claimed by an
+//!   owner token) or completed (holding the stored result), until its TTL.
+//! - **lease**: how long a claim holds the key without renewal; once it runs
+//!   out, the next claim takes the key over (`Outcome::Recovered`).
+//! - **claim**: take a key for an owner token, writing a pending record,
+//!   or learn what holds it ([`store::Store::claim`], [`store::Claim`]).
+//! - **extend**: move the owner's lease deadline on while its body runs
+//!   ([`store::Store::extend`]).
+//! - **complete**: replace the owner's pending record by the completed one
+//!   holding the body's result ([`store::Store::complete`],
+//!   [`store::Complete`]).
+//! - **release**: delete the owner's pending record, so that the next call
+//!   runs the body ([`store::Store::release`]).
+//! - **finish**: a complete or a release, as one item of a batch that ends
+//!   several claims in one round trip ([`store::Finish`],
+//!   [`store::Store::finish_batch`], [`Batch::finish_with`]).
+//! - **capability**: something a store can do besides that state machine
+//!   (durable steps, operator calls, notifications, durability
+//!   confirmation, an outbox), offered through [`store::Store::capabilities`].
 
 mod cache;
 mod call;

@@ -7,7 +7,7 @@ use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
 use super::guard::{KeptOnDrop, ReleaseGuard, Turn, log_release, release};
 use super::steps::Steps;
-use super::{is_unavailable, observe};
+use super::{Observed, is_unavailable, observe};
 use crate::cache::Generation;
 use crate::codec::{decode, encode_bytes, marker_error};
 use crate::durability::Durability;
@@ -113,16 +113,16 @@ impl Exec<'_> {
         let (Some(start), Some(outcome)) = (self.call_start, self.report.take_outcome()) else {
             return;
         };
-        observe(
-            self.inner,
-            self.scope,
-            Some(&self.key),
+        let call = Observed {
+            scope: self.scope,
+            key: Some(&self.key),
             outcome,
-            self.report.get_attempt(),
+            attempt: self.report.get_attempt(),
             start,
-            self.report.get_body(),
-            self.steps.as_ref().map_or(0, Steps::replayed),
-        );
+            body: self.report.get_body(),
+            steps_replayed: self.steps.as_ref().map_or(0, Steps::replayed),
+        };
+        observe(self.inner, call);
     }
 
     /// The claim loop, from a first claim reply already in (`first`, the
