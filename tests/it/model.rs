@@ -66,7 +66,7 @@ enum Op {
         long_lease: bool,
         long_ttl: bool,
     },
-    /// `complete_claim` with the terms of a claim `token` may have made
+    /// `complete` told the claim `token` may have made (`Complete::of_claim`)
     /// (on Valkey, a plain `SET … IFEQ` when they are the record's).
     Complete {
         key: usize,

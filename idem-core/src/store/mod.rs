@@ -573,15 +573,13 @@ pub struct StepRecord {
 /// method one atomic step:
 ///
 /// ```
-/// use idem_core::store::{Claim, ClaimReply, Complete, Completed, Store, Token, ValueKind};
-/// use idem_core::store::{WriteReply, record_ttl, store_lease};
+/// use idem_core::store::*;
 /// use idem_core::{Error, Fingerprint, Idempotency, Outcome};
 /// use std::{collections::HashMap, sync::Mutex, time::{Duration, Instant}};
 ///
 /// enum State { Pending { token: Token, lease_end: Instant, attempt: u32 }, Done(ValueKind, Vec<u8>) }
 /// struct Record { state: State, fingerprint: Option<Fingerprint>, expires: Instant }
 /// type Map = HashMap<String, Record>;
-///
 /// #[derive(Default)]
 /// struct MapStore(Mutex<Map>);
 ///
@@ -592,7 +590,6 @@ pub struct StepRecord {
 ///         map.retain(|_, r| r.expires > now);
 ///         (map, now)
 ///     }
-///
 ///     /// Runs `write` if `token` holds `key`'s pending record, else says why not.
 ///     fn owned(&self, key: &str, token: &Token, write: impl FnOnce(&mut Map, Instant)) -> WriteReply {
 ///         let (mut map, now) = self.live();
@@ -611,12 +608,11 @@ pub struct StepRecord {
 ///         let (mut map, now) = self.live();
 ///         let attempt = match map.get(c.key) {
 ///             None => 1,
-///             Some(r) if matches!((c.fingerprint, &r.fingerprint), (Some(a), Some(b)) if a != b) => {
+///             Some(r) if c.fingerprint.zip(r.fingerprint.as_ref()).is_some_and(|(a, b)| a != b) => {
 ///                 return Ok(ClaimReply::Mismatch);
 ///             }
 ///             Some(Record { state: State::Done(kind, value), fingerprint, expires }) => {
-///                 let (kind, value) = (*kind, value.clone().into());
-///                 let ttl_left = Some(*expires - now);
+///                 let (kind, value, ttl_left) = (*kind, value.clone().into(), Some(*expires - now));
 ///                 return Ok(ClaimReply::Completed(Completed { kind, value, fingerprint: *fingerprint, ttl_left }));
 ///             }
 ///             // Our own claim, re-sent after its reply was lost.
@@ -633,18 +629,15 @@ pub struct StepRecord {
 ///         map.insert(c.key.to_owned(), Record { state, fingerprint, expires });
 ///         Ok(ClaimReply::Acquired { attempt })
 ///     }
-///
-///     /// No outbox in its capabilities: `c.outbox` is always empty.
+///     /// The expiry stays (the result TTL counts from the claim). No outbox
+///     /// in its capabilities: `c.outbox` is always empty.
 ///     async fn complete(&self, c: Complete<'_>) -> Result<WriteReply, Error> {
-///         // The expiry stays: the result TTL counts from the claim.
 ///         let done = State::Done(c.kind, c.value.to_vec());
 ///         Ok(self.owned(c.key, c.token, |map, _| if let Some(r) = map.get_mut(c.key) { r.state = done }))
 ///     }
-///
 ///     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
 ///         Ok(self.owned(key, token, |map, _| drop(map.remove(key))))
 ///     }
-///
 ///     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
 ///         Ok(self.owned(key, token, |map, now| {
 ///             if let Some(State::Pending { lease_end, .. }) = map.get_mut(key).map(|r| &mut r.state) {
@@ -657,10 +650,8 @@ pub struct StepRecord {
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let idem = Idempotency::builder(MapStore::default()).namespace("shop").build();
 /// let charge = || async { Ok::<_, Error>("receipt-7".to_owned()) };
-/// let first = idem.call("charge", "order-7").run_outcome(charge).await?;
-/// let again = idem.call("charge", "order-7").run_outcome(charge).await?;
-/// assert_eq!(first, ("receipt-7".to_owned(), Outcome::Executed));
-/// assert_eq!(again, ("receipt-7".to_owned(), Outcome::Replayed));
+/// assert_eq!(idem.call("charge", "order-7").run_outcome(charge).await?.1, Outcome::Executed);
+/// assert_eq!(idem.call("charge", "order-7").run_outcome(charge).await?.1, Outcome::Replayed);
 /// # Ok::<(), Error>(()) }).unwrap();
 /// ```
 #[async_trait]

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 /// [`WatchStore::watch`]: crate::store::WatchStore::watch
 ///
 /// ```
-/// use idem_core::store::{Claim, MemoryStore, Store, Token};
+/// use idem_core::store::{Claim, MemoryStore, Store, Token, WatchStore};
 /// use std::time::Duration;
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
@@ -58,7 +58,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::store::Store;
+    /// # use idem_core::store::WatchStore;
     /// let store = idem_core::MemoryStore::new();
     /// let mut w = store.watch("k").await.unwrap();
     /// let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), w.changed()).await;
@@ -81,7 +81,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::store::Store;
+    /// # use idem_core::store::WatchStore;
     /// assert!(idem_core::MemoryStore::new().watch("k").await.unwrap().is_live());
     /// # });
     /// ```
