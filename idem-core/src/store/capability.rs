@@ -361,7 +361,7 @@ impl dyn Store + '_ {
 
     /// [`DurableStore::confirm`]; without it, nothing to wait for with
     /// [`Durability::Async`], and the refusal of
-    /// [`check_durability`](Self::check_durability) with any other.
+    /// `check_durability` with any other.
     pub async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
         match self.capabilities().durable {
             Some(d) => d.confirm(key, durability).await,
