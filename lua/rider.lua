@@ -1,5 +1,5 @@
 -- idem rider (no flags): the commands a batch's finish carries after its
--- writes (Store::finish_batch_riding; a Redis Streams consumer's XACK),
+-- writes (RedisStore::finish_batch_then; a Redis Streams consumer's XACK),
 -- run only once every result of the batch is stored. KEYS are the keys
 -- of the batch's completes, ARGV the carried command and its arguments.
 -- A key that does not hold a completed record (its complete was not

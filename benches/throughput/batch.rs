@@ -7,7 +7,7 @@
 
 use futures_util::future::join_all;
 use idem::RedisStore;
-use idem::store::{Claim, ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem::store::{Claim, ClaimReply, Complete, Finish, Store, Token, ValueKind, WriteReply};
 use std::time::{Duration, Instant};
 
 /// Items per batch.
@@ -32,14 +32,7 @@ const MODES: [(Mode, &str); 3] = [
 ];
 
 fn claim<'a>(key: &'a str, token: &'a Token) -> Claim<'a> {
-    Claim {
-        key,
-        token,
-        lease: LEASE,
-        ttl: TTL,
-        fingerprint: None,
-        want_ttl_left: false,
-    }
+    Claim::new(key, token, LEASE, TTL)
 }
 
 /// Claims then completes one batch of fresh keys in `mode`; the time of
@@ -49,10 +42,9 @@ async fn one_batch(store: &RedisStore, mode: Mode, keys: &[String]) -> (Duration
     let claims: Vec<Claim<'_>> = keys.iter().map(|k| claim(k, &token)).collect();
     let done: Vec<Finish<'_>> = keys
         .iter()
-        .map(|key| Finish::Complete {
-            claim: claim(key, &token),
-            kind: ValueKind::Json,
-            value: b"{\"ok\":true}",
+        .map(|key| {
+            let done = Complete::of_claim(&claim(key, &token), ValueKind::Json, b"{\"ok\":true}");
+            Finish::Complete(done)
         })
         .collect();
     let started = Instant::now();

@@ -317,7 +317,7 @@ pub trait Adapter: Send + Sync {
         C: Classify<E>,
     {
         async move {
-            let none: Option<&NoRiders<Self::Delivery>> = None;
+            let none: Option<&NoRoundTrips<Self::Delivery>> = None;
             handle_deliveries(self, consumer, handler, fetched, none).await
         }
     }
@@ -480,11 +480,11 @@ where
     Ok(())
 }
 
-/// No riders: what [`Adapter::handle`] passes.
-type NoRiders<D> = fn(&[usize], &[D]) -> Option<idem_core::store::Rider>;
+/// The store's own round trips: what [`Adapter::handle`] passes.
+type NoRoundTrips<D> = fn(&[usize], &[D]) -> Option<idem_core::FinishRoundTrip>;
 
-/// [`Adapter::handle`], with `riders` making the commands a round trip
-/// of results may carry ([`Batch::riding`](idem_core::Batch::riding)),
+/// [`Adapter::handle`], with `round_trips` making the round trip that
+/// stores a set of results ([`Batch::finish_with`](idem_core::Batch::finish_with)),
 /// from the indices in `fetched` of the deliveries whose results it
 /// stores (every one decided [`Decision::Ack`]) and `fetched` itself.
 pub(crate) async fn handle_deliveries<A, C, T, E, H, Fut, R>(
@@ -492,11 +492,11 @@ pub(crate) async fn handle_deliveries<A, C, T, E, H, Fut, R>(
     consumer: &Consumer<C>,
     handler: &H,
     fetched: Vec<A::Delivery>,
-    riders: Option<&R>,
+    round_trips: Option<&R>,
 ) -> Vec<(A::Delivery, Decision)>
 where
     A: Adapter + ?Sized,
-    R: Fn(&[usize], &[A::Delivery]) -> Option<idem_core::store::Rider> + Send + Sync,
+    R: Fn(&[usize], &[A::Delivery]) -> Option<idem_core::FinishRoundTrip> + Send + Sync,
     H: Fn(Message) -> Fut + Sync,
     Fut: Future<Output = Result<T, E>> + Send,
     T: Serialize + DeserializeOwned + Send + Sync,
@@ -520,8 +520,8 @@ where
             }
         }
     }
-    // Riders see the indices of fetched deliveries, not of messages.
-    let make = riders.map(|make| {
+    // Round trips see the indices of fetched deliveries, not of messages.
+    let make = round_trips.map(|make| {
         let (msg_at, fetched) = (&msg_at, &fetched);
         move |done: &[usize]| {
             let done: Vec<usize> = done
@@ -531,10 +531,10 @@ where
             make(&done, fetched)
         }
     });
-    let batch = consumer.handle_batch_riding(
+    let batch = consumer.handle_batch_with(
         &msgs,
         handler,
-        make.as_ref().map(|m| m as &crate::batch::MakeRider<'_>),
+        make.as_ref().map(|m| m as &crate::batch::MakeRoundTrip<'_>),
     );
     let handled = match adapter.keep_alive_period() {
         Some(p) if !msgs.is_empty() => {

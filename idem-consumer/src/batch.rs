@@ -6,8 +6,7 @@ use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
 use futures_util::future::{Either, join_all};
-use idem_core::store::Rider;
-use idem_core::{Batch, Call, Fingerprint};
+use idem_core::{Batch, Call, Fingerprint, FinishRoundTrip};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -17,9 +16,9 @@ use std::future::Future;
 use std::time::Duration;
 use tracing::Instrument;
 
-/// Makes the commands a round trip of results may carry, from the
-/// indices of the messages whose results it stores.
-pub(crate) type MakeRider<'a> = dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a;
+/// Makes the round trip that stores a set of results, from the indices of
+/// the messages whose results they are ([`Batch::finish_with`]).
+pub(crate) type MakeRoundTrip<'a> = dyn Fn(&[usize]) -> Option<FinishRoundTrip> + Send + Sync + 'a;
 
 /// A message of the batch that goes to idem.
 struct Run {
@@ -70,19 +69,19 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        self.handle_batch_riding(msgs, handler, None).await
+        self.handle_batch_with(msgs, handler, None).await
     }
 
-    /// [`handle_batch`](Consumer::handle_batch), with `riders` making the
-    /// commands each round trip of results may carry: it gets the indices
+    /// [`handle_batch`](Consumer::handle_batch), with `round_trips` making
+    /// the round trip that stores each set of results: it gets the indices
     /// (in `msgs`) of the messages whose results the round trip stores,
     /// every one of them decided [`Decision::Ack`] (a handler that
     /// returned `Ok` is acked whatever became of its stored result).
-    pub(crate) async fn handle_batch_riding<T, E, H, Fut>(
+    pub(crate) async fn handle_batch_with<T, E, H, Fut>(
         &self,
         msgs: &[Message],
         handler: &H,
-        riders: Option<&MakeRider<'_>>,
+        round_trips: Option<&MakeRoundTrip<'_>>,
     ) -> Vec<Handled<T>>
     where
         H: Fn(Message) -> Fut,
@@ -101,7 +100,7 @@ impl<C> Consumer<C> {
             keys,
             fps,
             &|_, msg| handler(msg),
-            riders,
+            round_trips,
             |i, handled| {
                 if let Some(slot) = done.get_mut(i) {
                     *slot = Some(handled);
@@ -139,7 +138,7 @@ impl<C> Consumer<C> {
         keys: Vec<Result<String, ConsumerError>>,
         fps: Vec<Fingerprint>,
         handler: &H,
-        riders: Option<&MakeRider<'_>>,
+        round_trips: Option<&MakeRoundTrip<'_>>,
         each: impl FnMut(usize, Handled<T>),
     ) where
         H: Fn(usize, Message) -> Fut,
@@ -210,9 +209,9 @@ impl<C> Consumer<C> {
         // One claims round trip, the handlers that won, the round trips of
         // completes and releases as they finish.
         let mut batch = Batch::from(calls).concurrency(self.batch_concurrency());
-        if let Some(make) = riders {
+        if let Some(make) = round_trips {
             let runs = &runs;
-            batch = batch.riding(move |done| {
+            batch = batch.finish_with(move |done| {
                 let done: Vec<usize> = done
                     .iter()
                     .filter_map(|&j| Some(runs.get(j)?.index))

@@ -61,7 +61,8 @@ use crate::decision::Classify;
 use crate::decision::{DeadLetterReason, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
-use idem_core::store::{Rider, RiderReply};
+use idem_core::{FinishRoundTrip, finish_round_trip};
+use idem_redis::RedisStore;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamAutoClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
 use redis::{RedisError, Script, Value};
@@ -568,14 +569,17 @@ impl RedisStreamsConsumer {
             .map_err(broker_err("apply"))?;
         Ok(())
     }
-    /// The `XACK` of the entries at `done`, to ride after their results;
-    /// the entries it confirms acked are marked in `acked`.
-    fn ack_rider(
+    /// The round trip that stores the results of the entries at `done`
+    /// through `store` with their `XACK` after them
+    /// ([`RedisStore::finish_batch_then`]); the entries it confirms acked
+    /// are marked in `acked`.
+    fn ack_round_trip(
         &self,
+        store: &RedisStore,
         done: &[usize],
         fetched: &[StreamEntry],
         acked: &Arc<Mutex<Vec<bool>>>,
-    ) -> Option<Rider> {
+    ) -> Option<FinishRoundTrip> {
         if self.riding_off.load(Ordering::Relaxed) {
             return None;
         }
@@ -593,18 +597,21 @@ impl RedisStreamsConsumer {
             return None;
         }
         let sent = ids.len();
-        let (done, acked, off) = (
+        let (store, done, acked, off) = (
+            store.clone(),
             done.to_vec(),
             Arc::clone(acked),
             Arc::clone(&self.riding_off),
         );
-        Some(Rider::new(xack, move |reply: RiderReply| {
-            let n = match reply.map(|v| v.downcast::<Value>().map(|v| *v)) {
+        // What the store answered for the `XACK`, if it carried it (not on
+        // a cluster, nor with a key twice: the entries are acked as usual).
+        let land = move |reply: Result<Value, idem_core::Error>| {
+            let n = match reply {
                 // The store's user may not XACK (ACLs): every batch would
                 // pay a refused command.
-                Ok(Ok(Value::ServerError(e))) if e.code() == "NOPERM" => Some(0),
-                Ok(Ok(v)) => redis::from_redis_value::<usize>(v).ok(),
-                _ => None,
+                Ok(Value::ServerError(e)) if e.code() == "NOPERM" => Some(0),
+                Ok(v) => redis::from_redis_value::<usize>(v).ok(),
+                Err(_) => None,
             };
             match n {
                 // All pending, all acked, after their results.
@@ -628,6 +635,15 @@ impl RedisStreamsConsumer {
                 // all are acked again on their own (an XACK is idempotent).
                 _ => {}
             }
+        };
+        Some(finish_round_trip(move |ops| {
+            Box::pin(async move {
+                let (replies, xacked) = store.finish_batch_then(ops, &xack).await;
+                if let Some(reply) = xacked {
+                    land(reply);
+                }
+                replies
+            })
         }))
     }
 }
@@ -888,8 +904,13 @@ impl Adapter for RedisStreamsConsumer {
         C: Classify<E>,
     {
         let acked = Arc::new(Mutex::new(vec![false; fetched.len()]));
-        let make = |done: &[usize], fetched: &[StreamEntry]| self.ack_rider(done, fetched, &acked);
-        let riding = !self.riding_off.load(Ordering::Relaxed);
+        // Only through the `RedisStore` idem was built over: another store
+        // has no round trip to share, and `apply_batch` acks every entry.
+        let store = consumer.idem().store_as::<RedisStore>();
+        let make = |done: &[usize], fetched: &[StreamEntry]| {
+            self.ack_round_trip(store?, done, fetched, &acked)
+        };
+        let riding = store.is_some() && !self.riding_off.load(Ordering::Relaxed);
         let mut decided =
             handle_deliveries(self, consumer, handler, fetched, riding.then_some(&make)).await;
         let acked = acked.lock().unwrap_or_else(PoisonError::into_inner);

@@ -76,9 +76,9 @@ pub enum Error {
         ///   (reading them), `suspend`, and on PostgreSQL `save_step`;
         /// - PostgreSQL transactions (`run_in_tx`, `step_in_tx`): `begin`,
         ///   `commit`;
-        /// - batches: `finish_batch` (RedisStore: the commands that ride
-        ///   in a batch's finish round trip, a Redis Streams consumer's
-        ///   acks);
+        /// - batches: `finish_batch` (RedisStore: the command sent after a
+        ///   batch's results, `RedisStore::finish_batch_then`, a Redis
+        ///   Streams consumer's acks);
         /// - operator calls: `inspect`, `forget`, `scan`, `count_failure`;
         /// - PostgreSQL upkeep: `migrate`, `maintain` (partitions), `reap`;
         /// - the outbox and its relays: `outbox publish` (PostgreSQL's
@@ -187,15 +187,18 @@ pub enum Error {
         attempt: u32,
     },
 
-    /// The store does not implement an optional operation (`inspect`,
-    /// `forget`, `scan`, `count_failure`): the `Store` trait's default
-    /// answer, for stores written before these operations existed.
+    /// The store does not have the capability an operation needs
+    /// ([`Store::capabilities`](crate::store::Store::capabilities): operator
+    /// calls such as `inspect`, `forget`, `scan`, `count_failure`; durable
+    /// steps' `save_step`), or does not write outbox messages with a
+    /// result.
     #[error(
         "this store does not support `{op}`; upgrade the store crate, or use one that does \
          (RedisStore, MemoryStore and idem-postgres's PgStore do)"
     )]
     Unsupported {
-        /// The operation: `inspect`, `forget`, `scan` or `count_failure`.
+        /// The operation: `inspect`, `forget`, `scan`, `count_failure`,
+        /// `save_step`, or `complete with outbox messages`.
         op: &'static str,
     },
 

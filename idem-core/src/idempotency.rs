@@ -8,6 +8,7 @@ use crate::hook::{Hook, OutcomeEvent};
 use crate::key::{push_escaped, shared_storage_key, storage_key, validate_key_part};
 use crate::settings::{FailMode, Forgets, Inner, validate_ttl_lease};
 use crate::store::Store;
+use std::any::Any;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -56,9 +57,11 @@ impl Idempotency {
     /// let b = idem_core::Idempotency::builder(idem_core::MemoryStore::new());
     /// let idem = b.build();
     /// ```
-    pub fn builder(store: impl Store) -> IdempotencyBuilder {
+    pub fn builder<S: Store>(store: S) -> IdempotencyBuilder {
+        let store = Arc::new(store);
         IdempotencyBuilder {
-            store: Arc::new(store),
+            given: Arc::clone(&store) as Arc<dyn Any + Send + Sync>,
+            store,
             namespace: "idem".to_owned(),
             result_ttl: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
@@ -73,6 +76,22 @@ impl Idempotency {
             cache_entries: None,
             hook: None,
         }
+    }
+
+    /// The store this runtime was built over, if it is an `S`: for a
+    /// crate that offers more than the [`Store`] trait on a store it knows
+    /// (idem-consumer's Redis Streams adapter sends its acks in the round
+    /// trip that stores results through idem-redis's `RedisStore`). The
+    /// store as given to [`builder`](Idempotency::builder), not a wrapper
+    /// of it.
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// assert!(idem.store_as::<MemoryStore>().is_some());
+    /// ```
+    pub fn store_as<S: Store>(&self) -> Option<&S> {
+        self.inner.given.downcast_ref::<S>()
     }
 
     /// Starts one call: `scope` names the operation, `key` identifies this
@@ -254,6 +273,8 @@ impl Idempotency {
 #[must_use]
 pub struct IdempotencyBuilder {
     store: Arc<dyn Store>,
+    /// The same store as given, for [`Idempotency::store_as`].
+    given: Arc<dyn Any + Send + Sync>,
     namespace: String,
     result_ttl: Duration,
     lease: Duration,
@@ -554,6 +575,7 @@ impl IdempotencyBuilder {
         let idem = Idempotency {
             inner: Arc::new(Inner {
                 store,
+                given: self.given,
                 namespace: self.namespace,
                 prefix,
                 result_ttl: self.result_ttl,

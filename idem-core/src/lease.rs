@@ -95,7 +95,7 @@ struct State {
     extended: AtomicBool,
     notify: Notify,
     /// Whether the call's store takes outgoing messages with its result
-    /// ([`Store::has_outbox`](crate::store::Store::has_outbox)).
+    /// ([`Capabilities::outbox`](crate::store::Capabilities::outbox)).
     outbox: bool,
     /// What the body staged for the outbox ([`crate::outbox::stage`]), in
     /// order: written with the result, or dropped with a failed body.

@@ -40,8 +40,32 @@
 //! the runtime would compile it (Tokio and all) for the host.
 //!
 //! See [`Call`] for the per-call options, [`IdempotencyBuilder`] for the
-//! defaults, and [`store::Store`] for the state machine both
-//! stores implement.
+//! defaults, and [`store::Store`] for the state machine every store
+//! implements.
+//!
+//! # Glossary
+//!
+//! One word per idea, in the API and its documentation:
+//!
+//! - **record**: what a store keeps under one key: pending (claimed by an
+//!   owner token) or completed (holding the stored result), until its TTL.
+//! - **lease**: how long a claim holds the key without renewal; once it runs
+//!   out, the next claim takes the key over (`Outcome::Recovered`).
+//! - **claim**: take a key for an owner token, writing a pending record,
+//!   or learn what holds it ([`store::Store::claim`], [`store::Claim`]).
+//! - **extend**: move the owner's lease deadline on while its body runs
+//!   ([`store::Store::extend`]).
+//! - **complete**: replace the owner's pending record by the completed one
+//!   holding the body's result ([`store::Store::complete`],
+//!   [`store::Complete`]).
+//! - **release**: delete the owner's pending record, so that the next call
+//!   runs the body ([`store::Store::release`]).
+//! - **finish**: a complete or a release, as one item of a batch that ends
+//!   several claims in one round trip ([`store::Finish`],
+//!   [`store::Store::finish_batch`], [`Batch::finish_with`]).
+//! - **capability**: something a store can do besides that state machine
+//!   (durable steps, operator calls, notifications, durability
+//!   confirmation, an outbox), offered through [`store::Store::capabilities`].
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![allow(
     clippy::indexing_slicing,
@@ -90,7 +114,9 @@ mod token;
 /// }
 /// ```
 pub use async_trait::async_trait;
-pub use call::{Batch, Call, CallGroup, MAX_STEP_NAME, StepStart, Steps};
+pub use call::{
+    Batch, Call, CallGroup, FinishRoundTrip, MAX_STEP_NAME, StepStart, Steps, finish_round_trip,
+};
 pub use derive::{DeriveError, KeyDeriver};
 pub use durability::{Durability, MAX_DURABILITY_TIMEOUT};
 pub use error::{BoxError, Error, KeyError, KeyPart};

@@ -14,11 +14,10 @@
 //! names, never keys.
 
 use crate::error::Error;
-use crate::fingerprint::Fingerprint;
 use crate::hook::CallOutcome;
 use crate::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
-    Store, ValueKind, WriteReply,
+    Capabilities, Claim, ClaimReply, Complete, DurableStore, Finish, StepRecord, StepStore, Store,
+    WriteReply,
 };
 use crate::token::Token;
 use async_trait::async_trait;
@@ -212,101 +211,9 @@ impl Store for Metered {
         reply
     }
 
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
         let since = Instant::now();
-        let reply = self
-            .store
-            .complete(key, token, fingerprint, kind, value)
-            .await;
-        self.record("complete", since);
-        reply
-    }
-
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: crate::Durability,
-    ) -> Result<WriteReply, Error> {
-        let since = Instant::now();
-        let reply = self
-            .store
-            .complete_claim(claim, kind, value, durability)
-            .await;
-        self.record("complete", since);
-        reply
-    }
-
-    fn has_outbox(&self) -> bool {
-        self.store.has_outbox()
-    }
-
-    fn check_durability(&self, durability: crate::Durability) -> Result<(), Error> {
-        self.store.check_durability(durability)
-    }
-
-    async fn confirm(&self, key: &str, durability: crate::Durability) -> Result<(), Error> {
-        let since = Instant::now();
-        let reply = self.store.confirm(key, durability).await;
-        self.record("confirm", since);
-        reply
-    }
-
-    async fn claim_durable(
-        &self,
-        claim: Claim<'_>,
-        durability: crate::Durability,
-    ) -> Result<ClaimReply, Error> {
-        let since = Instant::now();
-        let reply = self.store.claim_durable(claim, durability).await;
-        let op = match reply {
-            Ok(ClaimReply::Completed(_)) => "replay",
-            _ => "claim",
-        };
-        self.record(op, since);
-        reply
-    }
-
-    async fn complete_durable(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: crate::Durability,
-    ) -> Result<WriteReply, Error> {
-        let since = Instant::now();
-        let reply = self
-            .store
-            .complete_durable(key, token, fingerprint, kind, value, durability)
-            .await;
-        self.record("complete", since);
-        reply
-    }
-
-    async fn complete_with_outbox(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        messages: &[crate::outbox::message::OutboxMessage],
-    ) -> Result<WriteReply, Error> {
-        let since = Instant::now();
-        let reply = self
-            .store
-            .complete_with_outbox(key, token, fingerprint, kind, value, messages)
-            .await;
+        let reply = self.store.complete(complete).await;
         self.record("complete", since);
         reply
     }
@@ -315,6 +222,13 @@ impl Store for Metered {
         let since = Instant::now();
         let reply = self.store.release(key, token).await;
         self.record("release", since);
+        reply
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let since = Instant::now();
+        let reply = self.store.extend(key, token, lease).await;
+        self.record("extend", since);
         reply
     }
 
@@ -332,26 +246,29 @@ impl Store for Metered {
         replies
     }
 
-    async fn finish_batch_riding(
-        &self,
-        ops: &[Finish<'_>],
-        rider: Rider,
-    ) -> Vec<Result<WriteReply, Error>> {
-        let since = Instant::now();
-        let replies = self.store.finish_batch_riding(ops, rider).await;
-        self.record("finish_batch", since);
-        replies
+    /// The wrapped store's capabilities; the timed ones (steps, confirm)
+    /// through this wrapper, which times them.
+    fn capabilities(&self) -> Capabilities<'_> {
+        let inner = self.store.capabilities();
+        let mut caps = Capabilities::none().outbox(inner.outbox);
+        if inner.steps.is_some() {
+            caps = caps.steps(self);
+        }
+        if inner.durable.is_some() {
+            caps = caps.durable(self);
+        }
+        if let Some(operator) = inner.operator {
+            caps = caps.operator(operator);
+        }
+        if let Some(watch) = inner.watch {
+            caps = caps.watch(watch);
+        }
+        caps
     }
+}
 
-    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        let since = Instant::now();
-        let reply = self.store.extend(key, token, lease).await;
-        self.record("extend", since);
-        reply
-    }
-
-    // Every provided method is forwarded: a default here would answer for
-    // the wrapped store (a default `save_step` is `Unsupported`).
+#[async_trait]
+impl StepStore for Metered {
     async fn save_step(
         &self,
         key: &str,
@@ -378,33 +295,18 @@ impl Store for Metered {
         self.record("suspend", since);
         reply
     }
+}
 
-    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
-        self.store.inspect(key, with_value).await
+#[async_trait]
+impl DurableStore for Metered {
+    fn check_durability(&self, durability: crate::Durability) -> Result<(), Error> {
+        self.store.check_durability(durability)
     }
 
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.store.watch(key).await
-    }
-
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.store.watch_forgotten(prefix, sink).await
-    }
-
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.store.forget(key, force).await
-    }
-
-    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
-        self.store.count_failure(key, ttl).await
-    }
-
-    async fn scan(
-        &self,
-        prefix: &str,
-        cursor: Option<&str>,
-        count: usize,
-    ) -> Result<ScanPage, Error> {
-        self.store.scan(prefix, cursor, count).await
+    async fn confirm(&self, key: &str, durability: crate::Durability) -> Result<(), Error> {
+        let since = Instant::now();
+        let reply = self.store.confirm(key, durability).await;
+        self.record("confirm", since);
+        reply
     }
 }

@@ -99,6 +99,8 @@ impl Drop for Unkept {
 
 pub(crate) struct Inner {
     pub(crate) store: Arc<dyn Store>,
+    /// The store as the builder was given it (`store` may wrap it).
+    pub(crate) given: Arc<dyn std::any::Any + Send + Sync>,
     /// As the builder was given it (the prefix escapes it), for the hook
     /// and the metrics' labels.
     pub(crate) namespace: String,

@@ -95,7 +95,13 @@ impl PgStore {
 
     /// `Store::finish_batch`.
     pub(crate) async fn finish_many(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
-        let in_tx = tx::current().is_some();
+        // A complete with outbox messages or a durability is refused by the
+        // single call (this store has neither): such a batch is answered as
+        // single calls in its order would be.
+        let special = ops.iter().any(|op| {
+            matches!(op, Finish::Complete(c) if !c.outbox.is_empty() || !c.durability.is_async())
+        });
+        let in_tx = special || tx::current().is_some();
         in_waves(
             ops,
             Finish::key,
@@ -130,7 +136,7 @@ impl PgStore {
         let (states, values): (Vec<Option<i8>>, Vec<Option<&[u8]>>) = ops
             .iter()
             .map(|op| match **op {
-                Finish::Complete { kind, value, .. } => (Some(kind.tag() as i8), Some(value)),
+                Finish::Complete(c) => (Some(c.kind.tag() as i8), Some(c.value)),
                 Finish::Release { .. } => (None, None),
             })
             .unzip();

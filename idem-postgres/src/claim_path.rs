@@ -89,7 +89,7 @@ impl Forecast {
 mod tests {
     use super::*;
     use crate::{PgStore, RunInTx};
-    use idem_core::store::{ClaimReply, Store, Token, ValueKind};
+    use idem_core::store::{ClaimReply, Complete, Store, Token, ValueKind};
     use idem_core::{Error, Fingerprint, Idempotency, Outcome};
     use idem_testkit::{PgTestDb, claim};
     use std::sync::atomic::AtomicUsize;
@@ -129,7 +129,7 @@ mod tests {
             );
 
             // completed: replayed with its value, refused to another request
-            s.complete("k", &a, None, ValueKind::Json, b"7")
+            s.complete(Complete::new("k", &a, ValueKind::Json, b"7"))
                 .await
                 .unwrap();
             match s.claim(claim("k", &c, 5_000, 60_000, Some(&x))).await {
@@ -160,7 +160,7 @@ mod tests {
                 s.claim(claim("gone", &a, 50, 150, None)).await.unwrap(),
                 at(1)
             );
-            s.complete("gone", &a, None, ValueKind::Json, b"1")
+            s.complete(Complete::new("gone", &a, ValueKind::Json, b"1"))
                 .await
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(250)).await;

@@ -19,12 +19,12 @@ pub fn claim<'a>(
     ttl_ms: u64,
     fingerprint: Option<&'a Fingerprint>,
 ) -> Claim<'a> {
-    Claim {
+    Claim::new(
         key,
         token,
-        lease: Duration::from_millis(lease_ms),
-        ttl: Duration::from_millis(ttl_ms),
-        fingerprint,
-        want_ttl_left: true,
-    }
+        Duration::from_millis(lease_ms),
+        Duration::from_millis(ttl_ms),
+    )
+    .fingerprint(fingerprint)
+    .want_ttl_left(true)
 }

@@ -2,11 +2,11 @@
 //! what a batch costs.
 
 use async_trait::async_trait;
+use idem_core::Error;
 use idem_core::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
-    Store, Token, ValueKind, WriteReply,
+    Capabilities, Claim, ClaimReply, Complete, Finish, StepRecord, StepStore, Store, Token,
+    WriteReply,
 };
-use idem_core::{Durability, Error, Fingerprint};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -118,50 +118,9 @@ impl<S: Store> Store for CountingStore<S> {
         self.inner.claim(claim).await
     }
 
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
         StoreCounts::add(&self.counts.singles);
-        self.inner
-            .complete(key, token, fingerprint, kind, value)
-            .await
-    }
-
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        StoreCounts::add(&self.counts.singles);
-        self.inner
-            .complete_claim(claim, kind, value, durability)
-            .await
-    }
-
-    fn has_outbox(&self) -> bool {
-        self.inner.has_outbox()
-    }
-
-    async fn complete_with_outbox(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        messages: &[idem_core::outbox::OutboxMessage],
-    ) -> Result<WriteReply, Error> {
-        StoreCounts::add(&self.counts.singles);
-        self.inner
-            .complete_with_outbox(key, token, fingerprint, kind, value, messages)
-            .await
+        self.inner.complete(complete).await
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
@@ -199,25 +158,24 @@ impl<S: Store> Store for CountingStore<S> {
         self.inner.finish_batch(ops).await
     }
 
-    async fn finish_batch_riding(
-        &self,
-        ops: &[Finish<'_>],
-        rider: Rider,
-    ) -> Vec<Result<WriteReply, Error>> {
-        StoreCounts::add(&self.counts.finish_batches);
-        self.inner.finish_batch_riding(ops, rider).await
-    }
-
-    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
-        self.inner.count_failure(key, ttl).await
-    }
-
     fn name(&self) -> &'static str {
         self.inner.name()
     }
 
-    // Every provided method is forwarded (a default would answer for the
-    // wrapped store); the step writes are single round trips.
+    /// The wrapped store's capabilities; steps through this wrapper, which
+    /// counts their round trips.
+    fn capabilities(&self) -> Capabilities<'_> {
+        let mut caps = self.inner.capabilities();
+        if caps.steps.is_some() {
+            caps = caps.steps(self);
+        }
+        caps
+    }
+}
+
+/// The step round trips are single round trips, counted as such.
+#[async_trait]
+impl<S: Store> StepStore for CountingStore<S> {
     async fn save_step(
         &self,
         key: &str,
@@ -226,41 +184,26 @@ impl<S: Store> Store for CountingStore<S> {
         value: &[u8],
     ) -> Result<WriteReply, Error> {
         StoreCounts::add(&self.counts.singles);
-        self.inner.save_step(key, token, name, value).await
+        self.inner_steps()?.save_step(key, token, name, value).await
     }
 
     async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
         StoreCounts::add(&self.counts.singles);
-        self.inner.steps(key, token).await
+        self.inner_steps()?.steps(key, token).await
     }
 
     async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         StoreCounts::add(&self.counts.singles);
-        self.inner.suspend(key, token).await
+        self.inner_steps()?.suspend(key, token).await
     }
+}
 
-    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
-        self.inner.inspect(key, with_value).await
-    }
-
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.inner.forget(key, force).await
-    }
-
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.inner.watch(key).await
-    }
-
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.inner.watch_forgotten(prefix, sink).await
-    }
-
-    async fn scan(
-        &self,
-        prefix: &str,
-        cursor: Option<&str>,
-        count: usize,
-    ) -> Result<ScanPage, Error> {
-        self.inner.scan(prefix, cursor, count).await
+impl<S: Store> CountingStore<S> {
+    /// The wrapped store's steps (named only when it has them).
+    fn inner_steps(&self) -> Result<&dyn StepStore, Error> {
+        self.inner
+            .capabilities()
+            .steps
+            .ok_or(Error::Unsupported { op: "save_step" })
     }
 }

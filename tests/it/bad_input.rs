@@ -4,7 +4,7 @@
 //! not affected; nothing panics. Each case runs against `MemoryStore` and
 //! `RedisStore` wherever it applies (raw records exist only in Redis).
 
-use idem::store::{Store, Token, WriteReply};
+use idem::store::{Complete, Store, Token, WriteReply};
 use idem::{
     Error, FailMode, Idempotency, IdempotencyBuilder, KeyError, KeyPart, MemoryStore, Outcome,
     RedisStore,
@@ -509,7 +509,7 @@ async fn assert_corrupt(
             store.release(KEY, &t).await,
             store.extend(KEY, &t, Duration::from_secs(1)).await,
             store
-                .complete(KEY, &t, None, idem::store::ValueKind::Json, b"1")
+                .complete(Complete::new(KEY, &t, idem::store::ValueKind::Json, b"1"))
                 .await,
         ];
         for w in writes {
@@ -984,14 +984,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
             ("zero lease and TTL", Duration::ZERO, Duration::ZERO),
         ] {
             let key = format!("idem:store:{case}");
-            let claim = |token| idem::store::Claim {
-                key: &key,
-                token,
-                lease,
-                ttl,
-                fingerprint: None,
-                want_ttl_left: false,
-            };
+            let claim = |token| idem::store::Claim::new(&key, token, lease, ttl);
             let first = store.claim(claim(&a)).await;
             assert_eq!(
                 first.unwrap(),
@@ -1004,7 +997,7 @@ async fn absurd_durations_at_the_store_level_do_not_panic() {
                 "{name}/{case}: {extended:?}"
             );
             let done = store
-                .complete(&key, &a, None, idem::store::ValueKind::Json, b"1")
+                .complete(Complete::new(&key, &a, idem::store::ValueKind::Json, b"1"))
                 .await;
             assert!(
                 matches!(done, Ok(WriteReply::Done | WriteReply::Missing)),

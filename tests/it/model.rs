@@ -15,8 +15,8 @@
 //! TTLs) outlive a whole sequence.
 
 use idem::store::Finish;
-use idem::store::{Claim, ClaimReply, StepRecord, Store, Token, ValueKind, WriteReply};
-use idem::{Durability, Fingerprint, MemoryStore};
+use idem::store::{Claim, ClaimReply, Complete, StepRecord, Store, Token, ValueKind, WriteReply};
+use idem::{Fingerprint, MemoryStore};
 use idem_postgres::PgStore;
 use idem_testkit::{PgTestDb, TestContext};
 use proptest::prelude::*;
@@ -66,7 +66,7 @@ enum Op {
         long_lease: bool,
         long_ttl: bool,
     },
-    /// `complete_claim` with the terms of a claim `token` may have made
+    /// `complete` told the claim `token` may have made (`Complete::of_claim`)
     /// (on Valkey, a plain `SET … IFEQ` when they are the record's).
     Complete {
         key: usize,
@@ -219,7 +219,7 @@ async fn step(store: &dyn Store, op: Op) -> Result<Reply, idem::Error> {
         } => {
             let (t, f) = (token(t), fp.map(fingerprint));
             let claim = claim_of(key, &t, f.as_ref(), long_lease, long_ttl);
-            let done = store.complete_claim(&claim, kind, VALUES[value], Durability::Async);
+            let done = store.complete(Complete::of_claim(&claim, kind, VALUES[value]));
             Reply::Write(done.await?)
         }
         Op::Release { key, token: t } => Reply::Write(store.release(KEYS[key], &token(t)).await?),
@@ -259,16 +259,13 @@ fn claim_of<'a>(
     long_lease: bool,
     long_ttl: bool,
 ) -> Claim<'a> {
-    Claim {
-        key: KEYS[key],
-        token,
-        // A long lease over a short TTL: both stores keep the record for
-        // the lease.
-        lease: if long_lease { LONG_LEASE } else { SHORT },
-        ttl: if long_ttl { LONG_TTL } else { SHORT },
-        fingerprint,
-        want_ttl_left: true,
-    }
+    // A long lease over a short TTL: both stores keep the record for the
+    // lease.
+    let lease = if long_lease { LONG_LEASE } else { SHORT };
+    let ttl = if long_ttl { LONG_TTL } else { SHORT };
+    Claim::new(KEYS[key], token, lease, ttl)
+        .fingerprint(fingerprint)
+        .want_ttl_left(true)
 }
 
 /// Runs `ops` as one batch: `claim_batch` when they are claims, else
@@ -315,11 +312,11 @@ async fn batch(store: &dyn Store, ops: &[Op]) -> Vec<Result<Reply, idem::Error>>
                 kind,
                 value,
                 ..
-            } => Some(Finish::Complete {
-                claim: claim_of(key, t, f.as_ref(), long_lease, long_ttl),
+            } => Some(Finish::Complete(Complete::of_claim(
+                &claim_of(key, t, f.as_ref(), long_lease, long_ttl),
                 kind,
-                value: VALUES[value],
-            }),
+                VALUES[value],
+            ))),
             Op::Release { key, .. } => Some(Finish::Release {
                 key: KEYS[key],
                 token: t,

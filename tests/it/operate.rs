@@ -3,7 +3,7 @@
 //! forget means for local replay caches.
 
 use futures_util::StreamExt;
-use idem::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem::store::{Capabilities, Claim, ClaimReply, Complete, Store, Token, ValueKind, WriteReply};
 use idem::{Error, Idempotency, KeyState, MemoryStore, Outcome, RedisStore};
 use idem_testkit::{RedisCluster, RedisServer, TestContext};
 use std::collections::BTreeMap;
@@ -23,14 +23,7 @@ fn idem<S: Store + Clone>(store: &S) -> Idempotency {
 async fn hold<S: Store>(store: &S, key: &str, lease: Duration) -> Token {
     let token = Token::random();
     let full = format!("{NS}:charge:{key}");
-    let claim = Claim {
-        key: &full,
-        token: &token,
-        lease,
-        ttl: Duration::from_secs(600),
-        fingerprint: None,
-        want_ttl_left: false,
-    };
+    let claim = Claim::new(&full, &token, lease, Duration::from_secs(600));
     assert_eq!(
         store.claim(claim).await.unwrap(),
         ClaimReply::Acquired { attempt: 1 }
@@ -310,15 +303,8 @@ impl Store for Deaf {
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
         self.0.claim(c).await
     }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fp: Option<&idem::Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.0.complete(key, token, fp, kind, value).await
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        self.0.complete(complete).await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.0.release(key, token).await
@@ -326,8 +312,9 @@ impl Store for Deaf {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.0.extend(key, token, lease).await
     }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<idem::RecordInfo>, Error> {
-        self.0.forget(key, force).await
+    /// Operator calls, but no notifications.
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none().operator(&self.0)
     }
 }
 

@@ -2,7 +2,7 @@
 //! PostgreSQL (PgStore, a fresh database per test) and against
 //! MemoryStore: every store must behave as one state machine.
 
-use idem::store::{Claim, ClaimReply, Token, ValueKind, WriteReply};
+use idem::store::{Claim, ClaimReply, Complete, Token, ValueKind, WriteReply};
 use idem::{Error, FailMode, Idempotency, Outcome, RedisStore};
 use idem_testkit::{RedisServer, TestContext};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -654,13 +654,13 @@ async fn stored_type_mismatch_is_codec(b: TestContext) {
 async fn same_token_resend_is_acquired_again(b: TestContext) {
     let store = b.store();
     let (a, other) = (Token::from_u128(1), Token::from_u128(2));
-    let claim = |token| Claim {
-        key: "raw:resend",
-        token,
-        lease: Duration::from_secs(10),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
+    let claim = |token| {
+        Claim::new(
+            "raw:resend",
+            token,
+            Duration::from_secs(10),
+            Duration::from_secs(60),
+        )
     };
     assert_eq!(
         store.claim(claim(&a)).await.unwrap(),
@@ -683,13 +683,13 @@ async fn same_token_resend_is_acquired_again(b: TestContext) {
 async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     let store = b.store();
     let (old, new) = (Token::from_u128(1), Token::from_u128(2));
-    let claim = |token| Claim {
-        key: "raw:late",
-        token,
-        lease: Duration::from_millis(100),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
+    let claim = |token| {
+        Claim::new(
+            "raw:late",
+            token,
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        )
     };
     let ttl = Duration::from_secs(60);
     assert_eq!(
@@ -703,7 +703,7 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     );
     for reply in [
         store
-            .complete("raw:late", &old, None, ValueKind::Json, b"1")
+            .complete(Complete::new("raw:late", &old, ValueKind::Json, b"1"))
             .await,
         store.extend("raw:late", &old, ttl).await,
         store.release("raw:late", &old).await,
@@ -712,14 +712,14 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
     }
     assert_eq!(
         store
-            .complete("raw:late", &new, None, ValueKind::Json, b"2")
+            .complete(Complete::new("raw:late", &new, ValueKind::Json, b"2"))
             .await
             .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
         store
-            .complete("raw:late", &old, None, ValueKind::Json, b"1")
+            .complete(Complete::new("raw:late", &old, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted
@@ -745,13 +745,13 @@ async fn late_writes_by_old_owner_are_refused(b: TestContext) {
 async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestContext) {
     let store = b.store();
     let (old, new) = (Token::from_u128(1), Token::from_u128(2));
-    let claim = |token| Claim {
-        key: "raw:same",
-        token,
-        lease: Duration::from_millis(100),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
+    let claim = |token| {
+        Claim::new(
+            "raw:same",
+            token,
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        )
     };
     assert_eq!(
         store.claim(claim(&old)).await.unwrap(),
@@ -764,14 +764,14 @@ async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestCont
     );
     assert_eq!(
         store
-            .complete_claim(&claim(&new), ValueKind::Json, b"2", idem::Durability::Async)
+            .complete(Complete::of_claim(&claim(&new), ValueKind::Json, b"2"))
             .await
             .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
         store
-            .complete_claim(&claim(&old), ValueKind::Json, b"2", idem::Durability::Async)
+            .complete(Complete::of_claim(&claim(&old), ValueKind::Json, b"2"))
             .await
             .unwrap(),
         WriteReply::Done,
@@ -779,7 +779,7 @@ async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestCont
     );
     assert_eq!(
         store
-            .complete("raw:same", &old, None, ValueKind::Json, b"2")
+            .complete(Complete::new("raw:same", &old, ValueKind::Json, b"2"))
             .await
             .unwrap(),
         WriteReply::Done,
@@ -787,7 +787,7 @@ async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestCont
     );
     assert_eq!(
         store
-            .complete("raw:same", &old, None, ValueKind::Json, b"1")
+            .complete(Complete::new("raw:same", &old, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted,
@@ -795,7 +795,7 @@ async fn an_old_holders_complete_of_the_stored_result_itself_is_done(b: TestCont
     );
     assert_eq!(
         store
-            .complete("raw:same", &old, None, ValueKind::Lz4Json, b"2")
+            .complete(Complete::new("raw:same", &old, ValueKind::Lz4Json, b"2"))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted,

@@ -3,7 +3,7 @@
 //! MemoryStore. Side effects are counted in a ledger outside the store
 //! (atomic counters), and counted exactly.
 
-use idem::store::{Token, WriteReply};
+use idem::store::{Complete, Token, WriteReply};
 use idem::{CallOutcome, Error, Idempotency, KeyState, Outcome, Steps};
 use idem_testkit::{TestContext, claim};
 use std::collections::HashMap;
@@ -398,7 +398,7 @@ async fn store_records_steps_for_the_owner_only(b: TestContext) {
         .unwrap();
     assert_eq!(store.steps(key, &c).await.unwrap().unwrap().len(), 2);
     let done = store
-        .complete(key, &c, None, idem::store::ValueKind::Json, b"42")
+        .complete(Complete::new(key, &c, idem::store::ValueKind::Json, b"42"))
         .await
         .unwrap();
     assert_eq!(done, WriteReply::Done);

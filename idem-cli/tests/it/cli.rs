@@ -1,6 +1,6 @@
 //! The `idem` binary against a real redis-server: output and exit codes.
 
-use idem_core::store::{Claim, Store, Token};
+use idem_core::store::{Claim, StepStore, Store, Token};
 use idem_core::{Error, Idempotency};
 use idem_redis::RedisStore;
 use idem_testkit::RedisServer;
@@ -41,14 +41,12 @@ async fn inspect_forget_scan_and_exit_codes() {
         .await
         .unwrap();
     let token = Token::random();
-    let claim = Claim {
-        key: "svc:charge:held",
-        token: &token,
-        lease: Duration::from_secs(300),
-        ttl: Duration::from_secs(86_400),
-        fingerprint: None,
-        want_ttl_left: false,
-    };
+    let claim = Claim::new(
+        "svc:charge:held",
+        &token,
+        Duration::from_secs(300),
+        Duration::from_secs(86_400),
+    );
     store.claim(claim).await.unwrap();
     server.cli(&["SET", "svc:charge:garbage", "not a record"]);
     server.cli(&["HSET", "svc:charge:hash", "f", "v"]);
@@ -229,14 +227,12 @@ async fn inspect_forget_scan_and_exit_codes() {
     // A key stuck in flight after its holder died: found, then evicted
     // without --force (the README's walk-through).
     let token = Token::random();
-    let claim = Claim {
-        key: "svc:charge:stuck",
-        token: &token,
-        lease: Duration::from_millis(50),
-        ttl: Duration::from_secs(86_400),
-        fingerprint: None,
-        want_ttl_left: false,
-    };
+    let claim = Claim::new(
+        "svc:charge:stuck",
+        &token,
+        Duration::from_millis(50),
+        Duration::from_secs(86_400),
+    );
     store.claim(claim).await.unwrap();
     tokio::time::sleep(Duration::from_millis(120)).await;
     let o = idem(url, &with(&["scan", "charge", "--state", "pending"]));

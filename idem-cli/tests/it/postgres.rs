@@ -38,14 +38,12 @@ async fn inspect_forget_scan_over_postgres() {
         .await
         .unwrap();
     let token = Token::random();
-    let claim = Claim {
-        key: "svc:charge:held",
-        token: &token,
-        lease: Duration::from_secs(300),
-        ttl: Duration::from_secs(86_400),
-        fingerprint: None,
-        want_ttl_left: false,
-    };
+    let claim = Claim::new(
+        "svc:charge:held",
+        &token,
+        Duration::from_secs(300),
+        Duration::from_secs(86_400),
+    );
     ctx.store().claim(claim).await.unwrap();
     let db = ctx.pg_db();
     db.exec(

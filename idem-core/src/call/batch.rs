@@ -1,15 +1,39 @@
 //! Several calls run together, sharing their store round trips.
 
 use super::Call;
-use super::drive::MakeRider;
 use super::gather::{ClaimOp, FinishOp, Gather, Tickets};
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::{Rider, Store};
+use crate::store::{Finish, Store, WriteReply};
+use futures_util::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
+
+/// One round trip that stores a batch's results, in place of the store's
+/// [`finish_batch`](Store::finish_batch): given the ops, the future of
+/// their replies, one per op, in order. Owned (`'static`): a batch dropped
+/// while its results are on their way still sends them. Made with
+/// [`finish_round_trip`]; see [`Batch::finish_with`].
+pub type FinishRoundTrip = Box<
+    dyn for<'x> FnOnce(&'x [Finish<'x>]) -> BoxFuture<'x, Vec<Result<WriteReply, Error>>> + Send,
+>;
+
+/// Makes the round trip of one set of results: see [`Batch::finish_with`].
+pub(super) type MakeRoundTrip<'a> =
+    Box<dyn Fn(&[usize]) -> Option<FinishRoundTrip> + Send + Sync + 'a>;
+
+/// `send` as a [`FinishRoundTrip`]: the bound lets a closure be written
+/// in place (`|ops| Box::pin(async move { … })`).
+pub fn finish_round_trip<F>(send: F) -> FinishRoundTrip
+where
+    F: for<'x> FnOnce(&'x [Finish<'x>]) -> BoxFuture<'x, Vec<Result<WriteReply, Error>>>
+        + Send
+        + 'static,
+{
+    Box::new(send)
+}
 
 /// Several [`Call`]s run together: their claims go to the store as one
 /// batch ([`Store::claim_batch`](crate::store::Store::claim_batch): one
@@ -47,7 +71,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub struct Batch<'a> {
     calls: Vec<Call<'a>>,
     concurrency: Option<usize>,
-    riders: Option<MakeRider<'a>>,
+    round_trips: Option<MakeRoundTrip<'a>>,
 }
 
 impl<'a> FromIterator<Call<'a>> for Batch<'a> {
@@ -55,7 +79,7 @@ impl<'a> FromIterator<Call<'a>> for Batch<'a> {
         Batch {
             calls: iter.into_iter().collect(),
             concurrency: None,
-            riders: None,
+            round_trips: None,
         }
     }
 }
@@ -74,7 +98,7 @@ impl<'a> From<Vec<Call<'a>>> for Batch<'a> {
         Batch {
             calls,
             concurrency: None,
-            riders: None,
+            round_trips: None,
         }
     }
 }
@@ -123,24 +147,41 @@ impl<'a> Batch<'a> {
         self
     }
 
-    /// Lets each round trip that stores results carry a [`Rider`]: `make`
-    /// gets the indices of the calls whose results it stores (bodies that
-    /// returned `Ok`, in the order the store gets them) and returns the
-    /// commands to send after those writes, if any. A store that cannot
-    /// carry them drops them (see [`Rider`]). idem-consumer's Redis
-    /// Streams adapter acks its entries this way.
+    /// Sends each round trip that stores results with `make`'s
+    /// [`FinishRoundTrip`] instead of the store's
+    /// [`finish_batch`](Store::finish_batch): `make` gets the indices of
+    /// the calls whose results it stores (bodies that returned `Ok`, in the
+    /// order the store gets them) and returns the round trip to send them
+    /// with, or `None` for the store's own. The round trip must answer what
+    /// `finish_batch` of the same store would, one reply per op, in order.
+    /// idem-consumer's Redis Streams adapter sends its acks in the round
+    /// trip that stores their results this way (idem-redis's
+    /// `RedisStore::finish_batch_then`).
+    ///
+    /// What a round trip carries besides the writes goes after every one
+    /// of them, so a server that executes it has executed those writes
+    /// first; and it should run only if every complete of the round trip
+    /// is stored by then. A complete that is not (stored alone after the
+    /// round trip, or refused) withholds it: the round trip's maker then
+    /// sends it itself once the results are stored (idem-redis: the
+    /// `rider` script answers `UNSTORED`, or `NOSCRIPT`, instead of running
+    /// it). So an ack is never sent before its result is stored.
     ///
     /// ```
-    /// use idem_core::{Batch, Idempotency, MemoryStore};
-    /// use idem_core::store::Rider;
+    /// use idem_core::store::{MemoryStore, Store};
+    /// use idem_core::{Batch, Idempotency, finish_round_trip};
+    /// use std::sync::Mutex;
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let store = MemoryStore::new(); // a handle: its clones share the records
+    /// let idem = Idempotency::builder(store.clone()).build();
     /// let batch: Batch = (0..3).map(|k| idem.call("s", k)).collect();
-    /// let asked = std::sync::Mutex::new(Vec::new());
+    /// let asked = Mutex::new(Vec::new());
     /// let values = batch
-    ///     .riding(|done| {
+    ///     .finish_with(|done| {
     ///         asked.lock().unwrap().extend_from_slice(done);
-    ///         Some(Rider::new((), |_| {}))
+    ///         let store = store.clone();
+    ///         // The store's own round trip, and whatever else goes with it.
+    ///         Some(finish_round_trip(move |ops| Box::pin(async move { store.finish_batch(ops).await })))
     ///     })
     ///     .run(|i| async move { if i == 1 { Err(idem_core::Error::corrupt("no")) } else { Ok(i) } })
     ///     .await;
@@ -150,8 +191,11 @@ impl<'a> Batch<'a> {
     /// assert_eq!(asked, [0, 2]);
     /// # });
     /// ```
-    pub fn riding(mut self, make: impl Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a) -> Self {
-        self.riders = Some(Box::new(make));
+    pub fn finish_with(
+        mut self,
+        make: impl Fn(&[usize]) -> Option<FinishRoundTrip> + Send + Sync + 'a,
+    ) -> Self {
+        self.round_trips = Some(Box::new(make));
         self
     }
 
@@ -222,7 +266,7 @@ impl<'a> Batch<'a> {
         T: Serialize + DeserializeOwned,
         E: From<Error>,
     {
-        super::drive::drive(self.calls, self.concurrency, self.riders, body, each).await
+        super::drive::drive(self.calls, self.concurrency, self.round_trips, body, each).await
     }
 
     /// Like [`run_outcome`](Batch::run_outcome), without the outcomes.

@@ -6,7 +6,7 @@ use super::guard::detach;
 use crate::durability::Durability;
 use crate::fingerprint::Fingerprint;
 use crate::outbox::message::OutboxMessage;
-use crate::store::{Claim, Store, ValueKind, WriteReply};
+use crate::store::{AsClaimed, Complete, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use backon::ExponentialBuilder;
 use bytes::Bytes;
@@ -40,7 +40,7 @@ pub(super) struct Completion<'a> {
     pub(super) ttl: Duration,
     /// Whether the pending record is still the one the claim wrote, as far
     /// as the call knows (no steps recorded in it, no renewal sent): the
-    /// store is then told the claim ([`Store::complete_claim`]), else it
+    /// store is then told the claim ([`Complete::as_claimed`]), else it
     /// reads the record.
     pub(super) as_claimed: bool,
     /// Outgoing messages written with the result (`outbox::stage`).
@@ -69,51 +69,16 @@ impl Completion<'_> {
             .with_max_delay(self.lease / 4)
             .with_total_delay(Some(self.lease / 2))
             .without_max_times();
-        let result = resend(retries, "complete", || async {
-            if self.messages.is_empty() && self.as_claimed {
-                let claim = Claim {
-                    key: self.key,
-                    token: &self.token,
-                    lease: self.lease,
-                    ttl: self.ttl,
-                    fingerprint: self.fingerprint.as_ref(),
-                    want_ttl_left: false,
-                };
-                self.store
-                    .complete_claim(&claim, self.kind, self.value, self.durability)
-                    .await
-            } else if self.messages.is_empty() {
-                self.store
-                    .complete_durable(
-                        self.key,
-                        &self.token,
-                        self.fingerprint.as_ref(),
-                        self.kind,
-                        self.value,
-                        self.durability,
-                    )
-                    .await
-            } else {
-                let reply = self
-                    .store
-                    .complete_with_outbox(
-                        self.key,
-                        &self.token,
-                        self.fingerprint.as_ref(),
-                        self.kind,
-                        self.value,
-                        self.messages,
-                    )
-                    .await?;
-                // The messages were written in the same step as the result:
-                // the fence after it confirms both.
-                if reply.is_done() && !self.durability.is_async() {
-                    self.store.confirm(self.key, self.durability).await?;
-                }
-                Ok(reply)
-            }
-        })
-        .await;
+        let as_claimed = (self.messages.is_empty() && self.as_claimed).then_some(AsClaimed {
+            lease: self.lease,
+            ttl: self.ttl,
+        });
+        let complete = Complete::new(self.key, &self.token, self.kind, self.value)
+            .fingerprint(self.fingerprint.as_ref())
+            .durability(self.durability)
+            .outbox(self.messages)
+            .as_claimed(as_claimed);
+        let result = resend(retries, "complete", || self.store.complete(complete)).await;
         Completion::judge(result)
     }
 

@@ -22,6 +22,7 @@
 //! [`BatchOp::orphaned`]: super::gather::BatchOp::orphaned
 
 use super::Call;
+use super::batch::MakeRoundTrip;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
 use super::gather::{Answered, ClaimOp, FinishOp, send_finish_wave, send_wave};
@@ -33,7 +34,7 @@ use crate::hook::CallOutcome;
 use crate::lease::{Lease, Staged};
 use crate::outbox::message::OutboxMessage;
 use crate::outcome::Outcome;
-use crate::store::{ClaimReply, Rider, Store, WriteReply};
+use crate::store::{ClaimReply, Store, WriteReply};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use serde::Serialize;
@@ -45,10 +46,6 @@ use std::task::{Context, Poll};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
-
-/// Makes the rider of one round trip of results: see
-/// [`Batch::riding`](super::Batch::riding).
-pub(super) type MakeRider<'a> = Box<dyn Fn(&[usize]) -> Option<Rider> + Send + Sync + 'a>;
 
 /// A prepared call of the batch.
 struct Slot<'a> {
@@ -93,7 +90,7 @@ impl<F> Answers<F> {
 pub(super) async fn drive<'a, F, Fut, T, E>(
     calls: Vec<Call<'a>>,
     concurrency: Option<usize>,
-    riders: Option<MakeRider<'a>>,
+    round_trips: Option<MakeRoundTrip<'a>>,
     body: F,
     each: impl FnMut(usize, Result<(T, Outcome), E>),
 ) where
@@ -422,7 +419,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
             if !finishing.is_empty() {
                 let ops = std::mem::take(&mut finishing);
                 let of = std::mem::take(&mut finishing_of);
-                let rider = riders.as_ref().and_then(|make| {
+                let round_trip = round_trips.as_ref().and_then(|make| {
                     let done: Vec<usize> = ops
                         .iter()
                         .zip(&of)
@@ -431,7 +428,7 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
                         .collect();
                     if done.is_empty() { None } else { make(&done) }
                 });
-                let wave = send_finish_wave(Arc::clone(&store), ops, rider);
+                let wave = send_finish_wave(Arc::clone(&store), ops, round_trip);
                 waves.push(async move { (of, wave.await) });
             }
             let mut more = false;
@@ -507,11 +504,11 @@ pub(super) async fn drive<'a, F, Fut, T, E>(
     })
     .await;
     if let Some((k, panic)) = panicked {
-        slots[k].exec.finish();
+        slots[k].exec.report();
         std::panic::resume_unwind(panic);
     }
     for slot in slots {
-        slot.exec.finish();
+        slot.exec.report();
     }
     // Every call is answered above; were one not, in flight is the answer
     // that loses nothing (a retry asks the store).

@@ -7,7 +7,7 @@ use super::gather::Tickets;
 use super::gather::{ClaimOp, FinishOp};
 use super::guard::{KeptOnDrop, ReleaseGuard, Turn, log_release, release};
 use super::steps::Steps;
-use super::{is_unavailable, observe};
+use super::{Observed, is_unavailable, observe};
 use crate::cache::Generation;
 use crate::codec::{decode, encode_bytes, marker_error};
 use crate::durability::Durability;
@@ -109,20 +109,20 @@ pub(super) enum Next<T> {
 impl Exec<'_> {
     /// Reports the call once, after all its store work: the hook never runs
     /// inside a round trip, and a slow hook delays only this caller.
-    pub(super) fn finish(&self) {
+    pub(super) fn report(&self) {
         let (Some(start), Some(outcome)) = (self.call_start, self.report.take_outcome()) else {
             return;
         };
-        observe(
-            self.inner,
-            self.scope,
-            Some(&self.key),
+        let call = Observed {
+            scope: self.scope,
+            key: Some(&self.key),
             outcome,
-            self.report.get_attempt(),
+            attempt: self.report.get_attempt(),
             start,
-            self.report.get_body(),
-            self.steps.as_ref().map_or(0, Steps::replayed),
-        );
+            body: self.report.get_body(),
+            steps_replayed: self.steps.as_ref().map_or(0, Steps::replayed),
+        };
+        observe(self.inner, call);
     }
 
     /// The claim loop, from a first claim reply already in (`first`, the
@@ -292,14 +292,10 @@ impl Exec<'_> {
     /// reached: the script answers a re-sent claim as the same claim, so a
     /// claim that landed but whose reply was lost is not stranded.
     async fn claim(&self) -> Result<ClaimReply, Error> {
-        let claim = Claim {
-            key: &self.key,
-            token: &self.token,
-            lease: self.lease,
-            ttl: self.ttl,
-            fingerprint: self.fingerprint.as_ref(),
-            want_ttl_left: self.inner.cache.is_some(),
-        };
+        let claim = Claim::new(&self.key, &self.token, self.lease, self.ttl)
+            .fingerprint(self.fingerprint.as_ref())
+            .want_ttl_left(self.inner.cache.is_some())
+            .durability(self.durability);
         // Dropped while a claim is in flight: the claim may land anyway, so
         // release by token rather than leave the key to the lease.
         let mut guard = self.guard();
@@ -329,12 +325,6 @@ impl Exec<'_> {
             Some(Err(e)) if !is_unavailable(&e) => Err(e),
             // Not answered, or the store was not reached: on its own, with
             // the same token, as a single call re-sends.
-            _ if !self.durability.is_async() => {
-                resend(store_backoff(self.inner.store_retries), "claim", || {
-                    self.store.claim_durable(claim, self.durability)
-                })
-                .await
-            }
             _ => {
                 resend(store_backoff(self.inner.store_retries), "claim", || {
                     self.store.claim(claim)
@@ -413,7 +403,7 @@ impl Exec<'_> {
             Err(panic) => {
                 self.release_or_suspend("the body panicked").await;
                 self.report.outcome(CallOutcome::BodyError);
-                self.finish();
+                self.report();
                 std::panic::resume_unwind(panic)
             }
             Ok(Err(e)) => {
@@ -615,7 +605,7 @@ impl Exec<'_> {
             durability: self.durability,
         };
         // The group's finish pipeline completes without messages, and with
-        // the claim's bytes (`Store::complete_claim`): a call with messages,
+        // the claim's bytes (`Complete::as_claimed`): a call with messages,
         // or whose record changed since its claim (renewed, steps in it),
         // completes on its own, where the store reads the record first.
         let alone = !messages.is_empty() || !completion.as_claimed;
@@ -657,7 +647,8 @@ impl Exec<'_> {
     /// Whether the call's pending record is still the one its claim wrote,
     /// as far as it knows: no renewal sent (`extended`), no steps saved in
     /// it. Only such a call completes with the claim's bytes
-    /// ([`Store::complete_claim`], a batch's finish round trip).
+    /// ([`Complete::as_claimed`](crate::store::Complete::as_claimed), a
+    /// batch's finish round trip).
     pub(super) fn as_claimed(&self, extended: bool) -> bool {
         !extended && self.steps.as_ref().is_none_or(|s| !s.in_record())
     }

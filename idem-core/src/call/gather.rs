@@ -22,12 +22,13 @@
 //! the store is re-sent as a single call's detached completion is, and a
 //! claim that landed is released by token, never ahead of the claim itself.
 
+use super::batch::FinishRoundTrip;
 use super::completion::{Completion, Detached};
 use super::guard::{detach, free, log_release};
 use super::is_unavailable;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
-use crate::store::{Claim, ClaimReply, Finish, Rider, Store, ValueKind, WriteReply};
+use crate::store::{AsClaimed, Claim, ClaimReply, Complete, Finish, Store, ValueKind, WriteReply};
 use crate::token::Token;
 use bytes::Bytes;
 use std::future::Future;
@@ -71,13 +72,10 @@ impl BatchOp for ClaimOp {
         Box::pin(async move {
             let claims: Vec<Claim<'_>> = ops
                 .iter()
-                .map(|op| Claim {
-                    key: &op.key,
-                    token: &op.token,
-                    lease: op.lease,
-                    ttl: op.ttl,
-                    fingerprint: op.fingerprint.as_ref(),
-                    want_ttl_left: op.want_ttl_left,
+                .map(|op| {
+                    Claim::new(&op.key, &op.token, op.lease, op.ttl)
+                        .fingerprint(op.fingerprint.as_ref())
+                        .want_ttl_left(op.want_ttl_left)
                 })
                 .collect();
             let replies = store.claim_batch(&claims).await;
@@ -128,7 +126,7 @@ impl BatchOp for FinishOp {
     type Reply = Result<WriteReply, Error>;
 
     fn send(store: Arc<dyn Store>, ops: Vec<Self>) -> Sent<Self> {
-        FinishOp::send_riding(store, ops, None)
+        FinishOp::send_with(store, ops, None)
     }
 
     /// The body has run, so its result must not be left unstored because
@@ -267,7 +265,7 @@ impl<Op: BatchOp> Gather<Op> {
 
 impl FinishOp {
     /// The store's view of this op.
-    fn finish(&self) -> Finish<'_> {
+    fn to_store(&self) -> Finish<'_> {
         match self {
             FinishOp::Complete {
                 key,
@@ -277,33 +275,30 @@ impl FinishOp {
                 value,
                 lease,
                 ttl,
-            } => Finish::Complete {
-                claim: Claim {
-                    key,
-                    token,
-                    lease: *lease,
-                    ttl: *ttl,
-                    fingerprint: fingerprint.as_ref(),
-                    want_ttl_left: false,
-                },
-                kind: *kind,
-                value,
-            },
+            } => Finish::Complete(
+                Complete::new(key, token, *kind, value)
+                    .fingerprint(fingerprint.as_ref())
+                    .as_claimed(Some(AsClaimed {
+                        lease: *lease,
+                        ttl: *ttl,
+                    })),
+            ),
             FinishOp::Release { key, token } => Finish::Release { key, token },
         }
     }
 
-    /// [`send`](BatchOp::send), with `rider` carried after the writes
-    /// if the store can ([`Store::finish_batch_riding`]).
-    pub(super) fn send_riding(
+    /// [`send`](BatchOp::send), through `round_trip` when the batch gave
+    /// one ([`Batch::finish_with`](super::Batch::finish_with)), else the
+    /// store's [`Store::finish_batch`].
+    pub(super) fn send_with(
         store: Arc<dyn Store>,
         ops: Vec<Self>,
-        rider: Option<Rider>,
+        round_trip: Option<FinishRoundTrip>,
     ) -> Sent<Self> {
         Box::pin(async move {
-            let finishes: Vec<Finish<'_>> = ops.iter().map(FinishOp::finish).collect();
-            let replies = match rider {
-                Some(rider) => store.finish_batch_riding(&finishes, rider).await,
+            let finishes: Vec<Finish<'_>> = ops.iter().map(FinishOp::to_store).collect();
+            let replies = match round_trip {
+                Some(send) => send(&finishes).await,
                 None => store.finish_batch(&finishes).await,
             };
             drop(finishes);
@@ -321,14 +316,14 @@ pub(super) fn send_wave<Op: BatchOp>(store: Arc<dyn Store>, ops: Vec<Op>) -> Wav
     wave_of(store, send)
 }
 
-/// [`send_wave`] of a batch's results, `rider` carried after them when
-/// the store can.
+/// [`send_wave`] of a batch's results, through `round_trip` when the
+/// batch gave one.
 pub(super) fn send_finish_wave(
     store: Arc<dyn Store>,
     ops: Vec<FinishOp>,
-    rider: Option<Rider>,
+    round_trip: Option<FinishRoundTrip>,
 ) -> Wave<FinishOp> {
-    let send = FinishOp::send_riding(Arc::clone(&store), ops, rider);
+    let send = FinishOp::send_with(Arc::clone(&store), ops, round_trip);
     wave_of(store, send)
 }
 

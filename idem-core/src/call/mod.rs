@@ -11,7 +11,7 @@ mod guard;
 mod keep_alive;
 mod steps;
 
-pub use batch::{Batch, CallGroup};
+pub use batch::{Batch, CallGroup, FinishRoundTrip, finish_round_trip};
 pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
 use crate::durability::Durability;
@@ -344,7 +344,7 @@ impl<'a> Call<'a> {
         if let Some(hit) = &exec.cached {
             let _enter = exec.traced.then(|| span.enter());
             let result = exec.replay(hit).map_err(E::from);
-            exec.finish();
+            exec.report();
             return result;
         }
         // Boxed: the claim loop's future is most of a call's (2.5 of 2.8 KB
@@ -357,7 +357,7 @@ impl<'a> Call<'a> {
         } else {
             Box::pin(exec.run_from(None, body)).await
         };
-        exec.finish();
+        exec.report();
         result
     }
 
@@ -389,16 +389,16 @@ impl<'a> Call<'a> {
             let _enter = span.enter();
             tracing::warn!(error = %e, "idempotent call refused before reaching the store");
             if let Some(start) = call_start {
-                observe(
-                    inner,
+                let refused = Observed {
                     scope,
-                    None,
-                    CallOutcome::of_error(e),
-                    None,
+                    key: None,
+                    outcome: CallOutcome::of_error(e),
+                    attempt: None,
                     start,
-                    None,
-                    0,
-                );
+                    body: None,
+                    steps_replayed: 0,
+                };
+                observe(inner, refused);
             }
         }
         (span, exec)
@@ -491,18 +491,31 @@ fn key_digest(key: &str) -> String {
     )
 }
 
-/// Reports a finished call to the hook and the metrics.
-#[allow(clippy::too_many_arguments)]
-fn observe(
-    inner: &Inner,
-    scope: &str,
-    key: Option<&str>,
+/// A finished call, as [`observe`] reports it.
+struct Observed<'a> {
+    scope: &'a str,
+    /// `None` for a call refused before its key was made.
+    key: Option<&'a str>,
     outcome: CallOutcome,
     attempt: Option<u32>,
+    /// When the call started.
     start: Instant,
+    /// How long its body ran, if it ran.
     body: Option<Duration>,
     steps_replayed: usize,
-) {
+}
+
+/// Reports a finished call to the hook and the metrics.
+fn observe(inner: &Inner, call: Observed<'_>) {
+    let Observed {
+        scope,
+        key,
+        outcome,
+        attempt,
+        start,
+        body,
+        steps_replayed,
+    } = call;
     #[cfg(feature = "metrics")]
     inner
         .metrics

@@ -219,7 +219,7 @@ impl RecordInfo {
     }
 }
 
-/// One page of a [`Store::scan`](super::Store::scan).
+/// One page of a [`OperatorStore::scan`](super::OperatorStore::scan).
 ///
 /// ```
 /// let page = idem_core::store::ScanPage { records: vec![], cursor: None };

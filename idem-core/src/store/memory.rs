@@ -2,9 +2,11 @@
 
 use super::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, namespace_prefix};
 use super::{
-    Claim, ClaimReply, Completed, Finish, RecordInfo, ScanPage, StepRecord, Store, ValueKind,
-    WriteReply, record_ttl, store_duration, store_lease,
+    Capabilities, Claim, ClaimReply, Complete, Completed, Finish, OperatorStore, RecordInfo,
+    ScanPage, StepRecord, StepStore, Store, ValueKind, WatchStore, WriteReply, record_ttl,
+    store_duration, store_lease,
 };
+use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::token::Token;
@@ -40,7 +42,7 @@ struct Entry {
     expires_at: Instant,
 }
 
-/// A key's failure counter ([`Store::count_failure`]): kept apart from the
+/// A key's failure counter ([`OperatorStore::count_failure`](super::OperatorStore::count_failure)): kept apart from the
 /// records, so it outlives a release and never shows in `scan` or `len`.
 #[derive(Debug)]
 struct Failures {
@@ -305,7 +307,7 @@ impl Map {
         WriteReply::Done
     }
 
-    /// `Store::save_step` at `now`, under the caller's lock.
+    /// `StepStore::save_step` at `now`, under the caller's lock.
     fn save_step(
         &mut self,
         key: &str,
@@ -329,7 +331,7 @@ impl Map {
         WriteReply::Done
     }
 
-    /// `Store::suspend` at `now`, under the caller's lock.
+    /// `StepStore::suspend` at `now`, under the caller's lock.
     fn suspend(&mut self, key: &str, token: &Token, now: Instant) -> WriteReply {
         let entry = match self.owned(key, token, now) {
             Ok(e) => e,
@@ -397,21 +399,29 @@ impl Store for MemoryStore {
     }
 
     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
-        Ok(self.lock().claim(&c, Instant::now()))
+        let reply = self.lock().claim(&c, Instant::now());
+        if matches!(
+            reply,
+            ClaimReply::Acquired { .. } | ClaimReply::Completed(_)
+        ) {
+            self.unconfirmable(c.durability)?;
+        }
+        Ok(reply)
     }
 
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        _fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
+    async fn complete(&self, c: Complete<'_>) -> Result<WriteReply, Error> {
+        if !c.outbox.is_empty() {
+            return Err(Error::Unsupported {
+                op: "complete with outbox messages",
+            });
+        }
         let reply = self
             .lock()
-            .complete(key, token, kind, value, Instant::now());
-        self.notify_if_done(key, reply);
+            .complete(c.key, c.token, c.kind, c.value, Instant::now());
+        self.notify_if_done(c.key, reply);
+        if reply.is_done() {
+            self.unconfirmable(c.durability)?;
+        }
         Ok(reply)
     }
 
@@ -419,6 +429,23 @@ impl Store for MemoryStore {
         let reply = self.lock().release(key, token, Instant::now());
         self.notify_if_done(key, reply);
         Ok(reply)
+    }
+
+    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
+        let now = Instant::now();
+        let lease = store_lease(lease);
+        let mut map = self.lock();
+        let entry = match map.owned(key, token, now) {
+            Ok(e) => e,
+            Err(reply) => return Ok(reply),
+        };
+        if let State::Pending { deadline, .. } = &mut entry.state {
+            *deadline = now + lease;
+        }
+        // Keep at least one more lease of record after the lease ends, so an
+        // expired lease is still seen (and counted) as a takeover.
+        entry.expires_at = entry.expires_at.max(now + 2 * lease);
+        Ok(WriteReply::Done)
     }
 
     /// One lock for the whole batch, so its items are one step each of
@@ -432,26 +459,48 @@ impl Store for MemoryStore {
     /// One lock for the whole batch; waiters are woken after it is let go.
     async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
         let now = Instant::now();
-        let replies: Vec<WriteReply> = {
+        let replies: Vec<Result<WriteReply, Error>> = {
             let mut map = self.lock();
             ops.iter()
                 .map(|op| match *op {
-                    Finish::Complete { claim, kind, value } => {
-                        map.complete(claim.key, claim.token, kind, value, now)
-                    }
-                    Finish::Release { key, token } => map.release(key, token, now),
+                    Finish::Complete(c) if !c.outbox.is_empty() => Err(Error::Unsupported {
+                        op: "complete with outbox messages",
+                    }),
+                    Finish::Complete(c) => Ok(map.complete(c.key, c.token, c.kind, c.value, now)),
+                    Finish::Release { key, token } => Ok(map.release(key, token, now)),
                 })
                 .collect()
         };
         ops.iter()
             .zip(replies)
             .map(|(op, reply)| {
+                let reply = reply?;
                 self.notify_if_done(op.key(), reply);
+                if let (Finish::Complete(c), true) = (op, reply.is_done()) {
+                    self.unconfirmable(c.durability)?;
+                }
                 Ok(reply)
             })
             .collect()
     }
 
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none().steps(self).operator(self).watch(self)
+    }
+}
+
+impl MemoryStore {
+    /// This store keeps no copies: a write asked to be confirmed as more
+    /// than [`Durability::Async`] is refused once done, as a store without
+    /// the durability capability answers its confirmation.
+    fn unconfirmable(&self, durability: Durability) -> Result<(), Error> {
+        let this: &dyn Store = self;
+        this.check_durability(durability)
+    }
+}
+
+#[async_trait]
+impl StepStore for MemoryStore {
     async fn save_step(
         &self,
         key: &str,
@@ -478,24 +527,10 @@ impl Store for MemoryStore {
         self.notify_if_done(key, reply);
         Ok(reply)
     }
+}
 
-    async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-        let now = Instant::now();
-        let lease = store_lease(lease);
-        let mut map = self.lock();
-        let entry = match map.owned(key, token, now) {
-            Ok(e) => e,
-            Err(reply) => return Ok(reply),
-        };
-        if let State::Pending { deadline, .. } = &mut entry.state {
-            *deadline = now + lease;
-        }
-        // Keep at least one more lease of record after the lease ends, so an
-        // expired lease is still seen (and counted) as a takeover.
-        entry.expires_at = entry.expires_at.max(now + 2 * lease);
-        Ok(WriteReply::Done)
-    }
-
+#[async_trait]
+impl OperatorStore for MemoryStore {
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
         let now = Instant::now();
         Ok(self.lock().live(key, now).map(|e| e.info(now, with_value)))
@@ -530,15 +565,6 @@ impl Store for MemoryStore {
         Ok(self.lock().count_failure(key, ttl, now))
     }
 
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        Some(self.hub.join(key).0)
-    }
-
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.hub.add_feed(prefix, &sink);
-        true
-    }
-
     /// Pages in key order; the cursor is the last key returned, so a page
     /// costs a pass over the map (this store is for one process and tests).
     async fn scan(
@@ -571,5 +597,17 @@ impl Store for MemoryStore {
             None
         };
         Ok(ScanPage { records, cursor })
+    }
+}
+
+#[async_trait]
+impl WatchStore for MemoryStore {
+    async fn watch(&self, key: &str) -> Option<KeyWatch> {
+        Some(self.hub.join(key).0)
+    }
+
+    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
+        self.hub.add_feed(prefix, &sink);
+        true
     }
 }

@@ -29,14 +29,14 @@
 //! crate's [`Error`] and [`Fingerprint`]), is in the [`Store`] trait's
 //! documentation.
 
+mod capability;
 mod info;
 mod memory;
-mod rider;
 mod watch;
 
+pub use self::capability::{Capabilities, DurableStore, OperatorStore, StepStore, WatchStore};
 pub use self::info::{KeyState, RecordInfo, ScanPage};
 pub use self::memory::MemoryStore;
-pub use self::rider::{Rider, RiderReply};
 pub use self::watch::{Hub, Invalidation, InvalidationSink, KeyWatch, OnLast, namespace_prefix};
 pub use crate::key::failure_key;
 pub use crate::token::Token;
@@ -44,20 +44,24 @@ pub use crate::token::Token;
 use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
+use crate::outbox::message::OutboxMessage;
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::time::Duration;
 
-/// One claim request.
+/// One claim request: [`Claim::new`], then the setters for what is not
+/// the default.
 ///
 /// ```
 /// use idem_core::store::{Claim, Token};
 /// use std::time::Duration;
 /// let token = Token::random();
-/// let c = Claim { key: "idem:charge:42", token: &token, lease: Duration::from_secs(30), ttl: Duration::from_secs(86_400), fingerprint: None, want_ttl_left: false };
-/// assert!(c.lease <= c.ttl);
+/// let c = Claim::new("idem:charge:42", &token, Duration::from_secs(30), Duration::from_secs(86_400))
+///     .want_ttl_left(true);
+/// assert!(c.lease <= c.ttl && c.want_ttl_left);
 /// ```
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Claim<'a> {
     /// The full stored key (`namespace:scope:key`).
     pub key: &'a str,
@@ -75,6 +79,46 @@ pub struct Claim<'a> {
     /// ([`Completed::ttl_left`]); Redis answers it with one more command,
     /// so it is asked for only when something (the local cache) uses it.
     pub want_ttl_left: bool,
+    /// The copies to confirm before answering `Acquired` or `Completed`
+    /// (`InProgress` and `Mismatch` report and are not confirmed);
+    /// unconfirmed, the claim fails with [`Error::NotConfirmed`] and the
+    /// caller releases it by token. Anything but [`Durability::Async`] is
+    /// sent only to a store whose [`DurableStore`] capability accepted it.
+    pub durability: Durability,
+}
+
+impl<'a> Claim<'a> {
+    /// A claim of `key` for `token`: no fingerprint, no TTL asked back,
+    /// [`Durability::Async`].
+    pub fn new(key: &'a str, token: &'a Token, lease: Duration, ttl: Duration) -> Claim<'a> {
+        Claim {
+            key,
+            token,
+            lease,
+            ttl,
+            fingerprint: None,
+            want_ttl_left: false,
+            durability: Durability::Async,
+        }
+    }
+
+    /// Sets [`fingerprint`](Claim::fingerprint).
+    pub fn fingerprint(mut self, fingerprint: Option<&'a Fingerprint>) -> Claim<'a> {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Sets [`want_ttl_left`](Claim::want_ttl_left).
+    pub fn want_ttl_left(mut self, want: bool) -> Claim<'a> {
+        self.want_ttl_left = want;
+        self
+    }
+
+    /// Sets [`durability`](Claim::durability).
+    pub fn durability(mut self, durability: Durability) -> Claim<'a> {
+        self.durability = durability;
+        self
+    }
 }
 
 /// How a completed record's value is stored.
@@ -210,8 +254,148 @@ impl WriteReply {
     }
 }
 
+/// The lease and TTL of the claim that wrote a pending record, told to
+/// [`Store::complete`] when the record is still exactly as that claim wrote
+/// it ([`Complete::as_claimed`]).
+///
+/// ```
+/// use idem_core::store::AsClaimed;
+/// use std::time::Duration;
+/// let a = AsClaimed { lease: Duration::from_secs(5), ttl: Duration::from_secs(60) };
+/// assert!(a.lease < a.ttl);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsClaimed {
+    /// The claim's lease ([`Claim::lease`]).
+    pub lease: Duration,
+    /// The claim's TTL ([`Claim::ttl`]).
+    pub ttl: Duration,
+}
+
+/// One complete request: replace the caller's pending record by a
+/// completed one holding `value`. [`Complete::new`] (or
+/// [`Complete::of_claim`]), then the setters for what is not the default.
+///
+/// The record keeps its expiry (the result TTL counts from the claim) and
+/// the claim's fingerprint; [`fingerprint`](Complete::fingerprint) is the
+/// caller's, which lets a store write the record in one step when the two
+/// agree.
+///
+/// ```
+/// use idem_core::store::{Claim, Complete, Token, ValueKind};
+/// use std::time::Duration;
+/// let token = Token::random();
+/// let claim = Claim::new("k", &token, Duration::from_secs(5), Duration::from_secs(60));
+/// let done = Complete::of_claim(&claim, ValueKind::Json, b"7");
+/// assert_eq!((done.key, done.as_claimed.map(|a| a.lease)), ("k", Some(claim.lease)));
+/// let read_first = Complete::new("k", &token, ValueKind::Json, b"7");
+/// assert!(read_first.as_claimed.is_none() && read_first.outbox.is_empty());
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Complete<'a> {
+    /// The full stored key.
+    pub key: &'a str,
+    /// The owner token that holds the pending record.
+    pub token: &'a Token,
+    /// The caller's fingerprint, if it gave one.
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// How `value` is encoded.
+    pub kind: ValueKind,
+    /// The bytes to store.
+    pub value: &'a [u8],
+    /// The copies to confirm once the result is written. A `Done` write
+    /// whose copies were not confirmed in time is
+    /// `Err(`[`Error::NotConfirmed`]`)`: the result **is** on the primary
+    /// (the caller reports `Outcome::NotConfirmed` and does not re-send).
+    /// Anything but [`Durability::Async`] is sent only to a store whose
+    /// [`DurableStore`] capability accepted it.
+    pub durability: Durability,
+    /// Outgoing messages (staged by the body, ids made from the record
+    /// key) appended to the store's outbox in the same atomic step as the
+    /// result, in order: both are written, or neither. A re-sent complete
+    /// that finds its own result stored is `Done` and appends nothing
+    /// again. Not empty only for a store whose
+    /// [`Capabilities::outbox`] is true; a store without an outbox
+    /// answers [`Error::Unsupported`] to messages.
+    pub outbox: &'a [OutboxMessage],
+    /// How the key was claimed, when the pending record is still exactly
+    /// as that claim wrote it (no renewal, no steps saved; a waiter's mark
+    /// aside): a store may then compare the record's exact bytes instead of
+    /// reading it (RedisStore on Valkey 8.1+ and Redis 8.4+: one plain
+    /// `SET … IFEQ`, no script), without keeping anything per call between
+    /// the claim and its complete. `None`: the store reads the record
+    /// first. A record that changed since must get the same answer either
+    /// way.
+    pub as_claimed: Option<AsClaimed>,
+}
+
+impl<'a> Complete<'a> {
+    /// A complete of `key` for `token` that reads the record first: no
+    /// fingerprint, [`Durability::Async`], no outbox messages.
+    pub fn new(key: &'a str, token: &'a Token, kind: ValueKind, value: &'a [u8]) -> Complete<'a> {
+        Complete {
+            key,
+            token,
+            fingerprint: None,
+            kind,
+            value,
+            durability: Durability::Async,
+            outbox: &[],
+            as_claimed: None,
+        }
+    }
+
+    /// The complete of the key `claim` took, the record as that claim
+    /// wrote it: its key, token, fingerprint, durability, lease and TTL.
+    pub fn of_claim(claim: &Claim<'a>, kind: ValueKind, value: &'a [u8]) -> Complete<'a> {
+        Complete::new(claim.key, claim.token, kind, value)
+            .fingerprint(claim.fingerprint)
+            .durability(claim.durability)
+            .as_claimed(Some(AsClaimed {
+                lease: claim.lease,
+                ttl: claim.ttl,
+            }))
+    }
+
+    /// Sets [`fingerprint`](Complete::fingerprint).
+    pub fn fingerprint(mut self, fingerprint: Option<&'a Fingerprint>) -> Complete<'a> {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Sets [`durability`](Complete::durability).
+    pub fn durability(mut self, durability: Durability) -> Complete<'a> {
+        self.durability = durability;
+        self
+    }
+
+    /// Sets [`outbox`](Complete::outbox).
+    pub fn outbox(mut self, messages: &'a [OutboxMessage]) -> Complete<'a> {
+        self.outbox = messages;
+        self
+    }
+
+    /// Sets [`as_claimed`](Complete::as_claimed).
+    pub fn as_claimed(mut self, as_claimed: Option<AsClaimed>) -> Complete<'a> {
+        self.as_claimed = as_claimed;
+        self
+    }
+
+    /// The claim that wrote the pending record, as it was sent, when
+    /// [`as_claimed`](Complete::as_claimed) says the record is unchanged.
+    pub fn claim(&self) -> Option<Claim<'a>> {
+        let a = self.as_claimed?;
+        Some(
+            Claim::new(self.key, self.token, a.lease, a.ttl)
+                .fingerprint(self.fingerprint)
+                .durability(self.durability),
+        )
+    }
+}
+
 /// One write that ends a claim, as an item of [`Store::finish_batch`]:
-/// the arguments of [`Store::complete_claim`] or of [`Store::release`].
+/// a [`Store::complete`] or a [`Store::release`].
 ///
 /// ```
 /// use idem_core::store::{Finish, Token};
@@ -221,16 +405,8 @@ impl WriteReply {
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub enum Finish<'a> {
-    /// [`Store::complete_claim`] of `claim`: the claim this complete ends,
-    /// as it was sent (its key, owner token, fingerprint, lease and TTL).
-    Complete {
-        /// The claim that took the key.
-        claim: Claim<'a>,
-        /// How `value` is encoded.
-        kind: ValueKind,
-        /// The bytes to store.
-        value: &'a [u8],
-    },
+    /// [`Store::complete`] of this request.
+    Complete(Complete<'a>),
     /// [`Store::release`] of `key` for `token`.
     Release {
         /// The full stored key.
@@ -244,16 +420,16 @@ impl<'a> Finish<'a> {
     /// The stored key this write acts on.
     ///
     /// ```
-    /// use idem_core::store::{Claim, Finish, Token, ValueKind};
+    /// use idem_core::store::{Claim, Complete, Finish, Token, ValueKind};
     /// use std::time::Duration;
     /// let token = Token::random();
-    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
-    /// let op = Finish::Complete { claim, kind: ValueKind::Json, value: b"1" };
+    /// let claim = Claim::new("k", &token, Duration::from_secs(5), Duration::from_secs(60));
+    /// let op = Finish::Complete(Complete::of_claim(&claim, ValueKind::Json, b"1"));
     /// assert_eq!(op.key(), "k");
     /// ```
     pub fn key(&self) -> &'a str {
         match self {
-            Finish::Complete { claim, .. } => claim.key,
+            Finish::Complete(c) => c.key,
             Finish::Release { key, .. } => key,
         }
     }
@@ -261,7 +437,7 @@ impl<'a> Finish<'a> {
     /// The owner token this write acts for.
     pub fn token(&self) -> &'a Token {
         match self {
-            Finish::Complete { claim, .. } => claim.token,
+            Finish::Complete(c) => c.token,
             Finish::Release { token, .. } => token,
         }
     }
@@ -270,11 +446,7 @@ impl<'a> Finish<'a> {
     /// default [`Store::finish_batch`] does per item.
     pub async fn run_on<S: Store + ?Sized>(&self, store: &S) -> Result<WriteReply, Error> {
         match *self {
-            Finish::Complete { claim, kind, value } => {
-                store
-                    .complete_claim(&claim, kind, value, Durability::Async)
-                    .await
-            }
+            Finish::Complete(c) => store.complete(c).await,
             Finish::Release { key, token } => store.release(key, token).await,
         }
     }
@@ -378,7 +550,7 @@ pub struct StepRecord {
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
 /// let token = Token::random();
-/// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+/// let claim = Claim::new("k", &token, Duration::from_secs(5), Duration::from_secs(60));
 /// assert_eq!(store.claim(claim).await?, ClaimReply::Acquired { attempt: 1 });
 /// assert_eq!(store.release("k", &token).await?, WriteReply::Done);
 /// # Ok::<(), idem_core::Error>(()) }).unwrap();
@@ -386,69 +558,46 @@ pub struct StepRecord {
 ///
 /// # A store of your own
 ///
-/// A store implements the four required methods, `claim`, `complete`,
-/// `release` and `extend`; every other method has a default (answering
-/// [`Error::Unsupported`], no steps, no notifications) that a store
-/// overrides to offer more. The runtime stores a result through
-/// [`complete_claim`](Store::complete_claim), whose default is `complete`:
-/// a store that wraps another forwards it too, or the inner store never
-/// hears which claim it completes (and forwards
-/// [`finish_batch_riding`](Store::finish_batch_riding), or the inner
-/// store never carries a [`Rider`]). It counts leases and TTLs as every store does
-/// ([`store_lease`], [`record_ttl`]), and is written with
-/// `#[idem_core::async_trait]` (`#[idem::async_trait]` through the facade):
-/// no dependency of its own. This one keeps its records in a map under one
-/// lock, which makes each method one atomic step:
+/// A store implements the four required methods, [`claim`](Store::claim),
+/// [`complete`](Store::complete), [`release`](Store::release) and
+/// [`extend`](Store::extend). The batch methods default to the single ones,
+/// and [`capabilities`](Store::capabilities) to none: a store offers durable
+/// steps, operator calls, notifications, durability confirmation or an
+/// outbox by implementing [`StepStore`], [`OperatorStore`], [`WatchStore`]
+/// or [`DurableStore`] and naming them in its [`Capabilities`]. A store that
+/// wraps another forwards `capabilities` too (or implements the
+/// capabilities itself, to act on them). It counts leases and TTLs as every
+/// store does ([`store_lease`], [`record_ttl`]) and is written with
+/// `#[idem_core::async_trait]` (`#[idem::async_trait]` through the facade).
+/// This one keeps its records in a map under one lock, which makes each
+/// method one atomic step:
 ///
 /// ```
-/// use idem_core::store::{
-///     Claim, ClaimReply, Completed, Store, Token, ValueKind, WriteReply, record_ttl, store_lease,
-/// };
+/// use idem_core::store::*;
 /// use idem_core::{Error, Fingerprint, Idempotency, Outcome};
-/// use std::collections::HashMap;
-/// use std::sync::{Mutex, MutexGuard};
-/// use std::time::{Duration, Instant};
+/// use std::{collections::HashMap, sync::Mutex, time::{Duration, Instant}};
 ///
-/// enum State {
-///     /// Claimed by `token` until `lease_end`; `attempt` counts takeovers.
-///     Pending { token: Token, lease_end: Instant, attempt: u32 },
-///     /// The body's stored result.
-///     Completed { kind: ValueKind, value: bytes::Bytes },
-/// }
-///
-/// struct Record {
-///     state: State,
-///     fingerprint: Option<Fingerprint>,
-///     /// The record is gone after this (the result TTL, counted from the claim).
-///     expires: Instant,
-/// }
-///
-/// /// Records in a map, one lock for every step.
+/// enum State { Pending { token: Token, lease_end: Instant, attempt: u32 }, Done(ValueKind, Vec<u8>) }
+/// struct Record { state: State, fingerprint: Option<Fingerprint>, expires: Instant }
+/// type Map = HashMap<String, Record>;
 /// #[derive(Default)]
-/// struct MapStore {
-///     records: Mutex<HashMap<String, Record>>,
-/// }
+/// struct MapStore(Mutex<Map>);
 ///
 /// impl MapStore {
-///     /// The live records (expired ones dropped first).
-///     fn records(&self, now: Instant) -> MutexGuard<'_, HashMap<String, Record>> {
-///         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-///         records.retain(|_, r| r.expires > now);
-///         records
+///     /// The live records (expired ones dropped), and the time.
+///     fn live(&self) -> (std::sync::MutexGuard<'_, Map>, Instant) {
+///         let (mut map, now) = (self.0.lock().unwrap_or_else(|p| p.into_inner()), Instant::now());
+///         map.retain(|_, r| r.expires > now);
+///         (map, now)
 ///     }
-///
-///     /// The owner check of `complete`, `release` and `extend`: the record
-///     /// must be pending and held by `token`.
-///     fn owned<'r>(records: &'r mut HashMap<String, Record>, key: &str, token: &Token)
-///         -> Result<&'r mut Record, WriteReply>
-///     {
-///         match records.get_mut(key) {
-///             None => Err(WriteReply::Missing),
-///             Some(Record { state: State::Completed { .. }, .. }) => Err(WriteReply::AlreadyCompleted),
-///             Some(r) => match r.state {
-///                 State::Pending { token: holder, .. } if holder == *token => Ok(r),
-///                 _ => Err(WriteReply::OtherOwner),
-///             },
+///     /// Runs `write` if `token` holds `key`'s pending record, else says why not.
+///     fn owned(&self, key: &str, token: &Token, write: impl FnOnce(&mut Map, Instant)) -> WriteReply {
+///         let (mut map, now) = self.live();
+///         match map.get(key).map(|r| &r.state) {
+///             None => WriteReply::Missing,
+///             Some(State::Done(..)) => WriteReply::AlreadyCompleted,
+///             Some(State::Pending { token: t, .. }) if t != token => WriteReply::OtherOwner,
+///             Some(_) => { write(&mut map, now); WriteReply::Done }
 ///         }
 ///     }
 /// }
@@ -456,292 +605,78 @@ pub struct StepRecord {
 /// #[idem_core::async_trait]
 /// impl Store for MapStore {
 ///     async fn claim(&self, c: Claim<'_>) -> Result<ClaimReply, Error> {
-///         let now = Instant::now();
-///         let lease_end = now + store_lease(c.lease);
-///         let mut records = self.records(now);
-///         let attempt = match records.get(c.key) {
+///         let (mut map, now) = self.live();
+///         let attempt = match map.get(c.key) {
 ///             None => 1,
-///             Some(r) => {
-///                 if matches!((c.fingerprint, &r.fingerprint), (Some(a), Some(b)) if a != b) {
-///                     return Ok(ClaimReply::Mismatch);
-///                 }
-///                 match &r.state {
-///                     State::Completed { kind, value } => {
-///                         return Ok(ClaimReply::Completed(Completed {
-///                             kind: *kind,
-///                             value: value.clone(),
-///                             fingerprint: r.fingerprint,
-///                             ttl_left: Some(r.expires - now),
-///                         }));
-///                     }
-///                     // Our own claim, re-sent after its reply was lost.
-///                     State::Pending { token, attempt, .. } if token == c.token => *attempt,
-///                     State::Pending { lease_end, .. } if *lease_end > now => {
-///                         return Ok(ClaimReply::InProgress { retry_after: *lease_end - now });
-///                     }
-///                     // The holder's lease ran out: take the key over.
-///                     State::Pending { attempt, .. } => attempt + 1,
-///                 }
+///             Some(r) if c.fingerprint.zip(r.fingerprint.as_ref()).is_some_and(|(a, b)| a != b) => {
+///                 return Ok(ClaimReply::Mismatch);
 ///             }
+///             Some(Record { state: State::Done(kind, value), fingerprint, expires }) => {
+///                 let (kind, value, ttl_left) = (*kind, value.clone().into(), Some(*expires - now));
+///                 return Ok(ClaimReply::Completed(Completed { kind, value, fingerprint: *fingerprint, ttl_left }));
+///             }
+///             // Our own claim, re-sent after its reply was lost.
+///             Some(Record { state: State::Pending { token, attempt, .. }, .. }) if token == c.token => *attempt,
+///             Some(Record { state: State::Pending { lease_end, .. }, .. }) if *lease_end > now => {
+///                 return Ok(ClaimReply::InProgress { retry_after: *lease_end - now });
+///             }
+///             // The holder's lease ran out: take the key over.
+///             Some(Record { state: State::Pending { attempt, .. }, .. }) => attempt + 1,
 ///         };
-///         let fingerprint = c.fingerprint.copied().or(records.get(c.key).and_then(|r| r.fingerprint));
-///         let state = State::Pending { token: *c.token, lease_end, attempt };
+///         let fingerprint = c.fingerprint.copied().or(map.get(c.key).and_then(|r| r.fingerprint));
+///         let state = State::Pending { token: *c.token, lease_end: now + store_lease(c.lease), attempt };
 ///         let expires = now + record_ttl(c.ttl, c.lease);
-///         records.insert(c.key.to_owned(), Record { state, fingerprint, expires });
+///         map.insert(c.key.to_owned(), Record { state, fingerprint, expires });
 ///         Ok(ClaimReply::Acquired { attempt })
 ///     }
-///
-///     async fn complete(
-///         &self,
-///         key: &str,
-///         token: &Token,
-///         _fingerprint: Option<&Fingerprint>,
-///         kind: ValueKind,
-///         value: &[u8],
-///     ) -> Result<WriteReply, Error> {
-///         let mut records = self.records(Instant::now());
-///         Ok(match Self::owned(&mut records, key, token) {
-///             Ok(r) => {
-///                 // The expiry stays: the result TTL counts from the claim.
-///                 r.state = State::Completed { kind, value: bytes::Bytes::copy_from_slice(value) };
-///                 WriteReply::Done
-///             }
-///             Err(reply) => reply,
-///         })
+///     /// The expiry stays (the result TTL counts from the claim). No outbox
+///     /// in its capabilities: `c.outbox` is always empty.
+///     async fn complete(&self, c: Complete<'_>) -> Result<WriteReply, Error> {
+///         let done = State::Done(c.kind, c.value.to_vec());
+///         Ok(self.owned(c.key, c.token, |map, _| if let Some(r) = map.get_mut(c.key) { r.state = done }))
 ///     }
-///
 ///     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-///         let mut records = self.records(Instant::now());
-///         Ok(match Self::owned(&mut records, key, token) {
-///             Ok(_) => {
-///                 records.remove(key);
-///                 WriteReply::Done
-///             }
-///             Err(reply) => reply,
-///         })
+///         Ok(self.owned(key, token, |map, _| drop(map.remove(key))))
 ///     }
-///
 ///     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
-///         let now = Instant::now();
-///         let mut records = self.records(now);
-///         Ok(match Self::owned(&mut records, key, token) {
-///             Ok(r) => {
-///                 if let State::Pending { lease_end, .. } = &mut r.state {
-///                     *lease_end = now + store_lease(lease);
-///                 }
-///                 WriteReply::Done
+///         Ok(self.owned(key, token, |map, now| {
+///             if let Some(State::Pending { lease_end, .. }) = map.get_mut(key).map(|r| &mut r.state) {
+///                 *lease_end = now + store_lease(lease);
 ///             }
-///             Err(reply) => reply,
-///         })
-///     }
-///
-///     fn name(&self) -> &'static str {
-///         "map"
+///         }))
 ///     }
 /// }
 ///
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let idem = Idempotency::builder(MapStore::default()).namespace("shop").build();
 /// let charge = || async { Ok::<_, Error>("receipt-7".to_owned()) };
-/// let first = idem.call("charge", "order-7").run_outcome(charge).await?;
-/// let again = idem.call("charge", "order-7").run_outcome(charge).await?;
-/// assert_eq!(first, ("receipt-7".to_owned(), Outcome::Executed));
-/// assert_eq!(again, ("receipt-7".to_owned(), Outcome::Replayed));
+/// assert_eq!(idem.call("charge", "order-7").run_outcome(charge).await?.1, Outcome::Executed);
+/// assert_eq!(idem.call("charge", "order-7").run_outcome(charge).await?.1, Outcome::Replayed);
 /// # Ok::<(), Error>(()) }).unwrap();
 /// ```
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// Claims the key for `claim.token`, or reports what holds it.
+    /// Claims the key for `claim.token`, or reports what holds it, as
+    /// durable as [`Claim::durability`] asks.
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error>;
 
-    /// Replaces the caller's pending record by a completed one. The record
-    /// keeps its expiry: the result TTL counts from the claim. It keeps the
-    /// claim's fingerprint too; `fingerprint` is the caller's, which lets a
-    /// store write the record in one step when the two agree.
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error>;
-
-    /// [`complete`](Store::complete) (or, for a `durability` other than
-    /// [`Durability::Async`], [`complete_durable`](Store::complete_durable))
-    /// of the key `claim` took, told the claim as it was sent: what the
-    /// runtime calls. With its lease and TTL, the claim says what the
-    /// pending record it wrote holds, which lets a store compare that
-    /// record's exact bytes instead of reading it (RedisStore on Valkey 8.1+
-    /// and Redis 8.4+: one plain `SET … IFEQ`, no script), without keeping
-    /// anything per call between the claim and its complete. A record that
-    /// changed since (a waiter marked it, the lease was extended, steps
-    /// were saved, another owner took it over) must still get the answer
-    /// `complete` gives. The default is `complete` (or `complete_durable`).
-    /// The runtime completes this way (here, or as a batch's
-    /// [`Finish::Complete`]) only a call that sent no renewal and saved no
-    /// steps, whose record it knows unchanged but for a waiter's mark; the
-    /// others get `complete`.
+    /// Replaces the caller's pending record by a completed one, with what
+    /// [`Complete`] says: the value, its outbox messages in the same step,
+    /// confirmed as its durability asks.
     ///
     /// ```
-    /// use idem_core::{Durability, store::{Claim, MemoryStore, Store, Token, ValueKind, WriteReply}};
+    /// use idem_core::store::{Claim, Complete, MemoryStore, Store, Token, ValueKind, WriteReply};
     /// use std::time::Duration;
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// let store = MemoryStore::new();
     /// let token = Token::random();
-    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// let claim = Claim::new("k", &token, Duration::from_secs(5), Duration::from_secs(60));
     /// store.claim(claim).await?;
-    /// let done = store.complete_claim(&claim, ValueKind::Json, b"7", Durability::Async).await?;
+    /// let done = store.complete(Complete::of_claim(&claim, ValueKind::Json, b"7")).await?;
     /// assert_eq!(done, WriteReply::Done);
     /// # Ok::<(), idem_core::Error>(()) }).unwrap();
     /// ```
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        if durability.is_async() {
-            self.complete(claim.key, claim.token, claim.fingerprint, kind, value)
-                .await
-        } else {
-            self.complete_durable(
-                claim.key,
-                claim.token,
-                claim.fingerprint,
-                kind,
-                value,
-                durability,
-            )
-            .await
-        }
-    }
-
-    /// Whether this store can give `durability`: `Ok` for
-    /// [`Durability::Async`], else [`Error::DurabilityUnsupported`] saying
-    /// what is missing. Checked (without a round trip: a store learns what
-    /// its server can do when it connects) by
-    /// [`IdempotencyBuilder::try_build`](crate::IdempotencyBuilder::try_build)
-    /// and before every call that asks for durability. The default gives
-    /// only `Async`; a store that overrides it overrides
-    /// [`confirm`](Store::confirm) too.
-    ///
-    /// ```
-    /// use idem_core::{Durability, store::{MemoryStore, Store}};
-    /// let memory = MemoryStore::new();
-    /// assert!(memory.check_durability(Durability::Async).is_ok());
-    /// let d = Durability::replicated(1, std::time::Duration::from_secs(1));
-    /// assert!(matches!(memory.check_durability(d), Err(idem_core::Error::DurabilityUnsupported { .. })));
-    /// ```
-    fn check_durability(&self, durability: Durability) -> Result<(), Error> {
-        if durability.is_async() {
-            return Ok(());
-        }
-        Err(Error::DurabilityUnsupported {
-            reason: format!(
-                "the {} store keeps no copies it could confirm ({durability} was asked); use \
-                 Durability::Async with it, or RedisStore with replicas or an append-only file",
-                self.name()
-            ),
-        })
-    }
-
-    /// Waits until every write the store has applied to `key`'s primary so
-    /// far is as durable as `durability` asks: a fence that proves the copy
-    /// of a record this caller only **read** (a replay, a takeover), since
-    /// a replication stream is ordered. `Err(`[`Error::NotConfirmed`]`)`
-    /// when the copies did not confirm within the timeout. Called only
-    /// with a durability [`check_durability`](Store::check_durability)
-    /// accepted; the default refuses every durability but `Async`.
-    async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
-        let _ = key;
-        self.check_durability(durability)
-    }
-
-    /// [`claim`](Store::claim), not answering `Acquired` or `Completed`
-    /// before the claim written (or the record read) is as durable as
-    /// `durability` asks; `InProgress` and `Mismatch` report and are not
-    /// confirmed. Unconfirmed, it fails with [`Error::NotConfirmed`] (the
-    /// caller then releases its claim, by token). The default is `claim`
-    /// then [`confirm`](Store::confirm): two round trips, which a store
-    /// overrides to pipeline them (RedisStore: one).
-    async fn claim_durable(
-        &self,
-        claim: Claim<'_>,
-        durability: Durability,
-    ) -> Result<ClaimReply, Error> {
-        let reply = self.claim(claim).await?;
-        if !durability.is_async()
-            && matches!(
-                reply,
-                ClaimReply::Acquired { .. } | ClaimReply::Completed(_)
-            )
-        {
-            self.confirm(claim.key, durability).await?;
-        }
-        Ok(reply)
-    }
-
-    /// [`complete`](Store::complete), confirmed as `durability` asks.
-    /// A `Done` write whose copies were not confirmed in time is
-    /// `Err(`[`Error::NotConfirmed`]`)`: the result **is** on the primary
-    /// (the caller reports [`Outcome::NotConfirmed`](crate::Outcome::NotConfirmed)
-    /// and does not re-send). The default is `complete` then
-    /// [`confirm`](Store::confirm).
-    async fn complete_durable(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        let reply = self.complete(key, token, fingerprint, kind, value).await?;
-        if !durability.is_async() && reply.is_done() {
-            self.confirm(key, durability).await?;
-        }
-        Ok(reply)
-    }
-
-    /// Whether [`complete_with_outbox`](Store::complete_with_outbox) writes
-    /// outgoing messages with the result. Read before a body runs, so that
-    /// [`outbox::stage`](crate::outbox::stage) fails at once (and the body
-    /// with it) on a store that could not store what it stages. The
-    /// default is `false`.
-    ///
-    /// ```
-    /// use idem_core::store::{MemoryStore, Store};
-    /// assert!(!MemoryStore::new().has_outbox());
-    /// ```
-    fn has_outbox(&self) -> bool {
-        false
-    }
-
-    /// [`complete`](Store::complete), and in the same atomic step the
-    /// outgoing `messages` (staged by the body, ids made from the record
-    /// key) appended to the store's outbox, in order: both are written, or
-    /// neither. A re-sent complete that finds its own result stored is
-    /// `Done` and appends nothing again. Called only with messages, and
-    /// only on a store whose [`has_outbox`](Store::has_outbox) is true.
-    ///
-    /// The default answers [`Error::Unsupported`].
-    #[allow(clippy::too_many_arguments)]
-    async fn complete_with_outbox(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        messages: &[crate::outbox::message::OutboxMessage],
-    ) -> Result<WriteReply, Error> {
-        let _ = (key, token, fingerprint, kind, value, messages);
-        Err(Error::Unsupported {
-            op: "complete_with_outbox",
-        })
-    }
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error>;
 
     /// Deletes the caller's pending record so the next call runs the body.
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error>;
@@ -765,7 +700,7 @@ pub trait Store: Send + Sync + 'static {
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// let store = MemoryStore::new();
     /// let (a, b) = (Token::random(), Token::random());
-    /// let claim = |key, token| Claim { key, token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// let claim = |key, token| Claim::new(key, token, Duration::from_secs(5), Duration::from_secs(60));
     /// let replies = store.claim_batch(&[claim("k1", &a), claim("k1", &b)]).await;
     /// assert_eq!(replies[0].as_ref().ok(), Some(&ClaimReply::Acquired { attempt: 1 }));
     /// assert!(matches!(replies[1], Ok(ClaimReply::InProgress { .. })));
@@ -780,21 +715,21 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Completes and releases several keys at once: one reply per item, in
-    /// order, each the reply [`complete_claim`](Store::complete_claim) or
+    /// order, each the reply [`complete`](Store::complete) or
     /// [`release`](Store::release) would give for it, with the same
     /// per-key guarantees as [`claim_batch`](Store::claim_batch).
     ///
     /// The default runs each item through the single methods.
     ///
     /// ```
-    /// use idem_core::store::{Claim, Finish, MemoryStore, Store, Token, ValueKind, WriteReply};
+    /// use idem_core::store::{Claim, Complete, Finish, MemoryStore, Store, Token, ValueKind, WriteReply};
     /// use std::time::Duration;
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// let store = MemoryStore::new();
     /// let token = Token::random();
-    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+    /// let claim = Claim::new("k", &token, Duration::from_secs(5), Duration::from_secs(60));
     /// store.claim(claim).await?;
-    /// let done = Finish::Complete { claim, kind: ValueKind::Json, value: b"7" };
+    /// let done = Finish::Complete(Complete::of_claim(&claim, ValueKind::Json, b"7"));
     /// let again = Finish::Release { key: "k", token: &token };
     /// let replies = store.finish_batch(&[done, again]).await;
     /// assert_eq!(replies[0].as_ref().ok(), Some(&WriteReply::Done));
@@ -809,103 +744,6 @@ pub trait Store: Send + Sync + 'static {
         replies
     }
 
-    /// [`finish_batch`](Store::finish_batch), with `rider`'s commands sent
-    /// in the same round trip after every write of `ops`, if this store
-    /// can carry them ([`Rider`]): it then calls [`Rider::land`] with
-    /// their reply. A store that carries them runs them only if every
-    /// complete of `ops` is stored by then, and withholds them otherwise. The default carries nothing: it drops `rider`, whose
-    /// maker then sends its commands itself.
-    ///
-    /// A store that wraps another forwards this method, or its riders are
-    /// never carried (nothing is lost: they go in a round trip of their own).
-    ///
-    /// ```
-    /// use idem_core::store::{Claim, Finish, MemoryStore, Rider, Store, Token, ValueKind};
-    /// use std::sync::Arc;
-    /// use std::sync::atomic::{AtomicBool, Ordering};
-    /// use std::time::Duration;
-    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// let store = MemoryStore::new();
-    /// let token = Token::random();
-    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
-    /// store.claim(claim).await?;
-    /// let landed = Arc::new(AtomicBool::new(false));
-    /// let l = Arc::clone(&landed);
-    /// let rider = Rider::new((), move |_| l.store(true, Ordering::SeqCst));
-    /// let done = Finish::Complete { claim, kind: ValueKind::Json, value: b"7" };
-    /// store.finish_batch_riding(&[done], rider).await;
-    /// // MemoryStore has no round trip to share: the rider's maker sends its own.
-    /// assert!(!landed.load(Ordering::SeqCst));
-    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
-    /// ```
-    async fn finish_batch_riding(
-        &self,
-        ops: &[Finish<'_>],
-        rider: Rider,
-    ) -> Vec<Result<WriteReply, Error>> {
-        drop(rider);
-        self.finish_batch(ops).await
-    }
-
-    /// Records one finished step of a [`run_steps`](crate::Call::run_steps)
-    /// call in the caller's pending record: `value` (serde_json bytes)
-    /// under `name`, by the owner only (the same owner-token check as
-    /// [`complete`](Store::complete)). The record keeps its expiry. A step
-    /// already recorded under `name` is left as it is and answers
-    /// [`WriteReply::Done`]: it is this same write re-sent after its reply
-    /// was lost. A completed record replaces the steps (completion drops
-    /// them); [`release`](Store::release) deletes them with the record.
-    ///
-    /// The default answers [`Error::Unsupported`]: `run_steps` then fails
-    /// at its first step, before anything is recorded.
-    ///
-    /// ```
-    /// use idem_core::store::{Claim, MemoryStore, Store, Token, WriteReply};
-    /// use std::time::Duration;
-    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// let store = MemoryStore::new();
-    /// let token = Token::random();
-    /// let claim = Claim { key: "k", token: &token, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
-    /// store.claim(claim).await?;
-    /// assert_eq!(store.save_step("k", &token, "reserve", b"7").await?, WriteReply::Done);
-    /// let steps = store.steps("k", &token).await?.unwrap_or_default();
-    /// assert_eq!((steps[0].name.as_str(), &steps[0].value[..]), ("reserve", &b"7"[..]));
-    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
-    /// ```
-    async fn save_step(
-        &self,
-        key: &str,
-        token: &Token,
-        name: &str,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        let _ = (key, token, name, value);
-        Err(Error::Unsupported { op: "save_step" })
-    }
-
-    /// The steps recorded in the caller's pending record, in the order they
-    /// were recorded; `None` when the caller does not hold the pending
-    /// record (another owner, completed, or no record). Read by a call that
-    /// took the key over (attempt > 1), before its body runs.
-    ///
-    /// The default answers no steps: a store that cannot record steps has
-    /// none to give back.
-    async fn steps(&self, key: &str, token: &Token) -> Result<Option<Vec<StepRecord>>, Error> {
-        let _ = (key, token);
-        Ok(Some(Vec::new()))
-    }
-
-    /// Ends the caller's lease at once but keeps the recorded steps, so the
-    /// next call takes the key over (attempt + 1, `Outcome::Recovered`) and
-    /// resumes after them: what a failed `run_steps` body does. A record
-    /// without steps is deleted, exactly as [`release`](Store::release)
-    /// does. Wakes waiters as `release` does.
-    ///
-    /// The default is `release`.
-    async fn suspend(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
-        self.release(key, token).await
-    }
-
     /// The backend's short name, the `store` label of idem's metrics
     /// (`redis`, `memory`, `postgres`). A bounded set: never a key or URL.
     /// The default is `custom`.
@@ -918,101 +756,16 @@ pub trait Store: Send + Sync + 'static {
         "custom"
     }
 
-    /// Reads the record of `key` for an operator, writing nothing; `None`
-    /// when there is none. The value is included only when `with_value`.
-    /// A record that cannot be read is [`Error::Corrupt`].
-    ///
-    /// The default answers [`Error::Unsupported`], so stores written before
-    /// this method keep compiling.
-    async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
-        let _ = (key, with_value);
-        Err(Error::Unsupported { op: "inspect" })
-    }
-
-    /// Deletes the record of `key` in one atomic step and returns what it
-    /// was (without its value); `None` when there was none. A pending
-    /// record whose lease is live is refused with [`Error::LeaseHeld`]
-    /// unless `force`; an unreadable one is refused with
-    /// [`Error::Corrupt`] (it may be another program's key).
-    ///
-    /// The default answers [`Error::Unsupported`].
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        let _ = (key, force);
-        Err(Error::Unsupported { op: "forget" })
-    }
-
-    /// Subscribes to changes of `key` (its completion, release or
-    /// forgetting), for a caller about to wait on a pending record. Returns
-    /// once the subscription is active, so a change after this returns is
-    /// seen by [`KeyWatch::changed`]: read the record again after it.
-    /// `None` when the store cannot notify (the caller polls).
-    ///
-    /// The default answers `None`: waiters poll.
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        let _ = key;
-        None
-    }
-
-    /// Registers `sink` to hear of keys under `prefix` (a namespace, with
-    /// its `:`) that are forgotten anywhere, for a local replay cache. True
-    /// when the store delivers them; false when it cannot (copies then
-    /// replay until their TTL, as documented on `local_cache`). The sink
-    /// is told [`Invalidation::All`] when messages may have been lost. The
-    /// store keeps it weakly: it is heard while the caller holds it.
-    ///
-    /// Called again with the same sink every few seconds while it answers
-    /// true (so a subscriber that stopped is started again), and every few
-    /// seconds while it answers false: register a sink once, however often
-    /// it is passed, and make a call that finds everything in place cheap.
-    ///
-    /// The default answers false.
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        let _ = (prefix, sink);
-        false
-    }
-
-    /// Adds one to the count of failed runs kept beside the record of
-    /// `key` (a counter of its own, stored under
-    /// [`failure_key`], which survives the record's
-    /// release), sets the counter to expire `ttl` from now, and returns the
-    /// count after the addition. Atomic: N concurrent calls return 1..=N,
-    /// each once. An expired counter starts again at 1. [`forget`] resets
-    /// it; [`scan`] never lists it.
-    ///
-    /// The default answers [`Error::Unsupported`].
-    ///
-    /// [`forget`]: Store::forget
-    /// [`scan`]: Store::scan
+    /// What this store can do besides the state machine: see
+    /// [`Capabilities`]. The default is none of it.
     ///
     /// ```
     /// use idem_core::store::{MemoryStore, Store};
-    /// use std::time::Duration;
-    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
     /// let store = MemoryStore::new();
-    /// assert_eq!(store.count_failure("ns:charge:42", Duration::from_secs(60)).await?, 1);
-    /// assert_eq!(store.count_failure("ns:charge:42", Duration::from_secs(60)).await?, 2);
-    /// # Ok::<(), idem_core::Error>(()) }).unwrap();
+    /// assert!(store.capabilities().steps.is_some() && !store.capabilities().outbox);
     /// ```
-    async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
-        let _ = (key, ttl);
-        Err(Error::Unsupported {
-            op: "count_failure",
-        })
-    }
-
-    /// One page of the records whose stored key starts with `prefix`,
-    /// about `count` keys, from `cursor` (`None` for the first page). Never
-    /// blocks the store for long (Redis: `SCAN`, never `KEYS`).
-    ///
-    /// The default answers [`Error::Unsupported`].
-    async fn scan(
-        &self,
-        prefix: &str,
-        cursor: Option<&str>,
-        count: usize,
-    ) -> Result<ScanPage, Error> {
-        let _ = (prefix, cursor, count);
-        Err(Error::Unsupported { op: "scan" })
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none()
     }
 }
 

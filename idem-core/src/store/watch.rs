@@ -13,21 +13,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::watch;
 
-/// A subscription to changes of one stored key, from [`Store::watch`].
+/// A subscription to changes of one stored key, from [`WatchStore::watch`].
 ///
 /// Take it *before* reading the record again: every change after it was
 /// taken is seen by [`changed`](KeyWatch::changed). Dropping the last watch
 /// of a key unsubscribes.
 ///
-/// [`Store::watch`]: crate::store::Store::watch
+/// [`WatchStore::watch`]: crate::store::WatchStore::watch
 ///
 /// ```
-/// use idem_core::store::{Claim, MemoryStore, Store, Token};
+/// use idem_core::store::{Claim, MemoryStore, Store, Token, WatchStore};
 /// use std::time::Duration;
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let store = MemoryStore::new();
 /// let holder = Token::random();
-/// let claim = Claim { key: "k", token: &holder, lease: Duration::from_secs(5), ttl: Duration::from_secs(60), fingerprint: None, want_ttl_left: false };
+/// let claim = Claim::new("k", &holder, Duration::from_secs(5), Duration::from_secs(60));
 /// store.claim(claim).await?;
 /// let mut watch = store.watch("k").await.expect("memory always notifies");
 /// store.release("k", &holder).await?;
@@ -58,7 +58,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::store::Store;
+    /// # use idem_core::store::WatchStore;
     /// let store = idem_core::MemoryStore::new();
     /// let mut w = store.watch("k").await.unwrap();
     /// let timed_out = tokio::time::timeout(std::time::Duration::from_millis(1), w.changed()).await;
@@ -81,7 +81,7 @@ impl KeyWatch {
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
-    /// # use idem_core::store::Store;
+    /// # use idem_core::store::WatchStore;
     /// assert!(idem_core::MemoryStore::new().watch("k").await.unwrap().is_live());
     /// # });
     /// ```
@@ -97,7 +97,7 @@ impl Drop for KeyWatch {
 }
 
 /// What a store tells a local replay cache, from
-/// [`Store::watch_forgotten`](crate::store::Store::watch_forgotten).
+/// [`WatchStore::watch_forgotten`](crate::store::WatchStore::watch_forgotten).
 ///
 /// ```
 /// let i = idem_core::store::Invalidation::Key("idem:charge:42");
@@ -133,19 +133,19 @@ type WeakSink = std::sync::Weak<dyn Fn(Invalidation<'_>) + Send + Sync>;
 pub type OnLast = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The watched keys of one store in this process, and the local caches'
-/// invalidation sinks: what a store hands out from [`Store::watch`] and
-/// [`Store::watch_forgotten`], and wakes when it hears of a change.
+/// invalidation sinks: what a store hands out from [`WatchStore::watch`] and
+/// [`WatchStore::watch_forgotten`], and wakes when it hears of a change.
 ///
 /// A store that can tell this process when a key changed (a pub/sub
 /// channel, a `LISTEN`, its own memory) keeps one `Hub` behind an `Arc`:
 ///
-/// - [`Store::watch`]: [`join`](Hub::join) the key; when it is the key's
+/// - [`WatchStore::watch`]: [`join`](Hub::join) the key; when it is the key's
 ///   first watch, subscribe on the backend *before* handing the watch out
 ///   (the caller re-reads the record after it, so nothing is missed);
 /// - on a change of a key (completed, released, forgotten):
 ///   [`notify`](Hub::notify) it; on a forget, also
 ///   [`invalidate`](Hub::invalidate) the key's [`namespace_prefix`];
-/// - [`Store::watch_forgotten`]: [`add_feed`](Hub::add_feed), subscribing
+/// - [`WatchStore::watch_forgotten`]: [`add_feed`](Hub::add_feed), subscribing
 ///   the prefix's channel when it is the first sink;
 /// - when deliveries stop or may have been lost (a dropped connection):
 ///   [`set_live`](Hub::set_live)`(false)`, [`notify_all`](Hub::notify_all)
@@ -157,8 +157,8 @@ pub type OnLast = Box<dyn Fn(&str) + Send + Sync>;
 /// `Hub::default()` is an in-process hub, always live, with nothing to
 /// unsubscribe: what [`MemoryStore`](super::MemoryStore) uses.
 ///
-/// [`Store::watch`]: super::Store::watch
-/// [`Store::watch_forgotten`]: super::Store::watch_forgotten
+/// [`WatchStore::watch`]: super::WatchStore::watch
+/// [`WatchStore::watch_forgotten`]: super::WatchStore::watch_forgotten
 ///
 /// ```
 /// use idem_core::store::{Hub, OnLast};
@@ -350,7 +350,7 @@ impl Hub {
 
 /// The namespace prefix of a stored key (`namespace:`, with its colon):
 /// where a store announces a forget of the key to other processes' local
-/// caches, and what [`Store::watch_forgotten`](super::Store::watch_forgotten)
+/// caches, and what [`WatchStore::watch_forgotten`](super::WatchStore::watch_forgotten)
 /// is given. A stored key is `namespace:scope:key` with a `:` inside a
 /// part escaped, so the first `:` ends the namespace.
 ///

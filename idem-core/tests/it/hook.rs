@@ -3,8 +3,8 @@
 //! exporter renders after a known sequence of calls.
 
 use async_trait::async_trait;
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
-use idem_core::{CallOutcome, Error, FailMode, Fingerprint, Idempotency, MemoryStore, Outcome};
+use idem_core::store::{Claim, ClaimReply, Complete, Store, Token, WriteReply};
+use idem_core::{CallOutcome, Error, FailMode, Idempotency, MemoryStore, Outcome};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,14 +42,7 @@ impl Store for Down {
     async fn claim(&self, _: Claim<'_>) -> Result<ClaimReply, Error> {
         Err(Error::unavailable("claim", "down"))
     }
-    async fn complete(
-        &self,
-        _: &str,
-        _: &Token,
-        _: Option<&Fingerprint>,
-        _: ValueKind,
-        _: &[u8],
-    ) -> Result<WriteReply, Error> {
+    async fn complete(&self, _: Complete<'_>) -> Result<WriteReply, Error> {
         Ok(WriteReply::Missing)
     }
     async fn release(&self, _: &str, _: &Token) -> Result<WriteReply, Error> {

@@ -3,19 +3,12 @@
 
 use crate::support::{DbStore, TestDb};
 use idem_core::Error;
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{Claim, ClaimReply, Complete, Store, Token, ValueKind, WriteReply};
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
 
 fn claim<'a>(key: &'a str, token: &'a Token) -> Claim<'a> {
-    Claim {
-        key,
-        token,
-        lease: Duration::from_secs(10),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
-    }
+    Claim::new(key, token, Duration::from_secs(10), Duration::from_secs(60))
 }
 
 #[tokio::test]
@@ -56,7 +49,7 @@ async fn keys_that_look_like_sql_are_just_keys() {
             ClaimReply::Acquired { attempt: 1 }
         );
         assert_eq!(
-            s.complete(key, &t, None, ValueKind::Json, b"1")
+            s.complete(Complete::new(key, &t, ValueKind::Json, b"1"))
                 .await
                 .unwrap(),
             WriteReply::Done
@@ -124,7 +117,8 @@ async fn corrupt_rows_are_reported_and_left_alone() {
     // writes by a stranger: refused (corrupt or another owner), nothing written
     for (key, _) in &rows {
         for r in [
-            s.complete(key, &t, None, ValueKind::Json, b"1").await,
+            s.complete(Complete::new(key, &t, ValueKind::Json, b"1"))
+                .await,
             s.release(key, &t).await,
             s.extend(key, &t, Duration::from_secs(1)).await,
         ] {

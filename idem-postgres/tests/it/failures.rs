@@ -6,7 +6,7 @@
 
 use crate::support::{DbStore, TestDb};
 use idem_core::Error;
-use idem_core::store::Store;
+use idem_core::store::OperatorStore;
 use idem_postgres::{PgStore, PgStoreConfig};
 use std::time::Duration;
 

@@ -10,7 +10,7 @@
 use crate::support::TestDb;
 use async_trait::async_trait;
 use idem_core::outbox::{OutboxMessage, Sink, SinkError};
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind};
+use idem_core::store::{Claim, ClaimReply, Complete, OperatorStore, Store, Token, ValueKind};
 use idem_core::{Error, Idempotency, Outcome};
 use idem_postgres::outbox::{self, Relay};
 use idem_postgres::{PgStore, PgStoreConfig, RunInTx};
@@ -85,7 +85,7 @@ async fn a_key_with_rows_in_several_partitions_answers_as_one_record() {
         acquired(2)
     );
     assert_eq!(rows_of(&db, "held").await, 1);
-    s.complete("held", &b, None, ValueKind::Json, b"2")
+    s.complete(Complete::new("held", &b, ValueKind::Json, b"2"))
         .await
         .unwrap();
 
@@ -95,7 +95,7 @@ async fn a_key_with_rows_in_several_partitions_answers_as_one_record() {
         s.claim(claim("short", &a, 50, 150, None)).await.unwrap(),
         acquired(1)
     );
-    s.complete("short", &a, None, ValueKind::Json, b"\"old\"")
+    s.complete(Complete::new("short", &a, ValueKind::Json, b"\"old\""))
         .await
         .unwrap();
     tokio::time::sleep(SECOND + Duration::from_millis(200)).await;
@@ -120,7 +120,7 @@ async fn a_key_with_rows_in_several_partitions_answers_as_one_record() {
         .unwrap()
         .expect("the live record");
     assert!(info.ttl_left > Some(Duration::from_secs(50)), "{info:?}");
-    s.complete("short", &c, None, ValueKind::Json, b"\"new\"")
+    s.complete(Complete::new("short", &c, ValueKind::Json, b"\"new\""))
         .await
         .unwrap();
     match s

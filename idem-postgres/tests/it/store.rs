@@ -2,7 +2,7 @@
 //! PostgreSQL (a fresh database per test).
 
 use crate::support::{DbStore, TestDb};
-use idem_core::store::{ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{ClaimReply, Complete, Store, Token, ValueKind, WriteReply};
 use idem_core::{Error, FailMode, Fingerprint, Idempotency, Outcome};
 use idem_postgres::{PgStore, PgStoreConfig};
 use idem_testkit::claim;
@@ -33,7 +33,7 @@ async fn every_transition_of_the_state_machine() {
     }
     // writes by a non-owner change nothing
     assert_eq!(
-        s.complete("k", &b, None, ValueKind::Json, b"1")
+        s.complete(Complete::new("k", &b, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::OtherOwner
@@ -51,7 +51,7 @@ async fn every_transition_of_the_state_machine() {
     );
     // the old holder is refused, the new one completes
     assert_eq!(
-        s.complete("k", &a, None, ValueKind::Json, b"\"old\"")
+        s.complete(Complete::new("k", &a, ValueKind::Json, b"\"old\""))
             .await
             .unwrap(),
         WriteReply::OtherOwner
@@ -61,26 +61,26 @@ async fn every_transition_of_the_state_machine() {
         WriteReply::OtherOwner
     );
     assert_eq!(
-        s.complete("k", &b, None, ValueKind::Json, b"\"new\"")
+        s.complete(Complete::new("k", &b, ValueKind::Json, b"\"new\""))
             .await
             .unwrap(),
         WriteReply::Done
     );
     // the same complete re-sent → Done; another value → AlreadyCompleted
     assert_eq!(
-        s.complete("k", &b, None, ValueKind::Json, b"\"new\"")
+        s.complete(Complete::new("k", &b, ValueKind::Json, b"\"new\""))
             .await
             .unwrap(),
         WriteReply::Done
     );
     assert_eq!(
-        s.complete("k", &b, None, ValueKind::Json, b"\"other\"")
+        s.complete(Complete::new("k", &b, ValueKind::Json, b"\"other\""))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted
     );
     assert_eq!(
-        s.complete("k", &b, None, ValueKind::Lz4Json, b"\"new\"")
+        s.complete(Complete::new("k", &b, ValueKind::Lz4Json, b"\"new\""))
             .await
             .unwrap(),
         WriteReply::AlreadyCompleted
@@ -111,7 +111,7 @@ async fn every_transition_of_the_state_machine() {
     }
     // missing keys
     assert_eq!(
-        s.complete("nope", &a, None, ValueKind::Json, b"1")
+        s.complete(Complete::new("nope", &a, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::Missing
@@ -164,7 +164,7 @@ async fn release_extend_and_ttl_from_the_claim() {
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
-        s.complete("t", &a, None, ValueKind::Json, b"7")
+        s.complete(Complete::new("t", &a, ValueKind::Json, b"7"))
             .await
             .unwrap(),
         WriteReply::Done
@@ -180,7 +180,7 @@ async fn release_extend_and_ttl_from_the_claim() {
     tokio::time::sleep(Duration::from_millis(1_800)).await;
     // expired: a fresh key again (attempt 1), and writes see it missing
     assert_eq!(
-        s.complete("t", &a, None, ValueKind::Json, b"7")
+        s.complete(Complete::new("t", &a, ValueKind::Json, b"7"))
             .await
             .unwrap(),
         WriteReply::Missing
@@ -237,7 +237,7 @@ async fn fingerprints() {
         ClaimReply::Acquired { attempt: 2 }
     );
     assert_eq!(
-        s.complete("f", &b, None, ValueKind::Json, b"1")
+        s.complete(Complete::new("f", &b, ValueKind::Json, b"1"))
             .await
             .unwrap(),
         WriteReply::Done

@@ -13,8 +13,8 @@
 //! (`NOSCRIPT`) is sent again alone through the single call, which follows
 //! redirects and loads scripts.
 
-use super::complete::{CompletePath, complete_batch_cmd, is_ok};
-use super::record::{self, CompletedRecord, MS_DIGITS, PendingRecord, Record, pending_record};
+use super::complete::{CompletePath, complete_batch_cmd, complete_script_cmd, is_ok};
+use super::record::{self, MS_DIGITS, PendingRecord, Record, pending_record};
 use super::reply::{
     answer_found, as_int, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
     protocol, unreached,
@@ -23,14 +23,14 @@ use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
 use futures_util::future::join_all;
 use idem_core::Error;
-use idem_core::Fingerprint;
 use idem_core::store::Token;
-use idem_core::store::{Claim, ClaimReply, Finish, Rider, ValueKind, WriteReply};
+use idem_core::store::{Claim, ClaimReply, Finish, WriteReply};
 use idem_core::store::{Store, in_waves};
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use smallvec::{SmallVec, smallvec};
 use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, PoisonError};
 
 /// What one item of a pipeline got back: the replies of its commands, or
 /// the error of its first command (or of the whole pipeline). Inline: an
@@ -78,29 +78,6 @@ pub(super) fn claim_script_cmd(
         3 + 16 + 32 + 2 * MS_DIGITS + 4,
     );
     cmd.arg(record).arg(ttl).arg(want).arg(waiting);
-    cmd
-}
-
-/// The complete script's invocation.
-fn complete_cmd(
-    key: &str,
-    token: &Token,
-    fingerprint: Option<&Fingerprint>,
-    kind: ValueKind,
-    value: &[u8],
-) -> Cmd {
-    let record = CompletedRecord {
-        kind,
-        fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
-        value,
-    };
-    let mut cmd = invocation(
-        SCRIPTS.complete.script.get_hash(),
-        key,
-        2,
-        32 + 3 + 16 + value.len(),
-    );
-    cmd.arg(token.as_bytes().as_slice()).arg(record);
     cmd
 }
 
@@ -276,23 +253,42 @@ impl RedisStore {
     /// complete or release; on Valkey 8.1+ and Redis 8.4+, a complete of a
     /// claim this process made fresh is a plain `SET … IFEQ` instead (and
     /// the script, alone, when that does not match).
+    ///
+    /// `then` goes last in the pipeline, after every write, when it can:
+    /// on a single Redis (not a cluster) and for a batch with no key twice
+    /// (one wave). It goes through the `rider` script, which runs it only
+    /// once every complete of the batch is stored, and else answers an
+    /// `UNSTORED` error reply (lua/README.md, "rider"). Its reply comes
+    /// back with the writes' (an error reply as `Value::ServerError`);
+    /// `None` when it was not sent.
     pub(super) async fn finish_many(
         &self,
         ops: &[Finish<'_>],
-        rider: Option<Rider>,
-    ) -> Vec<Result<WriteReply, Error>> {
+        then: Option<&Cmd>,
+    ) -> (Vec<Result<WriteReply, Error>>, Option<Result<Value, Error>>) {
+        // A complete with outbox messages or a durability has a path of
+        // its own (complete.rs): such a batch is answered as single calls
+        // in its order would be. The runtime's batches have none.
+        if ops.iter().any(|op| {
+            matches!(op, Finish::Complete(c) if !c.outbox.is_empty() || !c.durability.is_async())
+        }) {
+            let mut replies = Vec::with_capacity(ops.len());
+            for op in ops {
+                replies.push(op.run_on(self).await);
+            }
+            return (replies, None);
+        }
         // Carried by one server, after every write: so only on a single
         // Redis, and with a batch that is one wave (no key twice).
-        let mut rider = rider.filter(|r| {
-            matches!(self.conn, Conn::Single(_))
-                && r.commands::<Cmd>().is_some()
-                && distinct_keys(ops)
-        });
-        in_waves(
+        let mut then = then.filter(|_| matches!(self.conn, Conn::Single(_)) && distinct_keys(ops));
+        // Written by the one wave that carries `then`.
+        let then_reply: Mutex<Option<Result<Value, Error>>> = Mutex::new(None);
+        let replies = in_waves(
             ops,
             Finish::key,
             |batch| {
-                let rider = rider.take();
+                let then = then.take();
+                let then_reply = &then_reply;
                 async move {
                     // Without IFEQ the completes are scripts: on one Redis
                     // they go as one call (a cluster's keys span slots).
@@ -300,7 +296,9 @@ impl RedisStore {
                         && self.server.path() == CompletePath::Script;
                     let joint: Vec<bool> = batch
                         .iter()
-                        .map(|op| scripted && matches!(op, Finish::Complete { .. }))
+                        .map(|op| {
+                            scripted && matches!(op, Finish::Complete(c) if c.as_claimed.is_some())
+                        })
                         .collect();
                     let mut plain = Vec::with_capacity(batch.len());
                     let mut items: Vec<(&str, ItemCmds)> = batch
@@ -309,9 +307,9 @@ impl RedisStore {
                         .filter(|(_, joint)| !**joint)
                         .map(|(op, _)| {
                             let cmd = match **op {
-                                Finish::Complete { claim, kind, value } => {
-                                    self.server.complete_plain_cmd(&claim, kind, value)
-                                }
+                                Finish::Complete(c) => c.claim().and_then(|claim| {
+                                    self.server.complete_plain_cmd(&claim, c.kind, c.value)
+                                }),
                                 Finish::Release { .. } => None,
                             };
                             plain.push(cmd.is_some());
@@ -327,22 +325,21 @@ impl RedisStore {
                     if let Some(first) = completes.first() {
                         items.push((first.key(), smallvec![complete_batch_cmd(&completes)]));
                     }
-                    // The rider's command goes through the `rider` script,
-                    // which runs it only once every complete of the batch
-                    // is stored: a complete that is not (its script gone,
-                    // an `IFEQ` that did not match) is stored alone after
-                    // this round trip, and its entry must not be acked
-                    // before that.
-                    let gate = rider.and_then(|rider| {
+                    // `then` goes through the `rider` script, which runs
+                    // it only once every complete of the batch is stored:
+                    // a complete that is not (its script gone, an `IFEQ`
+                    // that did not match) is stored alone after this
+                    // round trip, and its entry must not be acked before
+                    // that.
+                    let gate = then.and_then(|then| {
                         let keys = batch.iter().filter_map(|op| match op {
-                            Finish::Complete { claim, .. } => Some(claim.key),
+                            Finish::Complete(c) => Some(c.key),
                             Finish::Release { .. } => None,
                         });
-                        let cmd = rider.commands::<Cmd>().and_then(|c| rider_cmd(keys, c))?;
-                        Some((rider, cmd))
+                        rider_cmd(keys, then)
                     });
                     let mut replies = match (gate, &self.conn) {
-                        (Some((rider, gate)), Conn::Single(c)) => {
+                        (Some(gate), Conn::Single(c)) => {
                             let (replies, extra) =
                                 send_group(&mut c.clone(), items, Some(gate)).await;
                             if let Some(Ok(Value::ServerError(e))) = &extra
@@ -352,11 +349,13 @@ impl RedisStore {
                             {
                                 tracing::debug!(error = %load, "the rider script could not be loaded again");
                             }
-                            rider.land(match extra {
-                                Some(Ok(v)) => Ok(Box::new(v)),
+                            let extra = match extra {
+                                Some(Ok(v)) => Ok(v),
                                 Some(Err(e)) => Err(classify("finish_batch", e)),
                                 None => Err(protocol("finish_batch", &Value::Nil)),
-                            });
+                            };
+                            *then_reply.lock().unwrap_or_else(PoisonError::into_inner) =
+                                Some(extra);
                             replies
                         }
                         _ => self.pipelined(items).await,
@@ -411,7 +410,57 @@ impl RedisStore {
             },
             || protocol("complete", &Value::Nil),
         )
-        .await
+        .await;
+        let then_reply = then_reply
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        (replies, then_reply)
+    }
+
+    /// [`finish_batch`](idem_core::store::Store::finish_batch), with `then`
+    /// sent in the same round trip after every write of `ops`, when this
+    /// store can carry it: on a single Redis (not a cluster) and for a
+    /// batch with no key twice. Answers the writes' replies, as
+    /// `finish_batch` would, and `then`'s reply (an error reply as
+    /// `Value::ServerError`; `Err` when the round trip failed, and it may
+    /// or may not have run), or `None` when `then` was not sent: its
+    /// caller then sends it itself. A server that executes `then` has
+    /// executed those writes first, and runs it only if every complete of
+    /// `ops` is stored by then: it goes through the `rider` script
+    /// (lua/README.md, "rider"), so a complete that is not (its script
+    /// gone, a `SET … IFEQ` that did not match or was refused, another
+    /// owner's record; stored alone after the round trip, or refused)
+    /// withholds `then`, and its reply is an error reply, `UNSTORED` (or
+    /// `NOSCRIPT` when the rider script itself was gone: it is loaded again
+    /// for the next batch), after which the caller sends it itself once the
+    /// results are stored. A refusal of `then` by the ACL answers
+    /// `NOPERM`. idem-consumer's Redis Streams adapter acks the entries
+    /// whose results these are this way, so an entry is never acked before
+    /// its result is stored.
+    ///
+    /// ```no_run
+    /// use idem_core::store::{Claim, Complete, Finish, Store, Token, ValueKind};
+    /// use idem_redis::RedisStore;
+    /// use std::time::Duration;
+    /// # async fn demo() -> Result<(), idem_core::Error> {
+    /// let store = RedisStore::connect("redis://127.0.0.1/").await?;
+    /// let token = Token::random();
+    /// let claim = Claim::new("idem:orders:7", &token, Duration::from_secs(5), Duration::from_secs(60));
+    /// store.claim(claim).await?;
+    /// let mut xack = redis::cmd("XACK");
+    /// xack.arg("orders").arg("billing").arg("1-0");
+    /// let done = [Finish::Complete(Complete::of_claim(&claim, ValueKind::Json, b"7"))];
+    /// let (replies, acked) = store.finish_batch_then(&done, &xack).await;
+    /// assert!(replies[0].is_ok());
+    /// println!("XACK answered {acked:?}");
+    /// # Ok(()) }
+    /// ```
+    pub async fn finish_batch_then(
+        &self,
+        ops: &[Finish<'_>],
+        then: &Cmd,
+    ) -> (Vec<Result<WriteReply, Error>>, Option<Result<Value, Error>>) {
+        self.finish_many(ops, Some(then)).await
     }
 }
 
@@ -454,10 +503,11 @@ impl RedisStore {
     }
 }
 
-/// The `rider` script's invocation: `carried` (a rider's command), run
-/// only if each of `keys` holds a completed record by then. `None` for a
-/// command with a cursor argument (no rider has one), or an argument of
-/// a kind redis-rs adds later: not carried.
+/// The `rider` script's invocation: `carried` (the command
+/// [`RedisStore::finish_batch_then`] carries), run only if each of `keys`
+/// holds a completed record by then. `None` for a command with a cursor
+/// argument (an `XACK` has none), or an argument of a kind redis-rs adds
+/// later: not carried.
 fn rider_cmd<'k>(keys: impl Iterator<Item = &'k str> + Clone, carried: &Cmd) -> Option<Cmd> {
     let n = keys.clone().count();
     let mut cmd = Cmd::with_capacity(3 + n + carried.args_iter().len(), 0);
@@ -488,11 +538,8 @@ impl RedisStore {
     /// (which load themselves where they are gone, and follow redirects):
     /// a plain `SET … IFEQ` that did not match is not tried twice.
     async fn finish_alone(&self, op: &Finish<'_>) -> Result<WriteReply, Error> {
-        match *op {
-            Finish::Complete { claim, kind, value } => {
-                self.complete(claim.key, claim.token, claim.fingerprint, kind, value)
-                    .await
-            }
+        match op {
+            Finish::Complete(c) => self.complete_script(c).await,
             Finish::Release { key, token } => self.release(key, token).await,
         }
     }
@@ -500,10 +547,8 @@ impl RedisStore {
 
 /// The command of one complete or release.
 fn finish_cmd(op: &Finish<'_>) -> Cmd {
-    match *op {
-        Finish::Complete { claim, kind, value } => {
-            complete_cmd(claim.key, claim.token, claim.fingerprint, kind, value)
-        }
+    match op {
+        Finish::Complete(c) => complete_script_cmd(c),
         Finish::Release { key, token } => release_cmd(key, token),
     }
 }
@@ -532,7 +577,7 @@ fn short_reply() -> RedisError {
 /// Sends the items' commands as one pipeline on `conn` and splits the
 /// replies per item. A failed pipeline fails each of its items.
 ///
-/// `extra`, a rider's command, goes last; its reply comes back apart.
+/// `extra` goes last; its reply comes back apart.
 async fn send_group(
     conn: &mut impl redis::aio::ConnectionLike,
     items: Vec<(&str, ItemCmds)>,
@@ -571,7 +616,7 @@ async fn send_group(
             }
         })
         .collect();
-    // An error reply (`Value::ServerError`) is the rider's to read.
+    // An error reply (`Value::ServerError`) is `extra`'s sender's to read.
     let extra = with_extra.then(|| replies.next().ok_or_else(short_reply));
     (items, extra)
 }

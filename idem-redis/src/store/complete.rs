@@ -1,10 +1,14 @@
-//! `complete` as one plain `SET … IFEQ` where the server has it (Valkey
-//! 8.1+, Redis 8.4+), the `complete` script elsewhere.
+//! Every complete path of `RedisStore`: `Store::complete` enters at
+//! `complete_request`, which picks one plain `SET … IFEQ` where the server
+//! has it (Valkey 8.1+, Redis 8.4+), the `complete` script elsewhere, the
+//! script that appends outbox messages, or a durable pipeline (the write,
+//! a fence and a wait: durable.rs); the commands a finish batch pipelines
+//! (batch.rs) are built here too.
 //!
 //! A claim writes a pending record the client built itself from the
 //! claim's key, owner token, fingerprint, lease and TTL
 //! ([`pending_record`]). The runtime completes with the claim it sent
-//! (`Store::complete_claim`), so the complete rebuilds those exact bytes
+//! (`Complete::as_claimed`), so the complete rebuilds those exact bytes
 //! and `SET key completed IFEQ pending KEEPTTL` is the same compare-and-set
 //! as the script, without Lua and without anything kept per call between
 //! the two. The outcome stays exact: an `IFEQ` that matches proves the
@@ -23,14 +27,17 @@
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
+use super::durable::is_noscript_reply;
+use super::outbox;
 use super::record::{CompletedRecord, pending_record};
-use super::reply::{classify, parse_write, protocol, unreached};
-use super::scripts::SCRIPTS;
+use super::reply::{classify, parse_write, protocol, server_error, unreached};
+use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};
 use idem_core::Error;
-use idem_core::store::{Claim, Finish, ValueKind, WriteReply};
+use idem_core::store::{Claim, Complete, Finish, ValueKind, WriteReply};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Value};
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::OnceCell;
 
 /// How a store completes a record: the name shown by
@@ -178,11 +185,7 @@ impl RedisStore {
         kind: ValueKind,
         value: &[u8],
     ) -> Result<WriteReply, Error> {
-        let op = Finish::Complete {
-            claim: *claim,
-            kind,
-            value,
-        };
+        let op = Finish::Complete(Complete::of_claim(claim, kind, value));
         let cmd = complete_batch_cmd(&[&op]);
         let lua = &SCRIPTS.complete_batch;
         match self.eval("complete", lua, claim.key, &cmd).await? {
@@ -196,7 +199,8 @@ impl RedisStore {
     }
 }
 
-/// One call of the `complete_batch` script for `ops`, all completes.
+/// One call of the `complete_batch` script for `ops`, all completes told
+/// their claim ([`Complete::as_claimed`]).
 pub(super) fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
     let hash = SCRIPTS.complete_batch.script.get_hash();
     let mut cmd = Cmd::with_capacity(3 + 3 * ops.len(), 64 + 160 * ops.len());
@@ -205,19 +209,181 @@ pub(super) fn complete_batch_cmd(ops: &[&Finish<'_>]) -> Cmd {
         cmd.arg(op.key());
     }
     for op in ops {
-        if let Finish::Complete { claim, kind, value } = **op {
+        if let Finish::Complete(c) = **op
+            && let Some(claim) = c.claim()
+        {
             // What the claim wrote, to be compared whole (as IFEQ would);
             // the completed record keeps its fingerprint. The script reads
             // the owner token from it.
             let (pending, _) = pending_record(&claim);
             let record = CompletedRecord {
-                kind,
+                kind: c.kind,
                 fingerprint: pending.fingerprint,
-                value,
+                value: c.value,
             };
             cmd.arg(record).arg(&pending);
         }
     }
+    cmd
+}
+
+impl RedisStore {
+    /// `Store::complete`: the one entry of every complete. With outbox
+    /// messages, the script that appends them (then the fence, for a
+    /// durability); told its claim, the plain `SET … IFEQ` or, on a server
+    /// without it, the compared script; else the `complete` script, which
+    /// reads the record first. A durability other than `Async` sends the
+    /// write with its fence and wait in one round trip (durable.rs).
+    pub(super) async fn complete_request(&self, c: Complete<'_>) -> Result<WriteReply, Error> {
+        if !c.outbox.is_empty() {
+            let reply = self.complete_outbox(&c).await?;
+            // The messages were written in the same step as the result: the
+            // fence after it confirms both.
+            if reply.is_done() && !c.durability.is_async() {
+                self.confirm_key(c.key, c.durability).await?;
+            }
+            return Ok(reply);
+        }
+        match (c.claim(), c.durability.is_async()) {
+            (Some(claim), true) => {
+                if let Some(done) = self.complete_plain(&claim, c.kind, c.value).await {
+                    return done;
+                }
+                if self.server.path() == CompletePath::Script {
+                    return self.complete_compared(&claim, c.kind, c.value).await;
+                }
+                self.complete_script(&c).await
+            }
+            (claim, false) => {
+                let plain =
+                    claim.and_then(|claim| self.server.complete_plain_cmd(&claim, c.kind, c.value));
+                // Boxed: its future (confirmations, retries) is the largest,
+                // and every complete's future was as large as it, copied
+                // whole into the box `async_trait` makes.
+                Box::pin(self.complete_confirmed(&c, plain)).await
+            }
+            (None, true) => self.complete_script(&c).await,
+        }
+    }
+
+    /// The `complete` script: reads the record, then writes as its owner.
+    pub(super) async fn complete_script(&self, c: &Complete<'_>) -> Result<WriteReply, Error> {
+        let cmd = complete_script_cmd(c);
+        let lua = &SCRIPTS.complete;
+        parse_write("complete", self.eval("complete", lua, c.key, &cmd).await?)
+    }
+
+    /// `complete`, confirmed: `plain` (the claim's `SET … IFEQ`, where the
+    /// server has it) or, when it does not match, the script goes with the
+    /// fence and the wait, one round trip. `Err(NotConfirmed)` only for a
+    /// write that was `Done`.
+    async fn complete_confirmed(
+        &self,
+        c: &Complete<'_>,
+        plain: Option<Cmd>,
+    ) -> Result<WriteReply, Error> {
+        let (key, durability) = (c.key, c.durability);
+        if let Some(set) = plain {
+            let (replies, confirmed) = self
+                .durable_pipe("complete", key, vec![set], durability)
+                .await?;
+            if is_ok(replies.first()) {
+                return confirmed.map(|()| WriteReply::Done);
+            }
+        }
+        let lua = &SCRIPTS.complete;
+        let cmd = complete_script_cmd(c);
+        let (mut replies, mut confirmed) = self
+            .durable_pipe("complete", key, vec![cmd.clone()], durability)
+            .await?;
+        // Redis lost the script (restart, fail-over, SCRIPT FLUSH): load it
+        // in the same pipeline, ahead of the call, on the durable
+        // connection that just met the node without it. Loading it through
+        // the main connection, as a plain call does, can miss after a
+        // cluster failover: that connection only learns a slot's new
+        // primary from a keyed command's MOVED, the durable path sends it
+        // none, and its unkeyed SCRIPT LOAD went to the old primary, now a
+        // replica, which takes it without a redirect.
+        if is_noscript_reply(replies.first()) {
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(lua.source);
+            (replies, confirmed) = self
+                .durable_pipe("complete", key, vec![load, cmd], durability)
+                .await?;
+            let mut rest = replies.into_iter();
+            if let Some(Value::ServerError(e)) = rest.next() {
+                return Err(classify("complete", redis::RedisError::from(e)));
+            }
+            replies = rest.collect();
+        }
+        let first = replies.into_iter().next().unwrap_or(Value::Nil);
+        let written = server_error(Ok(first)).map_err(|e| classify("complete", e))?;
+        let reply = parse_write("complete", written)?;
+        if reply.is_done() {
+            confirmed?;
+        }
+        Ok(reply)
+    }
+
+    /// The complete script with the messages appended to the outbox stream
+    /// of the record's slot; on a cluster, the stream is named in the index
+    /// first, so a relay finds it even if this process dies right after.
+    async fn complete_outbox(&self, c: &Complete<'_>) -> Result<WriteReply, Error> {
+        let (key, token, messages) = (c.key, c.token, c.outbox);
+        let keys = self.outbox_keys(key);
+        if self.is_cluster() {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            let mut zadd = redis::cmd("ZADD");
+            zadd.arg(outbox::index_key(&self.outbox))
+                .arg(u64::try_from(now).unwrap_or(u64::MAX))
+                .arg(&keys.stream);
+            self.send(&zadd)
+                .await
+                .map_err(|e| classify("complete", e))?;
+        }
+        let record = CompletedRecord {
+            kind: c.kind,
+            fingerprint: c.fingerprint.map_or(&[], |f| f.as_bytes()),
+            value: c.value,
+        };
+        let lua = &SCRIPTS.complete;
+        let size: usize = messages
+            .iter()
+            .map(|m| m.id.len() + m.topic.len() + m.key.len() + m.payload.len() + 64)
+            .sum();
+        let mut cmd = Cmd::with_capacity(
+            7 + 4 * messages.len(),
+            160 + key.len() + keys.stream.len() + c.value.len() + size,
+        );
+        cmd.arg("EVALSHA")
+            .arg(lua.script.get_hash())
+            .arg(2)
+            .arg(key)
+            .arg(&keys.stream)
+            .arg(token.as_bytes().as_slice())
+            .arg(record);
+        for m in messages {
+            cmd.arg(&m.id)
+                .arg(&m.topic)
+                .arg(&m.key)
+                .arg(m.payload.as_ref());
+        }
+        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
+    }
+}
+
+/// The `complete` script's command for `c.token`'s record.
+pub(super) fn complete_script_cmd(c: &Complete<'_>) -> Cmd {
+    let record = CompletedRecord {
+        kind: c.kind,
+        fingerprint: c.fingerprint.map_or(&[], |f| f.as_bytes()),
+        value: c.value,
+    };
+    let lua = &SCRIPTS.complete;
+    let mut cmd = invocation(lua.script.get_hash(), c.key, 2, 32 + 3 + 16 + c.value.len());
+    cmd.arg(c.token.as_bytes().as_slice()).arg(record);
     cmd
 }
 

@@ -16,17 +16,16 @@
 //! copies confirm or it times out, and the store's shared connection
 //! (every `Async` call, lease renewals) must not queue behind it.
 
-use super::complete::is_ok;
 use super::outbox::slot_tag;
 use super::record::{Record, decode, pending_record};
 use super::reply::{
-    answer_found, classify, classify_claim, is_noscript, is_oom, parse_claim, parse_write,
-    protocol, server_error,
+    answer_found, classify, classify_claim, is_noscript, is_oom, parse_claim, protocol,
+    server_error,
 };
 use super::scripts::SCRIPTS;
 use super::{Conn, RedisStore, batch};
-use idem_core::store::{Claim, ClaimReply, Token, ValueKind, WriteReply};
-use idem_core::{Durability, Error, Fingerprint, MAX_DURABILITY_TIMEOUT};
+use idem_core::store::{Claim, ClaimReply};
+use idem_core::{Durability, Error, MAX_DURABILITY_TIMEOUT};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
@@ -296,7 +295,7 @@ impl RedisStore {
     /// Sends `cmds` on `key`'s primary followed by the fence and the wait,
     /// as one pipeline on the durable connection: the replies of `cmds`
     /// (errors as `Value::ServerError`), and whether the copies confirmed.
-    async fn durable_pipe(
+    pub(super) async fn durable_pipe(
         &self,
         op: &'static str,
         key: &str,
@@ -496,67 +495,10 @@ impl RedisStore {
         }
         Ok(reply)
     }
-
-    /// `complete`, confirmed: `plain` (the claim's `SET … IFEQ`, where the
-    /// server has it) or, when it does not match, the script goes with the
-    /// fence and the wait, one round trip. `Err(NotConfirmed)` only for a
-    /// write that was `Done`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) async fn complete_confirmed(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-        plain: Option<Cmd>,
-    ) -> Result<WriteReply, Error> {
-        if let Some(set) = plain {
-            let (replies, confirmed) = self
-                .durable_pipe("complete", key, vec![set], durability)
-                .await?;
-            if is_ok(replies.first()) {
-                return confirmed.map(|()| WriteReply::Done);
-            }
-        }
-        let lua = &SCRIPTS.complete;
-        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
-        let (mut replies, mut confirmed) = self
-            .durable_pipe("complete", key, vec![cmd.clone()], durability)
-            .await?;
-        // Redis lost the script (restart, fail-over, SCRIPT FLUSH): load it
-        // in the same pipeline, ahead of the call, on the durable
-        // connection that just met the node without it. Loading it through
-        // the main connection, as a plain call does, can miss after a
-        // cluster failover: that connection only learns a slot's new
-        // primary from a keyed command's MOVED, the durable path sends it
-        // none, and its unkeyed SCRIPT LOAD went to the old primary, now a
-        // replica, which takes it without a redirect.
-        if is_noscript_reply(replies.first()) {
-            let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg(lua.source);
-            (replies, confirmed) = self
-                .durable_pipe("complete", key, vec![load, cmd], durability)
-                .await?;
-            let mut rest = replies.into_iter();
-            if let Some(Value::ServerError(e)) = rest.next() {
-                return Err(classify("complete", redis::RedisError::from(e)));
-            }
-            replies = rest.collect();
-        }
-        let first = replies.into_iter().next().unwrap_or(Value::Nil);
-        let written = server_error(Ok(first)).map_err(|e| classify("complete", e))?;
-        let reply = parse_write("complete", written)?;
-        if reply.is_done() {
-            confirmed?;
-        }
-        Ok(reply)
-    }
 }
 
 /// Whether a pipeline's reply is `NOSCRIPT` (the server lost the script).
-fn is_noscript_reply(v: Option<&Value>) -> bool {
+pub(super) fn is_noscript_reply(v: Option<&Value>) -> bool {
     match v {
         Some(Value::ServerError(e)) => is_noscript(&redis::RedisError::from(e.clone())),
         _ => false,

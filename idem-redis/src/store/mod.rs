@@ -14,9 +14,9 @@ mod scripts;
 
 pub use self::config::RedisStoreConfig;
 
-use self::complete::{CompletePath, Server};
+use self::complete::Server;
 use self::notify::{Notifier, Source};
-use self::record::{CompletedRecord, MS_DIGITS, PendingRecord, Record};
+use self::record::{MS_DIGITS, PendingRecord, Record};
 use self::reply::{
     answer_found, as_int, bad_url, classify, classify_claim, is_noscript, is_oom, parse_claim,
     parse_write, protocol, server_error,
@@ -25,11 +25,11 @@ use self::scripts::{Lua, SCRIPTS, invocation};
 use async_trait::async_trait;
 use idem_core::Durability;
 use idem_core::Error;
-use idem_core::Fingerprint;
 use idem_core::store::Token;
 use idem_core::store::{
-    Claim, ClaimReply, Finish, InvalidationSink, KeyWatch, RecordInfo, Rider, ScanPage, StepRecord,
-    Store, ValueKind, WriteReply, millis, store_lease,
+    Capabilities, Claim, ClaimReply, Complete, DurableStore, Finish, InvalidationSink, KeyWatch,
+    OperatorStore, RecordInfo, ScanPage, StepRecord, StepStore, Store, WatchStore, WriteReply,
+    millis, store_lease,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -331,26 +331,6 @@ impl RedisStore {
         }
     }
 
-    /// The `complete` script's command for `token`'s record.
-    fn complete_script_cmd(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Cmd {
-        let record = CompletedRecord {
-            kind,
-            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
-            value,
-        };
-        let lua = &SCRIPTS.complete;
-        let mut cmd = invocation(lua.script.get_hash(), key, 2, 32 + 3 + 16 + value.len());
-        cmd.arg(token.as_bytes().as_slice()).arg(record);
-        cmd
-    }
-
     /// A claim as [`Store::claim`] answers it, without durability.
     async fn claim_plain(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         let (record, ttl) = record::pending_record(&claim);
@@ -458,113 +438,17 @@ impl Store for RedisStore {
     }
 
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
-        self.claim_plain(claim).await
-    }
-
-    fn check_durability(&self, durability: Durability) -> Result<(), Error> {
-        self.can_give(durability)
-    }
-
-    async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
-        if durability.is_async() {
-            return Ok(());
-        }
-        self.confirm_key(key, durability).await
-    }
-
-    async fn claim_durable(
-        &self,
-        claim: Claim<'_>,
-        durability: Durability,
-    ) -> Result<ClaimReply, Error> {
-        if durability.is_async() {
+        if claim.durability.is_async() {
             return self.claim_plain(claim).await;
         }
-        self.claim_confirmed(claim, durability).await
+        self.claim_confirmed(claim, claim.durability).await
     }
 
-    async fn complete_durable(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        if durability.is_async() {
-            return self.complete(key, token, fingerprint, kind, value).await;
-        }
-        self.complete_confirmed(key, token, fingerprint, kind, value, durability, None)
-            .await
-    }
-
-    /// On Valkey 8.1+ and Redis 8.4+, one plain `SET … IFEQ` of the
-    /// record `claim` wrote (complete.rs); the script when that does not
-    /// match or the server has no `IFEQ`.
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        if durability.is_async() {
-            if let Some(done) = self.complete_plain(claim, kind, value).await {
-                return done;
-            }
-            if self.server.path() == CompletePath::Script {
-                return self.complete_compared(claim, kind, value).await;
-            }
-            return self
-                .complete(claim.key, claim.token, claim.fingerprint, kind, value)
-                .await;
-        }
-        let plain = self.server.complete_plain_cmd(claim, kind, value);
-        // Boxed: its future (confirmations, retries) is the largest of the
-        // three, and every complete's future was as large as it, copied
-        // whole into the box `async_trait` makes.
-        Box::pin(self.complete_confirmed(
-            claim.key,
-            claim.token,
-            claim.fingerprint,
-            kind,
-            value,
-            durability,
-            plain,
-        ))
-        .await
-    }
-
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        // Without its claim, the record's bytes are unknown: the script.
-        let cmd = self.complete_script_cmd(key, token, fingerprint, kind, value);
-        let lua = &SCRIPTS.complete;
-        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
-    }
-
-    fn has_outbox(&self) -> bool {
-        true
-    }
-
-    async fn complete_with_outbox(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        messages: &[idem_core::outbox::OutboxMessage],
-    ) -> Result<WriteReply, Error> {
-        self.complete_outbox(key, token, fingerprint, kind, value, messages)
-            .await
+    /// complete.rs: on Valkey 8.1+ and Redis 8.4+, one plain `SET … IFEQ`
+    /// of the record the claim wrote; the script when that does not match,
+    /// the server has no `IFEQ`, or the record is not as claimed.
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        self.complete_request(complete).await
     }
 
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
@@ -582,6 +466,30 @@ impl Store for RedisStore {
         parse_write("extend", self.eval("extend", lua, key, &cmd).await?)
     }
 
+    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
+        self.claim_many(claims).await
+    }
+
+    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
+        self.finish_many(ops, None).await.0
+    }
+
+    fn capabilities(&self) -> Capabilities<'_> {
+        let caps = Capabilities::none()
+            .steps(self)
+            .operator(self)
+            .durable(self)
+            .outbox(true);
+        // A store made from a connection has no subscriber: waiters poll.
+        match &self.notifier {
+            Some(_) => caps.watch(self),
+            None => caps,
+        }
+    }
+}
+
+#[async_trait]
+impl StepStore for RedisStore {
     /// The `step` script: one round trip, as a complete.
     async fn save_step(
         &self,
@@ -617,28 +525,10 @@ impl Store for RedisStore {
         cmd.arg(token.as_bytes().as_slice());
         parse_write("suspend", self.eval("suspend", lua, key, &cmd).await?)
     }
+}
 
-    async fn claim_batch(&self, claims: &[Claim<'_>]) -> Vec<Result<ClaimReply, Error>> {
-        self.claim_many(claims).await
-    }
-
-    async fn finish_batch(&self, ops: &[Finish<'_>]) -> Vec<Result<WriteReply, Error>> {
-        self.finish_many(ops, None).await
-    }
-
-    /// Carries a rider whose commands are a `redis::Cmd`, on a single
-    /// Redis (not a cluster) and for a batch with no key twice: the
-    /// command goes last in the pipeline that stores the results, through
-    /// the `rider` script, which runs it only if every complete of the
-    /// batch is stored by then (lua/README.md, "rider").
-    async fn finish_batch_riding(
-        &self,
-        ops: &[Finish<'_>],
-        rider: Rider,
-    ) -> Vec<Result<WriteReply, Error>> {
-        self.finish_many(ops, Some(rider)).await
-    }
-
+#[async_trait]
+impl OperatorStore for RedisStore {
     async fn inspect(&self, key: &str, with_value: bool) -> Result<Option<RecordInfo>, Error> {
         self.inspect_key(key, with_value).await
     }
@@ -649,10 +539,22 @@ impl Store for RedisStore {
         Ok(forgotten)
     }
 
+    async fn scan(
+        &self,
+        prefix: &str,
+        cursor: Option<&str>,
+        count: usize,
+    ) -> Result<ScanPage, Error> {
+        self.scan_prefix(prefix, cursor, count).await
+    }
+
     async fn count_failure(&self, key: &str, ttl: Duration) -> Result<u32, Error> {
         self.count_failure_key(key, ttl).await
     }
+}
 
+#[async_trait]
+impl WatchStore for RedisStore {
     async fn watch(&self, key: &str) -> Option<KeyWatch> {
         self.notifier.as_ref()?.watch(key).await
     }
@@ -663,13 +565,18 @@ impl Store for RedisStore {
             None => false,
         }
     }
+}
 
-    async fn scan(
-        &self,
-        prefix: &str,
-        cursor: Option<&str>,
-        count: usize,
-    ) -> Result<ScanPage, Error> {
-        self.scan_prefix(prefix, cursor, count).await
+#[async_trait]
+impl DurableStore for RedisStore {
+    fn check_durability(&self, durability: Durability) -> Result<(), Error> {
+        self.can_give(durability)
+    }
+
+    async fn confirm(&self, key: &str, durability: Durability) -> Result<(), Error> {
+        if durability.is_async() {
+            return Ok(());
+        }
+        self.confirm_key(key, durability).await
     }
 }

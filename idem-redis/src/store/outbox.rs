@@ -13,21 +13,13 @@
 //! so each holds at least two colons; a prefix holds at most one and the
 //! suffixes none, so no outbox key is ever a record key.
 
-use super::reply::{classify, parse_write};
-use super::scripts::SCRIPTS;
+use super::reply::classify;
 use super::{Conn, RedisStore};
-use crate::store::record::CompletedRecord;
 use idem_core::Error;
-use idem_core::Fingerprint;
-use idem_core::outbox::OutboxMessage;
-use idem_core::store::Token;
-use idem_core::store::ValueKind;
-use idem_core::store::WriteReply;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, RedisError, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The outbox keys' prefix unless the store is given another.
 pub(crate) const DEFAULT_PREFIX: &str = "idem-outbox";
@@ -215,61 +207,6 @@ impl RedisStore {
             Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
             Conn::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
         }
-    }
-
-    /// The complete script with the messages appended to the outbox stream
-    /// of the record's slot; on a cluster, the stream is named in the index
-    /// first, so a relay finds it even if this process dies right after.
-    pub(super) async fn complete_outbox(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-        messages: &[OutboxMessage],
-    ) -> Result<WriteReply, Error> {
-        let keys = self.outbox_keys(key);
-        if self.is_cluster() {
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis());
-            let mut zadd = redis::cmd("ZADD");
-            zadd.arg(index_key(&self.outbox))
-                .arg(u64::try_from(now).unwrap_or(u64::MAX))
-                .arg(&keys.stream);
-            self.send(&zadd)
-                .await
-                .map_err(|e| classify("complete", e))?;
-        }
-        let record = CompletedRecord {
-            kind,
-            fingerprint: fingerprint.map_or(&[], |f| f.as_bytes()),
-            value,
-        };
-        let lua = &SCRIPTS.complete;
-        let size: usize = messages
-            .iter()
-            .map(|m| m.id.len() + m.topic.len() + m.key.len() + m.payload.len() + 64)
-            .sum();
-        let mut cmd = Cmd::with_capacity(
-            7 + 4 * messages.len(),
-            160 + key.len() + keys.stream.len() + value.len() + size,
-        );
-        cmd.arg("EVALSHA")
-            .arg(lua.script.get_hash())
-            .arg(2)
-            .arg(key)
-            .arg(&keys.stream)
-            .arg(token.as_bytes().as_slice())
-            .arg(record);
-        for m in messages {
-            cmd.arg(&m.id)
-                .arg(&m.topic)
-                .arg(&m.key)
-                .arg(m.payload.as_ref());
-        }
-        parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
     }
 }
 

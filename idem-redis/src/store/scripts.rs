@@ -85,7 +85,7 @@ pub(super) struct Scripts {
     pub(super) step: Lua,
     /// `Store::suspend`: end our lease now, keeping the steps.
     pub(super) suspend: Lua,
-    /// `Store::finish_batch_riding`: the carried command, run only once
+    /// `RedisStore::finish_batch_then`: the carried command, run only once
     /// every complete of the batch is stored.
     pub(super) rider: Lua,
 }

@@ -2,7 +2,7 @@
 //! "Redis ACL"), what a missing permission looks like, and that keys are
 //! not logged in clear by default.
 
-use idem_core::store::{Claim, Store, Token};
+use idem_core::store::{Claim, Complete, Store, Token};
 use idem_core::{Error, Idempotency, Outcome};
 use idem_redis::RedisStore;
 use idem_testkit::{LogCapture, RedisServer, Runs};
@@ -141,14 +141,12 @@ async fn minimal_acl_user_runs_the_core_semantics() {
 
     // takeover of a lease nobody renews
     let stale = Token::from_u128(7);
-    let claim = Claim {
-        key: "payments:charge:order-4",
-        token: &stale,
-        lease: Duration::from_millis(100),
-        ttl: Duration::from_secs(60),
-        fingerprint: None,
-        want_ttl_left: false,
-    };
+    let claim = Claim::new(
+        "payments:charge:order-4",
+        &stale,
+        Duration::from_millis(100),
+        Duration::from_secs(60),
+    );
     store.claim(claim).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let recovered = idem
@@ -232,13 +230,8 @@ async fn batch_round(store: &RedisStore, keys: &[&str], tokens: &[Token]) -> usi
     let claims: Vec<Claim<'_>> = keys
         .iter()
         .zip(tokens)
-        .map(|(key, token)| Claim {
-            key,
-            token,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-            fingerprint: None,
-            want_ttl_left: false,
+        .map(|(key, token)| {
+            Claim::new(key, token, Duration::from_secs(30), Duration::from_secs(60))
         })
         .collect();
     for reply in store.claim_batch(&claims).await {
@@ -246,11 +239,7 @@ async fn batch_round(store: &RedisStore, keys: &[&str], tokens: &[Token]) -> usi
     }
     let ops: Vec<Finish<'_>> = claims
         .iter()
-        .map(|claim| Finish::Complete {
-            claim: *claim,
-            kind: ValueKind::Json,
-            value: b"1",
-        })
+        .map(|claim| Finish::Complete(Complete::of_claim(claim, ValueKind::Json, b"1")))
         .collect();
     store
         .finish_batch(&ops)
@@ -401,14 +390,12 @@ async fn missing_script_commands_are_unavailable_naming_the_acl() {
             .await
             .expect("connect");
         let token = Token::from_u128(1);
-        let claim = Claim {
-            key: "payments:charge:order-2",
-            token: &token,
-            lease: Duration::from_millis(100),
-            ttl: Duration::from_millis(100),
-            fingerprint: None,
-            want_ttl_left: false,
-        };
+        let claim = Claim::new(
+            "payments:charge:order-2",
+            &token,
+            Duration::from_millis(100),
+            Duration::from_millis(100),
+        );
         store.claim(claim).await.unwrap();
         let e = if cmd != "+pexpire" {
             store.release(claim.key, &token).await.unwrap_err()

@@ -5,7 +5,7 @@
 //! by key.
 
 use idem_core::Error;
-use idem_core::store::{ClaimReply, Finish, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{ClaimReply, Complete, Finish, Store, Token, ValueKind, WriteReply};
 use idem_redis::RedisStore;
 use idem_testkit::{TestContext, claim, key_slot};
 use std::collections::BTreeSet;
@@ -14,11 +14,11 @@ const LEASE_MS: u64 = 30_000;
 const TTL_MS: u64 = 60_000;
 
 fn complete<'a>(key: &'a str, token: &'a Token, value: &'a [u8]) -> Finish<'a> {
-    Finish::Complete {
-        claim: claim(key, token, LEASE_MS, TTL_MS, None),
-        kind: ValueKind::Json,
+    Finish::Complete(Complete::of_claim(
+        &claim(key, token, LEASE_MS, TTL_MS, None),
+        ValueKind::Json,
         value,
-    }
+    ))
 }
 
 /// Claims `keys` one batch, each by its own token of `tokens`.
@@ -227,46 +227,31 @@ async fn a_moved_slot_is_followed_key_by_key() {
     assert!(ctx.record_state(moved).is_some(), "{moved} was written");
 }
 
-/// A rider's command goes last in the pipeline that
-/// stores the results, so it sees them (a `GET` of a completed key reads
-/// the completed record); its reply reaches the rider. A batch with a key
-/// twice (two waves) and a cluster carry nothing, so the rider is dropped
-/// unheard and its maker sends its own round trip.
+/// The command sent with a batch's results
+/// (`RedisStore::finish_batch_then`) goes last in the pipeline that stores
+/// them, so it sees them (a `GET` of a completed key reads the completed
+/// record); its reply comes back. A batch with a key twice (two waves) and
+/// a cluster carry nothing, so no reply comes back and its sender sends its
+/// own round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rider_goes_after_the_results_on_one_server_only() {
-    use idem_core::store::{Rider, RiderReply};
-    use std::sync::{Arc, Mutex};
-    fn rider(cmd: redis::Cmd) -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
-        let heard = Arc::new(Mutex::new(None));
-        let h = Arc::clone(&heard);
-        (
-            Rider::new(cmd, move |reply| *h.lock().unwrap() = Some(reply)),
-            heard,
-        )
-    }
+async fn a_command_goes_after_the_results_on_one_server_only() {
     let ctx = TestContext::redis().await;
-    let store = ctx.store();
+    let store = ctx.redis_store();
     let keys: Vec<String> = ["batch:ride:a", "batch:ride:b"].map(String::from).to_vec();
     let tokens = [Token::random(), Token::random()];
     claim_all(store, &keys, &tokens).await;
     let mut get = redis::cmd("GET");
     get.arg(&keys[0]);
-    let (ride, heard) = rider(get);
     let ops = [
         complete(&keys[0], &tokens[0], b"\"ridden\""),
         complete(&keys[1], &tokens[1], b"2"),
     ];
-    let replies = store.finish_batch_riding(&ops, ride).await;
+    let (replies, heard) = store.finish_batch_then(&ops, &get).await;
     assert!(
         replies.iter().all(|r| matches!(r, Ok(WriteReply::Done))),
         "{replies:?}"
     );
-    let reply = heard
-        .lock()
-        .unwrap()
-        .take()
-        .expect("carried: its reply came back");
-    let value = *reply.unwrap().downcast::<redis::Value>().unwrap();
+    let value = heard.expect("carried: its reply came back").unwrap();
     let record: Vec<u8> = redis::from_redis_value(value).unwrap();
     assert!(
         record.ends_with(b"\"ridden\""),
@@ -282,7 +267,6 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
         std::slice::from_ref(&twice),
     )
     .await;
-    let (ride, heard) = rider(redis::cmd("PING"));
     let ops = [
         complete("batch:ride:c", &twice, b"3"),
         Finish::Release {
@@ -290,14 +274,11 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
             token: &twice,
         },
     ];
-    store.finish_batch_riding(&ops, ride).await;
-    assert!(
-        heard.lock().unwrap().is_none(),
-        "a batch of two waves carries nothing"
-    );
+    let (_, heard) = store.finish_batch_then(&ops, &redis::cmd("PING")).await;
+    assert!(heard.is_none(), "a batch of two waves carries nothing");
 
     let ctx = TestContext::redis_cluster().await;
-    let store = ctx.store();
+    let store = ctx.redis_store();
     let token = Token::random();
     claim_all(
         store,
@@ -305,12 +286,14 @@ async fn a_rider_goes_after_the_results_on_one_server_only() {
         std::slice::from_ref(&token),
     )
     .await;
-    let (ride, heard) = rider(redis::cmd("PING"));
-    let replies = store
-        .finish_batch_riding(&[complete("batch:ride:d", &token, b"4")], ride)
+    let (replies, heard) = store
+        .finish_batch_then(
+            &[complete("batch:ride:d", &token, b"4")],
+            &redis::cmd("PING"),
+        )
         .await;
     assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
-    assert!(heard.lock().unwrap().is_none(), "a cluster carries nothing");
+    assert!(heard.is_none(), "a cluster carries nothing");
 }
 
 /// On Redis 7 a wave's completes go as one `complete_batch` call. After
@@ -374,34 +357,27 @@ async fn a_flushed_complete_batch_completes_alone_then_is_one_call_again() {
     }
 }
 
-/// A rider's command runs only once every complete of its batch is
-/// stored, so a consumer that acks with it never acks an entry whose
-/// result is not stored yet: its maker sends it itself after. After
+/// The command sent with a batch's results
+/// (`RedisStore::finish_batch_then`) runs only once every complete of its
+/// batch is stored, so a consumer that acks with it never acks an entry
+/// whose result is not stored yet: its sender sends it itself after. After
 /// `SCRIPT FLUSH` the batch's completes get `NOSCRIPT` in the round trip
 /// that carries it and are stored alone after it: the command is withheld
 /// (its write is not made; the reply is an error). So it is when a
 /// complete is refused (another owner's pending record); it runs again
 /// once every result is stored.
 #[tokio::test]
-async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
-    use idem_core::store::{Rider, RiderReply};
-    use std::sync::{Arc, Mutex};
-    fn marking() -> (Rider, Arc<Mutex<Option<RiderReply>>>) {
-        let heard = Arc::new(Mutex::new(None));
-        let h = Arc::clone(&heard);
+async fn a_command_is_withheld_while_a_result_of_its_batch_is_not_stored() {
+    fn marking() -> redis::Cmd {
         let mut mark = redis::cmd("SET");
         mark.arg("batch:gate:carried").arg("1");
-        (
-            Rider::new(mark, move |reply| *h.lock().unwrap() = Some(reply)),
-            heard,
-        )
+        mark
     }
-    fn heard_value(heard: &Mutex<Option<RiderReply>>) -> redis::Value {
-        let reply = heard.lock().unwrap().take().expect("its reply came back");
-        *reply.unwrap().downcast::<redis::Value>().unwrap()
+    fn heard_value(heard: Option<Result<redis::Value, Error>>) -> redis::Value {
+        heard.expect("its reply came back").unwrap()
     }
     let ctx = TestContext::redis().await;
-    let store = ctx.store();
+    let store = ctx.redis_store();
     let server = ctx.server();
     let carried = || server.cli(&["EXISTS", "batch:gate:carried"]).trim() == "1";
 
@@ -410,17 +386,16 @@ async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
     let tokens = [Token::random(), Token::random()];
     claim_all(store, &keys, &tokens).await;
     assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
-    let (ride, heard) = marking();
     let ops = [
         complete(&keys[0], &tokens[0], b"1"),
         complete(&keys[1], &tokens[1], b"2"),
     ];
-    let replies = store.finish_batch_riding(&ops, ride).await;
+    let (replies, heard) = store.finish_batch_then(&ops, &marking()).await;
     assert!(
         replies.iter().all(|r| matches!(r, Ok(WriteReply::Done))),
         "stored alone: {replies:?}"
     );
-    let value = heard_value(&heard);
+    let value = heard_value(heard);
     assert!(
         matches!(&value, redis::Value::ServerError(e) if ["UNSTORED", "NOSCRIPT"].contains(&e.code())),
         "withheld: {value:?}"
@@ -438,18 +413,17 @@ async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
     let tokens = [Token::random(), Token::random()];
     claim_all(store, &keys, &tokens).await;
     let other = Token::random();
-    let (ride, heard) = marking();
     let ops = [
         complete(&keys[0], &tokens[0], b"3"),
         complete(&keys[1], &other, b"4"),
     ];
-    let replies = store.finish_batch_riding(&ops, ride).await;
+    let (replies, heard) = store.finish_batch_then(&ops, &marking()).await;
     assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
     assert!(
         matches!(replies[1], Ok(WriteReply::OtherOwner)),
         "{replies:?}"
     );
-    let value = heard_value(&heard);
+    let value = heard_value(heard);
     assert!(
         matches!(&value, redis::Value::ServerError(e) if e.code() == "UNSTORED"),
         "withheld: {value:?}"
@@ -460,11 +434,10 @@ async fn a_rider_is_withheld_while_a_result_of_its_batch_is_not_stored() {
     let keys: Vec<String> = ["batch:gate:e"].map(String::from).to_vec();
     let tokens = [Token::random()];
     claim_all(store, &keys, &tokens).await;
-    let (ride, heard) = marking();
-    let replies = store
-        .finish_batch_riding(&[complete(&keys[0], &tokens[0], b"5")], ride)
+    let (replies, heard) = store
+        .finish_batch_then(&[complete(&keys[0], &tokens[0], b"5")], &marking())
         .await;
     assert!(matches!(replies[0], Ok(WriteReply::Done)), "{replies:?}");
-    assert_eq!(heard_value(&heard), redis::Value::Okay);
+    assert_eq!(heard_value(heard), redis::Value::Okay);
     assert!(carried());
 }

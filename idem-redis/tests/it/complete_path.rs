@@ -4,8 +4,9 @@
 //! as the script would. Run on Redis 7 by `cargo test`, and on Valkey by
 //! `cargo xtask test`'s second pass (`IDEM_REDIS_SERVER=…/valkey-server`).
 
-use idem_core::Durability::Async;
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{
+    Claim, ClaimReply, Complete, Store, Token, ValueKind, WatchStore, WriteReply,
+};
 use idem_core::{Error, Fingerprint};
 use idem_redis::RedisStore;
 use idem_testkit::RedisServer;
@@ -14,14 +15,7 @@ use std::time::Duration;
 const TTL: Duration = Duration::from_secs(60);
 
 fn claim<'a>(key: &'a str, token: &'a Token, fp: Option<&'a Fingerprint>) -> Claim<'a> {
-    Claim {
-        key,
-        token,
-        lease: Duration::from_millis(100),
-        ttl: TTL,
-        fingerprint: fp,
-        want_ttl_left: false,
-    }
+    Claim::new(key, token, Duration::from_millis(100), TTL).fingerprint(fp)
 }
 
 /// `field:value` of `INFO <section>`.
@@ -87,9 +81,10 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
     let waiter = connect(&server).await;
     let path = expected_path(&server);
     let (mine, theirs) = (Token::random(), Token::random());
-    let long = |key, token| Claim {
-        lease: Duration::from_secs(30),
-        ..claim(key, token, None)
+    let long = |key, token| {
+        let mut long = claim(key, token, None);
+        long.lease = Duration::from_secs(30);
+        long
     };
     assert_eq!(
         holder.claim(long("k:w", &mine)).await.unwrap(),
@@ -138,7 +133,11 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         holder
-            .complete_claim(&long("k:w", &mine), ValueKind::Json, b"5", Async)
+            .complete(Complete::of_claim(
+                &long("k:w", &mine),
+                ValueKind::Json,
+                b"5"
+            ))
             .await
             .unwrap(),
         WriteReply::Done
@@ -167,7 +166,11 @@ async fn a_waiter_marks_the_record_and_the_complete_publishes_once() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         holder
-            .complete_claim(&long("k:w2", &mine), ValueKind::Json, b"6", Async)
+            .complete(Complete::of_claim(
+                &long("k:w2", &mine),
+                ValueKind::Json,
+                b"6"
+            ))
             .await
             .unwrap(),
         WriteReply::Done
@@ -210,7 +213,7 @@ async fn complete_takes_the_servers_path_and_keeps_ttl_and_fingerprint() {
     );
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     let mine = claim("k:1", &token, Some(&fp));
-    let reply = store.complete_claim(&mine, ValueKind::Json, b"42", Async);
+    let reply = store.complete(Complete::of_claim(&mine, ValueKind::Json, b"42"));
     assert_eq!(reply.await.unwrap(), WriteReply::Done);
     let scripts = evalsha_calls(&server);
     match path {
@@ -266,7 +269,10 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     let s = &store;
     let complete = |token| {
         let mine = claim("k:late", token, None);
-        async move { s.complete_claim(&mine, ValueKind::Json, b"1", Async).await }
+        async move {
+            s.complete(Complete::of_claim(&mine, ValueKind::Json, b"1"))
+                .await
+        }
     };
     assert_eq!(complete(&old).await.unwrap(), WriteReply::OtherOwner);
     store.claim(claim("k:late2", &old, None)).await.unwrap();
@@ -275,7 +281,10 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     assert_eq!(complete(&new).await.unwrap(), WriteReply::Done);
     let complete2 = |token, value: &'static [u8]| {
         let mine = claim("k:late2", token, None);
-        async move { s.complete_claim(&mine, ValueKind::Json, value, Async).await }
+        async move {
+            s.complete(Complete::of_claim(&mine, ValueKind::Json, value))
+                .await
+        }
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     store.claim(claim("k:late2", &new, None)).await.unwrap();
@@ -291,7 +300,11 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     assert_eq!(server.cli(&["DEL", "k:gone"]), "1");
     assert_eq!(
         store
-            .complete_claim(&claim("k:gone", &t, None), ValueKind::Json, b"1", Async)
+            .complete(Complete::of_claim(
+                &claim("k:gone", &t, None),
+                ValueKind::Json,
+                b"1"
+            ))
             .await
             .unwrap(),
         WriteReply::Missing
@@ -302,7 +315,11 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     assert_eq!(server.cli(&["DEL", "k:list"]), "1");
     assert_eq!(server.cli(&["RPUSH", "k:list", "x"]), "1");
     match store
-        .complete_claim(&claim("k:list", &t, None), ValueKind::Json, b"1", Async)
+        .complete(Complete::of_claim(
+            &claim("k:list", &t, None),
+            ValueKind::Json,
+            b"1",
+        ))
         .await
     {
         Err(Error::Corrupt { .. }) => {}
@@ -322,7 +339,11 @@ async fn a_plain_complete_that_does_not_match_answers_as_the_script() {
     );
     assert_eq!(
         store
-            .complete_claim(&claim("k:ext", &t, None), ValueKind::Json, b"7", Async)
+            .complete(Complete::of_claim(
+                &claim("k:ext", &t, None),
+                ValueKind::Json,
+                b"7"
+            ))
             .await
             .unwrap(),
         WriteReply::Done
@@ -342,12 +363,11 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
     store.claim(claim("k:first", &first, None)).await.unwrap();
     assert_eq!(
         store
-            .complete_claim(
+            .complete(Complete::of_claim(
                 &claim("k:first", &first, None),
                 ValueKind::Json,
-                b"1",
-                Async
-            )
+                b"1"
+            ))
             .await
             .unwrap(),
         WriteReply::Done
@@ -360,7 +380,11 @@ async fn a_store_from_a_connection_learns_the_server_at_its_first_complete() {
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
     assert_eq!(
         store
-            .complete_claim(&claim("k:next", &next, None), ValueKind::Json, b"2", Async)
+            .complete(Complete::of_claim(
+                &claim("k:next", &next, None),
+                ValueKind::Json,
+                b"2"
+            ))
             .await
             .unwrap(),
         WriteReply::Done
@@ -398,10 +422,12 @@ async fn a_batch_completes_on_the_servers_path() {
     let ops: Vec<Finish<'_>> = keys
         .iter()
         .zip(&tokens)
-        .map(|(key, token)| Finish::Complete {
-            claim: claim(key, token, None),
-            kind: ValueKind::Json,
-            value: b"1",
+        .map(|(key, token)| {
+            Finish::Complete(Complete::of_claim(
+                &claim(key, token, None),
+                ValueKind::Json,
+                b"1",
+            ))
         })
         .collect();
     let replies: Vec<WriteReply> = store
@@ -453,10 +479,12 @@ async fn a_batch_of_several_read_chunks_answers_each_key_as_its_own() {
     server.cli(&["LPUSH", &keys[listed], "x"]);
     let values: Vec<String> = (0..N).map(|i| format!("{i}")).collect();
     let ops: Vec<Finish<'_>> = (0..N)
-        .map(|i| Finish::Complete {
-            claim: claim(&keys[i], &tokens[i], None),
-            kind: ValueKind::Json,
-            value: values[i].as_bytes(),
+        .map(|i| {
+            Finish::Complete(Complete::of_claim(
+                &claim(&keys[i], &tokens[i], None),
+                ValueKind::Json,
+                values[i].as_bytes(),
+            ))
         })
         .collect();
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
@@ -506,7 +534,7 @@ async fn a_complete_needs_nothing_kept_since_its_claim() {
         ClaimReply::Acquired { attempt: 1 }
     );
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
-    let done = completer.complete_claim(&mine, ValueKind::Json, b"9", Async);
+    let done = completer.complete(Complete::of_claim(&mine, ValueKind::Json, b"9"));
     assert_eq!(done.await.unwrap(), WriteReply::Done);
     let scripts = evalsha_calls(&server);
     assert_eq!(
@@ -522,12 +550,10 @@ async fn a_complete_needs_nothing_kept_since_its_claim() {
     let other = Token::random();
     let theirs = claim("k:terms", &other, None);
     claimer.claim(theirs).await.unwrap();
-    let longer = Claim {
-        lease: Duration::from_secs(5),
-        ..theirs
-    };
+    let mut longer = theirs;
+    longer.lease = Duration::from_secs(5);
     assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]), "OK");
-    let done = completer.complete_claim(&longer, ValueKind::Json, b"3", Async);
+    let done = completer.complete(Complete::of_claim(&longer, ValueKind::Json, b"3"));
     assert_eq!(done.await.unwrap(), WriteReply::Done);
     assert_eq!(evalsha_calls(&server), 1, "{path}: the script answered");
     assert_eq!(raw(&server, "k:terms"), b"1C\x003");

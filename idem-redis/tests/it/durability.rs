@@ -408,14 +408,12 @@ async fn a_contended_durable_claim_is_confirmed_on_the_connection_that_wrote_it(
     // An earlier holder's claim, whose lease runs out.
     let earlier = Token::random();
     let reply = store
-        .claim(Claim {
-            key: "durable:charge:taken",
-            token: &earlier,
-            lease: Duration::from_millis(100),
-            ttl: Duration::from_secs(60),
-            fingerprint: None,
-            want_ttl_left: false,
-        })
+        .claim(Claim::new(
+            "durable:charge:taken",
+            &earlier,
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        ))
         .await
         .expect("claimed");
     assert!(

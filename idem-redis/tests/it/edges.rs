@@ -4,7 +4,7 @@
 //! down, and a TTL shorter than the default lease. Real redis-server
 //! processes throughout; exact run counts.
 
-use idem_core::store::{Claim, ClaimReply, Store, Token, ValueKind, WriteReply};
+use idem_core::store::{Claim, ClaimReply, Complete, Store, Token, ValueKind, WriteReply};
 use idem_core::{Error, Idempotency, MemoryStore, Outcome};
 use idem_redis::{RedisStore, RedisStoreConfig};
 use idem_testkit::{FaultProxy, RedisCluster, RedisServer};
@@ -42,14 +42,7 @@ async fn get(server: &RedisServer, key: &str) -> Option<Vec<u8>> {
 }
 
 fn claim<'a>(key: &'a str, token: &'a Token, lease: Duration, ttl: Duration) -> Claim<'a> {
-    Claim {
-        key,
-        token,
-        lease,
-        ttl,
-        fingerprint: None,
-        want_ttl_left: false,
-    }
+    Claim::new(key, token, lease, ttl)
 }
 
 /// A caller that drops its call while the result is being stored (here:
@@ -318,7 +311,12 @@ async fn a_refused_complete_writes_nothing() {
         .exec(&mut watcher)
         .expect("WATCH");
     let refused = store
-        .complete("idem:w", &intruder, None, ValueKind::Json, b"\"x\"")
+        .complete(Complete::new(
+            "idem:w",
+            &intruder,
+            ValueKind::Json,
+            b"\"x\"",
+        ))
         .await;
     assert_eq!(refused.unwrap(), WriteReply::OtherOwner);
     let exec: Option<(String,)> = redis::pipe()
@@ -362,12 +360,12 @@ async fn a_resent_complete_finds_its_own_result_stored() {
         assert_eq!(r.unwrap(), ClaimReply::Acquired { attempt: 1 }, "{name}");
         for _ in 0..2 {
             let done = store
-                .complete("idem:re", &token, None, ValueKind::Json, b"42")
+                .complete(Complete::new("idem:re", &token, ValueKind::Json, b"42"))
                 .await;
             assert_eq!(done.unwrap(), WriteReply::Done, "{name}");
         }
         let other = store
-            .complete("idem:re", &token, None, ValueKind::Json, b"43")
+            .complete(Complete::new("idem:re", &token, ValueKind::Json, b"43"))
             .await;
         assert_eq!(other.unwrap(), WriteReply::AlreadyCompleted, "{name}");
     }

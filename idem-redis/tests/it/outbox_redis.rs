@@ -5,7 +5,7 @@
 
 use async_trait::async_trait;
 use idem_core::outbox::{self, OutboxMessage, Sink, SinkError, message_id};
-use idem_core::store::Store;
+use idem_core::store::{Complete, Store};
 use idem_core::{Error, Idempotency, Outcome};
 use idem_redis::RedisStore;
 use idem_redis::outbox::RedisRelay;
@@ -286,13 +286,14 @@ async fn a_complete_that_cannot_append_stores_nothing() {
         attempts: 0,
     };
     let refused = svc
-        .complete_with_outbox(
-            "outbox:orders.create:r-3",
-            &token,
-            None,
-            idem_core::store::ValueKind::Json,
-            b"1",
-            &[m],
+        .complete(
+            Complete::new(
+                "outbox:orders.create:r-3",
+                &token,
+                idem_core::store::ValueKind::Json,
+                b"1",
+            )
+            .outbox(&[m]),
         )
         .await;
     let e = refused.expect_err("the ACL refuses the outbox");

@@ -2,10 +2,8 @@
 //! store it hands to a builder, to read or steer it while calls run.
 
 use async_trait::async_trait;
-use idem_core::store::{
-    Claim, ClaimReply, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
-};
-use idem_core::{Durability, Error, Fingerprint, RecordInfo};
+use idem_core::Error;
+use idem_core::store::{Capabilities, Claim, ClaimReply, Complete, Store, Token, WriteReply};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,24 +15,8 @@ impl<S: Store> Store for Shared<S> {
     async fn claim(&self, claim: Claim<'_>) -> Result<ClaimReply, Error> {
         self.0.claim(claim).await
     }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.0.complete(key, token, fingerprint, kind, value).await
-    }
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        self.0.complete_claim(claim, kind, value, durability).await
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        self.0.complete(complete).await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.0.release(key, token).await
@@ -42,13 +24,12 @@ impl<S: Store> Store for Shared<S> {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.0.extend(key, token, lease).await
     }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.0.forget(key, force).await
-    }
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.0.watch(key).await
-    }
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.0.watch_forgotten(prefix, sink).await
+    /// What it forwarded before: the operator calls and notifications.
+    fn capabilities(&self) -> Capabilities<'_> {
+        let inner = self.0.capabilities();
+        let mut caps = Capabilities::none();
+        caps.operator = inner.operator;
+        caps.watch = inner.watch;
+        caps
     }
 }

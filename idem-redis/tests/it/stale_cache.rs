@@ -7,10 +7,10 @@
 use crate::shared_store::Shared;
 use async_trait::async_trait;
 use idem_core::store::{
-    Claim, ClaimReply, Invalidation, InvalidationSink, KeyWatch, Store, Token, ValueKind,
-    WriteReply,
+    Capabilities, Claim, ClaimReply, Complete, Invalidation, InvalidationSink, KeyWatch, Store,
+    Token, WatchStore, WriteReply,
 };
-use idem_core::{Error, Fingerprint, Idempotency, Outcome, RecordInfo};
+use idem_core::{Error, Idempotency, Outcome};
 use idem_redis::RedisStore;
 use idem_testkit::TestContext;
 use std::sync::{Arc, Mutex};
@@ -51,18 +51,8 @@ impl Store for Paused {
         hold(&self.claim).await;
         reply
     }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        let reply = self
-            .inner
-            .complete(key, token, fingerprint, kind, value)
-            .await;
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        let reply = self.inner.complete(complete).await;
         hold(&self.complete).await;
         reply
     }
@@ -72,9 +62,17 @@ impl Store for Paused {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.inner.extend(key, token, lease).await
     }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.inner.forget(key, force).await
+    /// The operator calls of the store; its notifications through this
+    /// wrapper, which reports every forget its cache hears.
+    fn capabilities(&self) -> Capabilities<'_> {
+        let mut caps = Capabilities::none().watch(self);
+        caps.operator = self.inner.capabilities().operator;
+        caps
     }
+}
+
+#[async_trait]
+impl WatchStore for Paused {
     async fn watch(&self, key: &str) -> Option<KeyWatch> {
         self.inner.watch(key).await
     }

@@ -9,9 +9,10 @@
 use crate::shared_store::Shared;
 use async_trait::async_trait;
 use idem_core::store::{
-    Claim, ClaimReply, Hub, InvalidationSink, KeyWatch, Store, Token, ValueKind, WriteReply,
+    Capabilities, Claim, ClaimReply, Complete, Hub, InvalidationSink, KeyWatch, Store, Token,
+    WatchStore, WriteReply,
 };
-use idem_core::{Durability, Error, Fingerprint, Idempotency, MemoryStore, Outcome, RecordInfo};
+use idem_core::{Error, Idempotency, MemoryStore, Outcome};
 use idem_redis::RedisStore;
 use idem_testkit::{Ledger, TestContext};
 use std::collections::HashMap;
@@ -32,28 +33,8 @@ impl<S: Store> Store for Counting<S> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(claim).await
     }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.inner
-            .complete(key, token, fingerprint, kind, value)
-            .await
-    }
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        self.inner
-            .complete_claim(claim, kind, value, durability)
-            .await
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        self.inner.complete(complete).await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.inner.release(key, token).await
@@ -61,14 +42,13 @@ impl<S: Store> Store for Counting<S> {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.inner.extend(key, token, lease).await
     }
-    async fn forget(&self, key: &str, force: bool) -> Result<Option<RecordInfo>, Error> {
-        self.inner.forget(key, force).await
-    }
-    async fn watch(&self, key: &str) -> Option<KeyWatch> {
-        self.inner.watch(key).await
-    }
-    async fn watch_forgotten(&self, prefix: &str, sink: InvalidationSink) -> bool {
-        self.inner.watch_forgotten(prefix, sink).await
+    /// What it forwarded before: the operator calls and notifications.
+    fn capabilities(&self) -> Capabilities<'_> {
+        let inner = self.inner.capabilities();
+        let mut caps = Capabilities::none();
+        caps.operator = inner.operator;
+        caps.watch = inner.watch;
+        caps
     }
 }
 
@@ -416,28 +396,8 @@ impl<S: Store> Store for Told<S> {
         }
         reply
     }
-    async fn complete(
-        &self,
-        key: &str,
-        token: &Token,
-        fingerprint: Option<&Fingerprint>,
-        kind: ValueKind,
-        value: &[u8],
-    ) -> Result<WriteReply, Error> {
-        self.inner
-            .complete(key, token, fingerprint, kind, value)
-            .await
-    }
-    async fn complete_claim(
-        &self,
-        claim: &Claim<'_>,
-        kind: ValueKind,
-        value: &[u8],
-        durability: Durability,
-    ) -> Result<WriteReply, Error> {
-        self.inner
-            .complete_claim(claim, kind, value, durability)
-            .await
+    async fn complete(&self, complete: Complete<'_>) -> Result<WriteReply, Error> {
+        self.inner.complete(complete).await
     }
     async fn release(&self, key: &str, token: &Token) -> Result<WriteReply, Error> {
         self.inner.release(key, token).await
@@ -445,12 +405,20 @@ impl<S: Store> Store for Told<S> {
     async fn extend(&self, key: &str, token: &Token, lease: Duration) -> Result<WriteReply, Error> {
         self.inner.extend(key, token, lease).await
     }
+    /// Its own notifications only, as before (no forget feed).
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none().watch(self)
+    }
+}
+
+#[async_trait]
+impl<S: Store> WatchStore for Told<S> {
     async fn watch(&self, key: &str) -> Option<KeyWatch> {
         let (outer, first) = self.hub.join(key);
         if first {
             // The inner subscription is active when this returns, and the
             // forwarder holds it until the last outer watch goes.
-            let mut inner = self.inner.watch(key).await?;
+            let mut inner = self.inner.capabilities().watch?.watch(key).await?;
             let (stop, mut stopped) = oneshot::channel();
             self.stops.lock().unwrap().insert(key.to_owned(), stop);
             let (hub, woken, key) = (
@@ -471,6 +439,10 @@ impl<S: Store> Store for Told<S> {
             });
         }
         Some(outer)
+    }
+
+    async fn watch_forgotten(&self, _prefix: &str, _sink: InvalidationSink) -> bool {
+        false
     }
 }
 
