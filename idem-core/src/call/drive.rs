@@ -22,12 +22,12 @@
 //! [`BatchOp::orphaned`]: super::gather::BatchOp::orphaned
 
 use super::Call;
-use super::batch::MakeRoundTrip;
 use super::completion::Completion;
 use super::exec::{Exec, FirstClaim, Next, Panic, Running};
 use super::gather::{Answered, ClaimOp, FinishOp, send_finish_wave, send_wave};
 use super::guard::{Turn, detach, free, log_release, release};
 use super::is_unavailable;
+use super::round_trip::MakeRoundTrip;
 use crate::cache::Generation;
 use crate::error::Error;
 use crate::hook::CallOutcome;

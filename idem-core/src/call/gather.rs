@@ -22,10 +22,10 @@
 //! the store is re-sent as a single call's detached completion is, and a
 //! claim that landed is released by token, never ahead of the claim itself.
 
-use super::batch::FinishRoundTrip;
 use super::completion::{Completion, Detached};
 use super::guard::{detach, free, log_release};
 use super::is_unavailable;
+use super::round_trip::FinishRoundTrip;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
 use crate::store::{AsClaimed, Claim, ClaimReply, Complete, Finish, Store, ValueKind, WriteReply};

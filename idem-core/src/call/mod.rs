@@ -9,9 +9,11 @@ mod exec;
 mod gather;
 mod guard;
 mod keep_alive;
+mod round_trip;
 mod steps;
 
-pub use batch::{Batch, CallGroup, FinishRoundTrip, finish_round_trip};
+pub use batch::{Batch, CallGroup};
+pub use round_trip::{FinishRoundTrip, finish_round_trip};
 pub use steps::{MAX_STEP_NAME, StepStart, Steps};
 
 use crate::durability::Durability;

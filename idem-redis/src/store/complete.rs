@@ -27,9 +27,9 @@
 //! does not match, and the script, which publishes for a marked record,
 //! answers. A complete no one waits on is one plain `SET`.
 
-use super::durable::is_noscript_reply;
 use super::outbox;
 use super::record::{CompletedRecord, pending_record};
+use super::reply::is_noscript_reply;
 use super::reply::{classify, parse_write, protocol, server_error, unreached};
 use super::scripts::{SCRIPTS, invocation};
 use super::{Conn, RedisStore};

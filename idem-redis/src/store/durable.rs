@@ -19,7 +19,7 @@
 use super::outbox::slot_tag;
 use super::record::{Record, decode, pending_record};
 use super::reply::{
-    answer_found, classify, classify_claim, is_noscript, is_oom, parse_claim, protocol,
+    answer_found, classify, classify_claim, is_noscript_reply, is_oom, parse_claim, protocol,
     server_error,
 };
 use super::scripts::SCRIPTS;
@@ -494,13 +494,5 @@ impl RedisStore {
             self.confirm_key(key, durability).await?;
         }
         Ok(reply)
-    }
-}
-
-/// Whether a pipeline's reply is `NOSCRIPT` (the server lost the script).
-pub(super) fn is_noscript_reply(v: Option<&Value>) -> bool {
-    match v {
-        Some(Value::ServerError(e)) => is_noscript(&redis::RedisError::from(e.clone())),
-        _ => false,
     }
 }

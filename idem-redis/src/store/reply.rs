@@ -173,3 +173,11 @@ pub(super) fn parse_write(op: &'static str, v: Value) -> Result<WriteReply, Erro
 pub(crate) fn unreached(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
 }
+
+/// Whether a pipeline's reply is `NOSCRIPT` (the server lost the script).
+pub(super) fn is_noscript_reply(v: Option<&Value>) -> bool {
+    match v {
+        Some(Value::ServerError(e)) => is_noscript(&redis::RedisError::from(e.clone())),
+        _ => false,
+    }
+}
