@@ -23,7 +23,7 @@ pub(crate) type MakeRoundTrip<'a> = dyn Fn(&[usize]) -> Option<FinishRoundTrip> 
 /// A message of the batch that goes to idem.
 struct Run {
     index: usize,
-    over_valve: bool,
+    over_delivery_limit: bool,
     span: tracing::Span,
 }
 
@@ -181,7 +181,7 @@ impl<C> Consumer<C> {
         let mut calls: Vec<Call<'_>> = Vec::with_capacity(msgs.len());
         for (i, key) in keys.into_iter().enumerate() {
             if let Some(first) = duplicate_of[i] {
-                out.copies.push(Copy {
+                out.copies.push(Duplicate {
                     index: i,
                     first,
                     key: key.ok(),
@@ -200,7 +200,7 @@ impl<C> Consumer<C> {
                     run_keys.push(key);
                     runs.push(Run {
                         index: i,
-                        over_valve: self.over_valve(msg),
+                        over_delivery_limit: self.over_delivery_limit(msg),
                         span,
                     });
                 }
@@ -227,8 +227,11 @@ impl<C> Consumer<C> {
                 |j| {
                     let run = &runs[j];
                     let index = run.index;
-                    let handling =
-                        run_handler(move |msg| handler(index, msg), &msgs[index], run.over_valve);
+                    let handling = run_handler(
+                        move |msg| handler(index, msg),
+                        &msgs[index],
+                        run.over_delivery_limit,
+                    );
                     // Instrumented only for a subscriber that takes the span:
                     // entering a disabled one changes nothing it sees.
                     if run.span.is_disabled() {
@@ -271,7 +274,7 @@ impl<C> Consumer<C> {
 
 /// A message whose key and payload equal those of an earlier one in the
 /// batch: not run, decided with its first copy.
-struct Copy {
+struct Duplicate {
     index: usize,
     first: usize,
     key: Option<String>,
@@ -280,7 +283,7 @@ struct Copy {
 /// Where a batch's decisions go, its copies with their first copies.
 struct Answers<'m, F> {
     each: F,
-    copies: Vec<Copy>,
+    copies: Vec<Duplicate>,
     msgs: &'m [Message],
 }
 

@@ -438,10 +438,10 @@ impl<C> Consumer<C> {
             match self.call_of(msg, key, fingerprint) {
                 Err(refused) => refused,
                 Ok((key, call)) => {
-                    let over_valve = self.over_valve(msg);
+                    let over_delivery_limit = self.over_delivery_limit(msg);
                     let result = call
                         .run_steps_outcome(async |s| {
-                            if over_valve {
+                            if over_delivery_limit {
                                 return Err(Failure::OverValve);
                             }
                             handler(msg.clone(), s).await.map_err(Failure::Handler)
@@ -476,9 +476,9 @@ impl<C> Consumer<C> {
             match self.call_of(msg, key, fingerprint) {
                 Err(refused) => refused,
                 Ok((key, call)) => {
-                    let over_valve = self.over_valve(msg);
+                    let over_delivery_limit = self.over_delivery_limit(msg);
                     let result = call
-                        .run_outcome(|| run_handler(handler, msg, over_valve))
+                        .run_outcome(|| run_handler(handler, msg, over_delivery_limit))
                         .await;
                     self.judge(msg, key, result).await
                 }
@@ -538,7 +538,7 @@ impl<C> Consumer<C> {
     }
 
     /// Whether `msg` is past the delivery valve: its handler must not run.
-    pub(crate) fn over_valve(&self, msg: &Message) -> bool {
+    pub(crate) fn over_delivery_limit(&self, msg: &Message) -> bool {
         msg.delivery_count() > self.max_deliveries
     }
 
@@ -741,12 +741,12 @@ pub(crate) fn message_span(msg: &Message) -> tracing::Span {
 pub(crate) async fn run_handler<T, E, Fut>(
     handler: impl FnOnce(Message) -> Fut,
     msg: &Message,
-    over_valve: bool,
+    over_delivery_limit: bool,
 ) -> Result<T, Failure<E>>
 where
     Fut: Future<Output = Result<T, E>>,
 {
-    if over_valve {
+    if over_delivery_limit {
         return Err(Failure::OverValve);
     }
     handler(msg.clone()).await.map_err(Failure::Handler)
