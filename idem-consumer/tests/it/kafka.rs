@@ -1222,7 +1222,7 @@ async fn a_broker_that_restarts_empty_redelivers_everything_and_nothing_runs_twi
     // records or offsets, and the producer sends its records again. The
     // member is closed across the restart: librdkafka 2.12 crashes on
     // tansu's answer to a fetch of a topic it no longer knows (a zero topic
-    // id with a leader tag, librdkafka issue #5280's code path), which no
+    // id with a leader tag, an upstream librdkafka defect), which no
     // Kafka broker sends.
     t.broker().restart(); // the same port
     t.create_topics().await;
