@@ -136,6 +136,7 @@ mod layer;
 mod method;
 mod service;
 mod stored;
+mod wait;
 
 pub use idem_key::{KeyError, MAX_KEY_LEN};
 pub use layer::{DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer};
@@ -176,3 +177,22 @@ pub const RETRY_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushb
 /// assert_eq!(idem_grpc::IDEM_ERROR, "idem-error");
 /// ```
 pub const IDEM_ERROR: HeaderName = HeaderName::from_static("idem-error");
+
+/// `idem-wait: N`: request metadata asking that a call whose key is in
+/// flight wait up to `N` whole seconds for the first call's answer
+/// (capped by [`IdempotencyLayer::max_wait`] and the call's deadline)
+/// instead of `ABORTED` at once.
+///
+/// ```
+/// assert_eq!(idem_grpc::IDEM_WAIT, "idem-wait");
+/// ```
+pub const IDEM_WAIT: HeaderName = HeaderName::from_static("idem-wait");
+
+/// `idem-wait-applied-ms`: on the answers to a call that sent
+/// [`IDEM_WAIT`] (the replay, or `ABORTED` when the wait ran out), the
+/// wait it was granted, in milliseconds.
+///
+/// ```
+/// assert_eq!(idem_grpc::IDEM_WAIT_APPLIED_MS, "idem-wait-applied-ms");
+/// ```
+pub const IDEM_WAIT_APPLIED_MS: HeaderName = HeaderName::from_static("idem-wait-applied-ms");

@@ -249,6 +249,7 @@ mod config;
 mod encoding;
 mod key;
 mod layer;
+mod prefer;
 mod problem;
 mod run;
 mod service;
@@ -285,3 +286,21 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// assert_eq!(idem_http::IDEMPOTENCY_RETENTION, "idempotency-retention");
 /// ```
 pub const IDEMPOTENCY_RETENTION: HeaderName = HeaderName::from_static("idempotency-retention");
+
+/// `Prefer`: the request header (RFC 7240) whose `wait=N` preference has a
+/// duplicate of an in-flight request wait up to `N` seconds for its
+/// response (see [`IdempotencyLayer::max_wait`]).
+///
+/// ```
+/// assert_eq!(idem_http::PREFER, "prefer");
+/// ```
+pub const PREFER: HeaderName = HeaderName::from_static("prefer");
+
+/// `Preference-Applied: wait=N` (RFC 7240): on the answers to a duplicate
+/// that asked to wait, the wait it was granted, in seconds (capped by
+/// [`IdempotencyLayer::max_wait`]).
+///
+/// ```
+/// assert_eq!(idem_http::PREFERENCE_APPLIED, "preference-applied");
+/// ```
+pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
