@@ -16,10 +16,10 @@ use http_body_util::BodyExt;
 use idem_core::{Error, Fingerprint, Idempotency};
 use idem_layer::record::{NotKept, Record};
 use idem_layer::settings::Claim;
-use idem_layer::wait::Wait;
 use idem_layer::task::{
     self, Answers, BytesBody, Inner, Ran, ReadError, TaskError, read_limited, take_ready,
 };
+use idem_layer::wait::Wait;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;

@@ -85,10 +85,16 @@ mod tests {
         let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
         let settings = Settings::<MetadataMap>::new(&idem);
         let w = of(&headers(&[("idem-wait", "5")]), &settings);
-        assert_eq!((w.wait, w.granted), (Duration::from_secs(5), Some(Duration::from_secs(5))));
+        assert_eq!(
+            (w.wait, w.granted),
+            (Duration::from_secs(5), Some(Duration::from_secs(5)))
+        );
         let w = of(&headers(&[("idem-wait", "3600")]), &settings);
         assert_eq!(w.granted, Some(Duration::from_secs(10)));
-        let w = of(&headers(&[("idem-wait", "5"), ("grpc-timeout", "1500m")]), &settings);
+        let w = of(
+            &headers(&[("idem-wait", "5"), ("grpc-timeout", "1500m")]),
+            &settings,
+        );
         assert_eq!(w.granted, Some(Duration::from_millis(1500)));
         assert_eq!(w.wait, Duration::from_millis(1500));
         let w = of(&headers(&[("idem-wait", "soon")]), &settings);

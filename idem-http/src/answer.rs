@@ -3,9 +3,9 @@
 
 use crate::config::Config;
 use crate::encoding::{self, Replay};
+use crate::prefer;
 use crate::problem::{ProblemKind, problem_response};
 use crate::stored::{Live, StoredResponse, explain};
-use crate::prefer;
 use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
 use axum::body::Body;
 use bytes::Bytes;

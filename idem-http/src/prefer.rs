@@ -122,7 +122,14 @@ mod tests {
     /// error; only the first instance of a preference counts.
     #[test]
     fn a_bad_or_repeated_wait_is_ignored() {
-        for bad in ["wait", "wait=", "wait=-1", "wait=1.5", "wait=soon", "wait=1 0"] {
+        for bad in [
+            "wait",
+            "wait=",
+            "wait=-1",
+            "wait=1.5",
+            "wait=soon",
+            "wait=1 0",
+        ] {
             assert_eq!(of(&[bad]), None, "{bad}");
         }
         assert_eq!(of(&["wait=soon, wait=5"]), None);

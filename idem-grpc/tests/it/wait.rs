@@ -93,7 +93,10 @@ impl Drop for GatedServer {
 }
 
 impl GatedServer {
-    async fn start(ctx: TestContext, configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) -> GatedServer {
+    async fn start(
+        ctx: TestContext,
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> GatedServer {
         let idem: Idempotency = ctx.idem();
         let layer = configure(IdempotencyLayer::new(idem).unary(CREATE_PAYMENT));
         let svc = Gated {
@@ -102,10 +105,11 @@ impl GatedServer {
             gate: Arc::new(Semaphore::new(0)),
         };
         let arrived = svc.arrived.clone();
-        let count = tower::util::MapRequestLayer::new(move |r: http::Request<tonic::body::Body>| {
-            arrived.fetch_add(1, SeqCst);
-            r
-        });
+        let count =
+            tower::util::MapRequestLayer::new(move |r: http::Request<tonic::body::Body>| {
+                arrived.fetch_add(1, SeqCst);
+                r
+            });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
@@ -153,11 +157,17 @@ impl GatedServer {
     }
 
     /// Sends the first call, and waits until its handler runs (held).
-    async fn first(&self, key: &'static str, message: CreatePaymentRequest) -> tokio::task::JoinHandle<RawAnswer> {
+    async fn first(
+        &self,
+        key: &'static str,
+        message: CreatePaymentRequest,
+    ) -> tokio::task::JoinHandle<RawAnswer> {
         let first = self.call(key, &[], message);
-        eventually("the first call's handler runs", Duration::from_secs(30), || {
-            std::future::ready((self.runs() >= 1).then_some(()))
-        })
+        eventually(
+            "the first call's handler runs",
+            Duration::from_secs(30),
+            || std::future::ready((self.runs() >= 1).then_some(())),
+        )
         .await;
         first
     }
@@ -166,9 +176,11 @@ impl GatedServer {
     /// moment to reach the store (a duplicate that claims only after the
     /// gate opens gets a plain replay, which the assertions accept too).
     async fn until_arrived(&self, n: usize) {
-        eventually("every call reached the server", Duration::from_secs(30), || {
-            std::future::ready((self.svc.arrived.load(SeqCst) >= n).then_some(()))
-        })
+        eventually(
+            "every call reached the server",
+            Duration::from_secs(30),
+            || std::future::ready((self.svc.arrived.load(SeqCst) >= n).then_some(())),
+        )
         .await;
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
@@ -245,7 +257,9 @@ async fn a_duplicate_is_aborted_without_a_wait_and_after_one_that_ends_first() {
         assert_eq!(status(&dup), "10", "ABORTED: {dup:?}");
         assert_eq!(dup.headers["idem-error"], "key-in-use");
         assert_eq!(
-            dup.headers.get("idem-wait-applied-ms").map(|v| v.to_str().unwrap()),
+            dup.headers
+                .get("idem-wait-applied-ms")
+                .map(|v| v.to_str().unwrap()),
             applied,
             "{metadata:?}"
         );
@@ -260,7 +274,10 @@ async fn a_duplicate_is_aborted_without_a_wait_and_after_one_that_ends_first() {
 /// granted. `max_wait(0)` ignores the entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wait_is_capped_by_max_wait_and_the_deadline() {
-    let server = GatedServer::start(TestContext::memory(), |l| l.max_wait(Duration::from_secs(1))).await;
+    let server = GatedServer::start(TestContext::memory(), |l| {
+        l.max_wait(Duration::from_secs(1))
+    })
+    .await;
     let first = server.first("capped", payment(500)).await;
     let dup = server
         .call("capped", &[("idem-wait", "3600")], payment(500))
@@ -282,7 +299,11 @@ async fn the_wait_is_capped_by_max_wait_and_the_deadline() {
     server.open();
     let first = first.await.unwrap();
     let replay = server
-        .call("deadline", &[("idem-wait", "3600"), ("grpc-timeout", "2S")], payment(500))
+        .call(
+            "deadline",
+            &[("idem-wait", "3600"), ("grpc-timeout", "2S")],
+            payment(500),
+        )
         .await
         .unwrap();
     assert!(replay.replayed());
@@ -292,11 +313,17 @@ async fn the_wait_is_capped_by_max_wait_and_the_deadline() {
         .call("deadline", &[("idem-wait", "3600")], payment(500))
         .await
         .unwrap();
-    assert_eq!(replay.headers["idem-wait-applied-ms"], "10000", "the default cap");
+    assert_eq!(
+        replay.headers["idem-wait-applied-ms"], "10000",
+        "the default cap"
+    );
 
     let server = GatedServer::start(TestContext::memory(), |l| l.max_wait(Duration::ZERO)).await;
     let first = server.first("off", payment(500)).await;
-    let dup = server.call("off", &[("idem-wait", "5")], payment(500)).await.unwrap();
+    let dup = server
+        .call("off", &[("idem-wait", "5")], payment(500))
+        .await
+        .unwrap();
     assert_eq!(status(&dup), "10", "ABORTED: {dup:?}");
     assert!(!dup.headers.contains_key("idem-wait-applied-ms"));
     server.open();
@@ -310,7 +337,11 @@ async fn the_wait_is_capped_by_max_wait_and_the_deadline() {
 /// others wait on and get that answer replayed. Two runs in all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_first_call_is_run_by_one_waiter() {
-    let server = GatedServer::start(TestContext::redis().await.with_namespace("grpc-wait-fail"), |l| l).await;
+    let server = GatedServer::start(
+        TestContext::redis().await.with_namespace("grpc-wait-fail"),
+        |l| l,
+    )
+    .await;
     let mut failing = payment(500);
     failing.fail_code = tonic::Code::Unavailable as i32;
     let first = server.first("failed", failing.clone()).await;

@@ -48,9 +48,11 @@ impl Held {
     /// claims only after the gate opens gets a plain replay, which the
     /// assertions accept too, so this only makes the test stronger.
     async fn until_arrived(&self, n: usize) {
-        eventually("every request reached the server", Duration::from_secs(30), || {
-            std::future::ready((self.arrived.load(SeqCst) >= n).then_some(()))
-        })
+        eventually(
+            "every request reached the server",
+            Duration::from_secs(30),
+            || std::future::ready((self.arrived.load(SeqCst) >= n).then_some(())),
+        )
         .await;
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
@@ -97,7 +99,10 @@ struct Server {
 }
 
 impl Server {
-    async fn start(idem: Idempotency, configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) -> Server {
+    async fn start(
+        idem: Idempotency,
+        configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    ) -> Server {
         Server::start_with(idem, None, configure).await
     }
 
@@ -141,9 +146,11 @@ impl Server {
     /// Sends the first request, and waits until its handler runs (held).
     async fn first(&self, path: &str, key: &str) -> tokio::task::JoinHandle<Answer> {
         let first = tokio::spawn(send(self.post(path, key)));
-        eventually("the first request's handler runs", Duration::from_secs(30), || {
-            std::future::ready((self.held.runs() >= 1).then_some(()))
-        })
+        eventually(
+            "the first request's handler runs",
+            Duration::from_secs(30),
+            || std::future::ready((self.held.runs() >= 1).then_some(())),
+        )
         .await;
         first
     }
@@ -269,18 +276,33 @@ async fn the_wait_is_capped_by_max_wait() {
     let first = server.first("/charge", "capped").await;
     server.held.open();
     assert_eq!(first.await.expect("first").status, StatusCode::CREATED);
-    let replay = send(server.post("/charge", "capped").header("prefer", "wait=3600")).await;
+    let replay = send(
+        server
+            .post("/charge", "capped")
+            .header("prefer", "wait=3600"),
+    )
+    .await;
     assert!(replay.replayed());
     assert_eq!(replay.header("preference-applied"), Some("wait=10"));
 
     let server = Server::start(memory(), |l| l.max_wait(Duration::from_secs(1))).await;
     let first = server.first("/charge", "capped").await;
-    let dup = send(server.post("/charge", "capped").header("prefer", "wait=3600")).await;
+    let dup = send(
+        server
+            .post("/charge", "capped")
+            .header("prefer", "wait=3600"),
+    )
+    .await;
     dup.assert_problem_409();
     assert_eq!(dup.header("preference-applied"), Some("wait=1"));
     server.held.open();
     let first = first.await.expect("first");
-    let replay = send(server.post("/charge", "capped").header("prefer", "wait=3600")).await;
+    let replay = send(
+        server
+            .post("/charge", "capped")
+            .header("prefer", "wait=3600"),
+    )
+    .await;
     assert_eq!(replay.body, first.body);
     assert_eq!(replay.header("preference-applied"), Some("wait=1"));
     assert_eq!(server.held.runs(), 1);
@@ -319,7 +341,11 @@ async fn a_prefer_that_cannot_be_honoured_is_ignored() {
 async fn a_failed_first_request_is_run_by_one_waiter(server: Server) {
     let first = server.first("/flaky", "failed").await;
     let waiters: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(send(server.post("/flaky", "failed").header("prefer", "wait=5"))))
+        .map(|_| {
+            tokio::spawn(send(
+                server.post("/flaky", "failed").header("prefer", "wait=5"),
+            ))
+        })
         .collect();
     server.held.until_arrived(9).await;
     server.held.open();
