@@ -1,5 +1,6 @@
-//! `idem-wait: N` over real sockets, on the in-process MemoryStore and a
-//! private Redis: duplicates of a call whose handler is held on a gate
+//! `idem-wait: N` over real sockets, on the in-process MemoryStore, a
+//! private Redis (both notify waiters) and PostgreSQL (waiters poll):
+//! duplicates of a call whose handler is held on a gate
 //! wait for its answer and get it replayed byte for byte; the handler runs
 //! once; the wait is capped (`max_wait`, the call's deadline), reported in
 //! `idem-wait-applied-ms`, and its end or a failed first call answered as
@@ -237,6 +238,14 @@ async fn sixty_four_duplicates_with_idem_wait_get_the_original_reply_memory_stor
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_duplicates_with_idem_wait_get_the_original_reply_redis() {
     sixty_four_waiting_duplicates(TestContext::redis().await.with_namespace("grpc-wait")).await;
+}
+
+/// The same on PostgreSQL, a store without notifications: the waiters
+/// fall back to reading the key again (idem-core's polling), with the same
+/// outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_duplicates_with_idem_wait_get_the_original_reply_postgres_polling() {
+    sixty_four_waiting_duplicates(TestContext::postgres().await.with_namespace("grpc-wait")).await;
 }
 
 /// Without `idem-wait` (and without the layer's `wait`) a duplicate is
