@@ -36,7 +36,7 @@
 //! | `lease_deadline` | N | the lease deadline, epoch ms (the holder's clock), while pending |
 //! | `attempt` | N | 1, plus one per takeover, while pending |
 //! | `steps`, `step_order` | M, L | finished durable steps (values by name, names in order), while pending |
-//! | `kind`, `value` | S, B | the result's kind tag and bytes, once completed |
+//! | `kind`, `value` | S, S or B | the result's kind tag, and its bytes once completed: text (S) for JSON and the markers, B for LZ4-compressed JSON |
 //! | `fingerprint` | B | the payload fingerprint (16 bytes), when given |
 //! | `expires_ms` | N | when the record stops counting, epoch ms: what the store decides by |
 //! | `expires_at` | N | the same, epoch **seconds** rounded up: the table's TTL attribute |
@@ -112,8 +112,10 @@
 //!
 //! # Limits and what the store does not do
 //!
-//! - **Result size.** An item is at most 400 KB. The store reports its
-//!   value limit ([`DynamoStore::max_value_size`], about 399 KB) in its
+//! - **Result size.** An item is at most 400 KB (the store counts it as
+//!   [`MAX_ITEM_BYTES`], 400,000 bytes). The store reports its value limit
+//!   ([`DynamoStore::max_value_size`], 398,720 bytes less the key
+//!   attribute's name and the key prefix) in its
 //!   capabilities, and the runtime lowers its `max_value_size` to it: a
 //!   larger result is returned to the call that produced it, stored as
 //!   the too-large marker, and later calls get `Error::TooLarge` (never a

@@ -55,6 +55,15 @@ pub(crate) fn b(v: &[u8]) -> AttributeValue {
     AttributeValue::B(Blob::new(v))
 }
 
+/// A stored value: text (`S`, readable in the console) when it is UTF-8,
+/// as JSON and the markers are; bytes (`B`) otherwise (LZ4).
+pub(crate) fn stored_value(v: &[u8]) -> AttributeValue {
+    match std::str::from_utf8(v) {
+        Ok(text) => s(text),
+        Err(_) => b(v),
+    }
+}
+
 /// Epoch seconds for the TTL attribute: the ms expiry, rounded up, so
 /// DynamoDB never deletes a record before the store counts it expired.
 pub(crate) fn ttl_seconds(expires_ms: u64) -> u64 {
@@ -181,11 +190,13 @@ pub(crate) fn decode(item: &Item) -> Result<Record, Error> {
                 _ => None,
             }
             .ok_or_else(|| corrupt(&format!("has an unknown kind {tag:?}")))?;
-            let value = blob(item, VALUE)?.ok_or_else(|| corrupt("is completed without `value`"))?;
-            State::Completed {
-                kind,
-                value: Bytes::copy_from_slice(value),
-            }
+            let value = match item.get(VALUE) {
+                Some(AttributeValue::S(text)) => Bytes::copy_from_slice(text.as_bytes()),
+                Some(AttributeValue::B(bytes)) => Bytes::copy_from_slice(bytes.as_ref()),
+                Some(_) => return Err(corrupt(&format!("has `{VALUE}` of another type than S or B"))),
+                None => return Err(corrupt("is completed without `value`")),
+            };
+            State::Completed { kind, value }
         }
     };
     let steps = match state {

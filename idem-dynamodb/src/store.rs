@@ -5,7 +5,7 @@ use crate::config::DynamoStoreConfig;
 use crate::error::{DynamoError, map};
 use crate::record::{
     ATTEMPT, EXPIRES_AT, EXPIRES_MS, FINGERPRINT, Item, KIND, LEASE, Record, STEP_ORDER, STEPS,
-    State, TOKEN, VALUE, b, decode, item_size, n, now_ms, s, ttl_seconds,
+    State, TOKEN, VALUE, b, decode, item_size, n, now_ms, s, stored_value, ttl_seconds,
 };
 use async_trait::async_trait;
 use aws_sdk_dynamodb::Client;
@@ -19,8 +19,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// DynamoDB's item size limit, in bytes (400 KB, names and values).
-pub const MAX_ITEM_BYTES: usize = 400 * 1024;
+/// The item size the store keeps under, in bytes: DynamoDB's limit is
+/// 400 KB (attribute names and values, UTF-8 and raw bytes), counted here
+/// as 400,000 bytes to stay on the safe side of every reading of "KB".
+pub const MAX_ITEM_BYTES: usize = 400_000;
 
 /// What the store keeps beside a value in a completed item, at most: the
 /// attribute names, the fingerprint, the expiry numbers and the kind tag,
@@ -522,7 +524,7 @@ impl Store for DynamoStore {
                 (":t", s(c.token.as_str())),
                 (":now", n(now)),
                 (":k", s(char::from(kind).to_string())),
-                (":v", b(c.value)),
+                (":v", stored_value(c.value)),
             ])));
         let written = conditional!(
             self,
