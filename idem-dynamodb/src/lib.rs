@@ -35,7 +35,7 @@
 //! | `token` | S | the owner token (32 hex digits), while pending |
 //! | `lease_deadline` | N | the lease deadline, epoch ms (the holder's clock), while pending |
 //! | `attempt` | N | 1, plus one per takeover, while pending |
-//! | `steps`, `step_order` | M, L | finished durable steps (values by name, names in order), while pending |
+//! | `steps`, `step_order` | M, L | finished durable steps (their JSON by name, names in order), while pending |
 //! | `kind`, `value` | S, S or B | the result's kind tag, and its bytes once completed: text (S) for JSON and the markers, B for LZ4-compressed JSON |
 //! | `fingerprint` | B | the payload fingerprint (16 bytes), when given |
 //! | `expires_ms` | N | when the record stops counting, epoch ms: what the store decides by |

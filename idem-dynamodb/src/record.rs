@@ -229,6 +229,10 @@ fn decode_steps(item: &Item) -> Result<Vec<StepRecord>, Error> {
                 return Err(corrupt("has a step name that is not a string"));
             };
             match values.and_then(|v| v.get(name)) {
+                Some(AttributeValue::S(value)) => Ok(StepRecord {
+                    name: name.clone(),
+                    value: Bytes::copy_from_slice(value.as_bytes()),
+                }),
                 Some(AttributeValue::B(value)) => Ok(StepRecord {
                     name: name.clone(),
                     value: Bytes::copy_from_slice(value.as_ref()),

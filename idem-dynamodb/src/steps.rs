@@ -2,7 +2,7 @@
 //! of values by name and a list of names in order), so a takeover finds
 //! them with the record and completion drops them with one write.
 
-use crate::record::{EXPIRES_MS, LEASE, STEP_ORDER, STEPS, TOKEN, b, decode, n, now_ms, s};
+use crate::record::{EXPIRES_MS, LEASE, STEP_ORDER, STEPS, TOKEN, decode, n, now_ms, s, stored_value};
 use crate::store::{DynamoStore, Written, conditional, names, values};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::types::AttributeValue;
@@ -45,7 +45,8 @@ impl StepStore for DynamoStore {
             .set_expression_attribute_values(Some(values(vec![
                 (":t", s(token.as_str())),
                 (":now", n(now)),
-                (":v", b(value)),
+                // Text: step values are JSON (bytes only if not UTF-8).
+                (":v", stored_value(value)),
                 (":empty", AttributeValue::L(Vec::new())),
                 (":names", AttributeValue::L(vec![s(name)])),
             ])));
