@@ -55,9 +55,18 @@ async fn floor_fresh(client: &Client, table: &str, key: &str) {
         .put_item()
         .table_name(table)
         .item("pk", AttributeValue::S(key.to_owned()))
-        .item("token", AttributeValue::S("0123456789abcdef0123456789abcdef".into()))
-        .item("lease_deadline", AttributeValue::N((now + 30_000).to_string()))
-        .item("expires_ms", AttributeValue::N((now + 86_400_000).to_string()))
+        .item(
+            "token",
+            AttributeValue::S("0123456789abcdef0123456789abcdef".into()),
+        )
+        .item(
+            "lease_deadline",
+            AttributeValue::N((now + 30_000).to_string()),
+        )
+        .item(
+            "expires_ms",
+            AttributeValue::N((now + 86_400_000).to_string()),
+        )
         .condition_expression("attribute_not_exists(pk) OR expires_ms <= :now")
         .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
         .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
@@ -75,7 +84,10 @@ async fn floor_fresh(client: &Client, table: &str, key: &str) {
         .expression_attribute_names("#t", "token")
         .expression_attribute_values(":k", AttributeValue::S("C".into()))
         .expression_attribute_values(":v", AttributeValue::B(b"7".to_vec().into()))
-        .expression_attribute_values(":t", AttributeValue::S("0123456789abcdef0123456789abcdef".into()))
+        .expression_attribute_values(
+            ":t",
+            AttributeValue::S("0123456789abcdef0123456789abcdef".into()),
+        )
         .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
         .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
         .send()
@@ -91,14 +103,20 @@ async fn floor_replay(client: &Client, table: &str, key: &str) {
         .put_item()
         .table_name(table)
         .item("pk", AttributeValue::S(key.to_owned()))
-        .item("token", AttributeValue::S("fedcba9876543210fedcba9876543210".into()))
+        .item(
+            "token",
+            AttributeValue::S("fedcba9876543210fedcba9876543210".into()),
+        )
         .condition_expression("attribute_not_exists(pk) OR expires_ms <= :now")
         .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
         .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
         .send()
         .await;
     let e = r.expect_err("the floor's replay must find the item");
-    assert!(e.as_service_error().is_some_and(|e| e.is_conditional_check_failed_exception()));
+    assert!(
+        e.as_service_error()
+            .is_some_and(|e| e.is_conditional_check_failed_exception())
+    );
 }
 
 fn per_sec(n: usize, d: Duration) -> f64 {
@@ -113,22 +131,30 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let calls = arg("--calls", 300);
     let rounds = arg("--rounds", 5);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let (table, store) = DynamoTestTable::create().await;
         let client = table.client().clone();
         let idem = Idempotency::builder(store).namespace("bench").build();
         let body = || async { Ok::<_, Error>(7u32) };
-        let (mut fresh, mut fresh_floor, mut replay, mut replay_floor) = (vec![], vec![], vec![], vec![]);
+        let (mut fresh, mut fresh_floor, mut replay, mut replay_floor) =
+            (vec![], vec![], vec![], vec![]);
         // Warm up the connections.
         for i in 0..20 {
-            idem.call("warm", &i.to_string()).run(body).await.unwrap();
+            idem.call("warm", i.to_string()).run(body).await.unwrap();
             floor_fresh(&client, &table.name, &format!("warm-{i}")).await;
         }
         for round in 0..rounds {
             let t = Instant::now();
             for i in 0..calls {
-                let (_, o) = idem.call("op", &format!("{round}-{i}")).run_outcome(body).await.unwrap();
+                let (_, o) = idem
+                    .call("op", format!("{round}-{i}"))
+                    .run_outcome(body)
+                    .await
+                    .unwrap();
                 assert_eq!(o, Outcome::Executed);
             }
             fresh.push(per_sec(calls, t.elapsed()));
@@ -141,7 +167,11 @@ fn main() {
 
             let t = Instant::now();
             for i in 0..calls {
-                let (_, o) = idem.call("op", &format!("{round}-{i}")).run_outcome(body).await.unwrap();
+                let (_, o) = idem
+                    .call("op", format!("{round}-{i}"))
+                    .run_outcome(body)
+                    .await
+                    .unwrap();
                 assert_eq!(o, Outcome::Replayed);
             }
             replay.push(per_sec(calls, t.elapsed()));
@@ -152,12 +182,26 @@ fn main() {
             }
             replay_floor.push(per_sec(calls, t.elapsed()));
         }
-        let (f, ff, r, rf) = (median(fresh), median(fresh_floor), median(replay), median(replay_floor));
-        println!("DynamoStore on {} ({calls} sequential calls per round, median of {rounds} rounds)", idem_testkit::aws_endpoint());
+        let (f, ff, r, rf) = (
+            median(fresh),
+            median(fresh_floor),
+            median(replay),
+            median(replay_floor),
+        );
+        println!(
+            "DynamoStore on {} ({calls} sequential calls per round, median of {rounds} rounds)",
+            idem_testkit::aws_endpoint()
+        );
         println!("| case | idem calls/s | floor ops/s | ratio |");
         println!("| --- | --- | --- | --- |");
-        println!("| fresh call (claim + complete) vs PutItem + UpdateItem | {f:.0} | {ff:.0} | {:.2} |", f / ff);
-        println!("| replay vs one conditional PutItem | {r:.0} | {rf:.0} | {:.2} |", r / rf);
+        println!(
+            "| fresh call (claim + complete) vs PutItem + UpdateItem | {f:.0} | {ff:.0} | {:.2} |",
+            f / ff
+        );
+        println!(
+            "| replay vs one conditional PutItem | {r:.0} | {rf:.0} | {:.2} |",
+            r / rf
+        );
         drop(table);
     });
 }

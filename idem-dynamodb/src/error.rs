@@ -100,7 +100,12 @@ pub enum DynamoError {
 /// Maps an SDK error met during `op` on `table`. A missing table or a
 /// refused permission is [`Error::InvalidConfig`] (a retry cannot fix it);
 /// the rest is [`Error::Unavailable`], so `FailMode` applies.
-pub(crate) fn map<E, R>(op: &'static str, table: &str, key_attribute: &str, e: SdkError<E, R>) -> Error
+pub(crate) fn map<E, R>(
+    op: &'static str,
+    table: &str,
+    key_attribute: &str,
+    e: SdkError<E, R>,
+) -> Error
 where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     R: std::fmt::Debug + Send + Sync + 'static,

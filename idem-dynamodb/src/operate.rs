@@ -1,7 +1,9 @@
 //! Operator calls (`inspect`, `forget`, `scan`, `count_failure`), for the
 //! CLI and a consumer's failure counts.
 
-use crate::record::{EXPIRES_AT, EXPIRES_MS, FAILURES, Item, LEASE, TOKEN, decode, n, now_ms, s, ttl_seconds};
+use crate::record::{
+    EXPIRES_AT, EXPIRES_MS, FAILURES, Item, LEASE, TOKEN, decode, n, now_ms, s, ttl_seconds,
+};
 use crate::store::{DynamoStore, names, values};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
@@ -52,7 +54,9 @@ impl OperatorStore for DynamoStore {
                 .return_values(ReturnValue::AllOld);
             if !force {
                 req = req
-                    .condition_expression("attribute_not_exists(#tok) OR #ld <= :now OR #exp <= :now")
+                    .condition_expression(
+                        "attribute_not_exists(#tok) OR #ld <= :now OR #exp <= :now",
+                    )
                     .set_expression_attribute_names(Some(names(&[
                         ("#tok", TOKEN),
                         ("#ld", LEASE),
@@ -112,9 +116,8 @@ impl OperatorStore for DynamoStore {
         let now = now_ms();
         let count = count.max(1);
         let key_prefix = &self.config().key_prefix;
-        let mut start: Option<Item> = cursor.map(|c| {
-            HashMap::from([(self.key_attribute().to_owned(), s(c.to_owned()))])
-        });
+        let mut start: Option<Item> =
+            cursor.map(|c| HashMap::from([(self.key_attribute().to_owned(), s(c.to_owned()))]));
         let mut records = Vec::new();
         for _ in 0..SCAN_REQUESTS {
             let out = self
@@ -140,9 +143,14 @@ impl OperatorStore for DynamoStore {
                 let Some(AttributeValue::S(pk)) = item.get(self.key_attribute()) else {
                     continue;
                 };
-                let key = pk.strip_prefix(key_prefix.as_str()).unwrap_or(pk).to_owned();
+                let key = pk
+                    .strip_prefix(key_prefix.as_str())
+                    .unwrap_or(pk)
+                    .to_owned();
                 match decode(item) {
-                    Ok(record) if record.live(now) => records.push((key, Ok(record.info(now, false)))),
+                    Ok(record) if record.live(now) => {
+                        records.push((key, Ok(record.info(now, false))))
+                    }
                     Ok(_) => {} // expired, not yet deleted by DynamoDB's TTL
                     Err(e) => records.push((key, Err(e))),
                 }
@@ -193,7 +201,9 @@ impl OperatorStore for DynamoStore {
                         Some(AttributeValue::N(v)) => v.parse().map_err(|_| {
                             Error::corrupt(format!("a failure counter holds {v:?}, not a count"))
                         }),
-                        _ => Err(Error::corrupt("a failure counter came back without its count")),
+                        _ => Err(Error::corrupt(
+                            "a failure counter came back without its count",
+                        )),
                     };
                 }
                 Err(e) => match e.as_service_error() {

@@ -184,7 +184,8 @@ pub(crate) fn decode(item: &Item) -> Result<Record, Error> {
                 .map_err(|_| corrupt("has an attempt over u32"))?,
         },
         None => {
-            let tag = string(item, KIND)?.ok_or_else(|| corrupt("has neither `token` nor `kind`"))?;
+            let tag =
+                string(item, KIND)?.ok_or_else(|| corrupt("has neither `token` nor `kind`"))?;
             let kind = match tag.as_bytes() {
                 [t] => ValueKind::from_tag(*t),
                 _ => None,
@@ -193,7 +194,11 @@ pub(crate) fn decode(item: &Item) -> Result<Record, Error> {
             let value = match item.get(VALUE) {
                 Some(AttributeValue::S(text)) => Bytes::copy_from_slice(text.as_bytes()),
                 Some(AttributeValue::B(bytes)) => Bytes::copy_from_slice(bytes.as_ref()),
-                Some(_) => return Err(corrupt(&format!("has `{VALUE}` of another type than S or B"))),
+                Some(_) => {
+                    return Err(corrupt(&format!(
+                        "has `{VALUE}` of another type than S or B"
+                    )));
+                }
                 None => return Err(corrupt("is completed without `value`")),
             };
             State::Completed { kind, value }
@@ -214,7 +219,11 @@ pub(crate) fn decode(item: &Item) -> Result<Record, Error> {
 fn decode_steps(item: &Item) -> Result<Vec<StepRecord>, Error> {
     let names = match item.get(STEP_ORDER) {
         Some(AttributeValue::L(names)) => names.as_slice(),
-        Some(_) => return Err(corrupt(&format!("has `{STEP_ORDER}` of another type than L"))),
+        Some(_) => {
+            return Err(corrupt(&format!(
+                "has `{STEP_ORDER}` of another type than L"
+            )));
+        }
         None => &[],
     };
     let values = match item.get(STEPS) {
@@ -254,7 +263,12 @@ fn value_size(v: &AttributeValue) -> usize {
         AttributeValue::S(s) => s.len(),
         AttributeValue::N(n) => n.len().div_ceil(2) + 1,
         AttributeValue::B(b) => b.as_ref().len(),
-        AttributeValue::M(m) => 3 + m.iter().map(|(k, v)| 1 + k.len() + value_size(v)).sum::<usize>(),
+        AttributeValue::M(m) => {
+            3 + m
+                .iter()
+                .map(|(k, v)| 1 + k.len() + value_size(v))
+                .sum::<usize>()
+        }
         AttributeValue::L(l) => 3 + l.iter().map(|v| 1 + value_size(v)).sum::<usize>(),
         _ => 1,
     }

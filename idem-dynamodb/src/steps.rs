@@ -2,7 +2,9 @@
 //! of values by name and a list of names in order), so a takeover finds
 //! them with the record and completion drops them with one write.
 
-use crate::record::{EXPIRES_MS, LEASE, STEP_ORDER, STEPS, TOKEN, decode, n, now_ms, s, stored_value};
+use crate::record::{
+    EXPIRES_MS, LEASE, STEP_ORDER, STEPS, TOKEN, decode, n, now_ms, s, stored_value,
+};
 use crate::store::{DynamoStore, Written, conditional, names, values};
 use async_trait::async_trait;
 use aws_sdk_dynamodb::types::AttributeValue;

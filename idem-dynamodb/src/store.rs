@@ -190,7 +190,11 @@ impl DynamoStore {
         e: aws_sdk_dynamodb::error::SdkError<E, R>,
     ) -> Error
     where
-        E: aws_sdk_dynamodb::error::ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+        E: aws_sdk_dynamodb::error::ProvideErrorMetadata
+            + std::error::Error
+            + Send
+            + Sync
+            + 'static,
         R: std::fmt::Debug + Send + Sync + 'static,
     {
         map(op, self.table(), self.key_attribute(), e)
@@ -262,7 +266,8 @@ impl DynamoStore {
         let takeover = old_token != c.token.as_str();
         let lease = millis(store_lease(c.lease));
         let expires = now.saturating_add(millis(record_ttl(c.ttl, c.lease)));
-        let mut set = String::from("SET #tok = :t, #ld = :ld, #att = :att, #exp = :exp, #ttl = :ttl");
+        let mut set =
+            String::from("SET #tok = :t, #ld = :ld, #att = :att, #exp = :exp, #ttl = :ttl");
         let mut name_pairs = vec![
             ("#tok", TOKEN),
             ("#ld", LEASE),
@@ -536,9 +541,12 @@ impl Store for DynamoStore {
             Written::Done => Ok(WriteReply::Done),
             // A stored result keeps no owner: exactly this result is this
             // same complete, re-sent after its reply was lost.
-            Written::Failed(old) => Self::judge(old.as_ref(), c.token, now, |r| {
-                matches!(&r.state, State::Completed { kind: k, value: v } if *k == c.kind && v[..] == *c.value)
-            }),
+            Written::Failed(old) => Self::judge(
+                old.as_ref(),
+                c.token,
+                now,
+                |r| matches!(&r.state, State::Completed { kind: k, value: v } if *k == c.kind && v[..] == *c.value),
+            ),
         }
     }
 
@@ -632,5 +640,4 @@ impl DynamoStore {
         item.insert(EXPIRES_AT.to_owned(), n(u64::MAX));
         item_size(&item) + VALUE.len() + value_len
     }
-
 }

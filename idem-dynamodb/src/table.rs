@@ -99,7 +99,10 @@ impl DynamoStore {
         }
         Err(Error::unavailable(
             "create_table",
-            format!("table `{}` did not become ACTIVE within a minute", self.table()),
+            format!(
+                "table `{}` did not become ACTIVE within a minute",
+                self.table()
+            ),
         ))
     }
 }

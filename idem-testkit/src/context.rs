@@ -288,9 +288,12 @@ impl TestContext {
     ///
     /// Unless the context was made by [`TestContext::dynamodb`].
     pub fn dynamo_table(&self) -> &DynamoTestTable {
-        self.dynamo_table
-            .as_ref()
-            .unwrap_or_else(|| panic!("idem-testkit: a {} context has no DynamoDB table", self.name()))
+        self.dynamo_table.as_ref().unwrap_or_else(|| {
+            panic!(
+                "idem-testkit: a {} context has no DynamoDB table",
+                self.name()
+            )
+        })
     }
 
     /// Sets the namespace of every builder this context makes (by default,

@@ -30,7 +30,9 @@ impl DynamoTestTable {
     ///
     /// When the endpoint is unreachable (the message says how to start
     /// one) or the table cannot be created.
-    pub async fn create_with(config: impl FnOnce(String) -> DynamoStoreConfig) -> (DynamoTestTable, DynamoStore) {
+    pub async fn create_with(
+        config: impl FnOnce(String) -> DynamoStoreConfig,
+    ) -> (DynamoTestTable, DynamoStore) {
         let client = dynamodb_client().await;
         let name = unique_name("idem");
         let store = DynamoStore::with_config(client.clone(), config(name.clone()))

@@ -23,8 +23,12 @@ async fn one_of_64_concurrent_conditional_puts_wins() {
         let barrier = Arc::new(tokio::sync::Barrier::new(WRITERS));
         let mut tasks = Vec::new();
         for writer in 0..WRITERS {
-            let (client, table, key, barrier) =
-                (table.client().clone(), table.name.clone(), key.clone(), barrier.clone());
+            let (client, table, key, barrier) = (
+                table.client().clone(),
+                table.name.clone(),
+                key.clone(),
+                barrier.clone(),
+            );
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let r = client
@@ -50,7 +54,10 @@ async fn one_of_64_concurrent_conditional_puts_wins() {
                 wins += 1;
             }
         }
-        assert_eq!(wins, 1, "round {round}: {wins} conditional puts of one item succeeded");
+        assert_eq!(
+            wins, 1,
+            "round {round}: {wins} conditional puts of one item succeeded"
+        );
     }
 }
 

@@ -16,11 +16,19 @@ async fn a_missing_table_says_how_to_create_it() {
     let store = DynamoStore::new(client, idem_testkit::unique_name("absent")).unwrap();
     let token = Token::random();
     let r = store
-        .claim(Claim::new("ns:op:k", &token, Duration::from_secs(5), Duration::from_secs(60)))
+        .claim(Claim::new(
+            "ns:op:k",
+            &token,
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+        ))
         .await;
     match r {
         Err(Error::InvalidConfig(msg)) => {
-            assert!(msg.contains("does not exist") && msg.contains("create_table"), "{msg}");
+            assert!(
+                msg.contains("does not exist") && msg.contains("create_table"),
+                "{msg}"
+            );
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
@@ -29,9 +37,15 @@ async fn a_missing_table_says_how_to_create_it() {
 #[tokio::test]
 async fn invalid_names_are_refused_at_construction() {
     let client = idem_testkit::dynamodb_client().await;
-    assert!(matches!(DynamoStore::new(client.clone(), "x"), Err(Error::InvalidConfig(_))));
+    assert!(matches!(
+        DynamoStore::new(client.clone(), "x"),
+        Err(Error::InvalidConfig(_))
+    ));
     let config = DynamoStoreConfig::new("idem").key_attribute("token");
-    assert!(matches!(DynamoStore::with_config(client, config), Err(Error::InvalidConfig(_))));
+    assert!(matches!(
+        DynamoStore::with_config(client, config),
+        Err(Error::InvalidConfig(_))
+    ));
 }
 
 #[tokio::test]
@@ -48,18 +62,36 @@ async fn an_item_idem_did_not_write_is_corrupt() {
         .await
         .unwrap();
     let token = Token::random();
-    let claim = Claim::new("ns:op:alien", &token, Duration::from_secs(5), Duration::from_secs(60));
-    assert!(matches!(store.claim(claim).await, Err(Error::Corrupt { .. })));
-    assert!(matches!(store.inspect("ns:op:alien", false).await, Err(Error::Corrupt { .. })));
-    assert!(matches!(store.forget("ns:op:alien", true).await, Err(Error::Corrupt { .. })));
+    let claim = Claim::new(
+        "ns:op:alien",
+        &token,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    );
+    assert!(matches!(
+        store.claim(claim).await,
+        Err(Error::Corrupt { .. })
+    ));
+    assert!(matches!(
+        store.inspect("ns:op:alien", false).await,
+        Err(Error::Corrupt { .. })
+    ));
+    assert!(matches!(
+        store.forget("ns:op:alien", true).await,
+        Err(Error::Corrupt { .. })
+    ));
     let page = store.scan("ns:", None, 10).await.unwrap();
-    assert!(matches!(page.records.as_slice(), [(k, Err(Error::Corrupt { .. }))] if k == "ns:op:alien"));
+    assert!(
+        matches!(page.records.as_slice(), [(k, Err(Error::Corrupt { .. }))] if k == "ns:op:alien")
+    );
 }
 
 #[tokio::test]
 async fn a_shared_table_with_a_prefix_keeps_idems_items_apart() {
     let (table, store) = DynamoTestTable::create_with(|name| {
-        DynamoStoreConfig::new(name).key_attribute("PK").key_prefix("IDEM#")
+        DynamoStoreConfig::new(name)
+            .key_attribute("PK")
+            .key_prefix("IDEM#")
     })
     .await;
     // The application's own item in the same table.
@@ -71,8 +103,13 @@ async fn a_shared_table_with_a_prefix_keeps_idems_items_apart() {
         .send()
         .await
         .unwrap();
-    let idem = Idempotency::builder(store.clone()).namespace("shop").build();
-    let run = || idem.call("charge", "7").run_outcome(|| async { Ok::<_, Error>(7u32) });
+    let idem = Idempotency::builder(store.clone())
+        .namespace("shop")
+        .build();
+    let run = || {
+        idem.call("charge", "7")
+            .run_outcome(|| async { Ok::<_, Error>(7u32) })
+    };
     assert_eq!(run().await.unwrap(), (7, Outcome::Executed));
     assert_eq!(run().await.unwrap(), (7, Outcome::Replayed));
     let item = table
@@ -86,10 +123,22 @@ async fn a_shared_table_with_a_prefix_keeps_idems_items_apart() {
     assert!(item.item.is_some(), "idem's item is under its prefix");
     let page = store.scan("", None, 100).await.unwrap();
     let keys: Vec<&str> = page.records.iter().map(|(k, _)| k.as_str()).collect();
-    assert_eq!(keys, ["shop:charge:7"], "only idem's items, without the prefix");
+    assert_eq!(
+        keys,
+        ["shop:charge:7"],
+        "only idem's items, without the prefix"
+    );
     let info = idem.inspect("charge", "7").await.unwrap().unwrap();
     assert_eq!(info.state, KeyState::Completed);
     let token = Token::random();
-    let claim = Claim::new("shop:charge:7", &token, Duration::from_secs(5), Duration::from_secs(60));
-    assert!(matches!(store.claim(claim).await.unwrap(), ClaimReply::Completed(_)));
+    let claim = Claim::new(
+        "shop:charge:7",
+        &token,
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    );
+    assert!(matches!(
+        store.claim(claim).await.unwrap(),
+        ClaimReply::Completed(_)
+    ));
 }

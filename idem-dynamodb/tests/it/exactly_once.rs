@@ -30,8 +30,12 @@ fn sixty_four_calls_of_one_key_run_the_body_once() {
         let barrier = Arc::new(Barrier::new(THREADS));
         let threads: Vec<_> = (0..THREADS)
             .map(|t| {
-                let (name, barrier, ledger, key) =
-                    (table.name.clone(), barrier.clone(), ledger.clone(), key.clone());
+                let (name, barrier, ledger, key) = (
+                    table.name.clone(),
+                    barrier.clone(),
+                    ledger.clone(),
+                    key.clone(),
+                );
                 std::thread::spawn(move || {
                     let rt = tokio::runtime::Builder::new_multi_thread()
                         .worker_threads(2)
@@ -48,7 +52,8 @@ fn sixty_four_calls_of_one_key_run_the_body_once() {
                         barrier.wait();
                         let calls: Vec<_> = (0..PER_THREAD)
                             .map(|i| {
-                                let (idem, ledger, key) = (idem.clone(), ledger.clone(), key.clone());
+                                let (idem, ledger, key) =
+                                    (idem.clone(), ledger.clone(), key.clone());
                                 tokio::spawn(async move {
                                     let mine = (t * PER_THREAD + i) as u64;
                                     idem.call("charge", &key)
@@ -79,7 +84,12 @@ fn sixty_four_calls_of_one_key_run_the_body_once() {
             .into_iter()
             .flat_map(|t| t.join().unwrap())
             .collect();
-        assert_eq!(ledger.count(&key), 1, "{key}: the body ran {} times", ledger.count(&key));
+        assert_eq!(
+            ledger.count(&key),
+            1,
+            "{key}: the body ran {} times",
+            ledger.count(&key)
+        );
         let executed: Vec<u64> = seen
             .iter()
             .filter_map(|s| match s {

@@ -18,5 +18,5 @@ mod control;
 mod errors;
 mod exactly_once;
 mod processes;
-mod too_large;
 mod tokens;
+mod too_large;

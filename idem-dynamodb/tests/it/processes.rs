@@ -31,10 +31,17 @@ fn worker() {
     if std::env::var_os("IDEM_WORKER").is_none() {
         return;
     }
-    let (table, dir, mode) = (env("IDEM_TABLE"), PathBuf::from(env("IDEM_DIR")), env("IDEM_MODE"));
+    let (table, dir, mode) = (
+        env("IDEM_TABLE"),
+        PathBuf::from(env("IDEM_DIR")),
+        env("IDEM_MODE"),
+    );
     idem_testkit::run_worker(async move {
         let store = DynamoStore::new(idem_testkit::dynamodb_client().await, table).unwrap();
-        let idem = Idempotency::builder(store).namespace("procs").lease(LEASE).build();
+        let idem = Idempotency::builder(store)
+            .namespace("procs")
+            .lease(LEASE)
+            .build();
         let ledger = ledger(&dir);
         let hang = mode == "victim";
         let r = idem
@@ -68,7 +75,12 @@ impl Rig {
     fn spawn(&mut self, mode: &str) -> u32 {
         let log = std::fs::File::create(self.dir.join(format!("log-{mode}"))).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["processes::worker", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "processes::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IDEM_WORKER", "1")
             .env("IDEM_TABLE", &self.table)
             .env("IDEM_DIR", &self.dir)
@@ -106,9 +118,17 @@ impl Drop for Rig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_holder_is_recovered_after_its_lease() {
     let (table, _store) = DynamoTestTable::create().await;
-    let dir = std::env::temp_dir().join(format!("idem-dynamodb-procs-{}-{}", std::process::id(), unix_ms()));
+    let dir = std::env::temp_dir().join(format!(
+        "idem-dynamodb-procs-{}-{}",
+        std::process::id(),
+        unix_ms()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut rig = Rig { dir: dir.clone(), table: table.name.clone(), children: Vec::new() };
+    let mut rig = Rig {
+        dir: dir.clone(),
+        table: table.name.clone(),
+        children: Vec::new(),
+    };
 
     let victim = rig.spawn("victim");
     let end = Instant::now() + Duration::from_secs(60);
@@ -124,7 +144,10 @@ async fn a_sigkilled_holder_is_recovered_after_its_lease() {
     // (asked from this process, which answers well within the lease).
     let first = ledger(&dir).runs()[0].clone();
     let store = DynamoStore::new(table.client().clone(), table.name.clone()).unwrap();
-    let idem = Idempotency::builder(store).namespace("procs").lease(LEASE).build();
+    let idem = Idempotency::builder(store)
+        .namespace("procs")
+        .lease(LEASE)
+        .build();
     let probe_ledger = ledger(&dir);
     let asked_at = unix_ms();
     let probe = idem
@@ -135,7 +158,10 @@ async fn a_sigkilled_holder_is_recovered_after_its_lease() {
         })
         .await;
     if unix_ms() + 100 < first.unix_ms + LEASE.as_millis() {
-        assert!(matches!(probe, Err(Error::InProgress { .. })), "asked at {asked_at}: {probe:?}");
+        assert!(
+            matches!(probe, Err(Error::InProgress { .. })),
+            "asked at {asked_at}: {probe:?}"
+        );
     } else {
         panic!("the probe came too late to see the live lease; raise LEASE");
     }
@@ -144,14 +170,22 @@ async fn a_sigkilled_holder_is_recovered_after_its_lease() {
     let wait = (first.unix_ms + LEASE.as_millis()).saturating_sub(unix_ms()) as u64 + 50;
     tokio::time::sleep(Duration::from_millis(wait)).await;
     let line = tokio::task::spawn_blocking({
-        let mut r = Rig { dir: dir.clone(), table: table.name.clone(), children: Vec::new() };
+        let mut r = Rig {
+            dir: dir.clone(),
+            table: table.name.clone(),
+            children: Vec::new(),
+        };
         move || r.run("recover")
     })
     .await
     .unwrap();
     assert!(line.starts_with("recovered"), "the takeover: {line}");
     let runs = ledger(&dir).runs();
-    assert_eq!(runs.len(), 2, "the dead holder's run and exactly one more: {runs:?}");
+    assert_eq!(
+        runs.len(),
+        2,
+        "the dead holder's run and exactly one more: {runs:?}"
+    );
     assert_eq!(runs[0].pid, victim);
     assert!(
         runs[1].unix_ms + 200 >= runs[0].unix_ms + LEASE.as_millis(),
@@ -160,7 +194,11 @@ async fn a_sigkilled_holder_is_recovered_after_its_lease() {
 
     // And from now on it replays.
     let line = tokio::task::spawn_blocking({
-        let mut r = Rig { dir: dir.clone(), table: table.name.clone(), children: Vec::new() };
+        let mut r = Rig {
+            dir: dir.clone(),
+            table: table.name.clone(),
+            children: Vec::new(),
+        };
         move || r.run("replay")
     })
     .await

@@ -14,9 +14,16 @@ use std::time::Duration;
 async fn the_runtime_stores_an_over_limit_result_as_too_large() {
     let (_table, store) = DynamoTestTable::create().await;
     let limit = store.max_value_size();
-    assert!(limit < idem_dynamodb::MAX_ITEM_BYTES && limit > 390_000, "{limit}");
+    assert!(
+        limit < idem_dynamodb::MAX_ITEM_BYTES && limit > 390_000,
+        "{limit}"
+    );
     let idem = Idempotency::builder(store.clone()).namespace("big").build();
-    assert_eq!(idem.max_value_size(), limit, "the store's limit lowers the runtime's");
+    assert_eq!(
+        idem.max_value_size(),
+        limit,
+        "the store's limit lowers the runtime's"
+    );
     let ledger = Ledger::new();
     let big = "x".repeat(500 * 1024);
     let call = || {
@@ -33,7 +40,11 @@ async fn the_runtime_stores_an_over_limit_result_as_too_large() {
         other => panic!("expected TooLarge, got {other:?}"),
     }
     assert_eq!(ledger.count("r1"), 1, "the body ran again");
-    let info = store.inspect("big:report:r1", false).await.unwrap().unwrap();
+    let info = store
+        .inspect("big:report:r1", false)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(info.state, KeyState::TooLarge);
 }
 
@@ -41,14 +52,24 @@ async fn the_runtime_stores_an_over_limit_result_as_too_large() {
 async fn a_direct_over_limit_complete_is_refused_and_keeps_the_claim() {
     let (_table, store) = DynamoTestTable::create().await;
     let token = Token::random();
-    let claim = Claim::new("ns:op:big", &token, Duration::from_secs(30), Duration::from_secs(60));
+    let claim = Claim::new(
+        "ns:op:big",
+        &token,
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    );
     store.claim(claim).await.unwrap();
     let big = vec![b'7'; 401 * 1024];
-    let r = store.complete(Complete::of_claim(&claim, ValueKind::Json, &big)).await;
+    let r = store
+        .complete(Complete::of_claim(&claim, ValueKind::Json, &big))
+        .await;
     assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
     let info = store.inspect("ns:op:big", false).await.unwrap().unwrap();
     assert_eq!(info.state, KeyState::Pending, "the claim stays as it was");
-    assert_eq!(store.release("ns:op:big", &token).await.unwrap(), WriteReply::Done);
+    assert_eq!(
+        store.release("ns:op:big", &token).await.unwrap(),
+        WriteReply::Done
+    );
 }
 
 #[tokio::test]
@@ -59,7 +80,8 @@ async fn a_result_just_under_the_limit_is_stored_and_replayed() {
     let value = "y".repeat(store.max_value_size() - 2);
     let call = || {
         let value = value.clone();
-        idem.call("report", "r2").run_outcome(move || async move { Ok::<_, Error>(value) })
+        idem.call("report", "r2")
+            .run_outcome(move || async move { Ok::<_, Error>(value) })
     };
     assert_eq!(call().await.unwrap().1, Outcome::Executed);
     let (v, outcome) = call().await.unwrap();
