@@ -44,7 +44,12 @@ async fn inspect_forget_scan_over_dynamodb() {
         .await
         .unwrap();
     let token = Token::random();
-    let claim = Claim::new("svc:charge:held", &token, Duration::from_secs(300), Duration::from_secs(86_400));
+    let claim = Claim::new(
+        "svc:charge:held",
+        &token,
+        Duration::from_secs(300),
+        Duration::from_secs(86_400),
+    );
     store.claim(claim).await.unwrap();
     table
         .client()
@@ -56,7 +61,8 @@ async fn inspect_forget_scan_over_dynamodb() {
         .await
         .unwrap();
     let name = table.name.as_str();
-    let with = |rest: &[&'static str]| [&["--dynamodb", name, "--namespace", "svc"][..], rest].concat();
+    let with =
+        |rest: &[&'static str]| [&["--dynamodb", name, "--namespace", "svc"][..], rest].concat();
 
     let o = idem(&with(&["inspect", "charge", "done"]));
     assert_eq!(code(&o), 0, "{}", err(&o));
@@ -80,7 +86,11 @@ async fn inspect_forget_scan_over_dynamodb() {
     // No outbox on DynamoDB: refused, saying so.
     let o = idem(&with(&["outbox", "status"]));
     assert_ne!(code(&o), 0);
-    assert!(err(&o).contains("DynamoStore keeps no outbox"), "{}", err(&o));
+    assert!(
+        err(&o).contains("DynamoStore keeps no outbox"),
+        "{}",
+        err(&o)
+    );
 
     // The forgotten key runs again.
     let (_, outcome) = service
