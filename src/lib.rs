@@ -138,6 +138,11 @@ pub use idem_consumer as consumer;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
 
+/// The DynamoDB store, `DynamoStore` (feature `dynamodb`); see [`idem_dynamodb`].
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub use idem_dynamodb as dynamodb;
+
 /// The transactional outbox: messages for the next system committed with a
 /// call's result, and a relay that publishes them at least once, in order
 /// per key, with ids the consumer on the other side de-duplicates on.
