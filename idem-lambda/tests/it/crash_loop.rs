@@ -26,7 +26,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-const ORDERS: u32 = 40;
+const ORDERS: u32 = 80;
 const WORKERS: usize = 2;
 
 fn env(name: &str) -> String {
@@ -58,7 +58,9 @@ async fn work() {
         .namespace("lambda-crash")
         .lease(Duration::from_secs(1))
         .build();
-    let handler = SqsBatchHandler::new(idem, "orders.charge");
+    // Two records at a time: a batch of ten takes about a second, so most
+    // kills land in the middle of one.
+    let handler = SqsBatchHandler::new(idem, "orders.charge").concurrency(2);
     let pay = redis::Client::open(url)
         .unwrap()
         .get_multiplexed_async_connection()
@@ -71,7 +73,7 @@ async fn work() {
             let order = m.body.clone().unwrap();
             ledger.record(&order);
             // A kill can land before, during or after the charge.
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             let id: String = redis::Script::new(CHARGE)
                 .key(format!("charge:{order}"))
                 .arg(&order)
@@ -79,7 +81,7 @@ async fn work() {
                 .invoke_async(&mut pay)
                 .await
                 .map_err(|e| e.to_string())?;
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             Ok::<_, String>(id)
         }
     };

@@ -28,6 +28,7 @@
 
 mod batch;
 mod crash_loop;
+mod docs;
 mod http;
 mod queue;
 mod support;
