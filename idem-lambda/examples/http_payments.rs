@@ -4,8 +4,8 @@
 //! `409` with `Retry-After`.
 //! Cargo.toml: `idem = { version = "0.1", features = ["lambda"] }`,
 //! `http = "1"`, `tokio = { version = "1", features = ["macros", "rt-multi-thread"] }`.
-use idem::lambda::http::{Body, IdempotencyLayer, Request, run, service_fn};
 use idem::lambda::http::lambda_http::Error;
+use idem::lambda::http::{Body, IdempotencyLayer, Request, run, service_fn};
 use idem::{Idempotency, RedisStore};
 use std::convert::Infallible;
 use std::time::Duration;

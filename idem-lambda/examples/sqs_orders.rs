@@ -51,7 +51,10 @@ async fn charge(msg: SqsMessage) -> Result<Receipt, ChargeError> {
         return Err(ChargeError::BadOrder("amount is zero".into()));
     }
     let charge = provider_charge(&order).await?;
-    Ok(Receipt { order: order.id, charge })
+    Ok(Receipt {
+        order: order.id,
+        charge,
+    })
 }
 
 /// The payment provider (a stand-in): it charges once per idempotency key

@@ -111,7 +111,9 @@ pub fn plan(
         Err(past) => LeasePlan {
             lease: configured,
             stop_after: None,
-            source: LeaseSource::PastDeadline { by: past.duration() },
+            source: LeaseSource::PastDeadline {
+                by: past.duration(),
+            },
         },
     }
 }
@@ -189,7 +191,10 @@ mod tests {
         let now = SystemTime::now();
         let lease = Duration::from_secs(30);
         let p = plan(None, now, lease, DEFAULT_STOP_MARGIN);
-        assert_eq!((p.lease, p.stop_after, p.source), (lease, None, LeaseSource::NoDeadline));
+        assert_eq!(
+            (p.lease, p.stop_after, p.source),
+            (lease, None, LeaseSource::NoDeadline)
+        );
         let p = plan(Some(now), now, lease, DEFAULT_STOP_MARGIN);
         assert_eq!((p.lease, p.stop_after), (lease, None));
         assert_eq!(p.source, LeaseSource::PastDeadline { by: Duration::ZERO });

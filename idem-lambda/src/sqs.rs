@@ -6,8 +6,7 @@ use aws_lambda_events::sqs::{BatchItemFailure, SqsBatchResponse, SqsEvent, SqsMe
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use idem_consumer::{
-    AllRetryable, Classify, Consumer, ConsumerError, DeadLetterReason, Decision, KeySource,
-    Message,
+    AllRetryable, Classify, Consumer, ConsumerError, DeadLetterReason, Decision, KeySource, Message,
 };
 use idem_core::{Idempotency, Outcome};
 use lambda_runtime::LambdaEvent;
@@ -583,10 +582,16 @@ impl Lane {
                 continue;
             };
             if blocked {
-                put(ctx.slots, i, RecordReport::status_only(id, RecordStatus::Redeliver(Redeliver::GroupBlocked)));
+                put(
+                    ctx.slots,
+                    i,
+                    RecordReport::status_only(id, RecordStatus::Redeliver(Redeliver::GroupBlocked)),
+                );
                 continue;
             }
-            let copy = ran.iter().find(|(j, _)| is_copy(ctx.records, ctx.keys, *j, i));
+            let copy = ran
+                .iter()
+                .find(|(j, _)| is_copy(ctx.records, ctx.keys, *j, i));
             let report = match copy {
                 Some((first, status)) => {
                     tracing::debug!(id, "copy of an earlier record of the batch: not run");
@@ -614,7 +619,12 @@ fn put<T>(slots: &Mutex<Vec<Option<RecordReport<T>>>>, i: usize, report: RecordR
 }
 
 /// Whether record `i` is a copy of record `j`: same key and body.
-fn is_copy(records: &[SqsMessage], keys: &[Result<String, ConsumerError>], j: usize, i: usize) -> bool {
+fn is_copy(
+    records: &[SqsMessage],
+    keys: &[Result<String, ConsumerError>],
+    j: usize,
+    i: usize,
+) -> bool {
     let (Some(Ok(a)), Some(Ok(b))) = (keys.get(j), keys.get(i)) else {
         return false;
     };

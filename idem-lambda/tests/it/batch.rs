@@ -5,16 +5,16 @@ use crate::support::{event, failures, record};
 use aws_lambda_events::sqs::SqsMessage;
 use idem_consumer::{ByTrait, ClassifyError, Consumer, DeadLetterReason, ErrorClass};
 use idem_core::{Idempotency, MemoryStore, Outcome};
-use idem_lambda::{
-    LeaseSource, RecordStatus, Redeliver, SqsBatchError, SqsBatchHandler, SqsKey,
-};
+use idem_lambda::{LeaseSource, RecordStatus, Redeliver, SqsBatchError, SqsBatchHandler, SqsKey};
 use idem_testkit::{Ledger, LogCapture};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use tracing::instrument::WithSubscriber;
 
 fn idem() -> Idempotency {
-    Idempotency::builder(MemoryStore::new()).namespace("lambda").build()
+    Idempotency::builder(MemoryStore::new())
+        .namespace("lambda")
+        .build()
 }
 
 /// A handler error that says whether it is worth another delivery.
@@ -71,11 +71,18 @@ async fn done_records_are_deleted_and_retryable_errors_redelivered() {
     let handler = SqsBatchHandler::from_consumer(Consumer::new(idem(), "ship").classify(ByTrait));
     let ledger = Ledger::new();
     let ship = shipper(&ledger);
-    let batch = event(vec![record("m-1", "{}"), record("m-2", "transient"), record("m-3", "{}")]);
+    let batch = event(vec![
+        record("m-1", "{}"),
+        record("m-2", "transient"),
+        record("m-3", "{}"),
+    ]);
     let report = handler.run(batch.clone(), None, &ship).await.unwrap();
     assert_eq!(failures(&report.response), ["m-2"]);
     assert_eq!(report.records[0].outcome, Some(Outcome::Executed));
-    assert_eq!(report.records[1].status, RecordStatus::Redeliver(Redeliver::Nack));
+    assert_eq!(
+        report.records[1].status,
+        RecordStatus::Redeliver(Redeliver::Nack)
+    );
 
     // Lambda redelivers the whole batch (say, a timeout after the answer
     // was lost): the done records replay, m-2 runs again.
@@ -83,7 +90,14 @@ async fn done_records_are_deleted_and_retryable_errors_redelivered() {
     assert_eq!(failures(&again.response), ["m-2"]);
     assert_eq!(again.records[0].outcome, Some(Outcome::Replayed));
     assert_eq!(again.records[0].value.as_deref(), Some("shipped m-1"));
-    assert_eq!((ledger.count("m-1"), ledger.count("m-2"), ledger.count("m-3")), (1, 2, 1));
+    assert_eq!(
+        (
+            ledger.count("m-1"),
+            ledger.count("m-2"),
+            ledger.count("m-3")
+        ),
+        (1, 2, 1)
+    );
 }
 
 /// A permanent error without a dead-letter hook is listed, left to the
@@ -93,7 +107,11 @@ async fn a_permanent_error_without_a_hook_is_left_to_the_redrive_policy() {
     let handler = SqsBatchHandler::from_consumer(Consumer::new(idem(), "ship").classify(ByTrait));
     let ledger = Ledger::new();
     let report = handler
-        .run(event(vec![record("m-1", "invalid"), record("m-2", "{}")]), None, &shipper(&ledger))
+        .run(
+            event(vec![record("m-1", "invalid"), record("m-2", "{}")]),
+            None,
+            &shipper(&ledger),
+        )
         .await
         .unwrap();
     assert_eq!(failures(&report.response), ["m-1"]);
@@ -124,7 +142,11 @@ async fn a_permanent_error_with_a_hook_is_dead_lettered_and_deleted() {
     let ledger = Ledger::new();
     let report = handler
         .run(
-            event(vec![record("m-1", "invalid"), record("m-2", "{}"), record("m-3", "invalid")]),
+            event(vec![
+                record("m-1", "invalid"),
+                record("m-2", "{}"),
+                record("m-3", "invalid"),
+            ]),
             None,
             &shipper(&ledger),
         )
@@ -136,7 +158,10 @@ async fn a_permanent_error_with_a_hook_is_dead_lettered_and_deleted() {
         report.records[2].status,
         RecordStatus::Redeliver(Redeliver::DeadLetterHookFailed(_))
     ));
-    assert_eq!(*taken.lock().unwrap(), [("m-1".to_owned(), "permanent".to_owned())]);
+    assert_eq!(
+        *taken.lock().unwrap(),
+        [("m-1".to_owned(), "permanent".to_owned())]
+    );
 }
 
 /// A duplicate in flight (another invocation holds the key) is listed, and
@@ -171,7 +196,10 @@ async fn a_duplicate_in_flight_is_redelivered_then_replays() {
     let batch = event(vec![record("m-1", "{}"), record("m-2", "{}")]);
     let report = handler.run(batch.clone(), None, &ship).await.unwrap();
     assert_eq!(failures(&report.response), ["m-1"]);
-    assert_eq!(report.records[0].status, RecordStatus::Redeliver(Redeliver::Nack));
+    assert_eq!(
+        report.records[0].status,
+        RecordStatus::Redeliver(Redeliver::Nack)
+    );
     assert_eq!(ledger.count("m-1"), 0);
 
     tx.send(()).unwrap();
@@ -208,7 +236,11 @@ async fn copies_in_a_batch_run_once() {
     }));
     let ledger = Ledger::new();
     let report = handler
-        .run(event(vec![record("a", "order-7"), record("b", "order-7")]), None, &shipper(&ledger))
+        .run(
+            event(vec![record("a", "order-7"), record("b", "order-7")]),
+            None,
+            &shipper(&ledger),
+        )
         .await
         .unwrap();
     assert!(failures(&report.response).is_empty());
@@ -227,7 +259,11 @@ async fn a_record_without_a_message_id_is_a_typed_error() {
     empty_id.message_id = Some(String::new());
     for bad in [no_id, empty_id] {
         let err = handler
-            .run(event(vec![record("m-1", "{}"), bad]), None, &shipper(&ledger))
+            .run(
+                event(vec![record("m-1", "{}"), bad]),
+                None,
+                &shipper(&ledger),
+            )
             .await
             .unwrap_err();
         assert_eq!(err, SqsBatchError::MissingMessageId { index: 1 });
@@ -245,7 +281,8 @@ async fn fifo_a_failed_record_blocks_the_rest_of_its_group() {
     let fifo = |id: &str, group: &str, body: &str| {
         let mut r = record(id, body);
         r.attributes.insert("MessageGroupId".into(), group.into());
-        r.attributes.insert("MessageDeduplicationId".into(), format!("dedup-{id}"));
+        r.attributes
+            .insert("MessageDeduplicationId".into(), format!("dedup-{id}"));
         r
     };
     let batch = event(vec![
@@ -256,10 +293,19 @@ async fn fifo_a_failed_record_blocks_the_rest_of_its_group() {
         fifo("a3", "A", "{}"),
         fifo("a4", "A", "{}"),
     ]);
-    let report = handler.run(batch.clone(), None, &shipper(&ledger)).await.unwrap();
+    let report = handler
+        .run(batch.clone(), None, &shipper(&ledger))
+        .await
+        .unwrap();
     assert_eq!(failures(&report.response), ["a2", "a3", "a4"]);
-    assert_eq!(report.records[4].status, RecordStatus::Redeliver(Redeliver::GroupBlocked));
-    assert_eq!(report.records[5].status, RecordStatus::Redeliver(Redeliver::GroupBlocked));
+    assert_eq!(
+        report.records[4].status,
+        RecordStatus::Redeliver(Redeliver::GroupBlocked)
+    );
+    assert_eq!(
+        report.records[5].status,
+        RecordStatus::Redeliver(Redeliver::GroupBlocked)
+    );
     assert_eq!((ledger.count("a3"), ledger.count("a4")), (0, 0));
     assert_eq!((ledger.count("b1"), ledger.count("b2")), (1, 1));
     // Keys are the deduplication ids.
@@ -270,23 +316,39 @@ async fn fifo_a_failed_record_blocks_the_rest_of_its_group() {
 /// falls back to the configured lease, with a warning, and stops nothing.
 #[tokio::test]
 async fn an_absent_or_past_deadline_falls_back_to_the_configured_lease() {
-    let idem = Idempotency::builder(MemoryStore::new()).lease(Duration::from_secs(7)).build();
+    let idem = Idempotency::builder(MemoryStore::new())
+        .lease(Duration::from_secs(7))
+        .build();
     let handler = SqsBatchHandler::new(idem, "ship");
     let ledger = Ledger::new();
     for (deadline, past) in [(None, false), (Some(SystemTime::UNIX_EPOCH), true)] {
         let logs = LogCapture::new();
         let report = handler
-            .run(event(vec![record("m-1", "{}")]), deadline, &shipper(&ledger))
+            .run(
+                event(vec![record("m-1", "{}")]),
+                deadline,
+                &shipper(&ledger),
+            )
             .with_subscriber(logs.subscriber())
             .await
             .unwrap();
         assert_eq!(report.plan.lease, Duration::from_secs(7));
         assert_eq!(report.plan.stop_after, None);
-        assert_eq!(matches!(report.plan.source, LeaseSource::PastDeadline { .. }), past);
+        assert_eq!(
+            matches!(report.plan.source, LeaseSource::PastDeadline { .. }),
+            past
+        );
         assert!(failures(&report.response).is_empty());
         let text = logs.contents();
         assert!(text.contains("WARN"), "{text}");
-        assert!(text.contains(if past { "has passed already" } else { "no deadline" }), "{text}");
+        assert!(
+            text.contains(if past {
+                "has passed already"
+            } else {
+                "no deadline"
+            }),
+            "{text}"
+        );
     }
 }
 
@@ -296,20 +358,35 @@ async fn an_absent_or_past_deadline_falls_back_to_the_configured_lease() {
 #[tokio::test(start_paused = true)]
 async fn a_near_deadline_bounds_the_lease_and_stops_the_batch() {
     let store = MemoryStore::new();
-    let idem = Idempotency::builder(store).lease(Duration::from_secs(30)).build();
+    let idem = Idempotency::builder(store)
+        .lease(Duration::from_secs(30))
+        .build();
     let handler = SqsBatchHandler::new(idem.clone(), "ship");
     let ledger = Ledger::new();
     let deadline = SystemTime::now() + Duration::from_secs(5);
-    let batch = event(vec![record("m-1", "{}"), record("m-2", "slow"), record("m-3", "{}")]);
-    let report = handler.run(batch, Some(deadline), &shipper(&ledger)).await.unwrap();
+    let batch = event(vec![
+        record("m-1", "{}"),
+        record("m-2", "slow"),
+        record("m-3", "{}"),
+    ]);
+    let report = handler
+        .run(batch, Some(deadline), &shipper(&ledger))
+        .await
+        .unwrap();
     assert!(report.plan.lease <= Duration::from_secs(5));
     assert!(report.plan.lease > Duration::from_secs(4));
     assert!(matches!(report.plan.source, LeaseSource::Deadline { .. }));
     assert_eq!(failures(&report.response), ["m-2"]);
-    assert_eq!(report.records[1].status, RecordStatus::Redeliver(Redeliver::Deadline));
+    assert_eq!(
+        report.records[1].status,
+        RecordStatus::Redeliver(Redeliver::Deadline)
+    );
     // The stopped record's claim was made with the bounded lease: it is
     // held no longer than the time the invocation had left.
     let info = idem.inspect("ship", "m-2").await.unwrap().unwrap();
     assert_eq!(info.state, idem_core::KeyState::Pending);
-    assert!(info.lease_left.unwrap() <= Duration::from_secs(5), "{info:?}");
+    assert!(
+        info.lease_left.unwrap() <= Duration::from_secs(5),
+        "{info:?}"
+    );
 }

@@ -117,7 +117,12 @@ impl Rig {
         self.next += 1;
         let log = std::fs::File::create(self.dir.join(format!("log-{n}"))).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
-            .args(["crash_loop::worker", "--exact", "--nocapture", "--test-threads=1"])
+            .args([
+                "crash_loop::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("IDEM_LAMBDA_WORKER", "1")
             .env("IDEM_URL", &self.url)
             .env("IDEM_LEDGER", self.dir.join("ledger"))
@@ -142,9 +147,13 @@ impl Rig {
     fn logs(&self) -> String {
         (0..self.next)
             .map(|n| {
-                let log = std::fs::read_to_string(self.dir.join(format!("log-{n}"))).unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(self.dir.join(format!("log-{n}"))).unwrap_or_default();
                 let tail: Vec<&str> = log.lines().rev().take(10).collect();
-                format!("worker {n}:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"))
+                format!(
+                    "worker {n}:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
             })
             .collect::<Vec<_>>()
             .join("\n")
@@ -168,7 +177,11 @@ impl Drop for Rig {
 async fn workers_killed_while_the_queue_drains_charge_each_order_once() {
     let server = RedisServer::start();
     let queue = Queue::create("idem-lambda-crash", false, 2).await;
-    let dir = std::env::temp_dir().join(format!("idem-lambda-crash-{}-{}", std::process::id(), unix_ms()));
+    let dir = std::env::temp_dir().join(format!(
+        "idem-lambda-crash-{}-{}",
+        std::process::id(),
+        unix_ms()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let mut rig = Rig {
         dir,
@@ -186,13 +199,25 @@ async fn workers_killed_while_the_queue_drains_charge_each_order_once() {
         rig.spawn();
     }
     let mut rng = Rng::new(unix_ms() as u64);
-    let mut pay = server.client().get_multiplexed_async_connection().await.unwrap();
+    let mut pay = server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let end = Instant::now() + Duration::from_secs(150);
     let mut kills = 0;
     loop {
-        assert!(Instant::now() < end, "the queue did not drain\n{}", rig.logs());
+        assert!(
+            Instant::now() < end,
+            "the queue did not drain\n{}",
+            rig.logs()
+        );
         tokio::time::sleep(Duration::from_millis(300 + rng.below(400))).await;
-        let charged: BTreeMap<String, u32> = redis::cmd("HGETALL").arg("charges").query_async(&mut pay).await.unwrap();
+        let charged: BTreeMap<String, u32> = redis::cmd("HGETALL")
+            .arg("charges")
+            .query_async(&mut pay)
+            .await
+            .unwrap();
         if charged.len() == ORDERS as usize && queue.depth().await == 0 {
             break;
         }
@@ -209,9 +234,16 @@ async fn workers_killed_while_the_queue_drains_charge_each_order_once() {
             rig.spawn();
         }
     }
-    let charged: BTreeMap<String, u32> = redis::cmd("HGETALL").arg("charges").query_async(&mut pay).await.unwrap();
+    let charged: BTreeMap<String, u32> = redis::cmd("HGETALL")
+        .arg("charges")
+        .query_async(&mut pay)
+        .await
+        .unwrap();
     assert_eq!(charged.len(), ORDERS as usize);
-    assert!(charged.values().all(|&n| n == 1), "charges per order: {charged:?}");
+    assert!(
+        charged.values().all(|&n| n == 1),
+        "charges per order: {charged:?}"
+    );
 
     // Every run of an order but its last is one a killed process made.
     let mut runs: BTreeMap<String, Vec<u32>> = BTreeMap::new();

@@ -23,5 +23,8 @@ fn the_guide_opens_with_the_sqs_function_compiled_here() {
 /// The HTTP function.
 #[test]
 fn the_guide_prints_the_http_function_compiled_here() {
-    assert_guide_prints("http_payments.rs", include_str!("../../examples/http_payments.rs"));
+    assert_guide_prints(
+        "http_payments.rs",
+        include_str!("../../examples/http_payments.rs"),
+    );
 }

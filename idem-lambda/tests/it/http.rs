@@ -132,7 +132,9 @@ async fn text(resp: http::Response<Body>) -> (http::StatusCode, http::HeaderMap,
 }
 
 async fn replay_and_in_progress(make: fn(&str, &str) -> String) {
-    let idem = Idempotency::builder(MemoryStore::new()).namespace("api").build();
+    let idem = Idempotency::builder(MemoryStore::new())
+        .namespace("api")
+        .build();
     let runs = Arc::new(Runs::default());
     let gate = Arc::new(Semaphore::new(0));
     let layer = IdempotencyLayer::new(idem).require_key(true);
@@ -141,13 +143,19 @@ async fn replay_and_in_progress(make: fn(&str, &str) -> String) {
 
     // The first request runs, and is held in its handler.
     let first = tokio::spawn(svc.clone().oneshot(request("k-1", r#"{"amount":500}"#)));
-    idem_testkit::eventually("the first request in its handler", std::time::Duration::from_secs(5), || async {
-        (runs.get() == 1).then_some(())
-    })
+    idem_testkit::eventually(
+        "the first request in its handler",
+        std::time::Duration::from_secs(5),
+        || async { (runs.get() == 1).then_some(()) },
+    )
     .await;
 
     // A retry while it runs: 409 with Retry-After, handler not run.
-    let busy = svc.clone().oneshot(request("k-1", r#"{"amount":500}"#)).await.unwrap();
+    let busy = svc
+        .clone()
+        .oneshot(request("k-1", r#"{"amount":500}"#))
+        .await
+        .unwrap();
     let (status, headers, _) = text(busy).await;
     assert_eq!(status, 409);
     assert!(headers.contains_key("retry-after"));
@@ -160,19 +168,30 @@ async fn replay_and_in_progress(make: fn(&str, &str) -> String) {
     assert_eq!(body, r#"{"amount":500,"id":"pay-1"}"#);
 
     // A retry after it: the stored answer, replayed.
-    let retry = svc.clone().oneshot(request("k-1", r#"{"amount":500}"#)).await.unwrap();
+    let retry = svc
+        .clone()
+        .oneshot(request("k-1", r#"{"amount":500}"#))
+        .await
+        .unwrap();
     let (status, headers, replayed) = text(retry).await;
     assert_eq!((status.as_u16(), replayed.as_str()), (201, body.as_str()));
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(runs.get(), 1);
 
     // The key on another body: 422, handler not run.
-    let reused = svc.clone().oneshot(request("k-1", r#"{"amount":900}"#)).await.unwrap();
+    let reused = svc
+        .clone()
+        .oneshot(request("k-1", r#"{"amount":900}"#))
+        .await
+        .unwrap();
     assert_eq!(text(reused).await.0, 422);
     // No key: 400 (require_key).
     let mut no_key = request("k-2", "{}");
     no_key.headers_mut().remove("idempotency-key");
-    assert_eq!(text(svc.clone().oneshot(no_key).await.unwrap()).await.0, 400);
+    assert_eq!(
+        text(svc.clone().oneshot(no_key).await.unwrap()).await.0,
+        400
+    );
     assert_eq!(runs.get(), 1);
 }
 

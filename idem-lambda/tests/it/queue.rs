@@ -40,7 +40,10 @@ where
         batches += 1;
         for r in &records {
             let id = r.message_id.clone().unwrap();
-            assert!(!deleted.contains(&id), "{id} was deleted, yet delivered again");
+            assert!(
+                !deleted.contains(&id),
+                "{id} was deleted, yet delivered again"
+            );
             awaited.remove(&id);
         }
         // An invocation with the whole function timeout ahead of it.
@@ -57,12 +60,19 @@ where
             .collect();
         let listed = failures(&report.response);
         assert_eq!(listed.iter().cloned().collect::<BTreeSet<_>>(), reported);
-        assert_eq!(listed.len(), reported.len(), "an id listed twice: {listed:?}");
+        assert_eq!(
+            listed.len(),
+            reported.len(),
+            "an id listed twice: {listed:?}"
+        );
         assert!(listed.iter().all(|id| !id.is_empty()));
         deleted.extend(queue.apply(&records, &report.response).await);
         awaited.extend(listed);
     }
-    assert!(awaited.is_empty(), "listed but never delivered again: {awaited:?}");
+    assert!(
+        awaited.is_empty(),
+        "listed but never delivered again: {awaited:?}"
+    );
     batches
 }
 
@@ -73,12 +83,15 @@ where
 #[tokio::test]
 async fn a_standard_queue_drains_with_one_effect_per_key() {
     let queue = Queue::create("idem-lambda-std", false, 1).await;
-    let idem = Idempotency::builder(MemoryStore::new()).namespace("q").build();
-    let handler = SqsBatchHandler::new(idem, "orders.ship").keys(SqsKey::custom(|m: &SqsMessage| {
-        let v: serde_json::Value = serde_json::from_str(m.body.as_deref().unwrap_or(""))
-            .map_err(|e| ConsumerError::Malformed(e.to_string()))?;
-        Ok(format!("order-{}", v["order"]))
-    }));
+    let idem = Idempotency::builder(MemoryStore::new())
+        .namespace("q")
+        .build();
+    let handler =
+        SqsBatchHandler::new(idem, "orders.ship").keys(SqsKey::custom(|m: &SqsMessage| {
+            let v: serde_json::Value = serde_json::from_str(m.body.as_deref().unwrap_or(""))
+                .map_err(|e| ConsumerError::Malformed(e.to_string()))?;
+            Ok(format!("order-{}", v["order"]))
+        }));
     let attempts = Ledger::new();
     let effects = Ledger::new();
     let body = |m: SqsMessage| {
@@ -88,7 +101,7 @@ async fn a_standard_queue_drains_with_one_effect_per_key() {
             let order = v["order"].as_u64().unwrap();
             let key = format!("order-{order}");
             let n = attempts.record(&key);
-            if order % 3 == 0 && n == 1 {
+            if order.is_multiple_of(3) && n == 1 {
                 return Err(format!("carrier timeout for {key}"));
             }
             effects.record(&key);
@@ -97,7 +110,7 @@ async fn a_standard_queue_drains_with_one_effect_per_key() {
     };
     for order in 0..30u64 {
         queue.send(&format!(r#"{{"order":{order}}}"#), None).await;
-        if order % 5 == 0 {
+        if order.is_multiple_of(5) {
             queue.send(&format!(r#"{{"order":{order}}}"#), None).await;
         }
     }
@@ -106,10 +119,17 @@ async fn a_standard_queue_drains_with_one_effect_per_key() {
         .map(|o| format!("order-{o}"))
         .map(|k| (k.clone(), effects.count(&k)))
         .collect();
-    assert!(counts.values().all(|&n| n == 1), "effects per order: {counts:?}");
+    assert!(
+        counts.values().all(|&n| n == 1),
+        "effects per order: {counts:?}"
+    );
     for o in 0..30u64 {
         let runs = attempts.count(&format!("order-{o}"));
-        assert_eq!(runs, if o % 3 == 0 { 2 } else { 1 }, "order-{o} ran {runs} times");
+        assert_eq!(
+            runs,
+            if o.is_multiple_of(3) { 2 } else { 1 },
+            "order-{o} ran {runs} times"
+        );
     }
     assert!(batches >= 2);
     queue.delete().await;
@@ -123,7 +143,9 @@ async fn a_standard_queue_drains_with_one_effect_per_key() {
 #[tokio::test]
 async fn a_fifo_queue_drains_in_group_order() {
     let queue = Queue::create("idem-lambda-fifo", true, 1).await;
-    let idem = Idempotency::builder(MemoryStore::new()).namespace("q").build();
+    let idem = Idempotency::builder(MemoryStore::new())
+        .namespace("q")
+        .build();
     let handler = SqsBatchHandler::new(idem, "orders.ship");
     let attempts = Ledger::new();
     let order: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Vec<u32>>>> = Default::default();
@@ -139,7 +161,12 @@ async fn a_fifo_queue_drains_in_group_order() {
                 return Err("transient".to_owned());
             }
             effects.record(&text);
-            order.lock().unwrap().entry(group.to_owned()).or_default().push(seq);
+            order
+                .lock()
+                .unwrap()
+                .entry(group.to_owned())
+                .or_default()
+                .push(seq);
             Ok(text)
         }
     };
@@ -154,7 +181,11 @@ async fn a_fifo_queue_drains_in_group_order() {
         for seq in 0..6u32 {
             assert_eq!(effects.count(&format!("{g}/{seq}")), 1, "{g}/{seq}");
         }
-        assert_eq!(order.lock().unwrap()[g], (0..6).collect::<Vec<u32>>(), "group {g}");
+        assert_eq!(
+            order.lock().unwrap()[g],
+            (0..6).collect::<Vec<u32>>(),
+            "group {g}"
+        );
     }
     assert_eq!(attempts.count("g1/2"), 2);
     queue.delete().await;

@@ -13,7 +13,8 @@ pub(crate) fn record(id: &str, body: &str) -> SqsMessage {
     m.body = Some(body.to_owned());
     m.event_source = Some("aws:sqs".into());
     m.event_source_arn = Some("arn:aws:sqs:us-east-1:123456789012:orders".into());
-    m.attributes.insert("ApproximateReceiveCount".into(), "1".into());
+    m.attributes
+        .insert("ApproximateReceiveCount".into(), "1".into());
     m
 }
 
@@ -46,21 +47,32 @@ impl Queue {
     pub(crate) async fn create(prefix: &str, fifo: bool, visibility: u32) -> Queue {
         let client = idem_testkit::sqs_client().await;
         let mut name = idem_testkit::unique_name(prefix);
-        let mut req = client
-            .create_queue()
-            .attributes(QueueAttributeName::VisibilityTimeout, visibility.to_string());
+        let mut req = client.create_queue().attributes(
+            QueueAttributeName::VisibilityTimeout,
+            visibility.to_string(),
+        );
         if fifo {
             name.push_str(".fifo");
             req = req.attributes(QueueAttributeName::FifoQueue, "true");
         }
-        let url = req.queue_name(&name).send().await.unwrap().queue_url.unwrap();
+        let url = req
+            .queue_name(&name)
+            .send()
+            .await
+            .unwrap()
+            .queue_url
+            .unwrap();
         Queue { client, url, name }
     }
 
     /// Sends `body` (FIFO: in `group`, deduplicated on `dedup`); returns the
     /// message id.
     pub(crate) async fn send(&self, body: &str, fifo: Option<(&str, &str)>) -> String {
-        let mut req = self.client.send_message().queue_url(&self.url).message_body(body);
+        let mut req = self
+            .client
+            .send_message()
+            .queue_url(&self.url)
+            .message_body(body);
         if let Some((group, dedup)) = fifo {
             req = req.message_group_id(group).message_deduplication_id(dedup);
         }
@@ -96,7 +108,8 @@ impl Queue {
                     .map(|(k, v)| (k.as_str().to_owned(), v))
                     .collect();
                 r.event_source = Some("aws:sqs".into());
-                r.event_source_arn = Some(format!("arn:aws:sqs:us-east-1:123456789012:{}", self.name));
+                r.event_source_arn =
+                    Some(format!("arn:aws:sqs:us-east-1:123456789012:{}", self.name));
                 r.aws_region = Some("us-east-1".into());
                 r
             })
@@ -107,7 +120,11 @@ impl Queue {
     /// deletes every record not listed in `batchItemFailures`, leaves the
     /// listed ones to come back after the visibility timeout. Returns the
     /// ids deleted.
-    pub(crate) async fn apply(&self, records: &[SqsMessage], response: &SqsBatchResponse) -> Vec<String> {
+    pub(crate) async fn apply(
+        &self,
+        records: &[SqsMessage],
+        response: &SqsBatchResponse,
+    ) -> Vec<String> {
         let listed = failures(response);
         let mut deleted = Vec::new();
         for r in records {
