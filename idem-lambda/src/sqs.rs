@@ -67,6 +67,12 @@ pub enum SqsKey {
     /// deduplication id, which a producer's retry of one send keeps (or
     /// SQS's content hash, with content-based deduplication); others: the
     /// message id. The default.
+    ///
+    /// SQS deduplicates within 5 minutes; idem for its result TTL. With
+    /// content-based deduplication, two sends of the same body a day apart
+    /// are then one key (the second replays the first): if identical
+    /// bodies can be distinct messages, use [`SqsKey::MessageId`] or a
+    /// key of your own.
     #[default]
     Auto,
     /// The message id: SQS's own redeliveries of one message are
