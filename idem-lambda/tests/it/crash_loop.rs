@@ -13,7 +13,10 @@
 //! - a file every body appends `order pid ms` to when it starts
 //!   (`FileLedger`): a key's body runs again only after a run in a process
 //!   that was killed (idem's takeover of a dead invocation's key, once its
-//!   lease lapses); no body that finished ever runs again.
+//!   lease lapses); no body that finished ever runs again;
+//! - every batch's `batchItemFailures` lists exactly the records the
+//!   handler reports failed (a worker writes a violation down for the
+//!   parent to find).
 
 use crate::support::{Queue, event};
 use aws_lambda_events::sqs::SqsMessage;
@@ -53,6 +56,7 @@ return redis.call('GET', KEYS[1])";
 async fn work() {
     let url = env("IDEM_URL");
     let ledger = FileLedger::at(PathBuf::from(env("IDEM_LEDGER")));
+    let dir = PathBuf::from(env("IDEM_DIR"));
     let store = RedisStore::connect(&url).await.unwrap();
     let idem = Idempotency::builder(store)
         .namespace("lambda-crash")
@@ -97,6 +101,23 @@ async fn work() {
             .run(event(records.clone()), Some(deadline), &charge)
             .await
             .unwrap();
+        // `batchItemFailures` lists exactly the records reported failed;
+        // a violation is written down for the parent (a panic here would
+        // only stop this worker).
+        let listed: BTreeSet<String> = crate::support::failures(&report.response)
+            .into_iter()
+            .collect();
+        let failed: BTreeSet<String> = report
+            .records
+            .iter()
+            .filter(|r| r.is_failure())
+            .map(|r| r.message_id.clone())
+            .collect();
+        if listed != failed {
+            let why = format!("listed {listed:?}, failed {failed:?}");
+            std::fs::write(dir.join(format!("violation-{}", std::process::id())), why).unwrap();
+            std::process::exit(1);
+        }
         queue.apply(&records, &report.response).await;
     }
 }
@@ -126,6 +147,7 @@ impl Rig {
             .env("IDEM_LAMBDA_WORKER", "1")
             .env("IDEM_URL", &self.url)
             .env("IDEM_LEDGER", self.dir.join("ledger"))
+            .env("IDEM_DIR", &self.dir)
             .env("IDEM_READY", self.dir.join(format!("ready-{n}")))
             .env("IDEM_QUEUE_URL", &self.queue_url)
             .env("IDEM_QUEUE_NAME", &self.queue_name)
@@ -234,6 +256,16 @@ async fn workers_killed_while_the_queue_drains_charge_each_order_once() {
             rig.spawn();
         }
     }
+    let violations: Vec<String> = std::fs::read_dir(&rig.dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("violation-"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    assert!(
+        violations.is_empty(),
+        "batchItemFailures not the failed records: {violations:?}"
+    );
     let charged: BTreeMap<String, u32> = redis::cmd("HGETALL")
         .arg("charges")
         .query_async(&mut pay)
