@@ -2,11 +2,12 @@
 //! /payments` runs once per `Idempotency-Key`; a retry gets the stored
 //! response with `Idempotent-Replayed: true`, a retry while the first runs
 //! `409` with `Retry-After`.
-//! Cargo.toml: `idem = { version = "0.1", features = ["lambda"] }`,
-//! `http = "1"`, `tokio = { version = "1", features = ["macros", "rt-multi-thread"] }`.
+//! Cargo.toml: `idem = { version = "0.1", features = ["lambda", "dynamodb"] }`,
+//! `aws-config = "1"`, `http = "1"`, `tokio = { version = "1", features = ["macros", "rt-multi-thread"] }`.
+use idem::Idempotency;
+use idem::dynamodb::{DynamoStore, aws_sdk_dynamodb};
 use idem::lambda::http::lambda_http::Error;
 use idem::lambda::http::{Body, IdempotencyLayer, Request, run, service_fn};
-use idem::{Idempotency, RedisStore};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -22,7 +23,11 @@ async fn create_payment(req: Request) -> Result<http::Response<Body>, Infallible
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
-    let store = RedisStore::connect(&std::env::var("REDIS_URL")?).await?;
+    let aws = aws_config::load_from_env().await;
+    let store = DynamoStore::new(
+        aws_sdk_dynamodb::Client::new(&aws),
+        std::env::var("IDEM_TABLE")?,
+    )?;
     let idem = Idempotency::builder(store)
         .namespace("payments")
         .lease(Duration::from_secs(29)) // no longer than the function's timeout

@@ -2,15 +2,16 @@
 //! customer once, however often SQS delivers it (a redelivery replays the
 //! first charge), and the function answers with the records to redeliver
 //! (the event source mapping needs `ReportBatchItemFailures`).
-//! Cargo.toml: `idem = { version = "0.1", features = ["lambda"] }`,
-//! `serde = { version = "1", features = ["derive"] }`, `serde_json = "1"`,
+//! Cargo.toml: `idem = { version = "0.1", features = ["lambda", "dynamodb"] }`,
+//! `aws-config = "1"`, `serde = { version = "1", features = ["derive"] }`, `serde_json = "1"`,
 //! `tokio = { version = "1", features = ["macros", "rt-multi-thread"] }`.
 //! Build and deploy: `cargo lambda build --release --arm64`, `cargo lambda deploy`.
+use idem::Idempotency;
 use idem::consumer::{Consumer, ErrorClass};
+use idem::dynamodb::{DynamoStore, aws_sdk_dynamodb};
 use idem::lambda::aws_lambda_events::sqs::{SqsEvent, SqsMessage};
 use idem::lambda::lambda_runtime::{self, LambdaEvent, service_fn};
 use idem::lambda::{SqsBatchHandler, SqsKey};
-use idem::{Idempotency, RedisStore};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -69,9 +70,11 @@ async fn provider_charge(order: &Order) -> Result<String, ChargeError> {
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     lambda_runtime::tracing::init_default_subscriber();
-    // Shared by every copy of the function: Redis (ElastiCache, or any
-    // Redis/Valkey the function reaches) here; DynamoDB works the same.
-    let store = RedisStore::connect(&std::env::var("REDIS_URL")?).await?;
+    // Shared by every copy of the function: the DynamoDB table of the
+    // template in docs/aws.md; a RedisStore (ElastiCache) works the same.
+    let aws = aws_config::load_from_env().await;
+    let table = std::env::var("IDEM_TABLE")?;
+    let store = DynamoStore::new(aws_sdk_dynamodb::Client::new(&aws), table)?;
     let idem = Idempotency::builder(store)
         .namespace("orders")
         .result_ttl(Duration::from_secs(4 * 24 * 3600)) // the queue's retention period
