@@ -157,10 +157,7 @@ fn is_fifo_url(url: &str) -> bool {
 
 /// The queue's name: the last segment of its URL.
 fn queue_name(url: &str) -> &str {
-    url.trim_end_matches('/')
-        .rsplit('/')
-        .next()
-        .unwrap_or(url)
+    url.trim_end_matches('/').rsplit('/').next().unwrap_or(url)
 }
 
 /// Whole seconds for SQS, rounded to the nearest, within 0..=12 h.
@@ -364,7 +361,9 @@ impl SqsDelivery {
         let id = match attributes.get(id_attribute) {
             Some(v) if v.data_type.starts_with("String") => match &v.string_value {
                 Some(s) => Ok(s.clone()),
-                None => Err(format!("message attribute `{id_attribute}` has no string value")),
+                None => Err(format!(
+                    "message attribute `{id_attribute}` has no string value"
+                )),
             },
             Some(v) => Err(format!(
                 "message attribute `{id_attribute}` is of type {}, not a String",
@@ -863,7 +862,10 @@ impl SqsConsumer {
             .message_body(body)
             .set_message_attributes(Some(attributes));
         if self.dead_letters.fifo {
-            let group = d.group_id.clone().unwrap_or_else(|| self.source.to_string());
+            let group = d
+                .group_id
+                .clone()
+                .unwrap_or_else(|| self.source.to_string());
             let dedup = d
                 .deduplication_id
                 .clone()
@@ -931,20 +933,22 @@ impl SqsConsumer {
             }
             for (d, ok) in deletes.iter().zip(&deleted) {
                 if !ok {
-                    groups.blocked.insert(d.group_id.clone().unwrap_or_default());
+                    groups
+                        .blocked
+                        .insert(d.group_id.clone().unwrap_or_default());
                 }
             }
             for (d, _) in &visibility {
-                groups.blocked.insert(d.group_id.clone().unwrap_or_default());
+                groups
+                    .blocked
+                    .insert(d.group_id.clone().unwrap_or_default());
             }
         }
         if let Some(e) = delete_error {
             return Err(e);
         }
         changed.map(drop).map_err(|e| match e {
-            ConsumerError::Broker {
-                reason, source, ..
-            } => ConsumerError::Broker {
+            ConsumerError::Broker { reason, source, .. } => ConsumerError::Broker {
                 broker: BROKER,
                 op: "nack",
                 reason,
@@ -989,7 +993,11 @@ async fn queue_url_of_arn(client: &Client, arn: &str) -> Result<String, Consumer
             )
         })?;
     out.queue_url.ok_or_else(|| {
-        ConsumerError::broker(BROKER, "get_queue_url", format!("no URL returned for {arn}"))
+        ConsumerError::broker(
+            BROKER,
+            "get_queue_url",
+            format!("no URL returned for {arn}"),
+        )
     })
 }
 
@@ -1086,7 +1094,10 @@ mod tests {
         assert_eq!(visibility_secs(Duration::from_millis(20)), 0);
         assert_eq!(visibility_secs(Duration::from_millis(500)), 1);
         assert_eq!(visibility_secs(Duration::from_millis(2400)), 2);
-        assert_eq!(visibility_secs(Duration::from_secs(100_000)), MAX_VISIBILITY_SECS);
+        assert_eq!(
+            visibility_secs(Duration::from_secs(100_000)),
+            MAX_VISIBILITY_SECS
+        );
     }
 
     #[test]
@@ -1102,7 +1113,11 @@ mod tests {
         assert!(!is_fifo_url("https://sqs.x/123/orders"));
     }
 
-    fn received(id: &str, attrs: &[(&str, &str, &str)], dedup: Option<&str>) -> aws_sdk_sqs::types::Message {
+    fn received(
+        id: &str,
+        attrs: &[(&str, &str, &str)],
+        dedup: Option<&str>,
+    ) -> aws_sdk_sqs::types::Message {
         let mut m = aws_sdk_sqs::types::Message::builder()
             .message_id(id)
             .receipt_handle(format!("rh-{id}"))
@@ -1127,11 +1142,23 @@ mod tests {
     #[test]
     fn ids_come_from_the_attribute_then_the_dedup_id_then_the_message_id() {
         let read = |m, fifo| SqsDelivery::read(m, ID_ATTRIBUTE, fifo).unwrap();
-        let d = read(received("m1", &[(ID_ATTRIBUTE, "String", "o-1")], Some("dd")), true);
+        let d = read(
+            received("m1", &[(ID_ATTRIBUTE, "String", "o-1")], Some("dd")),
+            true,
+        );
         assert_eq!((d.id.as_deref(), d.receive_count), (Ok("o-1"), 3));
-        assert_eq!(read(received("m1", &[], Some("dd")), true).id.as_deref(), Ok("dd"));
-        assert_eq!(read(received("m1", &[], Some("dd")), false).id.as_deref(), Ok("m1"));
-        let bad = read(received("m1", &[(ID_ATTRIBUTE, "Number", "7")], None), false);
+        assert_eq!(
+            read(received("m1", &[], Some("dd")), true).id.as_deref(),
+            Ok("dd")
+        );
+        assert_eq!(
+            read(received("m1", &[], Some("dd")), false).id.as_deref(),
+            Ok("m1")
+        );
+        let bad = read(
+            received("m1", &[(ID_ATTRIBUTE, "Number", "7")], None),
+            false,
+        );
         assert!(bad.id.unwrap_err().contains("not a String"));
     }
 }

@@ -6,7 +6,9 @@ use crate::sqs::ID_ATTRIBUTE;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
-use aws_sdk_sqs::types::{BatchResultErrorEntry, MessageAttributeValue, SendMessageBatchRequestEntry};
+use aws_sdk_sqs::types::{
+    BatchResultErrorEntry, MessageAttributeValue, SendMessageBatchRequestEntry,
+};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fmt;
@@ -182,9 +184,7 @@ impl SqsSink {
             .queue_name(topic)
             .send()
             .await
-            .map_err(|e| {
-                request_error(e, &format!("cannot find the URL of queue `{topic}`"))
-            })?;
+            .map_err(|e| request_error(e, &format!("cannot find the URL of queue `{topic}`")))?;
         let url = out.queue_url.ok_or_else(|| {
             SinkError::unavailable(format!("SQS returned no URL for queue `{topic}`"))
         })?;
@@ -221,7 +221,9 @@ impl SqsSink {
                 .data_type("String")
                 .string_value(v)
                 .build()
-                .map_err(|e| SinkError::refused("a message attribute cannot be built").with_source(e))
+                .map_err(|e| {
+                    SinkError::refused("a message attribute cannot be built").with_source(e)
+                })
         };
         let mut bytes = body.len() + ID_ATTRIBUTE.len() + "String".len() + m.id.len();
         let mut entry = SendMessageBatchRequestEntry::builder()
@@ -258,7 +260,12 @@ impl SqsSink {
 
     /// Sends `ready` (entries of one queue) in requests of at most 10
     /// entries and `max_message_bytes`, setting each message's result.
-    async fn send_to(&self, url: &str, ready: Vec<Ready>, results: &mut [Option<Result<(), SinkError>>]) {
+    async fn send_to(
+        &self,
+        url: &str,
+        ready: Vec<Ready>,
+        results: &mut [Option<Result<(), SinkError>>],
+    ) {
         let mut requests: Vec<Vec<Ready>> = Vec::new();
         let mut size = 0;
         for r in ready {
@@ -373,7 +380,8 @@ fn sqs_allows(c: char) -> bool {
 fn sqs_token(s: &str) -> String {
     let usable = !s.is_empty()
         && s.len() <= 128
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation());
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation());
     if usable {
         s.to_owned()
     } else {
@@ -384,7 +392,8 @@ fn sqs_token(s: &str) -> String {
 #[async_trait]
 impl Sink for SqsSink {
     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
-        let mut results: Vec<Option<Result<(), SinkError>>> = (0..batch.len()).map(|_| None).collect();
+        let mut results: Vec<Option<Result<(), SinkError>>> =
+            (0..batch.len()).map(|_| None).collect();
         // Grouped by queue, in the batch's order.
         let mut queues: Vec<(String, Vec<usize>)> = Vec::new();
         for (i, m) in batch.iter().enumerate() {
@@ -425,9 +434,7 @@ impl Sink for SqsSink {
         }
         results
             .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| Err(SinkError::unavailable("the message was not sent")))
-            })
+            .map(|r| r.unwrap_or_else(|| Err(SinkError::unavailable("the message was not sent"))))
             .collect()
     }
 

@@ -44,14 +44,23 @@ async fn client_at(endpoint: &str) -> Client {
     Client::from_conf(conf)
 }
 
-async fn create_queue(client: &Client, name: &str, attrs: Vec<(QueueAttributeName, String)>) -> String {
+async fn create_queue(
+    client: &Client,
+    name: &str,
+    attrs: Vec<(QueueAttributeName, String)>,
+) -> String {
     let mut req = client.create_queue().queue_name(name);
     for (k, v) in attrs {
         req = req.attributes(k, v);
     }
     req.send()
         .await
-        .unwrap_or_else(|e| panic!("cannot create queue {name}: {}", idem_consumer::sqs::aws_sdk_sqs::error::DisplayErrorContext(&e)))
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot create queue {name}: {}",
+                idem_consumer::sqs::aws_sdk_sqs::error::DisplayErrorContext(&e)
+            )
+        })
         .queue_url
         .unwrap()
 }
@@ -181,7 +190,12 @@ impl TestQueue {
 
     /// Sends `payload` with these message attributes (FIFO: into `group`,
     /// with a deduplication id of its own, so every send is a message).
-    async fn send(&self, group: Option<&str>, attrs: Vec<(&str, MessageAttributeValue)>, payload: &[u8]) {
+    async fn send(
+        &self,
+        group: Option<&str>,
+        attrs: Vec<(&str, MessageAttributeValue)>,
+        payload: &[u8],
+    ) {
         let n = self.sent.fetch_add(1, Ordering::SeqCst);
         let mut req = self
             .client
@@ -234,7 +248,11 @@ impl TestQueue {
 }
 
 fn attribute(m: &idem_consumer::sqs::aws_sdk_sqs::types::Message, name: &str) -> Option<String> {
-    m.message_attributes.as_ref()?.get(name)?.string_value.clone()
+    m.message_attributes
+        .as_ref()?
+        .get(name)?
+        .string_value
+        .clone()
 }
 
 fn dead_letter_of(m: &idem_consumer::sqs::aws_sdk_sqs::types::Message) -> DeadLetter {
@@ -255,7 +273,9 @@ impl Place for TestQueue {
     const POSITIONED: bool = false;
 
     async fn publish(&self, id: Option<&str>, payload: &[u8]) {
-        let attrs = id.map(|id| vec![(ID_ATTRIBUTE, text(id))]).unwrap_or_default();
+        let attrs = id
+            .map(|id| vec![(ID_ATTRIBUTE, text(id))])
+            .unwrap_or_default();
         self.send(None, attrs, payload).await;
     }
 
@@ -320,14 +340,18 @@ impl Drop for TestQueue {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_everything() {
-    let place = TestQueue::create("once").await.min_visibility(Duration::from_secs(10));
+    let place = TestQueue::create("once")
+        .await
+        .min_visibility(Duration::from_secs(10));
     support::four_tasks_run_each_order_once(place).await;
 }
 
 /// The same on a FIFO queue, its messages spread over four groups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_everything() {
-    let place = TestQueue::create_fifo("once").await.min_visibility(Duration::from_secs(10));
+    let place = TestQueue::create_fifo("once")
+        .await
+        .min_visibility(Duration::from_secs(10));
     support::four_tasks_run_each_order_once(place).await;
 }
 
@@ -335,14 +359,18 @@ async fn fifo_four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_
 /// queue named by the redrive policy, with idem's fields as attributes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_messages_are_dead_lettered_by_the_redrive_policy_the_rest_acked() {
-    support::poison_messages_are_dead_lettered_the_rest_acked(TestQueue::create("poison").await)
-        .await;
+    let place = TestQueue::create("poison")
+        .await
+        .min_visibility(Duration::from_secs(10));
+    support::poison_messages_are_dead_lettered_the_rest_acked(place).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_down_nothing_runs_everything_nacked_then_processed_exactly_once() {
-    support::store_down_nothing_runs_then_everything_once(TestQueue::create("store-down").await)
-        .await;
+    let place = TestQueue::create("store-down")
+        .await
+        .min_visibility(Duration::from_secs(10));
+    support::store_down_nothing_runs_then_everything_once(place).await;
 }
 
 #[test]
@@ -411,7 +439,9 @@ async fn bad_input_is_dead_lettered_with_its_reason_and_runs_nothing() {
     by_id.publish(Some(&"x".repeat(10 * 1024)), b"{}").await;
     let binary = MessageAttributeValue::builder()
         .data_type("Binary")
-        .binary_value(idem_consumer::sqs::aws_sdk_sqs::primitives::Blob::new(b"o-1".to_vec()))
+        .binary_value(idem_consumer::sqs::aws_sdk_sqs::primitives::Blob::new(
+            b"o-1".to_vec(),
+        ))
         .build()
         .unwrap();
     by_id.send(None, vec![(ID_ATTRIBUTE, binary)], b"{}").await;
@@ -443,7 +473,10 @@ async fn fifo_a_crash_loop_dead_letters_no_valid_order_and_loses_none() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_the_batch_in_flight_finish_and_settles_it() {
-    support::shutdown_drains_the_batch_in_flight(TestQueue::create("drain").await).await;
+    let place = TestQueue::create("drain")
+        .await
+        .min_visibility(Duration::from_secs(10));
+    support::shutdown_drains_the_batch_in_flight(place).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -491,7 +524,11 @@ async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the
             let id = format!("g{g}-{seq}");
             let body = format!(r#"{{"g":{g},"seq":{seq}}}"#);
             place
-                .send(Some(&format!("g{g}")), vec![(ID_ATTRIBUTE, text(&id))], body.as_bytes())
+                .send(
+                    Some(&format!("g{g}")),
+                    vec![(ID_ATTRIBUTE, text(&id))],
+                    body.as_bytes(),
+                )
                 .await;
         }
     }
@@ -506,7 +543,10 @@ async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the
     let attempts = Ledger::new();
     let handler = async |m: Message| -> Result<(), String> {
         let v: serde_json::Value = m.json().map_err(|e| e.to_string())?;
-        let (g, seq) = (v["g"].as_u64().unwrap() as usize, v["seq"].as_u64().unwrap() as usize);
+        let (g, seq) = (
+            v["g"].as_u64().unwrap() as usize,
+            v["seq"].as_u64().unwrap() as usize,
+        );
         attempts.record(m.id().unwrap());
         if running[g].fetch_add(1, Ordering::SeqCst) != 0 {
             overlaps.fetch_add(1, Ordering::SeqCst);
@@ -538,7 +578,11 @@ async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the
     };
     tokio::join!(drive(&a), drive(&b));
     assert_eq!(acked.load(Ordering::SeqCst), total);
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two messages of one group ran at once");
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two messages of one group ran at once"
+    );
     for (g, effects) in effects.iter().enumerate() {
         assert_eq!(
             *effects.lock().unwrap(),
@@ -561,7 +605,10 @@ async fn copies_of_one_message_in_a_batch_run_once_and_are_all_deleted() {
     }
     place.publish(Some("o-2"), br#"{"order":"o-2"}"#).await;
     let redis = RedisServer::start();
-    let consumer = Consumer::new(idem_on(&redis.url(), Duration::from_secs(5)).await, "copies");
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(5)).await,
+        "copies",
+    );
     let adapter = place.adapter("c", Duration::from_secs(30)).await;
     let fetched = adapter.fetch().await.unwrap();
     assert_eq!(fetched.len(), 4, "one receive holds all four");
@@ -584,7 +631,9 @@ async fn copies_of_one_message_in_a_batch_run_once_and_are_all_deleted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_handler_keeps_its_message_invisible_while_it_runs() {
     let place = TestQueue::create("slow").await;
-    place.publish(Some("o-slow"), br#"{"order":"o-slow"}"#).await;
+    place
+        .publish(Some("o-slow"), br#"{"order":"o-slow"}"#)
+        .await;
     let redis = RedisServer::start();
     let consumer = Consumer::new(idem_on(&redis.url(), Duration::from_secs(2)).await, "slow");
     let (slow, other) = (
@@ -618,8 +667,18 @@ async fn a_slow_handler_keeps_its_message_invisible_while_it_runs() {
         seen
     };
     let (slow_report, seen) = tokio::join!(slow_side, other_side);
-    assert_eq!((slow_report.fetched, slow_report.acked, slow_report.redelivered), (1, 1, 0));
-    assert_eq!(seen.fetched, 0, "received by another consumer while alive: {seen:?}");
+    assert_eq!(
+        (
+            slow_report.fetched,
+            slow_report.acked,
+            slow_report.redelivered
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!(
+        seen.fetched, 0,
+        "received by another consumer while alive: {seen:?}"
+    );
     assert_eq!(ledger.count("o-slow"), 1);
     support::assert_drained(&place).await;
 }
@@ -638,17 +697,27 @@ async fn a_retryable_nack_makes_the_message_visible_again_at_once() {
     let ledger = Ledger::new();
     let handler = async |m: Message| -> Result<(), String> {
         let n = ledger.record(m.id().unwrap());
-        if n == 1 { Err("transient".into()) } else { Ok(()) }
+        if n == 1 {
+            Err("transient".into())
+        } else {
+            Ok(())
+        }
     };
     let first = poll_until(&adapter, &consumer, &handler, 1).await;
     assert_eq!((first.fetched, first.nacked), (1, 1), "{first:?}");
     let second = poll_until(&adapter, &consumer, &handler, 1).await;
-    assert_eq!((second.fetched, second.redelivered, second.acked), (1, 1, 1), "{second:?}");
+    assert_eq!(
+        (second.fetched, second.redelivered, second.acked),
+        (1, 1, 1),
+        "{second:?}"
+    );
     assert_eq!(ledger.count("o-1"), 2);
     support::assert_drained(&place).await;
 }
 
-fn permanent_consumer(idem: idem_core::Idempotency) -> Consumer<impl idem_consumer::Classify<String>> {
+fn permanent_consumer(
+    idem: idem_core::Idempotency,
+) -> Consumer<impl idem_consumer::Classify<String>> {
     Consumer::new(idem, "dead")
         .keys(KeySource::MessageId)
         .classify(|_: &String| ErrorClass::Permanent)
@@ -677,8 +746,14 @@ async fn a_dead_letter_goes_to_the_redrive_policys_queue_with_idems_fields() {
     let d = &dead[0];
     assert_eq!(d.id.as_deref(), Some("o-bad"));
     assert_eq!(d.kind.as_deref(), Some("permanent"));
-    assert!(d.reason.as_deref().unwrap().contains("card declined"), "{d:?}");
-    assert_eq!((d.deliveries, d.payload.as_slice()), (Some(1), br#"{"order":"bad"}"#.as_slice()));
+    assert!(
+        d.reason.as_deref().unwrap().contains("card declined"),
+        "{d:?}"
+    );
+    assert_eq!(
+        (d.deliveries, d.payload.as_slice()),
+        (Some(1), br#"{"order":"bad"}"#.as_slice())
+    );
     assert_eq!(ledger.count("o-bad"), 1);
 }
 
@@ -693,18 +768,29 @@ async fn a_dead_letter_goes_to_the_explicit_dead_letter_queue_when_one_is_given(
         vec![(QueueAttributeName::FifoQueue, "true".to_owned())],
     )
     .await;
-    place.send(Some("grp"), vec![(ID_ATTRIBUTE, text("o-bad"))], b"{}").await;
+    place
+        .send(Some("grp"), vec![(ID_ATTRIBUTE, text("o-bad"))], b"{}")
+        .await;
     let redis = RedisServer::start();
     let consumer = permanent_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
     let adapter = place
-        .adapter_with(place.config(Duration::from_secs(30)).dead_letter_queue_url(&elsewhere))
+        .adapter_with(
+            place
+                .config(Duration::from_secs(30))
+                .dead_letter_queue_url(&elsewhere),
+        )
         .await;
     let handler = async |_: Message| -> Result<(), String> { Err("no".into()) };
     let r = poll_until(&adapter, &consumer, &handler, 1).await;
     assert_eq!(r.dead_lettered, 1, "{r:?}");
     support::assert_drained(&place).await;
     let moved = place.take_all(&elsewhere).await;
-    let _ = place.client.delete_queue().queue_url(&elsewhere).send().await;
+    let _ = place
+        .client
+        .delete_queue()
+        .queue_url(&elsewhere)
+        .send()
+        .await;
     assert_eq!(moved.len(), 1);
     assert_eq!(attribute(&moved[0], ID_ATTRIBUTE).as_deref(), Some("o-bad"));
     let group = moved[0]
@@ -713,7 +799,10 @@ async fn a_dead_letter_goes_to_the_explicit_dead_letter_queue_when_one_is_given(
         .and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId))
         .cloned();
     assert_eq!(group.as_deref(), Some("grp"));
-    assert!(place.dead_letters().await.is_empty(), "not in the redrive policy's queue");
+    assert!(
+        place.dead_letters().await.is_empty(),
+        "not in the redrive policy's queue"
+    );
 }
 
 /// A dead letter SQS does not take (the dead-letter queue is gone) is not
@@ -728,7 +817,9 @@ async fn a_failed_dead_letter_send_keeps_the_message() {
     place.publish(Some("o-bad"), br#"{"order":"bad"}"#).await;
     let redis = RedisServer::start();
     let consumer = permanent_consumer(idem_on(&redis.url(), Duration::from_secs(5)).await);
-    let cfg = place.config(Duration::from_secs(30)).dead_letter_queue_url(&missing);
+    let cfg = place
+        .config(Duration::from_secs(30))
+        .dead_letter_queue_url(&missing);
     let adapter = place.adapter_with(cfg).await;
     let ledger = Ledger::new();
     let handler = async |m: Message| -> Result<(), String> {
@@ -745,14 +836,31 @@ async fn a_failed_dead_letter_send_keeps_the_message() {
     let dead_url = create_queue(&place.client, &dead_name, Vec::new()).await;
     assert_eq!(dead_url, missing);
     let again = poll_until(&adapter, &consumer, &handler, 1).await;
-    assert_eq!((again.redelivered, again.dead_lettered), (1, 1), "{again:?}");
+    assert_eq!(
+        (again.redelivered, again.dead_lettered),
+        (1, 1),
+        "{again:?}"
+    );
     support::assert_drained(&place).await;
     let moved = place.take_all(&dead_url).await;
-    let _ = place.client.delete_queue().queue_url(&dead_url).send().await;
+    let _ = place
+        .client
+        .delete_queue()
+        .queue_url(&dead_url)
+        .send()
+        .await;
     assert_eq!(moved.len(), 1);
     let d = dead_letter_of(&moved[0]);
-    assert_eq!((d.id.as_deref(), d.deliveries), (Some("o-bad"), Some(2)), "{d:?}");
-    assert_eq!(ledger.count("o-bad"), 2, "a permanent failure runs again on its redelivery");
+    assert_eq!(
+        (d.id.as_deref(), d.deliveries),
+        (Some("o-bad"), Some(2)),
+        "{d:?}"
+    );
+    assert_eq!(
+        ledger.count("o-bad"),
+        2,
+        "a permanent failure runs again on its redelivery"
+    );
 }
 
 /// A queue with neither a redrive policy nor a dead-letter queue given is
@@ -761,7 +869,9 @@ async fn a_failed_dead_letter_send_keeps_the_message() {
 async fn a_queue_without_a_dead_letter_queue_is_refused_saying_what_to_set() {
     let client = sqs_client().await;
     let url = create_queue(&client, &unique_name("nodlq"), Vec::new()).await;
-    let err = SqsConsumer::new(client.clone(), SqsConfig::new(&url)).await.unwrap_err();
+    let err = SqsConsumer::new(client.clone(), SqsConfig::new(&url))
+        .await
+        .unwrap_err();
     let _ = client.delete_queue().queue_url(&url).send().await;
     assert!(err.to_string().contains("dead_letter_queue_url"), "{err}");
 }
@@ -780,36 +890,41 @@ fn outbox_message(tag: &str, topic: &str, i: usize) -> OutboxMessage {
 
 /// Receives until `n` messages were decided, recording each handler run
 /// by message id; returns the outcomes by id.
-async fn consume_ids(adapter: &SqsConsumer, ledger: &Ledger, n: usize) -> HashMap<String, Vec<String>> {
+async fn consume_ids(
+    adapter: &SqsConsumer,
+    ledger: &Ledger,
+    n: usize,
+) -> HashMap<String, Vec<String>> {
     let consumer = Consumer::new(
         idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build(),
         "orders.ship",
     );
-    let outcomes: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
+    let mut outcomes: HashMap<String, Vec<String>> = HashMap::new();
     let handler = async |m: Message| -> Result<(), String> {
         ledger.record(m.id().unwrap());
         Ok(())
     };
     let mut seen = 0;
-    until("the sent messages arrive", Duration::from_secs(30), async || {
-        let fetched = adapter.fetch().await.unwrap();
-        for d in fetched {
-            let m = adapter.message_of(&d).unwrap();
-            let handled = consumer.handle(&m, &handler).await;
-            adapter.apply(&d, &handled.decision).await.unwrap();
-            outcomes
-                .lock()
-                .unwrap()
-                .entry(m.id().unwrap().to_owned())
-                .or_default()
-                .push(format!("{:?}", handled.outcome));
-            seen += 1;
-        }
-        seen >= n
-    })
+    until(
+        "the sent messages arrive",
+        Duration::from_secs(30),
+        async || {
+            let fetched = adapter.fetch().await.unwrap();
+            for d in fetched {
+                let m = adapter.message_of(&d).unwrap();
+                let handled = consumer.handle(&m, &handler).await;
+                adapter.apply(&d, &handled.decision).await.unwrap();
+                outcomes
+                    .entry(m.id().unwrap().to_owned())
+                    .or_default()
+                    .push(format!("{:?}", handled.outcome));
+                seen += 1;
+            }
+            seen >= n
+        },
+    )
     .await;
-    let out = outcomes.lock().unwrap().clone();
-    out
+    outcomes
 }
 
 /// Outbox → relay → SQS → consumer: messages written with their
@@ -832,7 +947,13 @@ async fn outbox_to_sqs_to_consumer_runs_each_message_once_across_a_relay_re_send
     for i in 0..n {
         let v = serde_json::json!({"order": format!("o-{i}")});
         outbox
-            .publish_with_id(&mut *tx, &place.url, &format!("order-{i}"), &format!("m-{i}"), &v)
+            .publish_with_id(
+                &mut tx,
+                &place.url,
+                &format!("order-{i}"),
+                &format!("m-{i}"),
+                &v,
+            )
             .await
             .unwrap();
     }
@@ -840,7 +961,11 @@ async fn outbox_to_sqs_to_consumer_runs_each_message_once_across_a_relay_re_send
     let sink = Arc::new(SqsSink::new(place.client.clone()));
     let relay = Relay::new(&store, Arc::clone(&sink)).batch_size(32);
     let pass = relay.drain_once().await.unwrap();
-    assert_eq!((pass.sent, pass.parked, pass.failed), (n as u64, 0, 0), "{pass:?}");
+    assert_eq!(
+        (pass.sent, pass.parked, pass.failed),
+        (n as u64, 0, 0),
+        "{pass:?}"
+    );
     assert_eq!(store.outbox().backlog().await.unwrap().pending, 0);
     // The relay's re-send after a crash between send and delete.
     let resent: Vec<OutboxMessage> = (0..n)
@@ -882,24 +1007,42 @@ async fn outbox_to_sqs_to_consumer_runs_each_message_once_across_a_relay_re_send
 async fn fifo_sink_sets_groups_from_keys_and_sqs_drops_re_sends_by_dedup_id() {
     let place = TestQueue::create_fifo("sink").await;
     let sink = SqsSink::new(place.client.clone()).queue_url(&place.url);
-    let batch: Vec<OutboxMessage> = (0..12).map(|i| outbox_message("fifo", "orders", i)).collect();
+    let batch: Vec<OutboxMessage> = (0..12)
+        .map(|i| outbox_message("fifo", "orders", i))
+        .collect();
     for r in sink.send(&batch).await {
         r.unwrap();
     }
     for r in sink.send(&batch).await {
         r.unwrap();
     }
-    assert_eq!(counts_in(&place.client, &place.url).await, (12, 0, 0), "the re-sends dropped");
+    assert_eq!(
+        counts_in(&place.client, &place.url).await,
+        (12, 0, 0),
+        "the re-sends dropped"
+    );
     let received = place.take_all(&place.url).await;
     assert_eq!(received.len(), 12);
     for m in &received {
         let id = attribute(m, ID_ATTRIBUTE).unwrap();
         let sent = batch.iter().find(|b| b.id == id).unwrap();
         let sys = m.attributes.as_ref().unwrap();
-        assert_eq!(sys.get(&MessageSystemAttributeName::MessageGroupId), Some(&sent.key));
-        assert_eq!(sys.get(&MessageSystemAttributeName::MessageDeduplicationId), Some(&sent.id));
-        assert_eq!(m.body.as_deref().map(str::as_bytes), Some(&sent.payload[..]));
-        assert_eq!(attribute(m, idem_consumer::outbox::KEY_ATTRIBUTE), Some(sent.key.clone()));
+        assert_eq!(
+            sys.get(&MessageSystemAttributeName::MessageGroupId),
+            Some(&sent.key)
+        );
+        assert_eq!(
+            sys.get(&MessageSystemAttributeName::MessageDeduplicationId),
+            Some(&sent.id)
+        );
+        assert_eq!(
+            m.body.as_deref().map(str::as_bytes),
+            Some(&sent.payload[..])
+        );
+        assert_eq!(
+            attribute(m, idem_consumer::outbox::KEY_ATTRIBUTE),
+            Some(sent.key.clone())
+        );
     }
 }
 
@@ -912,7 +1055,9 @@ async fn sink_refuses_exactly_the_messages_sqs_would_refuse_and_sends_the_rest()
     let place = TestQueue::create("sink-refuse").await;
     let sink = SqsSink::new(place.client.clone());
     let topic = place.url.rsplit('/').next().unwrap().to_owned();
-    let mut batch: Vec<OutboxMessage> = (0..25).map(|i| outbox_message("refuse", &topic, i)).collect();
+    let mut batch: Vec<OutboxMessage> = (0..25)
+        .map(|i| outbox_message("refuse", &topic, i))
+        .collect();
     batch[7].payload = "x".repeat(300 * 1024).into();
     batch[13].payload = "nul \u{0} inside".into();
     batch[20].topic = unique_name("no-such-queue");
@@ -920,8 +1065,14 @@ async fn sink_refuses_exactly_the_messages_sqs_would_refuse_and_sends_the_rest()
     assert_eq!(results.len(), 25);
     for (i, r) in results.iter().enumerate() {
         match i {
-            7 => assert!(matches!(r, Err(SinkError::Refused { reason, .. }) if reason.contains("over SQS's limit")), "{r:?}"),
-            13 => assert!(matches!(r, Err(SinkError::Refused { reason, .. }) if reason.contains("U+0000")), "{r:?}"),
+            7 => assert!(
+                matches!(r, Err(SinkError::Refused { reason, .. }) if reason.contains("over SQS's limit")),
+                "{r:?}"
+            ),
+            13 => assert!(
+                matches!(r, Err(SinkError::Refused { reason, .. }) if reason.contains("U+0000")),
+                "{r:?}"
+            ),
             20 => assert!(matches!(r, Err(SinkError::Refused { .. })), "{r:?}"),
             _ => assert!(r.is_ok(), "message {i}: {r:?}"),
         }
