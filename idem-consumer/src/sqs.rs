@@ -401,8 +401,11 @@ struct Held {
 struct Groups {
     /// Received, not yet handed out, in receive order.
     waiting: VecDeque<Held>,
-    /// Groups with a message handed out and not settled.
-    running: HashSet<String>,
+    /// Groups with a message handed out and not settled, with when its
+    /// visibility was last set: a handout never settled (a poll dropped
+    /// mid-batch) stops counting once that visibility has run out, as SQS
+    /// then delivers the message again.
+    running: HashMap<String, Instant>,
     /// Groups whose last settled message was not deleted: their waiting
     /// messages go back to SQS unrun.
     blocked: HashSet<String>,
@@ -578,7 +581,7 @@ impl SqsConsumer {
         let now = Instant::now();
         for d in received {
             let group = d.group_id.clone().unwrap_or_default();
-            let behind = groups.running.contains(&group)
+            let behind = groups.running.contains_key(&group)
                 || groups
                     .waiting
                     .iter()
@@ -589,7 +592,7 @@ impl SqsConsumer {
                     since: now,
                 });
             } else {
-                groups.running.insert(group);
+                groups.running.insert(group, now);
                 wave.push(d);
             }
         }
@@ -603,6 +606,9 @@ impl SqsConsumer {
         let mut groups = self.groups();
         let now = Instant::now();
         let visibility = self.cfg.visibility;
+        groups
+            .running
+            .retain(|_, since| now.duration_since(*since) < visibility);
         let mut release = Vec::new();
         let mut kept = VecDeque::with_capacity(groups.waiting.len());
         let waiting = std::mem::take(&mut groups.waiting);
@@ -625,7 +631,7 @@ impl SqsConsumer {
         let mut rest = VecDeque::with_capacity(kept.len());
         for held in kept {
             let group = held.delivery.group_id.clone().unwrap_or_default();
-            if groups.running.contains(&group) || taken.contains(&group) {
+            if groups.running.contains_key(&group) || taken.contains(&group) {
                 rest.push_back(held);
                 continue;
             }
@@ -633,7 +639,7 @@ impl SqsConsumer {
             taken.insert(group);
             wave.push(held.delivery);
         }
-        groups.running.extend(taken);
+        groups.running.extend(taken.into_iter().map(|g| (g, now)));
         groups.waiting = rest;
         (wave, stale, release)
     }
@@ -1073,8 +1079,14 @@ impl Adapter for SqsConsumer {
             .chain(waiting.iter().map(String::as_str))
             .collect();
         let started = Instant::now();
-        if self.extend(&handles).await && !waiting.is_empty() {
+        if self.extend(&handles).await && self.fifo {
             let mut groups = self.groups();
+            for d in in_flight {
+                let group = d.group_id.as_deref().unwrap_or_default();
+                if let Some(since) = groups.running.get_mut(group) {
+                    *since = started;
+                }
+            }
             for held in groups.waiting.iter_mut() {
                 if waiting.contains(&held.delivery.receipt_handle) {
                     held.since = started;
