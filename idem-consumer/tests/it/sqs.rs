@@ -11,7 +11,14 @@
 //! dropping a re-send sends both copies before anything is consumed; moto
 //! keeps its queues in memory, so "the broker restarts" is the endpoint
 //! going away and coming back (a proxy refusing and cutting connections),
-//! which is what a client of the managed SQS sees.
+//! which is what a client of the managed SQS sees; and moto runs SQS
+//! requests concurrently without a lock, so two `ReceiveMessage` calls in
+//! flight at once on one FIFO queue can both take messages of one group
+//! (even one message twice), which real SQS never does. FIFO tests
+//! therefore have one receiver at a time (one consumer polling, or the
+//! crash loop's one process at a time); what they check is the adapter's
+//! own part, one message of a group at a time and in order inside a
+//! consumer, which is what the waves do.
 
 use crate::support;
 
@@ -346,15 +353,6 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     support::four_tasks_run_each_order_once(place).await;
 }
 
-/// The same on a FIFO queue, its messages spread over four groups.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifo_four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_everything() {
-    let place = TestQueue::create_fifo("once")
-        .await
-        .min_visibility(Duration::from_secs(10));
-    support::four_tasks_run_each_order_once(place).await;
-}
-
 /// `ApproximateReceiveCount` drives the limits; dead letters go to the
 /// queue named by the redrive policy, with idem's fields as attributes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -508,13 +506,16 @@ where
     total
 }
 
-/// FIFO order per group under concurrency: 4 groups of 8 messages, two
-/// consumers polling at once, 16 handlers a batch. No two messages of one
-/// group ever run at the same time, each group's effects happen in send
-/// order, and a retryable failure in the middle of a group (nacked, made
-/// visible again at once) holds the rest of that group back until it
-/// succeeds: the messages behind it, received in the same batch, go back
-/// unrun and come again after it.
+/// FIFO order per group under concurrency: 4 groups of 8 messages, up to
+/// 16 handlers at once, every receive holding several messages of each
+/// group. No two messages of one group ever run at the same time, each
+/// group's effects happen in send order, and a retryable failure in the
+/// middle of a group (nacked, made visible again at once) holds the rest of
+/// that group back until it succeeds: the messages behind it, received in
+/// the same batch, go back unrun and come again after it. (One consumer
+/// receives: across consumers SQS itself holds a group while one of its
+/// messages is in flight, which moto does not do for receives in flight
+/// at once; see the module's documentation.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the_group_back() {
     let place = TestQueue::create_fifo("order").await;
@@ -561,23 +562,22 @@ async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the
         running[g].fetch_sub(1, Ordering::SeqCst);
         result
     };
-    let (a, b) = (
-        place.adapter("a", Duration::from_secs(10)).await,
-        place.adapter("b", Duration::from_secs(10)).await,
-    );
-    let acked = AtomicUsize::new(0);
+    let adapter = place.adapter("a", Duration::from_secs(10)).await;
     let total = groups * per_group;
-    let drive = async |adapter: &SqsConsumer| {
-        let mut report = PollReport::default();
-        until("every message acked", Duration::from_secs(60), async || {
-            report.add(adapter.poll(&consumer, &handler).await.unwrap());
-            acked.fetch_add(std::mem::take(&mut report.acked), Ordering::SeqCst);
-            acked.load(Ordering::SeqCst) >= total
-        })
-        .await;
-    };
-    tokio::join!(drive(&a), drive(&b));
-    assert_eq!(acked.load(Ordering::SeqCst), total);
+    let mut report = PollReport::default();
+    let mut most_in_a_wave = 0;
+    until("every message acked", Duration::from_secs(60), async || {
+        let r = adapter.poll(&consumer, &handler).await.unwrap();
+        most_in_a_wave = most_in_a_wave.max(r.fetched);
+        report.add(r);
+        report.acked >= total
+    })
+    .await;
+    assert_eq!((report.acked, report.nacked), (total, 1), "{report:?}");
+    assert!(
+        most_in_a_wave <= groups,
+        "a wave holds one message per group"
+    );
     assert_eq!(
         overlaps.load(Ordering::SeqCst),
         0,
