@@ -3,11 +3,12 @@
 //!
 //! ```sh
 //! cargo bench -p idem-consumer --bench consumer            # every phase
-//! cargo bench -p idem-consumer --bench consumer -- redis   # or: core, nats, rabbitmq, kafka, postgres
+//! cargo bench -p idem-consumer --bench consumer -- redis   # or: core, nats, rabbitmq, kafka, sqs, postgres
 //! ```
 //!
 //! Every phase pre-publishes `MESSAGES` messages (Kafka five times as many:
-//! see `consumer/kafka.rs`) (not timed), then times
+//! see `consumer/kafka.rs`; SQS a fifth, on moto: `consumer/sqs.rs`) (not
+//! timed), then times
 //! consuming and acking all of them with batches of 64, three ways on the
 //! same broker: the bare consume+ack loop; the dedup floor (`floor.rs`: the
 //! bare loop plus the two writes per message any deduplication needs,
@@ -28,7 +29,9 @@
 //! host steals time both move with the neighbours: compare binaries by
 //! instruction counts there (docs/performance.md, "The commands").
 //! NATS and RabbitMQ are taken from `NATS_URL` / `AMQP_URL` or their
-//! default local ports; PostgreSQL as idem-testkit finds it.
+//! default local ports; SQS is the local AWS endpoint (moto's server,
+//! `IDEM_AWS_ENDPOINT` or 127.0.0.1:4566, batches of 10: SQS's most);
+//! PostgreSQL as idem-testkit finds it.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -134,6 +137,8 @@ impl Timer {
 mod floor;
 #[path = "consumer/kafka.rs"]
 mod kafka;
+#[path = "consumer/sqs.rs"]
+mod sqs;
 
 use floor::{PgFloor, RedisFloor};
 
@@ -620,9 +625,10 @@ fn main() {
     REDIS_PID.store(server.pid().unwrap_or(0), Ordering::SeqCst);
     let url = server.url();
     println!(
-        "{MESSAGES} messages per phase (kafka {}), batches of {BATCH}, best of {} alternating rounds; \
+        "{MESSAGES} messages per phase (kafka {}, sqs {}), batches of {BATCH} (sqs 10), best of {} alternating rounds; \
          floor = the bare loop + one pipelined SET NX and one SET per message (benches/consumer/floor.rs)",
         kafka::MESSAGES,
+        sqs::MESSAGES,
         rounds()
     );
     rt.block_on(async {
@@ -735,6 +741,18 @@ fn main() {
                 idem.push_with(i);
             }
             report("kafka", Some(&bare), &floor, &idem);
+        }
+        if wanted("sqs") {
+            let client = idem_testkit::sqs_client().await;
+            let (mut bare, mut floor, mut idem) = (Vec::new(), Runs::default(), Runs::default());
+            for _ in 0..rounds() {
+                run += 1;
+                bare.push(sqs::bare(&client, run, None).await);
+                let f = RedisFloor::connect(&url, run).await;
+                floor.push(sqs::bare(&client, run, Some(&f)).await);
+                idem.push(sqs::idem(&client, &url, run).await);
+            }
+            report("sqs", Some(&bare), &floor, &idem);
         }
     });
 }

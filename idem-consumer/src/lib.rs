@@ -14,8 +14,8 @@
 //! The core is broker-agnostic ([`Consumer`], [`Message`], [`Decision`]);
 //! adapters are thin implementations of one trait, [`Adapter`] (fetch a
 //! batch, read a delivery as a [`Message`], apply a [`Decision`]), which
-//! brings the same `poll` and `run` loop to every broker; an SQS or Pulsar
-//! adapter fits in a page (see its documentation):
+//! brings the same `poll` and `run` loop to every broker; a Pulsar adapter
+//! fits in a page (see its documentation):
 //!
 //! * `redis-streams`: [`redis_streams::RedisStreamsConsumer`]: consumer
 //!   groups, `XREADGROUP`, `XACK`, stale entries via `XAUTOCLAIM`, dead-letter
@@ -27,11 +27,16 @@
 //!   and counts, under publisher confirms) to a dead-letter exchange;
 //! * `kafka`: [`kafka::KafkaConsumer`]: a consumer group whose offsets are
 //!   committed only up to the lowest record not yet decided, in-process
-//!   retries, retry and dead-letter topics, rebalances with a deadline.
+//!   retries, retry and dead-letter topics, rebalances with a deadline;
+//! * `sqs` (needs rustc 1.94.1, as the AWS SDK does): [`sqs::SqsConsumer`]:
+//!   batched long-poll receives, visibility extended while handlers run,
+//!   `DeleteMessageBatch`, nacks as visibility changes, dead letters (with
+//!   idem's reason) to the queue's dead-letter queue, FIFO queues in order
+//!   per message group.
 //!
 //! The other direction, for a transactional outbox: [`outbox`] has a
 //! [`Sink`](outbox::Sink) per broker (`RedisStreamsSink`, `NatsSink`,
-//! `RabbitSink`, `KafkaSink`, each behind its broker's feature) that puts
+//! `RabbitSink`, `KafkaSink`, `SqsSink`, each behind its broker's feature) that puts
 //! each message's id where the adapter above reads it, so re-sends replay.
 //!
 //! ```
@@ -77,6 +82,9 @@ pub mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub mod redis_streams;
+#[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
+pub mod sqs;
 
 pub use adapter::{Adapter, PollReport, Recovery};
 pub use consumer::{Consumer, DEFAULT_MAX_DELIVERIES, Handled};

@@ -20,6 +20,10 @@ mod rabbitmq;
 #[allow(dead_code)]
 mod kafka;
 
+#[path = "../readme/sqs_consumer.rs"]
+#[allow(dead_code)]
+mod sqs;
+
 // The guides' opening programs (docs/steps.md, docs/postgres.md, docs/http.md).
 #[path = "../readme/steps_checkout.rs"]
 #[allow(dead_code)]
@@ -85,6 +89,11 @@ fn the_readme_prints_the_kafka_program_compiled_here() {
         "kafka_consumer.rs",
         include_str!("../readme/kafka_consumer.rs"),
     );
+}
+
+#[test]
+fn the_consumers_guide_prints_the_sqs_program_compiled_here() {
+    assert_readme_prints("sqs_consumer.rs", include_str!("../readme/sqs_consumer.rs"));
 }
 
 #[test]

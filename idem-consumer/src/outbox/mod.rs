@@ -20,6 +20,7 @@
 //! | [`NatsSink`] | `nats` | header `Nats-Msg-Id` | header `Idem-Outbox-Key` |
 //! | [`RabbitSink`] | `rabbitmq` | property `message_id` | header `idem-outbox-key`, persistent, `mandatory` |
 //! | [`KafkaSink`] | `kafka` | header `idempotency-key` | record key = the message key |
+//! | [`SqsSink`] | `sqs` | message attribute `idem-id` | attribute `idem-outbox-key`; FIFO: `MessageGroupId` = key, `MessageDeduplicationId` = id |
 //!
 //! Failures are sorted for the relay: [`SinkError::Refused`] when the
 //! broker would refuse the message again (too large, no stream or topic
@@ -57,6 +58,8 @@ mod nats;
 mod rabbitmq;
 #[cfg(feature = "redis-streams")]
 mod redis_streams;
+#[cfg(feature = "sqs")]
+mod sqs;
 
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
@@ -70,6 +73,9 @@ pub use rabbitmq::RabbitSink;
 #[cfg(feature = "redis-streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis-streams")))]
 pub use redis_streams::RedisStreamsSink;
+#[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
+pub use sqs::{DEFAULT_MAX_MESSAGE_BYTES, KEY_ATTRIBUTE, SqsSink};
 
 /// The same failure for every message of a batch (a connection lost
 /// before any answer): `SinkError` is not `Clone`, so each gets its own,

@@ -21,3 +21,4 @@ mod nats;
 mod outbox_sinks;
 mod rabbitmq;
 mod redis_streams;
+mod sqs;
