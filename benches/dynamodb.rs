@@ -9,7 +9,7 @@
 //!   `PutItem` whose condition fails and returns the item (`ALL_OLD`).
 //!
 //! ```text
-//! cargo bench -p idem-dynamodb --bench dynamodb -- --calls 300 --rounds 5
+//! cargo bench --bench dynamodb --features dynamodb -- --calls 300 --rounds 5
 //! ```
 //!
 //! Needs the local AWS endpoint (`cargo xtask setup`, or
@@ -25,9 +25,9 @@
     reason = "a bench program: it fails loudly and prints its report"
 )]
 
-use aws_sdk_dynamodb::Client;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnValuesOnConditionCheckFailure};
-use idem_core::{Error, Idempotency, Outcome};
+use idem::dynamodb::aws_sdk_dynamodb::Client;
+use idem::dynamodb::aws_sdk_dynamodb::types::{AttributeValue, ReturnValuesOnConditionCheckFailure};
+use idem::{Error, Idempotency, Outcome};
 use idem_testkit::DynamoTestTable;
 use std::time::{Duration, Instant};
 
