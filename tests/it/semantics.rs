@@ -520,20 +520,26 @@ async fn fingerprint_mismatch(b: TestContext) {
     assert!(matches!(r, Err(Error::FingerprintMismatch)), "{r:?}");
     assert_eq!(idem.call("fp", "k").run(body(4)).await.unwrap(), 1);
 
-    // In flight with another payload is refused too.
+    // In flight with another payload is refused too: asked while the
+    // holder's body runs (its claim has landed), before it completes.
     let i2 = idem.clone();
+    let (entered_tx, entered_rx) = oneshot::channel();
+    let gate = Arc::new(Notify::new());
+    let held = gate.clone();
     let holder = tokio::spawn(async move {
         i2.call("fp", "busy")
             .fingerprint("a")
-            .run(|| async {
-                tokio::time::sleep(Duration::from_millis(300)).await;
+            .run(|| async move {
+                let _ = entered_tx.send(());
+                held.notified().await;
                 Res::Ok(1u32)
             })
             .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    entered_rx.await.unwrap();
     let r = idem.call("fp", "busy").fingerprint("b").run(body(2)).await;
     assert!(matches!(r, Err(Error::FingerprintMismatch)), "{r:?}");
+    gate.notify_one();
     holder.await.unwrap().unwrap();
 }
 
