@@ -57,9 +57,11 @@ pub(crate) fn encode_versioned<T: Serialize>(
     limit: usize,
     compress_above: Option<usize>,
 ) -> Encoded {
-    encode_with(value, version, limit, compress_above, |kind, bytes| Encoded {
-        kind,
-        bytes: bytes.to_vec(),
+    encode_with(value, version, limit, compress_above, |kind, bytes| {
+        Encoded {
+            kind,
+            bytes: bytes.to_vec(),
+        }
     })
 }
 
@@ -540,7 +542,14 @@ mod tests {
         // Newer, Reject: the typed error.
         let e = decode_versioned::<ReceiptV1>(&v2, limit, 1, &ReadRule::Reject).unwrap_err();
         assert!(
-            matches!(e, Error::ResultVersion { stored: 2, current: 1, .. }),
+            matches!(
+                e,
+                Error::ResultVersion {
+                    stored: 2,
+                    current: 1,
+                    ..
+                }
+            ),
             "{e}"
         );
         // A newer record whose new fields have defaults decodes.

@@ -195,7 +195,11 @@ mod tests {
     #[test]
     fn version_and_its_rule_pass_through_typed_by_the_return_type() {
         let out = expand_str(
-            quote!(key = id, version = 2, on_other_version = VersionRule::Reject),
+            quote!(
+                key = id,
+                version = 2,
+                on_other_version = VersionRule::Reject
+            ),
             quote!(
                 async fn f(id: u64) -> Result<Receipt, E> {
                     todo!()
@@ -217,7 +221,10 @@ mod tests {
                 }
             ),
         );
-        assert!(out.contains("result_version (__idem_call , VERSION)"), "{out}");
+        assert!(
+            out.contains("result_version (__idem_call , VERSION)"),
+            "{out}"
+        );
         assert!(!out.contains("on_other_version"), "{out}");
     }
 
@@ -232,11 +239,17 @@ mod tests {
         for bad in [quote!(4294967296), quote!("2"), quote!(1.5)] {
             let errs = errors(quote!(key = id, version = #bad), item.clone());
             assert!(
-                errs.iter().any(|e| e.starts_with("`version` must be a whole number")),
+                errs.iter()
+                    .any(|e| e.starts_with("`version` must be a whole number")),
                 "{bad}: {errs:?}"
             );
         }
-        assert!(expand(quote!(key = id, version = 4294967295), item, || quote!(::idem)).is_ok());
+        assert!(
+            expand(quote!(key = id, version = 4294967295), item, || quote!(
+                ::idem
+            ))
+            .is_ok()
+        );
     }
 
     #[test]

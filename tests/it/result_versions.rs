@@ -31,14 +31,14 @@ mod build_v1 {
     use std::time::Duration;
 
     #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-    pub struct Receipt {
-        pub id: String,
-        pub cents: u64,
+    pub(super) struct Receipt {
+        pub(super) id: String,
+        pub(super) cents: u64,
     }
 
     /// Charges `cents` once per key: the body runs only when idem says so,
     /// and records its run in `ledger`.
-    pub async fn charge(
+    pub(super) async fn charge(
         idem: &Idempotency,
         ledger: &Ledger,
         key: &str,
@@ -69,17 +69,17 @@ mod build_v2 {
     use std::time::Duration;
 
     #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-    pub struct Amount {
-        pub minor: u64,
-        pub currency: String,
+    pub(super) struct Amount {
+        pub(super) minor: u64,
+        pub(super) currency: String,
     }
 
     #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-    pub struct Receipt {
-        pub id: String,
-        pub amount: Amount,
+    pub(super) struct Receipt {
+        pub(super) id: String,
+        pub(super) amount: Amount,
         /// Still written for build 1's processes, which read only this.
-        pub cents: u64,
+        pub(super) cents: u64,
     }
 
     impl Versioned for Receipt {
@@ -90,7 +90,7 @@ mod build_v2 {
     }
 
     /// A version-1 (or version-0) receipt as a version-2 one.
-    pub fn upgrade(json: serde_json::Value, stored: u32) -> Result<Receipt, Error> {
+    pub(super) fn upgrade(json: serde_json::Value, stored: u32) -> Result<Receipt, Error> {
         let v1: super::build_v1::Receipt = serde_json::from_value(json).map_err(|e| {
             Error::codec(format!("a version-{stored} receipt that is not one: {e}"))
         })?;
@@ -105,7 +105,7 @@ mod build_v2 {
     }
 
     /// Charges `cents` once per key; `rule` overrides the type's own.
-    pub async fn charge(
+    pub(super) async fn charge(
         idem: &Idempotency,
         ledger: &Ledger,
         key: &str,
@@ -248,7 +248,11 @@ async fn stored_bytes_match_the_golden_fixtures(ctx: TestContext) {
         );
         let info = idem.inspect("charge", key).await.unwrap().unwrap();
         assert_eq!(info.result_version, Some(version), "{key}");
-        let info = idem.inspect_with_value("charge", key).await.unwrap().unwrap();
+        let info = idem
+            .inspect_with_value("charge", key)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(info.result_version, Some(version), "{key}");
         // The value shown is the JSON, without the frame.
         let json: serde_json::Value = serde_json::from_slice(&info.value.unwrap()).unwrap();
@@ -279,10 +283,7 @@ async fn golden_records_read_through_each_rule(ctx: TestContext) {
         assert_eq!(r.amount.currency, "EUR");
     }
     // Build 2 with Reject: the typed error for versions 0 and 1.
-    for (key, stored, json) in [
-        ("g0", 0, GOLDEN_V0),
-        ("g1", 1, &GOLDEN_V1[4..]),
-    ] {
+    for (key, stored, json) in [("g0", 0, GOLDEN_V0), ("g1", 1, &GOLDEN_V1[4..])] {
         let r = build_v2::charge(&idem, ledger, key, 1, Some(VersionRule::Reject)).await;
         let (s, c, raw_json) = version_of(r);
         assert_eq!((s, c, raw_json.as_bytes()), (stored, 2, json), "{key}");
@@ -317,7 +318,9 @@ async fn the_newer_build_reads_older_records_through_each_rule(ctx: TestContext)
     assert!(matches!(e, Error::Codec { .. }), "{e}");
     assert!(e.to_string().contains("result version 1"), "{e}");
 
-    let (r, o) = build_v2::charge(&v2, ledger, "upgrade", 1, None).await.unwrap();
+    let (r, o) = build_v2::charge(&v2, ledger, "upgrade", 1, None)
+        .await
+        .unwrap();
     assert_eq!(o, Outcome::Replayed);
     assert_eq!(
         r.amount,
@@ -499,7 +502,9 @@ async fn an_unreadable_result_is_never_released_nor_rewritten(ctx: TestContext) 
         (ctx.idem(), "plain"),
         (ctx.idem_with(|b| b.local_cache(100)), "cached"),
     ] {
-        let (r, _) = build_v2::charge(&idem, ledger, key, 300, None).await.unwrap();
+        let (r, _) = build_v2::charge(&idem, ledger, key, 300, None)
+            .await
+            .unwrap();
         let before = raw(&ctx, key).await;
         for attempt in 0..3 {
             let e = idem

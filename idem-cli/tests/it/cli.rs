@@ -99,7 +99,15 @@ async fn inspect_forget_scan_and_exit_codes() {
     );
     let o = idem(
         url,
-        &["--namespace", "svc", "--json", "inspect", "receipt", "v2", "--value"],
+        &[
+            "--namespace",
+            "svc",
+            "--json",
+            "inspect",
+            "receipt",
+            "v2",
+            "--value",
+        ],
     );
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
     assert_eq!((&v["result_version"], &v["value"]), (&2.into(), &42.into()));

@@ -286,7 +286,7 @@ impl Exec<'_> {
             &self.version_rule,
         )
         .map(|v| (v, Outcome::Replayed))
-            .map_err(|e| self.fail(e))
+        .map_err(|e| self.fail(e))
     }
 
     /// Before a store read whose record may enter the local cache: the
