@@ -81,7 +81,9 @@
 //! by default; re-exported as [`redis`], and its store as [`RedisStore`]).
 //! With feature `client`, [`client`] is a retrying HTTP client that keeps
 //! one key per operation; with feature `http`, [`http`] is a tower layer
-//! giving axum services `Idempotency-Key` semantics; with feature `grpc`,
+//! giving axum services `Idempotency-Key` semantics (and with feature
+//! `lambda`, [`lambda`] runs SQS batches on AWS Lambda once per record and
+//! puts that layer on API Gateway); with feature `grpc`,
 //! [`grpc`] runs tonic services' unary RPCs once per key and replays their
 //! answers, and its `client` resends one key per operation.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -133,10 +135,22 @@ pub use idem_grpc as grpc;
 #[cfg_attr(docsrs, doc(cfg(feature = "consumer")))]
 pub use idem_consumer as consumer;
 
+/// AWS Lambda (feature `lambda`): SQS batch handlers that run each record
+/// once per key and report partial batch failures, and the
+/// `Idempotency-Key` layer on API Gateway; see [`idem_lambda`].
+#[cfg(feature = "lambda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "lambda")))]
+pub use idem_lambda as lambda;
+
 /// The PostgreSQL store and `run_in_tx` (feature `postgres`); see [`idem_postgres`].
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use idem_postgres as postgres;
+
+/// The DynamoDB store, `DynamoStore` (feature `dynamodb`); see [`idem_dynamodb`].
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub use idem_dynamodb as dynamodb;
 
 /// The transactional outbox: messages for the next system committed with a
 /// call's result, and a relay that publishes them at least once, in order

@@ -4,12 +4,14 @@ use clap::{Args, Parser, Subcommand};
 use idem_core::KeyState;
 use std::time::Duration;
 
-/// Inspect, forget and scan idem's idempotency records in Redis or PostgreSQL.
+/// Inspect, forget and scan idem's idempotency records in Redis, PostgreSQL
+/// or DynamoDB.
 ///
 /// Exit codes: 0 done; 1 no such record; 2 bad arguments or URL; 3 refused,
 /// the key is in flight (use --force only for a dead holder); 4 the record
 /// is unreadable (not idem's, or damaged; nothing deleted); 5 the store
-/// (Redis or PostgreSQL) unreachable or refused the command; 6 anything else.
+/// (Redis, PostgreSQL or DynamoDB) unreachable or refused the command; 6
+/// anything else.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about, long_about = None)]
 pub(crate) struct Cli {
@@ -31,6 +33,19 @@ pub(crate) struct Target {
     /// even when $REDIS_URL is set.
     #[arg(long, global = true, conflicts_with = "cluster")]
     pub(crate) postgres: Option<String>,
+    /// A DynamoDB table (idem-dynamodb's DynamoStore): used instead of
+    /// Redis. Region, credentials and endpoint come from the standard AWS
+    /// environment and config files (AWS_REGION, AWS_PROFILE,
+    /// AWS_ENDPOINT_URL_DYNAMODB, ...).
+    #[arg(long, global = true, value_name = "TABLE", conflicts_with_all = ["cluster", "postgres"])]
+    pub(crate) dynamodb: Option<String>,
+    /// The DynamoDB table's partition key attribute, with --dynamodb.
+    #[arg(long, global = true, default_value = idem_dynamodb::DEFAULT_KEY_ATTRIBUTE, requires = "dynamodb")]
+    pub(crate) key_attribute: String,
+    /// The prefix of idem's items in a shared DynamoDB table
+    /// (`DynamoStoreConfig::key_prefix`), with --dynamodb.
+    #[arg(long, global = true, default_value = "", requires = "dynamodb")]
+    pub(crate) key_prefix: String,
     /// The PostgreSQL table of the records (`PgStoreConfig::table`), with --postgres.
     #[arg(long, global = true, default_value = idem_postgres::DEFAULT_TABLE, requires = "postgres")]
     pub(crate) table: String,

@@ -77,6 +77,18 @@ pub(crate) async fn connect_redis(target: &Target) -> Result<RedisStore, Error> 
 
 async fn connect(target: &Target) -> Result<(Idempotency, String), Error> {
     validate_key_part(KeyPart::Namespace, &target.namespace)?;
+    if let Some(table) = &target.dynamodb {
+        let aws = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+        let config = idem_dynamodb::DynamoStoreConfig::new(table.as_str())
+            .key_attribute(target.key_attribute.as_str())
+            .key_prefix(target.key_prefix.as_str());
+        let client = idem_dynamodb::aws_sdk_dynamodb::Client::new(&aws);
+        let store = idem_dynamodb::DynamoStore::with_config(client, config)?;
+        let idem = Idempotency::builder(store)
+            .namespace(&target.namespace)
+            .build();
+        return Ok((idem, format!("dynamodb (table {table})")));
+    }
     if let Some(url) = &target.postgres {
         let config = idem_postgres::PgStoreConfig::table(target.table.as_str());
         let store = idem_postgres::PgStore::connect_with(url, config).await?;

@@ -51,6 +51,11 @@ impl AnyOutbox {
 }
 
 pub(crate) async fn run(target: &Target, command: &OutboxCommand) -> Result<u8, Error> {
+    if target.dynamodb.is_some() {
+        return Err(Error::Unsupported {
+            op: "outbox (DynamoStore keeps no outbox; use --postgres or --redis)",
+        });
+    }
     let outbox = match &target.postgres {
         Some(url) => {
             let config = PgStoreConfig::table(target.table.as_str());

@@ -119,6 +119,7 @@ pub struct Consumer<C = AllRetryable> {
     backoff_max: Duration,
     wait: Option<Duration>,
     ttl: Option<Duration>,
+    lease: Option<Duration>,
     concurrency: usize,
     drain_timeout: Duration,
     classifier: Arc<C>,
@@ -159,6 +160,7 @@ impl Consumer<AllRetryable> {
             backoff_max: Duration::from_secs(30),
             wait: None,
             ttl: None,
+            lease: None,
             concurrency: 16,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             classifier: Arc::new(AllRetryable),
@@ -246,6 +248,28 @@ impl<C> Consumer<C> {
         self
     }
 
+    /// The lease of each message's call; default the runtime's `lease`.
+    /// A host that stops its handlers at a known instant (an AWS Lambda
+    /// invocation's deadline) bounds it by the time left, so that a claim
+    /// made by a stopped handler does not hold the key long after it.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// use std::time::Duration;
+    /// let c = idem_consumer::Consumer::new(idem, "s").lease(Duration::from_secs(5));
+    /// assert_eq!(c.call_lease(), Duration::from_secs(5));
+    /// ```
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The lease of each message's call ([`lease`](Consumer::lease), or
+    /// else the runtime's).
+    pub fn call_lease(&self) -> Duration {
+        self.lease.unwrap_or_else(|| self.idem.lease())
+    }
+
     /// How long [`Adapter::run`](crate::Adapter::run) lets the handlers in
     /// flight finish after its shutdown signal before it abandons them
     /// (default 20 s: inside the 30 s grace period that Kubernetes and
@@ -290,6 +314,7 @@ impl<C> Consumer<C> {
             backoff_max: self.backoff_max,
             wait: self.wait,
             ttl: self.ttl,
+            lease: self.lease,
             concurrency: self.concurrency,
             drain_timeout: self.drain_timeout,
             classifier: Arc::new(classifier),
@@ -333,7 +358,7 @@ impl<C> Consumer<C> {
     /// How often adapters tell the broker a message is still being worked
     /// on: a third of idem's lease, the period of idem's own keep-alive.
     pub fn keep_alive_period(&self) -> Duration {
-        self.idem.lease() / 3
+        self.call_lease() / 3
     }
 
     /// The key of `msg` under this consumer's key source.
@@ -517,6 +542,18 @@ impl<C> Consumer<C> {
         // chain of setters, which the compiler builds in place (each
         // `call = call.setter(..)` copied the whole call).
         let ttl = self.ttl.unwrap_or_else(|| self.idem.result_ttl());
+        if let Some(lease) = self.lease {
+            let call = self.idem.call(&self.scope, key).ttl(ttl).lease(lease);
+            let call = match (self.fingerprint, fingerprint) {
+                (false, _) => call,
+                (true, Some(fp)) => call.fingerprint_raw(fp),
+                (true, None) => call.fingerprint_raw(self.keys.fingerprint(msg)),
+            };
+            return match self.wait {
+                Some(w) => call.wait(w),
+                None => call,
+            };
+        }
         if !self.fingerprint {
             let call = self.idem.call(&self.scope, key).ttl(ttl);
             return match self.wait {

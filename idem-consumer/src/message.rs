@@ -92,6 +92,13 @@ impl Message {
 
     /// [`with_position`](Message::with_position) from a shared copy: no
     /// `String` made on the way.
+    #[cfg_attr(
+        not(any(feature = "nats", feature = "redis-streams", feature = "kafka")),
+        allow(
+            dead_code,
+            reason = "only the adapters use it; idem-lambda builds none"
+        )
+    )]
     pub(crate) fn at_position(mut self, position: Arc<str>) -> Message {
         self.position = Some(position);
         self

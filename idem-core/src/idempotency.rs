@@ -403,7 +403,10 @@ impl IdempotencyBuilder {
     ///
     /// A larger result is returned to the call that produced it but not
     /// stored: later calls get [`Error::TooLarge`] instead of running the
-    /// body again.
+    /// body again. A store with a limit of its own
+    /// ([`Capabilities::max_value_size`](crate::store::Capabilities::max_value_size):
+    /// DynamoDB's 400 KB item) lowers it to that limit; the runtime's
+    /// [`Idempotency::max_value_size`] says what is in force.
     ///
     /// ```
     /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new())
@@ -561,6 +564,13 @@ impl IdempotencyBuilder {
                 (self.max_value_size == 0)
                     .then(|| "max_value_size is 0: nothing could be stored".to_owned())
             });
+        // A store with a value limit of its own (DynamoDB's item size)
+        // lowers the builder's: a larger result becomes the too-large
+        // marker instead of a write the store refuses.
+        let max_value_size = match self.store.capabilities().max_value_size {
+            Some(limit) => self.max_value_size.min(limit),
+            None => self.max_value_size,
+        };
         let mut prefix = String::with_capacity(self.namespace.len() + 1);
         push_escaped(&mut prefix, &self.namespace);
         prefix.push(':');
@@ -584,7 +594,7 @@ impl IdempotencyBuilder {
                 fail_mode: self.fail_mode,
                 durability: self.durability,
                 require_final: self.require_final.unwrap_or(!self.durability.is_async()),
-                max_value_size: self.max_value_size,
+                max_value_size,
                 compress_above: self.compress_above,
                 store_retries: self.store_retries,
                 log_keys: self.log_keys,

@@ -263,6 +263,9 @@ impl Store for Metered {
         if let Some(watch) = inner.watch {
             caps = caps.watch(watch);
         }
+        if let Some(limit) = inner.max_value_size {
+            caps = caps.max_value_size(limit);
+        }
         caps
     }
 }

@@ -183,9 +183,13 @@ impl IdempotencyLayer {
     }
 
     /// A duplicate that arrives while the first call runs waits up to `d`
-    /// for its answer (then gets it replayed) instead of `ABORTED` at once.
-    /// As in idem-http, the wait is woken by the store (Redis pub/sub), not
-    /// a poll.
+    /// for its answer (then gets it replayed) instead of `ABORTED` at once;
+    /// never past the call's own deadline (`grpc-timeout`). A call that
+    /// sends [`idem-wait`](crate::IDEM_WAIT) waits what it asks for instead
+    /// (see [`max_wait`](Self::max_wait)). As in idem-http, the wait is
+    /// woken by the store (MemoryStore in process, RedisStore by pub/sub);
+    /// on one without notifications (PostgreSQL) the waiter reads the key
+    /// again, 5 ms doubling up to 250 ms apart.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
@@ -193,6 +197,24 @@ impl IdempotencyLayer {
     /// ```
     pub fn wait(self, d: Duration) -> Self {
         self.with_settings(|s| s.wait(d))
+    }
+
+    /// The longest a call may ask to wait with an [`idem-wait: N`](crate::IDEM_WAIT)
+    /// metadata entry (whole seconds) for the answer of an in-flight call
+    /// with its key (default 10 s; zero ignores the entry). Such a
+    /// duplicate waits `min(N, max_wait, its deadline)` instead of the
+    /// layer's [`wait`](Self::wait), and its answer (the replay, or
+    /// `ABORTED` when the wait ends first) carries
+    /// [`idem-wait-applied-ms`](crate::IDEM_WAIT_APPLIED_MS), the wait it
+    /// was granted.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// // `idem-wait: 3600` waits 30 s at most, and says so.
+    /// let layer = idem_grpc::IdempotencyLayer::new(idem).max_wait(std::time::Duration::from_secs(30));
+    /// ```
+    pub fn max_wait(self, cap: Duration) -> Self {
+        self.with_settings(|s| s.max_wait(cap))
     }
 
     /// Error statuses stored and replayed like `OK` (default: none, so any

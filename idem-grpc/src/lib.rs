@@ -66,7 +66,8 @@
 //! | compressed request message, when the key or fingerprint reads the message | `UNIMPLEMENTED` (`compressed-request`) |
 //! | request over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) (4 MiB) | `RESOURCE_EXHAUSTED` (`request-too-large`) |
 //! | first call with this key | the handler runs in a task of its own (a client that goes away does not stop it); its answer is stored if it is `OK` (or a code of [`store_error_codes`](IdempotencyLayer::store_error_codes)), then sent |
-//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` for the answer and replays it (`idempotent-replayed: true`) |
+//! | same key, first call still running | `ABORTED` (`key-in-use`) with `grpc-retry-pushback-ms`; with [`wait(d)`](IdempotencyLayer::wait) it first waits up to `d` (never past its deadline) for the answer and replays it (`idempotent-replayed: true`) |
+//! | same key, first call still running, `idem-wait: N` | waits up to `N` s (at most [`max_wait`](IdempotencyLayer::max_wait), 10 s, and its deadline) for the answer and replays it; `ABORTED` when the wait ends first; either with [`idem-wait-applied-ms`](IDEM_WAIT_APPLIED_MS) |
 //! | same key, completed | the stored initial metadata, message bytes and trailers (status, message, details, trailing metadata) + `idempotent-replayed: true`; the handler does not run |
 //! | same key, processed but answer not kept (a stream, over [`max_response_bytes`](IdempotencyLayer::max_response_bytes), or its record over the runtime's `max_value_size`) | `FAILED_PRECONDITION` (`response-not-kept`) |
 //! | same key, another request message (or method, under a shared scope) | `FAILED_PRECONDITION` (`key-reused`) |
@@ -123,6 +124,22 @@
 //! gets its answer once it is stored, so a retry sent right after it finds
 //! it.
 //!
+//! **Waiting for the first call.** A call that would rather wait than
+//! retry sends [`idem-wait: N`](IDEM_WAIT) (whole seconds, the first entry
+//! counts; a value that is not whole seconds is ignored). A duplicate of a
+//! call still running then waits up to `N` s, at most
+//! [`max_wait`](IdempotencyLayer::max_wait) (10 s by default; zero
+//! ignores the entry) and never past its own deadline (`grpc-timeout`),
+//! instead of the layer's [`wait`](IdempotencyLayer::wait). Its answer is
+//! the replay once the first call's answer is stored, or `ABORTED`
+//! (`key-in-use`) when the wait ends first, either with
+//! [`idem-wait-applied-ms`](IDEM_WAIT_APPLIED_MS), the wait granted. When
+//! the first call fails (its key released), a waiting duplicate is a retry
+//! like any other: one of them runs the handler, the others get its
+//! answer. The wait is woken by the store (the MemoryStore in process, a
+//! RedisStore by pub/sub); a store without notifications (PostgreSQL) is
+//! read again, 5 ms doubling up to 250 ms apart.
+//!
 //! **Streaming.** Only methods you declare are protected. A declared
 //! method whose request holds more than one message is refused before the
 //! handler runs; one whose reply holds more than one message (it was
@@ -136,6 +153,7 @@ mod layer;
 mod method;
 mod service;
 mod stored;
+mod wait;
 
 pub use idem_key::{KeyError, MAX_KEY_LEN};
 pub use layer::{DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer};
@@ -176,3 +194,22 @@ pub const RETRY_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushb
 /// assert_eq!(idem_grpc::IDEM_ERROR, "idem-error");
 /// ```
 pub const IDEM_ERROR: HeaderName = HeaderName::from_static("idem-error");
+
+/// `idem-wait: N`: request metadata asking that a call whose key is in
+/// flight wait up to `N` whole seconds for the first call's answer
+/// (capped by [`IdempotencyLayer::max_wait`] and the call's deadline)
+/// instead of `ABORTED` at once.
+///
+/// ```
+/// assert_eq!(idem_grpc::IDEM_WAIT, "idem-wait");
+/// ```
+pub const IDEM_WAIT: HeaderName = HeaderName::from_static("idem-wait");
+
+/// `idem-wait-applied-ms`: on the answers to a call that sent
+/// [`IDEM_WAIT`] (the replay, or `ABORTED` when the wait ran out), the
+/// wait it was granted, in milliseconds.
+///
+/// ```
+/// assert_eq!(idem_grpc::IDEM_WAIT_APPLIED_MS, "idem-wait-applied-ms");
+/// ```
+pub const IDEM_WAIT_APPLIED_MS: HeaderName = HeaderName::from_static("idem-wait-applied-ms");

@@ -7,6 +7,7 @@ use crate::config::{Config, Refusal, refuse, tenant_of};
 use crate::frame::{self, FrameError};
 use crate::method::{KeySource, UnaryMethod};
 use crate::stored::{self, explain};
+use crate::wait;
 use crate::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -18,6 +19,7 @@ use idem_layer::settings::Claim;
 use idem_layer::task::{
     self, Answers, BytesBody, Inner, Ran, ReadError, TaskError, read_limited, take_ready,
 };
+use idem_layer::wait::Wait;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
@@ -277,6 +279,7 @@ where
         method.scope.as_deref().unwrap_or(&method.path),
         tenant.as_deref(),
     );
+    let wait = wait::of(request.headers(), &cfg.settings);
     let job = Job {
         inner,
         cfg: cfg.clone(),
@@ -286,6 +289,7 @@ where
             key,
             fingerprint,
         },
+        wait,
         request,
     };
     // A client that goes away (hyper drops this future) does not stop a
@@ -336,6 +340,9 @@ struct Job<S> {
     inner: S,
     cfg: Arc<Config>,
     claim: Claim,
+    /// How long this call waits for an in-flight one with its key, and the
+    /// wait it asked for as granted (`idem-wait`).
+    wait: Wait,
     request: Request<Body>,
 }
 
@@ -349,10 +356,11 @@ impl<S> Job<S> {
             inner,
             cfg,
             claim,
+            wait,
             request,
         } = self;
         let mut reply = Some(reply);
-        let mut call = claim.call(&cfg.settings);
+        let mut call = claim.call_waiting(&cfg.settings, wait.wait);
         if let Some(group) = &cfg.group {
             call = call.in_group(group);
         }
@@ -360,7 +368,11 @@ impl<S> Job<S> {
         let result = call
             .run_outcome(|| execute(inner, request, config, &mut reply))
             .await;
-        if let Some(answer) = task::answer(&GrpcAnswers(config), result) {
+        let answers = GrpcAnswers {
+            cfg: config,
+            granted: wait.granted,
+        };
+        if let Some(answer) = task::answer(&answers, result) {
             // The client may be gone; the answer is stored all the same.
             task::send(&mut reply, answer);
         }
@@ -492,14 +504,21 @@ fn status_code(headers: Option<&HeaderMap>) -> Option<i32> {
 }
 
 /// The layer's answers: gRPC statuses, replays byte for byte.
-struct GrpcAnswers<'a>(&'a Config);
+struct GrpcAnswers<'a> {
+    cfg: &'a Config,
+    /// The wait the call asked for (`idem-wait`), as granted: reported on
+    /// the answers it gets as a duplicate.
+    granted: Option<std::time::Duration>,
+}
 
 impl Answers for GrpcAnswers<'_> {
     type Response = Response<Body>;
     type Live = Response<Body>;
 
     fn replay(&self, record: Record) -> Response<Body> {
-        replay(record, self.0)
+        let mut response = replay(record, self.cfg);
+        wait::mark(response.headers_mut(), self.granted);
+        response
     }
 
     fn first(&self, ran: Ran<Response<Body>>) -> Option<Response<Body>> {
@@ -507,7 +526,12 @@ impl Answers for GrpcAnswers<'_> {
     }
 
     fn refusal(&self, error: Error) -> Response<Body> {
-        idem_error(error, self.0)
+        let in_flight = matches!(error, Error::InProgress { .. });
+        let mut response = idem_error(error, self.cfg);
+        if in_flight {
+            wait::mark(response.headers_mut(), self.granted);
+        }
+        response
     }
 }
 

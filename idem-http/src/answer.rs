@@ -3,9 +3,10 @@
 
 use crate::config::Config;
 use crate::encoding::{self, Replay};
+use crate::prefer;
 use crate::problem::{ProblemKind, problem_response};
 use crate::stored::{Live, StoredResponse, explain};
-use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED};
+use crate::{IDEMPOTENCY_RETENTION, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
 use axum::body::Body;
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -13,6 +14,7 @@ use http::{Response, StatusCode};
 use idem_core::{Error, KeyError, KeyPart};
 use idem_layer::record::Record;
 use idem_layer::task::Answers;
+use std::time::Duration;
 
 fn retention_header(cfg: &Config, response: &mut Response<Body>) {
     if cfg.advertise_retention {
@@ -28,6 +30,22 @@ fn retention_header(cfg: &Config, response: &mut Response<Body>) {
 pub(crate) struct HttpAnswers<'a> {
     pub(crate) cfg: &'a Config,
     pub(crate) accept: Option<&'a HeaderValue>,
+    /// The wait the request asked for (`Prefer: wait`), as granted: sent
+    /// back as `Preference-Applied` on the answers it was a duplicate's.
+    pub(crate) granted: Option<Duration>,
+}
+
+impl HttpAnswers<'_> {
+    /// `Preference-Applied: wait=N` on an answer to a duplicate that asked
+    /// to wait.
+    fn applied(&self, mut response: Response<Body>) -> Response<Body> {
+        if let Some(granted) = self.granted {
+            response
+                .headers_mut()
+                .insert(PREFERENCE_APPLIED, prefer::applied(granted));
+        }
+        response
+    }
 }
 
 impl Answers for HttpAnswers<'_> {
@@ -35,7 +53,7 @@ impl Answers for HttpAnswers<'_> {
     type Live = Live;
 
     fn replay(&self, record: Record) -> Response<Body> {
-        replay(record, self.cfg, self.accept)
+        self.applied(replay(record, self.cfg, self.accept))
     }
 
     fn first(&self, ran: StoredResponse) -> Option<Response<Body>> {
@@ -43,7 +61,14 @@ impl Answers for HttpAnswers<'_> {
     }
 
     fn refusal(&self, error: Error) -> Response<Body> {
-        idem_error(error, self.cfg)
+        let in_flight = matches!(error, Error::InProgress { .. });
+        let response = idem_error(error, self.cfg);
+        if in_flight {
+            // It waited what it asked for (or was granted), in vain.
+            self.applied(response)
+        } else {
+            response
+        }
     }
 }
 

@@ -71,6 +71,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("advertise_retention", &c.advertise_retention)
             .field("lease", &c.settings.lease)
             .field("wait", &c.settings.wait)
+            .field("max_wait", &c.settings.max_wait)
             .field("bypass", &c.bypass.is_some())
             .field("stream_content_types", &c.stream_content_types)
             .field("cancel_on_disconnect", &c.cancel_on_disconnect)
@@ -407,7 +408,9 @@ impl IdempotencyLayer {
 
     /// How long a duplicate that arrives while the first request runs waits
     /// for its response (then replayed to it) before getting `409` (default
-    /// zero: `409` at once, whatever the runtime's own `wait` default).
+    /// zero: `409` at once, whatever the runtime's own `wait` default). A
+    /// request with `Prefer: wait=N` waits what it asks for instead (see
+    /// [`max_wait`](Self::max_wait)).
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
@@ -415,6 +418,27 @@ impl IdempotencyLayer {
     /// ```
     pub fn wait(self, wait: Duration) -> Self {
         self.with_settings(|s| s.wait(wait))
+    }
+
+    /// The longest a request may ask to wait with `Prefer: wait=N` (RFC
+    /// 7240) for the response of an in-flight request with its key
+    /// (default 10 s; zero ignores the preference). Such a duplicate waits
+    /// `min(N, max_wait)` instead of the layer's [`wait`](Self::wait), and
+    /// its answer carries `Preference-Applied: wait=<that, in seconds>`:
+    /// the stored response replayed as soon as it is stored, or `409`
+    /// [`key-in-use`](crate#key-in-use) when the wait ends first. The wait
+    /// is woken by the store (MemoryStore in process, RedisStore by
+    /// pub/sub); on a store without notifications (PostgreSQL, a
+    /// RedisStore made from a connection) the waiter reads the key again,
+    /// 5 ms doubling up to 250 ms apart.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// // `Prefer: wait=3600` waits 30 s at most, and says so.
+    /// let layer = idem_http::IdempotencyLayer::new(idem).max_wait(std::time::Duration::from_secs(30));
+    /// ```
+    pub fn max_wait(self, cap: Duration) -> Self {
+        self.with_settings(|s| s.max_wait(cap))
     }
 
     /// The settings idem-grpc's layer has too are set in one place.

@@ -75,6 +75,7 @@
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) | `413` [`request-too-large`](#request-too-large) |
 //! | first request with this key | the handler runs (in a task of its own: a client that disconnects does not stop it); its response streams to the client and, if storable, is stored |
 //! | same key, handler still running | `409` [`key-in-use`](#key-in-use) with `Retry-After` ([`retry_after`](IdempotencyLayer::retry_after), default 1 s); with [`wait`](IdempotencyLayer::wait) it first waits that long for the response, then gets it replayed |
+//! | same key, handler still running, `Prefer: wait=N` | waits up to `N` s (at most [`max_wait`](IdempotencyLayer::max_wait), 10 s) for the response, then gets it replayed; `409` when the wait ends first; either with `Preference-Applied: wait=<granted>` (see [`Prefer: wait`](#prefer-wait)) |
 //! | same key, completed | the stored status, headers and body, with `Idempotent-Replayed: true`; the handler does not run |
 //! | same key, processed but its response not kept (over [`max_response_body`](IdempotencyLayer::max_response_body), or `text/event-stream`) | `410` [`response-not-kept`](#response-not-kept); the handler does not run |
 //! | same key, another method, path, query or body | `422` [`key-reused`](#key-reused) |
@@ -120,6 +121,37 @@
 //! once and the body streams through. A route that must not be claimed at
 //! all (an SSE endpoint taking `POST`, say) goes in
 //! [`bypass`](IdempotencyLayer::bypass).
+//!
+//! **`Prefer: wait`.** <a id="prefer-wait"></a> A client that would rather
+//! wait than retry sends `Prefer: wait=N` (RFC 7240: whole seconds; the
+//! preference may stand among others, `Prefer: respond-async, wait=10`,
+//! in any case, in any of several `Prefer` fields; only the first `wait`
+//! counts). A duplicate of a request still running then waits up to
+//! `min(N, max_wait)` ([`max_wait`](IdempotencyLayer::max_wait), 10 s by
+//! default; zero ignores the preference) instead of the layer's
+//! [`wait`](IdempotencyLayer::wait), and:
+//!
+//! * the response is stored meanwhile: the duplicate gets it as any replay
+//!   (stored status, headers and body, `Idempotent-Replayed: true`), with
+//!   `Preference-Applied: wait=<granted seconds>` ([`PREFERENCE_APPLIED`]);
+//! * the wait ends first: `409` [`key-in-use`](#key-in-use) as without it,
+//!   with the same `Preference-Applied`;
+//! * the first request fails and releases its key (a 5xx, a panic, …): the
+//!   key is free, and a waiting duplicate is a retry like any other, so one
+//!   of them claims the key and runs the handler (its response is the
+//!   handler's own, without `Preference-Applied`); the others wait on for
+//!   that one's response. The IETF draft has a retry after a failure run
+//!   again, which this is.
+//!
+//! A value that is not whole seconds (`wait=soon`, `wait=1.5`) is ignored,
+//! as RFC 7240 has servers ignore preferences they cannot honour: the
+//! request is a plain duplicate (`409`). The request that runs the handler
+//! gets the handler's response untouched, `Prefer` or not. The wait is
+//! woken by the store (the MemoryStore in process, a RedisStore by
+//! pub/sub); a store without notifications (PostgreSQL, a RedisStore made
+//! from a connection) is read again, 5 ms doubling up to 250 ms apart.
+//! The IETF draft answers a duplicate in flight `409`; waiting is an
+//! opt-in of the client's, which a request without `Prefer` never gets.
 //!
 //! **Client disconnects.** Hyper drops a request's future when its client
 //! goes away, for instance when the client's timeout fires. The layer runs
@@ -249,6 +281,7 @@ mod config;
 mod encoding;
 mod key;
 mod layer;
+mod prefer;
 mod problem;
 mod run;
 mod service;
@@ -285,3 +318,21 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// assert_eq!(idem_http::IDEMPOTENCY_RETENTION, "idempotency-retention");
 /// ```
 pub const IDEMPOTENCY_RETENTION: HeaderName = HeaderName::from_static("idempotency-retention");
+
+/// `Prefer`: the request header (RFC 7240) whose `wait=N` preference has a
+/// duplicate of an in-flight request wait up to `N` seconds for its
+/// response (see [`IdempotencyLayer::max_wait`]).
+///
+/// ```
+/// assert_eq!(idem_http::PREFER, "prefer");
+/// ```
+pub const PREFER: HeaderName = HeaderName::from_static("prefer");
+
+/// `Preference-Applied: wait=N` (RFC 7240): on the answers to a duplicate
+/// that asked to wait, the wait it was granted, in seconds (capped by
+/// [`IdempotencyLayer::max_wait`]).
+///
+/// ```
+/// assert_eq!(idem_http::PREFERENCE_APPLIED, "preference-applied");
+/// ```
+pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");

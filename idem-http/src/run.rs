@@ -15,6 +15,7 @@ use http_body::Body as HttpBody;
 use idem_layer::record::NotKept;
 use idem_layer::settings::Claim;
 use idem_layer::task::{self, BytesBody, Inner, send};
+use idem_layer::wait::Wait;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tower_service::Service;
@@ -28,6 +29,9 @@ pub(crate) struct Job<S> {
     pub(crate) cfg: Arc<Config>,
     pub(crate) claim: Claim,
     pub(crate) accept_encoding: Option<HeaderValue>,
+    /// How long this request waits for an in-flight one with its key, and
+    /// the wait it asked for as granted (`Prefer: wait`).
+    pub(crate) wait: Wait,
     pub(crate) request: Request<Body>,
 }
 
@@ -42,18 +46,20 @@ impl<S> Job<S> {
             cfg,
             claim,
             accept_encoding,
+            wait,
             request,
         } = self;
         let mut reply = Some(reply);
         let mut rest: Option<Forward> = None;
         let config: &Config = &cfg;
         let result = claim
-            .call(&cfg.settings)
+            .call_waiting(&cfg.settings, wait.wait)
             .run_outcome(|| execute(inner, request, config, &mut reply, &mut rest))
             .await;
         let answers = HttpAnswers {
             cfg: config,
             accept: accept_encoding.as_ref(),
+            granted: wait.granted,
         };
         if let Some(answer) = task::answer(&answers, result) {
             // The client may be gone; the outcome is stored all the same.

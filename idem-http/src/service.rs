@@ -4,6 +4,7 @@
 
 use crate::config::Config;
 use crate::key::{IdempotencyKey, key_from_headers};
+use crate::prefer;
 use crate::problem::ProblemKind;
 use crate::run::Job;
 use axum::body::Body;
@@ -211,6 +212,7 @@ where
         }
     };
     let fingerprint = request_fingerprint(&parts, &body);
+    let wait = cfg.settings.wait_for(prefer::wait(&parts.headers));
     let accept_encoding = parts.headers.get(header::ACCEPT_ENCODING).cloned();
     parts.extensions.insert(IdempotencyKey(key.clone()));
     let request = Request::from_parts(parts, Body::from(body));
@@ -225,6 +227,7 @@ where
             fingerprint,
         },
         accept_encoding,
+        wait,
         request,
     };
     match task::run_until_answered(

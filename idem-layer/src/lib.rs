@@ -15,7 +15,9 @@
 //!   the runtime call one request claims;
 //! * [`task`]: the steps of one idempotent run: buffering the request,
 //!   running the handler with its panics caught, going on when the request
-//!   is dropped, and turning the run's result into the answer.
+//!   is dropped, and turning the run's result into the answer;
+//! * [`wait`]: how long a duplicate that asks to wait for an in-flight
+//!   first request (`Prefer: wait=N`, `idem-wait: N`) is granted.
 //!
 //! Applications use `idem-http` or `idem-grpc` (or the facade's
 //! `idem::http` and `idem::grpc`); this crate is for those two layers.
@@ -34,3 +36,4 @@
 pub mod record;
 pub mod settings;
 pub mod task;
+pub mod wait;

@@ -1,6 +1,7 @@
 //! The settings both layers have, with their defaults, and where a
 //! request's tenant (its own key space) comes from.
 
+use crate::wait::{DEFAULT_MAX_WAIT, Wait};
 use http::{HeaderMap, HeaderName, header};
 use idem_core::{Call, Fingerprint, Idempotency};
 use std::fmt;
@@ -99,8 +100,12 @@ pub struct Settings<H: ?Sized> {
     pub retention: Duration,
     /// The lease of each claim; `None` for the runtime's.
     pub lease: Option<Duration>,
-    /// How long a duplicate waits for an in-flight first request.
+    /// How long a duplicate waits for an in-flight first request, unless
+    /// it asks for a wait of its own.
     pub wait: Duration,
+    /// The cap of the wait a request asks for (HTTP's `Prefer: wait=N`,
+    /// gRPC's `idem-wait`); zero: requests' waits are ignored.
+    pub max_wait: Duration,
     /// Where a request's tenant comes from.
     pub tenant: TenantSource<H>,
     /// Largest request body buffered to read its key and fingerprint.
@@ -121,6 +126,7 @@ impl<H: ?Sized> Clone for Settings<H> {
             retention: self.retention,
             lease: self.lease,
             wait: self.wait,
+            max_wait: self.max_wait,
             tenant: self.tenant.clone(),
             max_request: self.max_request,
             max_response: self.max_response,
@@ -137,6 +143,7 @@ impl<H: ?Sized> fmt::Debug for Settings<H> {
             .field("retention", &self.retention)
             .field("lease", &self.lease)
             .field("wait", &self.wait)
+            .field("max_wait", &self.max_wait)
             .field("tenant", &self.tenant)
             .field("max_request", &self.max_request)
             .field("max_response", &self.max_response)
@@ -149,7 +156,8 @@ impl<H: ?Sized> Settings<H> {
     /// The defaults: key optional, a 1 s retry hint, the runtime's
     /// `result_ttl` as retention and its lease, no waiting (a duplicate is
     /// refused at once, whatever the runtime's own `wait` default), one
-    /// key space per `authorization` value, 1 MiB body limits.
+    /// key space per `authorization` value, 1 MiB body limits, and a wait
+    /// a request asks for granted up to [`DEFAULT_MAX_WAIT`] (10 s).
     pub fn new(idem: &Idempotency) -> Self {
         Settings {
             require_key: false,
@@ -157,6 +165,7 @@ impl<H: ?Sized> Settings<H> {
             retention: idem.result_ttl(),
             lease: None,
             wait: Duration::ZERO,
+            max_wait: DEFAULT_MAX_WAIT,
             tenant: TenantSource::default_credentials(),
             max_request: DEFAULT_BODY_LIMIT,
             max_response: DEFAULT_BODY_LIMIT,
@@ -192,6 +201,18 @@ impl<H: ?Sized> Settings<H> {
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
         self
+    }
+
+    /// Sets [`max_wait`](Self::max_wait).
+    pub fn max_wait(mut self, cap: Duration) -> Self {
+        self.max_wait = cap;
+        self
+    }
+
+    /// How long a request that asked to wait `asked` (`None`: it did not
+    /// ask) waits for an in-flight duplicate under these settings.
+    pub fn wait_for(&self, asked: Option<Duration>) -> Wait {
+        Wait::of(asked, self.max_wait, self.wait)
     }
 
     /// Names each request's tenant with `hook` ([`TenantSource::Hook`]).
@@ -252,12 +273,19 @@ pub struct Claim {
 impl Claim {
     /// The runtime call of this claim under `settings`.
     pub fn call<H: ?Sized>(&self, settings: &Settings<H>) -> Call<'_> {
+        self.call_waiting(settings, settings.wait)
+    }
+
+    /// The runtime call of this claim under `settings`, waiting up to
+    /// `wait` for an in-flight duplicate (the request's own wait, from
+    /// [`Settings::wait_for`]) instead of the settings' `wait`.
+    pub fn call_waiting<H: ?Sized>(&self, settings: &Settings<H>, wait: Duration) -> Call<'_> {
         let call = self
             .idem
             .call(&self.scope, self.key.as_str())
             .fingerprint_raw(self.fingerprint)
             .ttl(settings.retention)
-            .wait(settings.wait);
+            .wait(wait);
         match settings.lease {
             Some(lease) => call.lease(lease),
             None => call,

@@ -6,12 +6,13 @@ use std::sync::Arc;
 
 use idem_core::store::Store;
 use idem_core::{Idempotency, IdempotencyBuilder, MemoryStore};
+use idem_dynamodb::DynamoStore;
 use idem_postgres::{PgStore, PgStoreConfig};
 use idem_redis::{RedisStore, RedisStoreConfig};
 use std::time::Duration;
 
 use crate::record::{RecordPeek, RecordState, record_state};
-use crate::{FaultProxy, Ledger, PgTestDb, RedisCluster, RedisServer};
+use crate::{DynamoTestTable, FaultProxy, Ledger, PgTestDb, RedisCluster, RedisServer};
 
 /// A store that can hand out builders, whatever its concrete type.
 trait SharedStore: Send + Sync {
@@ -61,6 +62,9 @@ pub struct TestContext {
     namespace: Option<String>,
     ledger: Ledger,
     pg_db: Option<PgTestDb>,
+    dynamodb: Option<DynamoStore>,
+    // Last: the store is dropped before its table is deleted.
+    dynamo_table: Option<DynamoTestTable>,
 }
 
 impl fmt::Debug for TestContext {
@@ -129,6 +133,8 @@ impl TestContext {
             namespace: None,
             ledger: Ledger::new(),
             pg_db: None,
+            dynamodb: None,
+            dynamo_table: None,
         }
     }
 
@@ -164,6 +170,8 @@ impl TestContext {
             namespace: None,
             ledger: Ledger::new(),
             pg_db: None,
+            dynamodb: None,
+            dynamo_table: None,
         }
     }
 
@@ -180,6 +188,8 @@ impl TestContext {
             namespace: None,
             ledger: Ledger::new(),
             pg_db: None,
+            dynamodb: None,
+            dynamo_table: None,
         }
     }
 
@@ -229,7 +239,61 @@ impl TestContext {
             namespace: None,
             ledger: Ledger::new(),
             pg_db: Some(db),
+            dynamodb: None,
+            dynamo_table: None,
         }
+    }
+
+    /// A DynamoDB table of its own on the local AWS endpoint
+    /// ([`DynamoTestTable`], deleted with the context) and a
+    /// [`DynamoStore`] on it.
+    ///
+    /// # Panics
+    ///
+    /// When the endpoint is unreachable (the message says how to start
+    /// one) or the table cannot be created.
+    pub async fn dynamodb() -> TestContext {
+        let (table, store) = DynamoTestTable::create().await;
+        TestContext {
+            server: None,
+            cluster: None,
+            proxy: None,
+            store: Arc::new(store.clone()),
+            redis: None,
+            postgres: None,
+            config: RedisStoreConfig::default(),
+            namespace: None,
+            ledger: Ledger::new(),
+            pg_db: None,
+            dynamodb: Some(store),
+            dynamo_table: Some(table),
+        }
+    }
+
+    /// The [`DynamoStore`].
+    ///
+    /// # Panics
+    ///
+    /// Unless the context was made by [`TestContext::dynamodb`].
+    pub fn dynamo_store(&self) -> &DynamoStore {
+        self.dynamodb
+            .as_ref()
+            .unwrap_or_else(|| panic!("idem-testkit: a {} context has no DynamoStore", self.name()))
+    }
+
+    /// The context's own DynamoDB table (to read its items beside the
+    /// store).
+    ///
+    /// # Panics
+    ///
+    /// Unless the context was made by [`TestContext::dynamodb`].
+    pub fn dynamo_table(&self) -> &DynamoTestTable {
+        self.dynamo_table.as_ref().unwrap_or_else(|| {
+            panic!(
+                "idem-testkit: a {} context has no DynamoDB table",
+                self.name()
+            )
+        })
     }
 
     /// Sets the namespace of every builder this context makes (by default,
@@ -239,9 +303,12 @@ impl TestContext {
         self
     }
 
-    /// `"redis"`, `"cluster"`, `"postgres"` or `"memory"`, for assertion
-    /// messages.
+    /// `"redis"`, `"cluster"`, `"postgres"`, `"dynamodb"` or `"memory"`,
+    /// for assertion messages.
     pub fn name(&self) -> &'static str {
+        if self.dynamodb.is_some() {
+            return "dynamodb";
+        }
         match (&self.cluster, &self.redis, &self.postgres) {
             (Some(_), _, _) => "cluster",
             (None, Some(_), _) => "redis",

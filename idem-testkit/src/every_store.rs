@@ -4,7 +4,8 @@
 /// module per test, holding one `#[tokio::test]` (multi-thread, 2 workers)
 /// per store, each given a fresh [`TestContext`](crate::TestContext) with
 /// the namespace. Stores: `redis`, `cluster`, `postgres`,
-/// `postgres_partitioned`, `memory`.
+/// `postgres_partitioned`, `dynamodb` (a table of its own on the local AWS
+/// endpoint), `memory`.
 ///
 /// ```ignore
 /// idem_testkit::every_store!(namespace = "steps", stores = [redis, cluster, postgres, memory];
@@ -32,4 +33,5 @@ macro_rules! every_store {
     (@context postgres) => { $crate::TestContext::postgres().await };
     (@context postgres_partitioned) => { $crate::TestContext::postgres_partitioned().await };
     (@context memory) => { $crate::TestContext::memory() };
+    (@context dynamodb) => { $crate::TestContext::dynamodb().await };
 }

@@ -156,6 +156,11 @@ async fn each_call_answers_as_it_would_alone_on_postgres() {
 }
 
 #[tokio::test]
+async fn each_call_answers_as_it_would_alone_on_dynamodb() {
+    answers_as_single_calls(TestContext::dynamodb().await).await;
+}
+
+#[tokio::test]
 async fn a_batch_costs_one_claims_and_one_finishes_round_trip() {
     let store = CountingStore::new(MemoryStore::new());
     let counts = store.counts();
@@ -267,6 +272,11 @@ async fn each_result_comes_while_a_slower_body_runs_on_memory() {
 #[tokio::test]
 async fn each_result_comes_while_a_slower_body_runs_on_redis() {
     each_result_comes_while_a_slower_body_runs(TestContext::redis().await).await;
+}
+
+#[tokio::test]
+async fn each_result_comes_while_a_slower_body_runs_on_dynamodb() {
+    each_result_comes_while_a_slower_body_runs(TestContext::dynamodb().await).await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -504,6 +514,12 @@ async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_redis() {
 async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_postgres() {
     let ctx = TestContext::postgres().await;
     a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.pg_store().clone()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_batch_frees_its_keys_after_its_claims_land_on_dynamodb() {
+    let ctx = TestContext::dynamodb().await;
+    a_dropped_batch_frees_its_keys_after_its_claims_land(ctx.dynamo_store().clone()).await;
 }
 
 /// A body that panics in a batch frees its key by token, as a single call

@@ -11,7 +11,7 @@ use std::time::Duration;
 const DAY: Duration = Duration::from_secs(86_400);
 
 idem_testkit::every_store!(
-    namespace = "fail", stores = [redis, cluster, postgres, postgres_partitioned, memory];
+    namespace = "fail", stores = [redis, cluster, postgres, postgres_partitioned, dynamodb, memory];
     counts_survive_releases,
     concurrent_counts_are_exact,
     ttl_expires_the_count,

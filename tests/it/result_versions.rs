@@ -14,7 +14,7 @@ use idem_testkit::{Ledger, TestContext};
 use std::time::Duration;
 
 idem_testkit::every_store!(
-    namespace = "versions", stores = [redis, postgres, memory];
+    namespace = "versions", stores = [redis, postgres, dynamodb, memory];
     stored_bytes_match_the_golden_fixtures,
     golden_records_read_through_each_rule,
     the_newer_build_reads_older_records_through_each_rule,

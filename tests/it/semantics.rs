@@ -1,6 +1,7 @@
 //! The core semantics, run against a real redis-server, against a real
-//! PostgreSQL (PgStore, a fresh database per test) and against
-//! MemoryStore: every store must behave as one state machine.
+//! PostgreSQL (PgStore, a fresh database per test), against DynamoDB
+//! (DynamoStore, a table of its own per test on the local AWS endpoint) and
+//! against MemoryStore: every store must behave as one state machine.
 
 use idem::store::{Claim, ClaimReply, Complete, Token, ValueKind, WriteReply};
 use idem::{Error, FailMode, Idempotency, Outcome, RedisStore};
@@ -14,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
 idem_testkit::every_store!(
-    namespace = "test", stores = [redis, postgres, postgres_partitioned, memory];
+    namespace = "test", stores = [redis, postgres, postgres_partitioned, dynamodb, memory];
     exactly_once_64_tasks,
     replays_every_value,
     err_releases,

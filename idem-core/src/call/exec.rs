@@ -301,14 +301,18 @@ impl Exec<'_> {
         cache.generation(&self.key)
     }
 
+    /// The call's claim request.
+    fn claim_request(&self) -> Claim<'_> {
+        Claim::new(&self.key, &self.token, self.lease, self.ttl)
+            .fingerprint(self.fingerprint.as_ref())
+            .want_ttl_left(self.inner.cache.is_some())
+            .durability(self.durability)
+    }
+
     /// Claims, re-sending with the same token when the store could not be
     /// reached: the script answers a re-sent claim as the same claim, so a
     /// claim that landed but whose reply was lost is not stranded.
     async fn claim(&self) -> Result<ClaimReply, Error> {
-        let claim = Claim::new(&self.key, &self.token, self.lease, self.ttl)
-            .fingerprint(self.fingerprint.as_ref())
-            .want_ttl_left(self.inner.cache.is_some())
-            .durability(self.durability);
         // Dropped while a claim is in flight: the claim may land anyway, so
         // release by token rather than leave the key to the lease.
         let mut guard = self.guard();
@@ -320,7 +324,7 @@ impl Exec<'_> {
                     lease: self.lease,
                     ttl: self.ttl,
                     fingerprint: self.fingerprint,
-                    want_ttl_left: claim.want_ttl_left,
+                    want_ttl_left: self.inner.cache.is_some(),
                     keep_steps: self.steps.is_some(),
                 };
                 // Dropped meanwhile, the batch frees the key itself once
@@ -339,8 +343,10 @@ impl Exec<'_> {
             // Not answered, or the store was not reached: on its own, with
             // the same token, as a single call re-sends.
             _ => {
+                // The request is made per attempt, not held across the
+                // awaits: this future is part of every call's box.
                 resend(store_backoff(self.inner.store_retries), "claim", || {
-                    self.store.claim(claim)
+                    self.store.claim(self.claim_request())
                 })
                 .await
             }

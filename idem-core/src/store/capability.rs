@@ -186,6 +186,14 @@ pub struct Capabilities<'a> {
     /// [`outbox::stage`](crate::outbox::stage) fails at once (and the body
     /// with it) on a store that could not store what it stages.
     pub outbox: bool,
+    /// The largest stored value the store can keep, in bytes, when it has
+    /// a limit of its own (DynamoDB: an item is at most 400 KB). The
+    /// runtime stores at most the smaller of this and the builder's
+    /// `max_value_size`: a larger result is returned to the call that
+    /// produced it and later calls get [`Error::TooLarge`], exactly as
+    /// over `max_value_size`, instead of a write the store would refuse.
+    /// `None`: no limit of the store's own.
+    pub max_value_size: Option<usize>,
 }
 
 impl<'a> Capabilities<'a> {
@@ -223,6 +231,17 @@ impl<'a> Capabilities<'a> {
         self.outbox = outbox;
         self
     }
+
+    /// Sets [`max_value_size`](Capabilities::max_value_size).
+    ///
+    /// ```
+    /// let caps = idem_core::store::Capabilities::none().max_value_size(400 * 1024);
+    /// assert_eq!(caps.max_value_size, Some(400 * 1024));
+    /// ```
+    pub fn max_value_size(mut self, bytes: usize) -> Capabilities<'a> {
+        self.max_value_size = Some(bytes);
+        self
+    }
 }
 
 impl fmt::Debug for Capabilities<'_> {
@@ -233,6 +252,7 @@ impl fmt::Debug for Capabilities<'_> {
             .field("watch", &self.watch.is_some())
             .field("durable", &self.durable.is_some())
             .field("outbox", &self.outbox)
+            .field("max_value_size", &self.max_value_size)
             .finish()
     }
 }

@@ -11,3 +11,4 @@
 )]
 
 mod hook;
+mod store_limit;

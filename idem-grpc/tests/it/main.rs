@@ -21,3 +21,4 @@ mod keys;
 mod kill;
 mod limits;
 mod replay;
+mod wait;

@@ -359,7 +359,7 @@ pub(crate) struct RawClient {
 }
 
 impl RawClient {
-    fn new(addr: SocketAddr) -> RawClient {
+    pub(crate) fn new(addr: SocketAddr) -> RawClient {
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .http2_only(true)

@@ -16,4 +16,5 @@ mod bodies;
 mod end_to_end;
 mod failures;
 mod keys;
+mod prefer_wait;
 mod replay;

@@ -236,13 +236,9 @@ impl RedisStore {
     /// write with its fence and wait in one round trip (durable.rs).
     pub(super) async fn complete_request(&self, c: Complete<'_>) -> Result<WriteReply, Error> {
         if !c.outbox.is_empty() {
-            let reply = self.complete_outbox(&c).await?;
-            // The messages were written in the same step as the result: the
-            // fence after it confirms both.
-            if reply.is_done() && !c.durability.is_async() {
-                self.confirm_key(c.key, c.durability).await?;
-            }
-            return Ok(reply);
+            // Boxed, as the confirmed complete below: a complete without
+            // messages should not carry this branch's future in its own.
+            return Box::pin(self.complete_with_messages(&c)).await;
         }
         match (c.claim(), c.durability.is_async()) {
             (Some(claim), true) => {
@@ -264,6 +260,18 @@ impl RedisStore {
             }
             (None, true) => self.complete_script(&c).await,
         }
+    }
+
+    /// A complete with outbox messages: the result and the messages in one
+    /// step, confirmed after when the call's durability asks for it.
+    async fn complete_with_messages(&self, c: &Complete<'_>) -> Result<WriteReply, Error> {
+        let reply = self.complete_outbox(c).await?;
+        // The messages were written in the same step as the result: the
+        // fence after it confirms both.
+        if reply.is_done() && !c.durability.is_async() {
+            self.confirm_key(c.key, c.durability).await?;
+        }
+        Ok(reply)
     }
 
     /// The `complete` script: reads the record, then writes as its owner.
