@@ -42,6 +42,7 @@ pub(crate) fn json(scope: &str, key: &str, info: &RecordInfo) -> Value {
         "held": info.is_held(),
         "fingerprint": info.fingerprint.is_some(),
         "value_size": info.value_size,
+        "result_version": info.result_version,
     });
     if info.value.is_some() {
         v["value"] = value(info);
@@ -69,13 +70,17 @@ pub(crate) fn summary(info: &RecordInfo) -> String {
             )
         }
         state => format!(
-            "{state} ({} bytes{}; {ttl})",
+            "{state} ({} bytes{}{}; {ttl})",
             info.value_size.unwrap_or(0),
             if info.kind == Some(ValueKind::Lz4Json) {
                 ", compressed"
             } else {
                 ""
-            }
+            },
+            // Version 0 (no version declared) goes unsaid, as before.
+            info.result_version
+                .filter(|&v| v != 0)
+                .map_or(String::new(), |v| format!(", result version {v}"))
         ),
     }
 }
@@ -91,6 +96,10 @@ pub(crate) fn human_record(store: &str, scope: &str, key: &str, info: &RecordInf
             "none"
         }
     );
+    if let Some(version) = info.result_version {
+        // The version the result was stored with (`Call::result_version`).
+        out.push_str(&format!("version:     {version}\n"));
+    }
     if !info.steps.is_empty() {
         // A run_steps call's finished steps: the next holder replays them.
         out.push_str(&format!(

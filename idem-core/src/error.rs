@@ -121,6 +121,31 @@ pub enum Error {
         source: Option<BoxError>,
     },
 
+    /// The stored result was written with another result version than the
+    /// call's ([`Call::result_version`](crate::Call::result_version)), and
+    /// the call's rule is [`VersionRule::Reject`](crate::VersionRule::Reject).
+    /// The body was not run again and the record is kept as it is: answer
+    /// from `raw_json` (the stored result, as the other version wrote it),
+    /// or read it with another rule (`VersionRule::Decode`,
+    /// `VersionRule::upgrade(..)`). `stored > current` is a record of a
+    /// newer build (a rolling deploy or a rollback): the newer build
+    /// replays it.
+    #[error(
+        "the stored result is result version {stored} and this call reads version {current}, \
+         and its rule is Reject: the body was not run again and the record is kept; answer from \
+         the stored JSON (`raw_json`), or read it with `.on_other_version(VersionRule::Decode)` or \
+         `VersionRule::upgrade(..)`"
+    )]
+    #[non_exhaustive]
+    ResultVersion {
+        /// The version the record was stored with (0: stored without one).
+        stored: u32,
+        /// The call's own version.
+        current: u32,
+        /// The stored result's JSON, decompressed, without its version frame.
+        raw_json: String,
+    },
+
     /// The serialized result is larger than the configured limit.
     #[error(
         "idempotent result is {size} bytes, over the {limit}-byte limit, so it was not stored; \

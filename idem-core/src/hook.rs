@@ -46,7 +46,8 @@ pub enum CallOutcome {
     Unavailable,
     /// [`Error::Corrupt`].
     Corrupt,
-    /// [`Error::Codec`].
+    /// [`Error::Codec`] (and [`Error::ResultVersion`]: a stored result
+    /// of another version, refused by the call's rule).
     Codec,
     /// [`Error::TooLarge`].
     TooLarge,
@@ -115,7 +116,7 @@ impl CallOutcome {
             Error::InProgress { .. } => CallOutcome::InProgress,
             Error::FingerprintMismatch => CallOutcome::FingerprintMismatch,
             Error::Corrupt { .. } => CallOutcome::Corrupt,
-            Error::Codec { .. } => CallOutcome::Codec,
+            Error::Codec { .. } | Error::ResultVersion { .. } => CallOutcome::Codec,
             Error::TooLarge { .. } => CallOutcome::TooLarge,
             Error::LeaseLost => CallOutcome::LeaseLost,
             Error::NotConfirmed { .. } => CallOutcome::NotConfirmed,

@@ -92,6 +92,7 @@ mod private;
 mod settings;
 pub mod store;
 mod token;
+mod version;
 
 /// The attribute that implements a trait with `async fn`s, such as
 /// [`outbox::Sink`]: re-exported from the `async-trait` crate so that a
@@ -129,6 +130,7 @@ pub use operate::{Forget, Scan, ScannedKey};
 pub use outcome::Outcome;
 pub use settings::{FailMode, MAX_LEASE, MAX_TTL, MIN_DURATION};
 pub use store::{KeyState, MemoryStore, RecordInfo};
+pub use version::{VersionRule, Versioned};
 
 /// Support for the code `#[idempotent]` generates. Not a public API: it may
 /// change in any release.

@@ -2,7 +2,7 @@
 //! scope's keys (`scan`). For operators and tools (the `idem` CLI); calls
 //! never need these.
 
-use crate::codec::decompress;
+use crate::codec::{decompress, split_frame, stored_version};
 use crate::error::{Error, KeyPart};
 use crate::idempotency::Idempotency;
 use crate::key::{push_escaped, storage_key, validate_key_part};
@@ -20,7 +20,8 @@ use std::task::{Context, Poll};
 
 impl Idempotency {
     /// The record of `(scope, key)` as it is in the store now, without its
-    /// value; `None` when there is none. Writes nothing.
+    /// value (which is read for its [`RecordInfo::result_version`], then
+    /// dropped); `None` when there is none. Writes nothing.
     ///
     /// ```
     /// use idem_core::{Idempotency, KeyState, MemoryStore};
@@ -38,12 +39,23 @@ impl Idempotency {
         key: K,
     ) -> Result<Option<RecordInfo>, Error> {
         let key = storage_key(&self.inner.prefix, scope, key)?;
-        self.inner.store.inspect(&key, false).await
+        let info = self.inner.store.inspect(&key, true).await?;
+        Ok(info.map(|mut info| {
+            if info.result_version.is_none()
+                && let (Some(kind), Some(value)) = (info.kind, &info.value)
+            {
+                info.result_version = stored_version(kind, value);
+            }
+            info.value = None;
+            info
+        }))
     }
 
     /// As [`inspect`](Idempotency::inspect), with the stored value in
-    /// [`RecordInfo::value`]: the result's JSON (decompressed), or the text
-    /// of a too-large or unserializable marker.
+    /// [`RecordInfo::value`]: the result's JSON (decompressed, without its
+    /// result version frame: the version is in
+    /// [`RecordInfo::result_version`]), or the text of a too-large or
+    /// unserializable marker.
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -66,6 +78,13 @@ impl Idempotency {
             && let Some(packed) = &info.value
         {
             info.value = Some(Bytes::from(decompress(packed, self.inner.max_value_size)?));
+        }
+        if matches!(info.kind, Some(ValueKind::Json | ValueKind::Lz4Json))
+            && let Some(doc) = &info.value
+        {
+            let (version, json) = split_frame(doc)?;
+            info.result_version = Some(version);
+            info.value = Some(doc.slice_ref(json));
         }
         Ok(Some(info))
     }

@@ -7,7 +7,7 @@
 //!   user's own tokens, instead of a bound deep inside `Call::run`;
 //! - the macro depends on this file only, not on the shape of `Call`.
 
-use crate::{Call, Error, Idempotency};
+use crate::{Call, Error, Idempotency, VersionRule};
 use futures_util::FutureExt;
 use futures_util::future::{Either, ready};
 use serde::Serialize;
@@ -190,6 +190,23 @@ pub fn wait(call: Call<'_>, d: Duration) -> Call<'_> {
 #[inline]
 pub fn fingerprint<'a, F: FingerprintValue + ?Sized>(call: Call<'a>, value: &F) -> Call<'a> {
     call.fingerprint(value)
+}
+
+/// `call.result_version(version)`.
+#[inline]
+pub fn result_version(call: Call<'_>, version: u32) -> Call<'_> {
+    call.result_version(version)
+}
+
+/// `call.on_other_version(rule)`, the rule of the declared return type
+/// `R`'s `Ok` type.
+#[inline]
+pub fn on_other_version<R>(call: Call<'_>, rule: VersionRule<R::Ok>) -> Call<'_>
+where
+    R: IdempotentResult,
+    R::Ok: Storable + 'static,
+{
+    call.on_other_version(rule)
 }
 
 /// Runs the body through `call`, or returns the error that kept `call` from

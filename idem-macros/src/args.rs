@@ -19,6 +19,8 @@ pub(crate) const ARGUMENTS: &[&str] = &[
     "wait",
     "fingerprint",
     "using",
+    "version",
+    "on_other_version",
 ];
 
 /// Longest scope the runtime accepts, in bytes (`idem_core::MAX_KEY_LEN`,
@@ -70,6 +72,11 @@ pub(crate) struct Args {
     pub wait: Option<DurationArg>,
     pub fingerprint: Option<Expr>,
     pub using: Option<Expr>,
+    /// The result version (`Call::result_version`): a `u32` expression.
+    pub version: Option<Expr>,
+    /// The rule for other versions (`Call::on_other_version`): a
+    /// `VersionRule` of the `Ok` type.
+    pub on_other_version: Option<Expr>,
 }
 
 /// Accumulates errors the way serde_derive's `Ctxt` does.
@@ -180,6 +187,8 @@ fn example(name: &str) -> &'static str {
         "wait" => "\"5s\"",
         "fingerprint" => "(amount, currency)",
         "using" => "self.idem",
+        "version" => "2",
+        "on_other_version" => "VersionRule::Reject",
         _ => "…",
     }
 }
@@ -226,6 +235,8 @@ impl Args {
             "wait" => once!(self.wait, duration_arg(&name_str, value, errors)),
             "fingerprint" => once!(self.fingerprint, Some(value)),
             "using" => once!(self.using, Some(value)),
+            "version" => once!(self.version, version_arg(value, errors)),
+            "on_other_version" => once!(self.on_other_version, Some(value)),
             other => {
                 self.key_typo |= closest(other, ARGUMENTS.iter().copied()) == Some("key");
                 errors.push_spanned(name.span(), unknown_argument(other));
@@ -281,6 +292,28 @@ impl Args {
                 ),
             );
         }
+    }
+}
+
+/// A `version` value: a literal must be a whole number that fits a `u32`;
+/// any other expression must have type `u32`.
+fn version_arg(value: Expr, errors: &mut Errors) -> Option<Expr> {
+    let Expr::Lit(ExprLit { lit, .. }) = &value else {
+        return Some(value);
+    };
+    let fits = match lit {
+        Lit::Int(int) => int.base10_parse::<u32>().is_ok(),
+        _ => false,
+    };
+    if fits {
+        Some(value)
+    } else {
+        errors.push_spanned(
+            lit.span(),
+            "`version` must be a whole number from 0 to 4294967295 (the result type's version, \
+             bumped when its stored JSON changes), like `version = 2`",
+        );
+        None
     }
 }
 

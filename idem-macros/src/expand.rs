@@ -193,6 +193,66 @@ mod tests {
     }
 
     #[test]
+    fn version_and_its_rule_pass_through_typed_by_the_return_type() {
+        let out = expand_str(
+            quote!(
+                key = id,
+                version = 2,
+                on_other_version = VersionRule::Reject
+            ),
+            quote!(
+                async fn f(id: u64) -> Result<Receipt, E> {
+                    todo!()
+                }
+            ),
+        );
+        assert!(out.contains("result_version (__idem_call , 2)"), "{out}");
+        assert!(
+            out.contains(
+                "on_other_version :: < Result < Receipt , E > > (__idem_call , VersionRule :: Reject)"
+            ),
+            "{out}"
+        );
+        let out = expand_str(
+            quote!(key = id, version = VERSION),
+            quote!(
+                async fn f(id: u64) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert!(
+            out.contains("result_version (__idem_call , VERSION)"),
+            "{out}"
+        );
+        assert!(!out.contains("on_other_version"), "{out}");
+    }
+
+    #[test]
+    fn a_version_literal_must_fit_a_u32() {
+        let item = quote!(
+            async fn f(id: u64) -> Result<(), E> {
+                Ok(())
+            }
+        );
+        // (`-1` is an expression, not a literal: rustc refuses it as a `u32`.)
+        for bad in [quote!(4294967296), quote!("2"), quote!(1.5)] {
+            let errs = errors(quote!(key = id, version = #bad), item.clone());
+            assert!(
+                errs.iter()
+                    .any(|e| e.starts_with("`version` must be a whole number")),
+                "{bad}: {errs:?}"
+            );
+        }
+        assert!(
+            expand(quote!(key = id, version = 4294967295), item, || quote!(
+                ::idem
+            ))
+            .is_ok()
+        );
+    }
+
+    #[test]
     fn array_fingerprint_is_borrowed_element_wise() {
         let out = expand_str(
             quote!(key = id, fingerprint = [a, b]),

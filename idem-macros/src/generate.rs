@@ -24,7 +24,7 @@ pub(crate) fn generate(checked: Checked, krate: &TokenStream) -> TokenStream {
         ret,
     } = checked;
     let (owned, source) = runtime(args.using.as_ref(), krate);
-    let builder = call_builder(&sig, &args, &key, krate);
+    let builder = call_builder(&sig, &args, &key, &ret, krate);
     let run = run(&ret, &block, krate);
     quote! {
         #(#attrs)*
@@ -86,7 +86,13 @@ fn scope(args: &Args, sig: &Signature) -> TokenStream {
 
 /// The statements that build `__idem_call` from `__idem`, one per argument
 /// given, in the order the builder applies them.
-fn call_builder(sig: &Signature, args: &Args, key: &Expr, krate: &TokenStream) -> Vec<TokenStream> {
+fn call_builder(
+    sig: &Signature,
+    args: &Args,
+    key: &Expr,
+    ret: &Type,
+    krate: &TokenStream,
+) -> Vec<TokenStream> {
     let scope = scope(args, sig);
     let key_span = key.span();
     let private_key = private(krate, key_span);
@@ -105,6 +111,22 @@ fn call_builder(sig: &Signature, args: &Args, key: &Expr, krate: &TokenStream) -
         });
     }
     builder.extend(duration("wait", &args.wait, krate));
+    if let Some(version) = &args.version {
+        let span = version.span();
+        let private = private(krate, span);
+        builder.push(quote_spanned! {span=>
+            let __idem_call = #private::result_version(__idem_call, #version);
+        });
+    }
+    if let Some(rule) = &args.on_other_version {
+        let span = rule.span();
+        let private = private(krate, span);
+        // The rule's type is the declared `Ok` type: `VersionRule::Reject`
+        // needs no annotation.
+        builder.push(quote_spanned! {span=>
+            let __idem_call = #private::on_other_version::<#ret>(__idem_call, #rule);
+        });
+    }
     builder
 }
 

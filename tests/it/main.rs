@@ -24,6 +24,7 @@ mod operate;
 mod orders_consumer_example;
 mod orders_outbox_example;
 mod readme_consumers;
+mod result_versions;
 mod semantics;
 mod steps;
 mod steps_processes;

@@ -80,6 +80,37 @@ async fn inspect_forget_scan_and_exit_codes() {
         (&v["state"], &v["value"], &v["value_size"]),
         (&"completed".into(), &42.into(), &2.into())
     );
+    assert_eq!(v["result_version"], 0);
+    // A result stored with a result version shows it; its value is the
+    // JSON, without the version's frame.
+    let _: u32 = service
+        .call("receipt", "v2")
+        .result_version(2)
+        .run(|| async { Ok::<_, Error>(42) })
+        .await
+        .unwrap();
+    let o = idem(url, &["--namespace", "svc", "inspect", "receipt", "v2"]);
+    assert_eq!(code(&o), 0, "{}", err(&o));
+    assert!(out(&o).contains("version:     2\n"), "{}", out(&o));
+    assert!(
+        out(&o).contains("completed (6 bytes, result version 2;"),
+        "{}",
+        out(&o)
+    );
+    let o = idem(
+        url,
+        &[
+            "--namespace",
+            "svc",
+            "--json",
+            "inspect",
+            "receipt",
+            "v2",
+            "--value",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    assert_eq!((&v["result_version"], &v["value"]), (&2.into(), &42.into()));
     let o = idem(url, &with(&["inspect", "charge", "nope"]));
     assert_eq!(code(&o), 1);
     assert!(err(&o).contains("no record"), "{}", err(&o));

@@ -9,7 +9,7 @@ use super::guard::{KeptOnDrop, ReleaseGuard, Turn, log_release, release};
 use super::steps::Steps;
 use super::{Observed, is_unavailable, observe};
 use crate::cache::Generation;
-use crate::codec::{decode, encode_bytes, marker_error};
+use crate::codec::{decode_versioned, encode_bytes, marker_error};
 use crate::durability::Durability;
 use crate::error::Error;
 use crate::fingerprint::Fingerprint;
@@ -20,6 +20,7 @@ use crate::outcome::Outcome;
 use crate::settings::{FailMode, Inner};
 use crate::store::{Claim, ClaimReply, Completed, KeyWatch, Store, ValueKind, WriteReply};
 use crate::token::Token;
+use crate::version::ReadRule;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::Serialize;
@@ -71,6 +72,10 @@ pub(super) struct Exec<'a> {
     /// cached replay a sixth of its instructions where tracing's `log`
     /// feature is on.
     pub(super) traced: bool,
+    /// The result version the call stores and reads as its own.
+    pub(super) result_version: u32,
+    /// What it does with a stored result of another version.
+    pub(super) version_rule: ReadRule,
 }
 
 /// A claim's reply, with when it was sent and the cache generation seen
@@ -271,9 +276,17 @@ impl Exec<'_> {
         }
         self.record("outcome", "replayed");
         self.report.outcome(CallOutcome::Replayed);
-        decode(record, self.inner.max_value_size)
-            .map(|v| (v, Outcome::Replayed))
-            .map_err(|e| self.fail(e))
+        // Reads only: a record this call cannot read (another version,
+        // another shape) is neither released nor rewritten, so the build
+        // that wrote it still replays it and no body runs again.
+        decode_versioned(
+            record,
+            self.inner.max_value_size,
+            self.result_version,
+            &self.version_rule,
+        )
+        .map(|v| (v, Outcome::Replayed))
+        .map_err(|e| self.fail(e))
     }
 
     /// Before a store read whose record may enter the local cache: the
@@ -662,8 +675,12 @@ impl Exec<'_> {
     /// The result as the store keeps it; a result that cannot be stored
     /// (too big, say) is stored as a marker later calls answer with.
     pub(super) fn encoded<T: Serialize>(&self, value: &T) -> (ValueKind, Bytes) {
-        let (kind, bytes) =
-            encode_bytes(value, self.inner.max_value_size, self.inner.compress_above);
+        let (kind, bytes) = encode_bytes(
+            value,
+            self.result_version,
+            self.inner.max_value_size,
+            self.inner.compress_above,
+        );
         if let Some(problem) = marker_error(kind, &bytes) {
             tracing::warn!(error = %problem, "the result is returned but cannot be stored; later calls with this key get this error instead of running the body again");
         }

@@ -23,6 +23,7 @@ use crate::hook::{CallOutcome, OutcomeEvent, Report, fire};
 use crate::outcome::Outcome;
 use crate::settings::{Inner, validate_ttl_lease};
 use crate::token::Token;
+use crate::version::{ReadRule, VersionRule};
 use exec::Exec;
 use futures_util::FutureExt;
 use serde::Serialize;
@@ -72,6 +73,10 @@ pub struct Call<'a> {
     durability: Durability,
     /// Its places in a [`CallGroup`], if it is in one.
     tickets: Option<gather::Tickets>,
+    /// The result version it stores and reads as its own.
+    result_version: u32,
+    /// What it does with a stored result of another version.
+    version_rule: ReadRule,
 }
 
 impl<'a> Call<'a> {
@@ -88,7 +93,93 @@ impl<'a> Call<'a> {
             release_on_cancel: false,
             durability: inner.durability,
             tickets: None,
+            result_version: 0,
+            version_rule: ReadRule::Decode,
         }
+    }
+
+    /// The version of this call's result type: the call stores its result
+    /// with it, and reads a stored result of another version through its
+    /// [`on_other_version`](Call::on_other_version) rule
+    /// ([`VersionRule::Decode`] by default). Version 0, the default, stores
+    /// exactly the bytes a call without versions stores, so records stored
+    /// before versions read as version 0.
+    ///
+    /// Bump it when the result type's JSON changes in a way its serde
+    /// defaults do not cover (a renamed field, a changed enum), and keep
+    /// the type readable by the previous build during a rolling deploy
+    /// (no `deny_unknown_fields`). A replay never runs the body again and
+    /// never rewrites nor releases the record, whatever its version. The
+    /// HTTP and gRPC layers store their exchanges as bytes with version 0:
+    /// they need none. [`versioned`](Call::versioned) sets the version and
+    /// the rule from a type's [`Versioned`](crate::Versioned) impl.
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let _: u32 = idem.call("s", "k").result_version(2).run(|| async { Ok::<_, Error>(7) }).await?;
+    /// let info = idem.inspect("s", "k").await?.unwrap();
+    /// assert_eq!(info.result_version, Some(2));
+    /// # Ok::<(), Error>(()) }).unwrap();
+    /// ```
+    #[inline]
+    pub fn result_version(mut self, version: u32) -> Self {
+        self.result_version = version;
+        self
+    }
+
+    /// What this call does with a stored result whose version is not its
+    /// [`result_version`](Call::result_version): decode it as is
+    /// ([`VersionRule::Decode`], the default), convert an older one
+    /// ([`VersionRule::upgrade`]), or answer [`Error::ResultVersion`]
+    /// ([`VersionRule::Reject`]). `T` is the call's result type.
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore, VersionRule};
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let _: u32 = idem.call("s", "k").run(|| async { Ok::<_, Error>(7) }).await?;
+    /// let r: Result<u32, Error> = idem
+    ///     .call("s", "k")
+    ///     .result_version(1)
+    ///     .on_other_version(VersionRule::<u32>::Reject)
+    ///     .run(|| async { Ok(8) })
+    ///     .await;
+    /// match r {
+    ///     Err(Error::ResultVersion { stored, current, raw_json, .. }) => {
+    ///         assert_eq!((stored, current, raw_json.as_str()), (0, 1, "7"));
+    ///     }
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// # Ok::<(), Error>(()) }).unwrap();
+    /// ```
+    #[inline]
+    pub fn on_other_version<T: Serialize + 'static>(mut self, rule: VersionRule<T>) -> Self {
+        self.version_rule = ReadRule::of(rule);
+        self
+    }
+
+    /// The result version and the rule that `T` declares
+    /// ([`Versioned`](crate::Versioned)): `.result_version(T::VERSION)`
+    /// and `.on_other_version(T::on_other_version())`.
+    ///
+    /// ```
+    /// use idem_core::{Error, Idempotency, MemoryStore, Versioned};
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Receipt { id: String }
+    /// impl Versioned for Receipt { const VERSION: u32 = 3; }
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let idem = Idempotency::builder(MemoryStore::new()).build();
+    /// let _: Receipt = idem.call("s", "k").versioned::<Receipt>()
+    ///     .run(|| async { Ok::<_, Error>(Receipt { id: "r-1".into() }) }).await?;
+    /// assert_eq!(idem.inspect("s", "k").await?.unwrap().result_version, Some(3));
+    /// # Ok::<(), Error>(()) }).unwrap();
+    /// ```
+    #[inline]
+    pub fn versioned<T: crate::Versioned>(self) -> Self {
+        self.result_version(T::VERSION)
+            .on_other_version(T::on_other_version())
     }
 
     /// This call's [`Durability`] (overrides the builder's): its claim,
@@ -456,6 +547,8 @@ impl<'a> Call<'a> {
             steps: None,
             turn: None,
             traced: !span.is_disabled(),
+            result_version: self.result_version,
+            version_rule: self.version_rule,
         })
     }
 }

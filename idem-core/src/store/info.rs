@@ -125,6 +125,13 @@ pub struct RecordInfo {
     /// The names of the steps a pending `run_steps` record holds, in the
     /// order they finished; empty otherwise.
     pub steps: Vec<String>,
+    /// The result version a completed result was stored with
+    /// ([`Call::result_version`](crate::Call::result_version); 0 for a
+    /// result stored without one); `None` while pending, for a too-large or
+    /// unserializable marker, for a value that cannot be read, and where
+    /// the store did not send the value (a scan on PostgreSQL).
+    /// [`Idempotency::inspect`](crate::Idempotency::inspect) always reads it.
+    pub result_version: Option<u32>,
 }
 
 impl RecordInfo {
@@ -150,17 +157,23 @@ impl RecordInfo {
             value_size: None,
             value: None,
             steps: Vec::new(),
+            result_version: None,
         }
     }
 
     /// A completed record holding `value` (stored bytes); the value is kept
-    /// in the info only when `with_value`.
+    /// in the info only when `with_value`. Its
+    /// [`result_version`](RecordInfo::result_version) is read from the
+    /// value (a compressed one is decompressed for it).
     ///
     /// ```
     /// use idem_core::{KeyState, RecordInfo};
     /// use idem_core::store::ValueKind;
     /// let info = RecordInfo::completed(ValueKind::Json, bytes::Bytes::from_static(b"42"), None, None, false);
     /// assert_eq!((info.state, info.value_size, info.value), (KeyState::Completed, Some(2), None));
+    /// assert_eq!(info.result_version, Some(0));
+    /// let v2 = RecordInfo::completed(ValueKind::Json, bytes::Bytes::from_static(b"#v2\n42"), None, None, false);
+    /// assert_eq!(v2.result_version, Some(2));
     /// ```
     pub fn completed(
         kind: ValueKind,
@@ -177,6 +190,11 @@ impl RecordInfo {
             lease_left: None,
             fingerprint,
             value_size: Some(value.len()),
+            // An empty value is one the store did not send (no result is
+            // empty: `()` is stored as `null`).
+            result_version: (!value.is_empty())
+                .then(|| crate::codec::stored_version(kind, &value))
+                .flatten(),
             value: with_value.then_some(value),
             steps: Vec::new(),
         }
