@@ -26,7 +26,9 @@
 )]
 
 use idem::dynamodb::aws_sdk_dynamodb::Client;
-use idem::dynamodb::aws_sdk_dynamodb::types::{AttributeValue, ReturnValuesOnConditionCheckFailure};
+use idem::dynamodb::aws_sdk_dynamodb::types::{
+    AttributeValue, ReturnValuesOnConditionCheckFailure,
+};
 use idem::{Error, Idempotency, Outcome};
 use idem_testkit::DynamoTestTable;
 use std::time::{Duration, Instant};
