@@ -278,6 +278,9 @@ impl Place for TestQueue {
     const WORKER_TEST: &'static str = "sqs::worker";
     /// A standard queue has no position (a FIFO queue's is its sequence).
     const POSITIONED: bool = false;
+    /// A standard queue may deliver a message twice, to two consumers (and
+    /// moto's receives, unlocked, may too): every order still runs once.
+    const COPIES: bool = true;
 
     async fn publish(&self, id: Option<&str>, payload: &[u8]) {
         let attrs = id

@@ -167,6 +167,11 @@ pub(crate) trait Place: Send + Sync + Sized + 'static {
     /// Whether the adapter says where each delivery sits in its source
     /// (`Message::position`): a stream entry id, a stream sequence.
     const POSITIONED: bool = true;
+    /// Whether the broker may hand one message to two consumers at once
+    /// (SQS standard queues deliver at least once, "occasionally more than
+    /// one copy"): each copy is settled, so a message can be settled twice
+    /// while its body still runs once.
+    const COPIES: bool = false;
     /// How long to wait before re-publishing an id, for brokers that drop
     /// re-published ids within a window (JetStream).
     fn duplicate_gap(&self) -> Duration {
@@ -344,7 +349,14 @@ pub(crate) async fn four_tasks_run_each_order_once<P: Place>(place: P) {
     }
     // A copy delivered while its twin still runs in another task gets
     // InProgress and is nacked; it comes back and is acked as a replay.
-    assert_eq!((total.acked, total.dead_lettered), (added, 0), "{total:?}");
+    if P::COPIES {
+        assert!(
+            total.acked >= added && total.dead_lettered == 0,
+            "{total:?}"
+        );
+    } else {
+        assert_eq!((total.acked, total.dead_lettered), (added, 0), "{total:?}");
+    }
     assert_drained(&place).await;
     assert_eq!(
         ledger.total(),
@@ -771,7 +783,11 @@ pub(crate) async fn two_processes_run_every_order_once<P: Place>(place: P) {
     for c in &mut children {
         assert!(c.wait().unwrap().success());
     }
-    assert_eq!(settled_by_children(dir.path()), added);
+    if P::COPIES {
+        assert!(settled_by_children(dir.path()) >= added);
+    } else {
+        assert_eq!(settled_by_children(dir.path()), added);
+    }
     assert_drained(&place).await;
     let ledger = FileLedger::at(dir.path().join("ledger"));
     let counts = counts(&ledger);
