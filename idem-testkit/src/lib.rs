@@ -127,7 +127,7 @@ pub use record::{RecordPeek, RecordState, record_state};
 pub use rng::Rng;
 pub use runs::Runs;
 pub use server::{RedisServer, SERVER_ENV, VALKEY_ENV, valkey_server};
-pub use worker::{exit_with_parent, run_worker};
+pub use worker::{CHARGE_ONCE_SCRIPT, exit_with_parent, run_worker, worker_env};
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

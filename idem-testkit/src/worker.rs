@@ -35,3 +35,22 @@ pub fn run_worker<F: Future>(body: F) -> F::Output {
         .unwrap_or_else(|e| panic!("idem-testkit: cannot build the worker runtime: {e}"))
         .block_on(body)
 }
+
+/// A variable the test set for its worker process.
+///
+/// # Panics
+///
+/// When it is not set: the worker was started without it.
+pub fn worker_env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
+}
+
+/// The payment provider of the multi-process tests, as a Redis script:
+/// charges once per idempotency key (`KEYS[1]`) atomically, counts the
+/// charges per order (`ARGV[1]`) in the `charges` hash, and answers every
+/// request of a key with the first charge's id (`ARGV[2]`).
+pub const CHARGE_ONCE_SCRIPT: &str = r"
+if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
+  redis.call('HINCRBY', 'charges', ARGV[1], 1)
+end
+return redis.call('GET', KEYS[1])";

@@ -31,9 +31,7 @@ const STEPS: [&str; 3] = ["reserve", "charge", "email"];
 
 // ---------------------------------------------------------------- worker side
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
-}
+use idem_testkit::worker_env as env;
 
 /// The worker process: runs only when re-executed by a test below.
 #[test]
@@ -45,14 +43,7 @@ fn worker() {
     std::process::exit(0);
 }
 
-/// The payment provider: charges once per idempotency key (atomically, in
-/// a script), counts the charges per order, and answers every request with
-/// the same key with the first charge's id.
-const CHARGE: &str = r"
-if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
-  redis.call('HINCRBY', 'charges', ARGV[1], 1)
-end
-return redis.call('GET', KEYS[1])";
+use idem_testkit::CHARGE_ONCE_SCRIPT as CHARGE;
 
 fn build(store: impl idem::store::Store) -> Idempotency {
     Idempotency::builder(store)

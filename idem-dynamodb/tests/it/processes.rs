@@ -17,9 +17,7 @@ use std::time::{Duration, Instant};
 const LEASE: Duration = Duration::from_secs(2);
 const KEY: &str = "order-1";
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
-}
+use idem_testkit::worker_env as env;
 
 fn ledger(dir: &Path) -> FileLedger {
     FileLedger::at(dir.join("ledger"))

@@ -32,9 +32,7 @@ use std::time::{Duration, Instant, SystemTime};
 const ORDERS: u32 = 80;
 const WORKERS: usize = 2;
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
-}
+use idem_testkit::worker_env as env;
 
 /// The worker process: runs only when re-executed by the test below.
 #[test]
@@ -46,12 +44,7 @@ fn worker() {
     std::process::exit(0);
 }
 
-/// Charges `order` once per key; answers every call with the first charge.
-const CHARGE: &str = r"
-if redis.call('SET', KEYS[1], ARGV[2], 'NX') then
-  redis.call('HINCRBY', 'charges', ARGV[1], 1)
-end
-return redis.call('GET', KEYS[1])";
+use idem_testkit::CHARGE_ONCE_SCRIPT as CHARGE;
 
 async fn work() {
     let url = env("IDEM_URL");

@@ -28,9 +28,7 @@ const WORKERS: usize = 3;
 const RELAYS: usize = 2;
 const KILLS: usize = 24;
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
-}
+use idem_testkit::worker_env as env;
 
 /// The worker and relay processes: run only when re-executed below.
 #[test]

@@ -34,9 +34,7 @@ struct WorkerConfig {
     lease: Duration,
 }
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("worker: {name} is not set"))
-}
+use idem_testkit::worker_env as env;
 
 /// The worker process: runs only when re-executed by a test below, with
 /// `IDEM_WORKER=1`; a no-op in a normal test run.
