@@ -612,7 +612,8 @@ fn aws() -> Result {
     }
     if !port_open(AWS_PORT) {
         println!("== starting moto's server (DynamoDB, SQS) on 127.0.0.1:{AWS_PORT}");
-        let dir = services_dir().join("moto");
+        // Not `services_dir()/moto`: that path is the record `stop` reads.
+        let dir = services_dir().join("moto-data");
         fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let log = fs::File::create(dir.join("moto.log")).map_err(|e| e.to_string())?;
         let child = Command::new("python3")
