@@ -1,7 +1,7 @@
 //! A fetched batch: bounded concurrency, one decision per message, and
 //! copies of one message inside the batch run once.
 
-use crate::consumer::{Consumer, Handled, Judged, message_span, report, run_handler, usable_key};
+use crate::consumer::{Consumer, Handled, Judged, report, run_handler, usable_key};
 use crate::decision::{Classify, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
@@ -189,7 +189,7 @@ impl<C> Consumer<C> {
                 continue;
             }
             let msg = &msgs[i];
-            let span = message_span(msg);
+            let span = self.message_span(msg);
             match usable_key(key) {
                 Err(refused) => {
                     report(&span, &refused);

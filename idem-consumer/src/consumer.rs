@@ -123,6 +123,8 @@ pub struct Consumer<C = AllRetryable> {
     concurrency: usize,
     drain_timeout: Duration,
     classifier: Arc<C>,
+    /// The `process` span continues the producer's trace (else links it).
+    trace_parent: bool,
     /// Set once the store said it cannot count failures (warned once).
     warned_uncounted: Arc<AtomicBool>,
 }
@@ -164,6 +166,7 @@ impl Consumer<AllRetryable> {
             concurrency: 16,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             classifier: Arc::new(AllRetryable),
+            trace_parent: false,
             warned_uncounted: Arc::default(),
         }
     }
@@ -295,6 +298,23 @@ impl<C> Consumer<C> {
         self
     }
 
+    /// With the `otel` feature, whether a message's `process` span
+    /// continues the producer's trace as its child (`true`) instead of
+    /// linking to the producer's `create` span (`false`, the default, as
+    /// the OpenTelemetry messaging conventions advise: a redelivered
+    /// message is handled in several traces, a batch comes from many). Turn
+    /// it on to see one trace from the request to the handler, for
+    /// single-message handling.
+    ///
+    /// ```
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let c = idem_consumer::Consumer::new(idem, "orders").continue_trace(true);
+    /// ```
+    pub fn continue_trace(mut self, on: bool) -> Self {
+        self.trace_parent = on;
+        self
+    }
+
     /// How handler errors are classified.
     ///
     /// ```
@@ -318,6 +338,7 @@ impl<C> Consumer<C> {
             concurrency: self.concurrency,
             drain_timeout: self.drain_timeout,
             classifier: Arc::new(classifier),
+            trace_parent: self.trace_parent,
             warned_uncounted: self.warned_uncounted,
         }
     }
@@ -457,7 +478,7 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let span = message_span(msg);
+        let span = self.message_span(msg);
         let handled = async {
             let (key, fingerprint) = self.key_for_one(msg);
             match self.call_of(msg, key, fingerprint) {
@@ -496,7 +517,7 @@ impl<C> Consumer<C> {
         E: fmt::Display,
         C: Classify<E>,
     {
-        let span = message_span(msg);
+        let span = self.message_span(msg);
         let handled = async {
             match self.call_of(msg, key, fingerprint) {
                 Err(refused) => refused,
@@ -513,6 +534,57 @@ impl<C> Consumer<C> {
         .await;
         report(&span, &handled);
         handled
+    }
+
+    /// The span every message's handling runs in: with `otel`, the
+    /// messaging conventions' `process` span, linked to (or, with
+    /// [`continue_trace`](Consumer::continue_trace), continuing) the span
+    /// that created the message.
+    pub(crate) fn message_span(&self, msg: &Message) -> tracing::Span {
+        // No subscriber takes INFO spans: no span, so nothing is recorded
+        // into it (tracing's `log` feature, which a dependency may turn on,
+        // would otherwise format its five fields for the `log` crate per
+        // message).
+        if !tracing::level_enabled!(tracing::Level::INFO) {
+            return tracing::Span::none();
+        }
+        #[cfg(feature = "otel")]
+        {
+            let span = tracing::info_span!(
+                "idem.consume",
+                broker = msg.broker(),
+                source = msg.source(),
+                position = msg.position(),
+                id = msg.id(),
+                delivery = msg.delivery_count(),
+                outcome = Empty,
+                decision = Empty,
+                otel.name = format!("process {}", msg.source()),
+                otel.kind = "consumer",
+                messaging.system = crate::otel::system(msg.broker()),
+                messaging.operation.type = "process",
+                messaging.operation.name = "process",
+                messaging.destination.name = msg.source(),
+                messaging.message.id = msg.id(),
+            );
+            let producer = idem_core::otel::remote_context(|n| msg.trace_header(n));
+            idem_core::otel::link_or_parent(&span, producer, self.trace_parent);
+            span
+        }
+        #[cfg(not(feature = "otel"))]
+        {
+            let _ = self.trace_parent;
+            tracing::info_span!(
+                "idem.consume",
+                broker = msg.broker(),
+                source = msg.source(),
+                position = msg.position(),
+                id = msg.id(),
+                delivery = msg.delivery_count(),
+                outcome = Empty,
+                decision = Empty,
+            )
+        }
     }
 
     /// The idem call of `msg`, or the decision for a message that cannot
@@ -752,27 +824,6 @@ pub(crate) fn usable_key<T>(
     })
 }
 
-/// The span every message's handling runs in.
-pub(crate) fn message_span(msg: &Message) -> tracing::Span {
-    // No subscriber takes INFO spans: no span, so nothing is recorded
-    // into it (tracing's `log` feature, which a dependency may turn on,
-    // would otherwise format its five fields for the `log` crate per
-    // message).
-    if !tracing::level_enabled!(tracing::Level::INFO) {
-        return tracing::Span::none();
-    }
-    tracing::info_span!(
-        "idem.consume",
-        broker = msg.broker(),
-        source = msg.source(),
-        position = msg.position(),
-        id = msg.id(),
-        delivery = msg.delivery_count(),
-        outcome = Empty,
-        decision = Empty,
-    )
-}
-
 /// The body of a message's idem call: the handler, unless the message is
 /// past the delivery valve.
 pub(crate) async fn run_handler<T, E, Fut>(
@@ -793,6 +844,8 @@ where
 pub(crate) fn report<T>(span: &tracing::Span, handled: &Handled<T>) {
     if let Some(o) = handled.outcome {
         span.record("outcome", o.as_str());
+        #[cfg(feature = "otel")]
+        idem_core::otel::attribute(span, "idem.outcome", o.as_str());
     }
     span.record("decision", handled.decision.as_str());
     // A disabled span entered changes nothing a subscriber sees.

@@ -68,6 +68,8 @@ mod decision;
 mod error;
 mod heartbeat;
 mod message;
+#[cfg(feature = "otel")]
+mod otel;
 
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]

@@ -31,6 +31,9 @@ pub struct Message {
     /// of a message about to get one.
     source: Option<Arc<str>>,
     position: Option<Arc<str>>,
+    /// The producer's W3C trace context (`traceparent`, `tracestate`).
+    traceparent: Option<Arc<str>>,
+    tracestate: Option<Arc<str>>,
 }
 
 impl Message {
@@ -44,6 +47,8 @@ impl Message {
             broker: "custom",
             source: None,
             position: None,
+            traceparent: None,
+            tracestate: None,
         }
     }
 
@@ -102,6 +107,38 @@ impl Message {
     pub(crate) fn at_position(mut self, position: Arc<str>) -> Message {
         self.position = Some(position);
         self
+    }
+
+    /// A W3C trace-context header the producer sent (`traceparent` or
+    /// `tracestate`, matched exactly: NATS header names are case-sensitive,
+    /// and idem's sinks write them lower case); other names are ignored.
+    /// With the `otel` feature, the message's `process` span links to the
+    /// span it names.
+    ///
+    /// ```
+    /// let m = idem_consumer::Message::new("{}")
+    ///     .with_trace_header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    ///     .with_trace_header("x-other", "ignored");
+    /// assert!(m.trace_header("traceparent").is_some());
+    /// assert_eq!(m.trace_header("x-other"), None);
+    /// ```
+    pub fn with_trace_header(mut self, name: &str, value: impl Into<Arc<str>>) -> Message {
+        match name {
+            "traceparent" => self.traceparent = Some(value.into()),
+            "tracestate" => self.tracestate = Some(value.into()),
+            _ => {}
+        }
+        self
+    }
+
+    /// The trace-context header `name` (`traceparent` or `tracestate`), if
+    /// the producer sent it.
+    pub fn trace_header(&self, name: &str) -> Option<&str> {
+        match name {
+            "traceparent" => self.traceparent.as_deref(),
+            "tracestate" => self.tracestate.as_deref(),
+            _ => None,
+        }
     }
 
     /// The payload bytes.

@@ -86,6 +86,9 @@ mod lease;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod operate;
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub mod otel;
 pub mod outbox;
 mod outcome;
 mod private;

@@ -35,13 +35,12 @@
 //! use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink};
 //!
 //! let sink = RedisStreamsSink::connect("redis://127.0.0.1/").await?.max_len(100_000);
-//! let batch = [OutboxMessage {
-//!     id: idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created"),
-//!     topic: "orders.created".into(),
-//!     key: "o-1".into(),
-//!     payload: r#"{"order":"o-1"}"#.into(),
-//!     attempts: 0,
-//! }];
+//! let batch = [OutboxMessage::new(
+//!     idem_core::outbox::message_id("idem:orders:create:o-1", "orders.created"),
+//!     "orders.created",
+//!     "o-1",
+//!     r#"{"order":"o-1"}"#,
+//! )];
 //! for result in sink.send(&batch).await {
 //!     result?; // Refused: park it; Unavailable: try again later
 //! }

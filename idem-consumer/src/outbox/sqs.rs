@@ -77,13 +77,12 @@ const REFUSING_CODES: &[&str] = &[
 /// use idem_consumer::outbox::{OutboxMessage, Sink, SqsSink};
 /// # async fn demo(client: aws_sdk_sqs::Client) -> Result<(), Box<dyn std::error::Error>> {
 /// let sink = SqsSink::new(client);
-/// let batch = [OutboxMessage {
-///     id: idem_core::outbox::message_id("idem:orders:create:o-1", "orders.fifo"),
-///     topic: "orders.fifo".into(), // the queue's name
-///     key: "o-1".into(),           // its message group
-///     payload: r#"{"order":"o-1"}"#.into(),
-///     attempts: 0,
-/// }];
+/// let batch = [OutboxMessage::new(
+///     idem_core::outbox::message_id("idem:orders:create:o-1", "orders.fifo"),
+///     "orders.fifo", // the queue's name
+///     "o-1",         // its message group
+///     r#"{"order":"o-1"}"#,
+/// )];
 /// for result in sink.send(&batch).await {
 ///     result?; // Refused: park it; Unavailable: try again later
 /// }

@@ -63,13 +63,12 @@ fn outbox(tag: &str, topic: &str, n: usize) -> Vec<OutboxMessage> {
 }
 
 fn message(tag: &str, topic: &str, i: usize, payload: impl Into<Bytes>) -> OutboxMessage {
-    OutboxMessage {
-        id: message_id(&format!("idem:outbox-test:{tag}:{i}"), topic),
-        topic: topic.to_owned(),
-        key: format!("order-{i}"),
-        payload: payload.into(),
-        attempts: 0,
-    }
+    OutboxMessage::new(
+        message_id(&format!("idem:outbox-test:{tag}:{i}"), topic),
+        topic,
+        format!("order-{i}"),
+        payload,
+    )
 }
 
 fn consumer() -> Consumer {

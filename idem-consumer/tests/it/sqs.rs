@@ -882,13 +882,12 @@ async fn a_queue_without_a_dead_letter_queue_is_refused_saying_what_to_set() {
 // -------------------------------------------------------------------- sink
 
 fn outbox_message(tag: &str, topic: &str, i: usize) -> OutboxMessage {
-    OutboxMessage {
-        id: message_id(&format!("idem:sqs-sink:{tag}:{i}"), topic),
-        topic: topic.to_owned(),
-        key: format!("order-{i}"),
-        payload: format!(r#"{{"order":"o-{i}","tag":"{tag}"}}"#).into(),
-        attempts: 0,
-    }
+    OutboxMessage::new(
+        message_id(&format!("idem:sqs-sink:{tag}:{i}"), topic),
+        topic,
+        format!("order-{i}"),
+        format!(r#"{{"order":"o-{i}","tag":"{tag}"}}"#),
+    )
 }
 
 /// Receives until `n` messages were decided, recording each handler run
@@ -972,14 +971,14 @@ async fn outbox_to_sqs_to_consumer_runs_each_message_once_across_a_relay_re_send
     assert_eq!(store.outbox().backlog().await.unwrap().pending, 0);
     // The relay's re-send after a crash between send and delete.
     let resent: Vec<OutboxMessage> = (0..n)
-        .map(|i| OutboxMessage {
-            id: format!("m-{i}"),
-            topic: place.url.clone(),
-            key: format!("order-{i}"),
-            payload: serde_json::to_vec(&serde_json::json!({"order": format!("o-{i}")}))
-                .unwrap()
-                .into(),
-            attempts: 1,
+        .map(|i| {
+            OutboxMessage::new(
+                format!("m-{i}"),
+                place.url.clone(),
+                format!("order-{i}"),
+                serde_json::to_vec(&serde_json::json!({"order": format!("o-{i}")})).unwrap(),
+            )
+            .with_attempts(1)
         })
         .collect();
     for r in sink.send(&resent).await {

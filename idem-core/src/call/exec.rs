@@ -249,16 +249,23 @@ impl Exec<'_> {
         }
     }
 
+    /// Records the call's outcome; with `otel`, also as the `idem.outcome`
+    /// attribute of its OpenTelemetry span.
+    pub(super) fn record_outcome(&self, outcome: &'static str) {
+        self.record("outcome", outcome);
+        #[cfg(feature = "otel")]
+        if self.traced {
+            crate::otel::attribute(&tracing::Span::current(), "idem.outcome", outcome);
+        }
+    }
+
     fn fail<E: From<Error>>(&self, e: Error) -> E {
         self.report.outcome(CallOutcome::of_error(&e));
-        self.record(
-            "outcome",
-            match e {
-                Error::InProgress { .. } => "in_progress",
-                Error::FingerprintMismatch => "mismatch",
-                _ => "error",
-            },
-        );
+        self.record_outcome(match e {
+            Error::InProgress { .. } => "in_progress",
+            Error::FingerprintMismatch => "mismatch",
+            _ => "error",
+        });
         if !e.is_retryable() || is_unavailable(&e) {
             tracing::warn!(error = %e, "idempotent call failed");
         }
@@ -274,7 +281,7 @@ impl Exec<'_> {
         {
             return Err(self.fail(Error::FingerprintMismatch));
         }
-        self.record("outcome", "replayed");
+        self.record_outcome("replayed");
         self.report.outcome(CallOutcome::Replayed);
         // Reads only: a record this call cannot read (another version,
         // another shape) is neither released nor rewritten, so the build
@@ -376,7 +383,7 @@ impl Exec<'_> {
         Fut: Future<Output = Result<T, E>>,
     {
         tracing::warn!(error = %cause, "store unavailable and FailMode::Open: running the body WITHOUT idempotency protection");
-        self.record("outcome", "unprotected");
+        self.record_outcome("unprotected");
         if let Some(steps) = &self.steps {
             steps.unprotected();
         }
@@ -569,7 +576,7 @@ impl Exec<'_> {
 
     /// The body returned `Err`: the call's outcome, before its key is freed.
     pub(super) fn body_failed(&self) {
-        self.record("outcome", "released");
+        self.record_outcome("released");
         self.report.outcome(CallOutcome::BodyError);
     }
 
@@ -582,7 +589,7 @@ impl Exec<'_> {
             Stored::No => Outcome::NotStored,
             Stored::Unconfirmed => Outcome::NotConfirmed,
         };
-        self.record("outcome", outcome.as_str());
+        self.record_outcome(outcome.as_str());
         self.report.outcome(CallOutcome::from(outcome));
         outcome
     }
@@ -729,12 +736,12 @@ impl Exec<'_> {
         staged
             .into_iter()
             .zip(names)
-            .map(|(m, name)| OutboxMessage {
-                id: message_id(&self.key, &name),
-                topic: m.topic,
-                key: m.key,
-                payload: m.payload,
-                attempts: 0,
+            .map(|(m, name)| {
+                let message =
+                    OutboxMessage::new(message_id(&self.key, &name), m.topic, m.key, m.payload);
+                #[cfg(feature = "otel")]
+                let message = crate::otel::created(message);
+                message
             })
             .collect()
     }

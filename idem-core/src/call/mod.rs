@@ -479,6 +479,8 @@ impl<'a> Call<'a> {
         let exec = self.prepare(&span, call_start);
         if let Err(e) = &exec {
             span.record("outcome", "refused");
+            #[cfg(feature = "otel")]
+            crate::otel::attribute(&span, "idem.outcome", "refused");
             let _enter = span.enter();
             tracing::warn!(error = %e, "idempotent call refused before reaching the store");
             if let Some(start) = call_start {
@@ -513,7 +515,10 @@ impl<'a> Call<'a> {
         let key = self.key?;
         let fingerprint = self.fingerprint?;
         if !span.is_disabled() {
-            span.record("key", shown_key(inner, &key).as_str());
+            let shown = shown_key(inner, &key);
+            span.record("key", shown.as_str());
+            #[cfg(feature = "otel")]
+            crate::otel::attribute(span, "idem.key", shown);
         }
         // A hit in the local cache needs no owner token and no clock: look
         // first, and draw them only for a call that goes to the store.

@@ -21,7 +21,7 @@ mod relaying;
 mod sink;
 mod stage;
 
-pub use self::message::{MAX_OUTBOX_FIELD, OutboxMessage, message_id};
+pub use self::message::{MAX_OUTBOX_FIELD, OutboxMessage, TRACE_HEADERS, message_id};
 pub use self::relay::{OutboxRelay, RelaySource};
 pub use self::relaying::{Backlog, Failed, Parked, RelayReport, SendPolicy, Waves, send_in_waves};
 pub use self::sink::{Sink, SinkError};

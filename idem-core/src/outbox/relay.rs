@@ -243,9 +243,7 @@ pub trait RelaySource: Send + Sync {
 ///     fn describe(&self) -> String { "stdout".into() }
 /// }
 ///
-/// let msg = |id: &str, topic: &str, key: &str| OutboxMessage {
-///     id: id.into(), topic: topic.into(), key: key.into(), payload: Default::default(), attempts: 0,
-/// };
+/// let msg = |id: &str, topic: &str, key: &str| OutboxMessage::new(id, topic, key, "{}");
 /// let outbox = Memory(Mutex::new(vec![
 ///     (1, msg("a1", "nowhere", "a"), false),
 ///     (2, msg("b1", "orders", "b"), false),

@@ -100,7 +100,7 @@ pub struct Waves<I> {
 ///     fn describe(&self) -> String { "test".into() }
 /// }
 ///
-/// let msg = |id: &str, key: &str| OutboxMessage { id: id.into(), topic: "t".into(), key: key.into(), payload: Default::default(), attempts: 0 };
+/// let msg = |id: &str, key: &str| OutboxMessage::new(id, "t", key, "{}");
 /// let pass = vec![(1, msg("a1", "a")), (2, msg("b1", "b")), (3, msg("a2", "a"))];
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let waves = send_in_waves(&Refuses("a1"), &SendPolicy::default(), pass).await;
@@ -190,9 +190,10 @@ async fn send_bounded<S: Sink + ?Sized>(
     batch: &[OutboxMessage],
 ) -> Vec<Result<(), SinkError>> {
     // A timeout answers nothing: every message is then unconfirmed.
-    let mut results = tokio::time::timeout(limit, sink.send(batch))
-        .await
-        .unwrap_or_default();
+    let send = tokio::time::timeout(limit, sink.send(batch));
+    #[cfg(feature = "otel")]
+    let send = tracing::Instrument::instrument(send, crate::otel::send_span(sink.system(), batch));
+    let mut results = send.await.unwrap_or_default();
     results.truncate(batch.len());
     while results.len() < batch.len() {
         results.push(Err(SinkError::unavailable(format!(

@@ -121,7 +121,10 @@ impl SinkError {
 /// previous one's confirmation. `Ok` means durable on the broker: the relay
 /// deletes the row on it.
 ///
-/// Two methods, both required: `send` and `describe`. The trait is
+/// Two methods are required, `send` and `describe`; `system` names the
+/// broker for traces (feature `otel`) and defaults to `custom`. A sink
+/// publishes each message's [`headers`](OutboxMessage::headers) unchanged
+/// as the broker's headers: they carry the trace context. The trait is
 /// `#[async_trait]`, so an implementation carries the attribute too: idem
 /// re-exports it (`#[idem::async_trait]`, or `idem_core::async_trait`), so
 /// a sink of your own needs no `async-trait` dependency.
@@ -158,6 +161,13 @@ pub trait Sink: Send + Sync {
 
     /// What the sink publishes to, for logs (`redis-streams 127.0.0.1:6379`).
     fn describe(&self) -> String;
+
+    /// The broker as the OpenTelemetry messaging conventions name it
+    /// (`messaging.system`: `kafka`, `rabbitmq`, `aws_sqs`; `nats` and
+    /// `redis` where they name none), for the relay's `send` spans.
+    fn system(&self) -> &'static str {
+        "custom"
+    }
 }
 
 #[async_trait]
@@ -167,5 +177,8 @@ impl<S: Sink + ?Sized> Sink for std::sync::Arc<S> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn system(&self) -> &'static str {
+        (**self).system()
     }
 }

@@ -192,7 +192,11 @@ async fn a_sigkilled_holder_is_recovered_after_its_lease() {
     })
     .await
     .unwrap();
-    let expected = if probe_took_over { "replayed" } else { "recovered" };
+    let expected = if probe_took_over {
+        "replayed"
+    } else {
+        "recovered"
+    };
     assert!(line.starts_with(expected), "the takeover: {line}");
     let runs = ledger(&dir).runs();
     assert_eq!(

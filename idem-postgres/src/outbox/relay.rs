@@ -142,13 +142,13 @@ impl fmt::Debug for PgSource {
 fn owned_row(r: &sqlx::postgres::PgRow) -> Result<(i64, OutboxMessage), sqlx::Error> {
     let attempts: i32 = r.try_get("attempts")?;
     let payload: Vec<u8> = r.try_get("payload")?;
-    let message = OutboxMessage {
-        id: r.try_get("id")?,
-        topic: r.try_get("topic")?,
-        key: r.try_get("msg_key")?,
-        payload: payload.into(),
-        attempts: u32::try_from(attempts).unwrap_or(0),
-    };
+    let message = OutboxMessage::new(
+        r.try_get::<String, _>("id")?,
+        r.try_get::<String, _>("topic")?,
+        r.try_get::<String, _>("msg_key")?,
+        payload,
+    )
+    .with_attempts(u32::try_from(attempts).unwrap_or(0));
     Ok((r.try_get("seq")?, message))
 }
 

@@ -585,11 +585,10 @@ fn message(fields: &Value) -> Result<OutboxMessage, String> {
         }
     }
     let missing = |name: &str| format!("field `{name}` is missing or not text");
-    Ok(OutboxMessage {
-        id: id.ok_or_else(|| missing("id"))?,
-        topic: topic.ok_or_else(|| missing("topic"))?,
-        key: key.ok_or_else(|| missing("key"))?,
-        payload: payload.ok_or_else(|| "field `payload` is missing".to_owned())?,
-        attempts: 0,
-    })
+    Ok(OutboxMessage::new(
+        id.ok_or_else(|| missing("id"))?,
+        topic.ok_or_else(|| missing("topic"))?,
+        key.ok_or_else(|| missing("key"))?,
+        payload.ok_or_else(|| "field `payload` is missing".to_owned())?,
+    ))
 }

@@ -278,13 +278,7 @@ async fn a_complete_that_cannot_append_stores_nothing() {
     let token = idem_core::store::Token::random();
     let claim = idem_testkit::claim("outbox:orders.create:r-3", &token, 30_000, 60_000, None);
     svc.claim(claim).await.unwrap();
-    let m = OutboxMessage {
-        id: "m".into(),
-        topic: "t".into(),
-        key: "k".into(),
-        payload: Default::default(),
-        attempts: 0,
-    };
+    let m = OutboxMessage::new("m", "t", "k", bytes::Bytes::new());
     let refused = svc
         .complete(
             Complete::new(
