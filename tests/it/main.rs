@@ -23,6 +23,8 @@ mod model;
 mod operate;
 mod orders_consumer_example;
 mod orders_outbox_example;
+#[cfg(feature = "otel")]
+mod otel_trace;
 mod readme_consumers;
 mod result_versions;
 mod semantics;
