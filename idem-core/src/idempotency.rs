@@ -73,6 +73,7 @@ impl Idempotency {
             compress_above: None,
             store_retries: 2,
             log_keys: false,
+            keys_in_spans: true,
             cache_entries: None,
             hook: None,
         }
@@ -286,6 +287,7 @@ pub struct IdempotencyBuilder {
     compress_above: Option<usize>,
     store_retries: usize,
     log_keys: bool,
+    keys_in_spans: bool,
     cache_entries: Option<u64>,
     hook: Option<Hook>,
 }
@@ -482,6 +484,20 @@ impl IdempotencyBuilder {
         self
     }
 
+    /// Whether spans carry the call's key at all (default on: its short
+    /// hash, or the key with [`log_keys`](Self::log_keys)). Off, neither the
+    /// `key` field nor the `idem.key` OpenTelemetry attribute is recorded:
+    /// the hash of a key drawn from few values (a phone number, an account
+    /// number) can be reversed by trying them all.
+    ///
+    /// ```
+    /// let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).keys_in_spans(false).build();
+    /// ```
+    pub fn keys_in_spans(mut self, on: bool) -> Self {
+        self.keys_in_spans = on;
+        self
+    }
+
     /// Calls `hook` once per call when it ends, with its scope, hashed key,
     /// [`CallOutcome`](crate::CallOutcome), attempt and durations: for
     /// successes and for every error (`InProgress`, mismatches, an
@@ -598,6 +614,7 @@ impl IdempotencyBuilder {
                 compress_above: self.compress_above,
                 store_retries: self.store_retries,
                 log_keys: self.log_keys,
+                keys_in_spans: self.keys_in_spans,
                 cache,
                 invalidation,
                 config_error,

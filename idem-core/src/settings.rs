@@ -118,6 +118,8 @@ pub(crate) struct Inner {
     pub(crate) compress_above: Option<usize>,
     pub(crate) store_retries: usize,
     pub(crate) log_keys: bool,
+    /// Whether spans record the key (hashed unless `log_keys`).
+    pub(crate) keys_in_spans: bool,
     pub(crate) cache: Option<ReplayCache>,
     /// The cache's registration with the store's forget invalidations;
     /// `None` without a cache.

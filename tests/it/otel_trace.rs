@@ -324,3 +324,30 @@ async fn nats_process_span_links_to_the_create_span() {
     assert_eq!(attribute(process, "messaging.system").as_deref(), Some("nats"));
     assert_eq!(attribute(process, "messaging.operation.type").as_deref(), Some("process"));
 }
+
+/// The `idem.key` attribute: a hash by default, the key with `log_keys`,
+/// absent with `keys_in_spans(false)`; `idem.outcome` in every case.
+#[tokio::test]
+async fn keys_in_spans_are_hashed_clear_or_omitted() {
+    let traces = Traces::install();
+    let call = |idem: Idempotency| async move {
+        idem.call("op", "alice@example.com")
+            .run(|| async { Ok::<_, idem::Error>(1u8) })
+            .await
+            .unwrap();
+    };
+    let memory = idem::MemoryStore::new;
+    call(Idempotency::builder(memory()).build()).await;
+    call(Idempotency::builder(memory()).log_keys(true).build()).await;
+    call(Idempotency::builder(memory()).keys_in_spans(false).build()).await;
+    let spans = traces.spans();
+    let calls = named(&spans, "idem.call");
+    assert_eq!(calls.len(), 3);
+    let keys: Vec<_> = calls.iter().map(|c| attribute(c, "idem.key")).collect();
+    assert!(keys[0].as_deref().is_some_and(|k| k.starts_with('#') && !k.contains("alice")));
+    assert!(keys[1].as_deref().is_some_and(|k| k.contains("alice@example.com")));
+    assert_eq!(keys[2], None);
+    for c in calls {
+        assert_eq!(attribute(c, "idem.outcome").as_deref(), Some("executed"));
+    }
+}

@@ -514,7 +514,7 @@ impl<'a> Call<'a> {
         }
         let key = self.key?;
         let fingerprint = self.fingerprint?;
-        if !span.is_disabled() {
+        if !span.is_disabled() && inner.keys_in_spans {
             let shown = shown_key(inner, &key);
             span.record("key", shown.as_str());
             #[cfg(feature = "otel")]
