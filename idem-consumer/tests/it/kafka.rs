@@ -1750,6 +1750,7 @@ async fn killed_mid_handler_the_next_member_takes_over_after_the_lease_with_one_
 
 /// Two W3C `traceparent` values (the format's example trace, two spans)
 /// and a `tracestate`.
+#[cfg(feature = "otel")]
 const TRACEPARENT_OLD: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
 const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
