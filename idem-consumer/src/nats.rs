@@ -654,7 +654,8 @@ impl Adapter for NatsConsumer {
     }
 
     /// Payload, `Nats-Msg-Id` (or the configured header) as id, delivery
-    /// count from the JetStream metadata.
+    /// count from the JetStream metadata; with `otel`, the producer's trace
+    /// context from `traceparent` and `tracestate`.
     fn message_of(&self, m: &NatsDelivery) -> Result<Message, ConsumerError> {
         if m.sequence.is_none() {
             tracing::warn!("JetStream message without readable delivery info");
@@ -671,6 +672,17 @@ impl Adapter for NatsConsumer {
             .and_then(|h| h.get(self.id_header.clone()))
         {
             msg = msg.with_id(id.as_str());
+        }
+        // By exact name: NATS header names are case-sensitive, and a
+        // `Traceparent` is not the W3C header idem's sinks write. Parsed,
+        // as received names are (a well-known name only matches so). The
+        // last value of a repeated one, as on every other broker.
+        #[cfg(feature = "otel")]
+        if let Some(headers) = m.headers.as_ref() {
+            msg = crate::otel::with_trace_headers(msg, |name| {
+                let name: HeaderName = name.parse().ok()?;
+                headers.get_last(name).map(|v| v.as_str().to_owned())
+            });
         }
         Ok(msg)
     }

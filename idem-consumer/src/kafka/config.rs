@@ -198,7 +198,8 @@ impl KafkaConfig {
     }
 
     /// The core's message for a record: payload, id per [`KafkaKey`],
-    /// delivery count from the `idem-attempts` header.
+    /// delivery count from the `idem-attempts` header; with `otel`, the
+    /// producer's trace context from `traceparent` and `tracestate`.
     pub(super) fn message_of(
         &self,
         payload: Bytes,
@@ -213,6 +214,16 @@ impl KafkaConfig {
         let msg = Message::new(payload.clone())
             .with_delivery_count(attempts.saturating_add(1))
             .with_source(BROKER, topic.clone());
+        // Kafka headers are appended, never replaced: a record may carry a
+        // trace header twice (a producer that added its own), and `header`
+        // takes the last, as Kafka clients read a repeated header. Not
+        // UTF-8: no trace context (a W3C one is ASCII).
+        #[cfg(feature = "otel")]
+        let msg = crate::otel::with_trace_headers(msg, |name| {
+            header(headers, name)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned)
+        });
         match &self.key {
             KafkaKey::Header(name) => match header(headers, name) {
                 None => msg,

@@ -19,7 +19,9 @@ const BROKER: &str = "kafka";
 /// Publishes outbox messages as Kafka records to the topic `topic`, with
 /// record key `key` (so one key's messages stay in one partition, in
 /// order) and header `idempotency-key = id` (the key a
-/// [`KafkaConsumer`](crate::kafka::KafkaConsumer) reads by default). The
+/// [`KafkaConsumer`](crate::kafka::KafkaConsumer) reads by default), after
+/// the message's own [`headers`](OutboxMessage::headers), published as
+/// they are (the W3C trace context: `traceparent`, `tracestate`). The
 /// producer is idempotent (`enable.idempotence=true`, `acks=all`): its own
 /// retries neither duplicate nor reorder a partition's records. `Ok` once
 /// the delivery report says every in-sync replica has the record.
@@ -206,10 +208,7 @@ impl Sink for KafkaSink {
         let sends = batch.iter().map(|m| {
             let producer = &producer;
             async move {
-                let headers = OwnedHeaders::new().insert(Header {
-                    key: IDEMPOTENCY_KEY,
-                    value: Some(m.id.as_str()),
-                });
+                let headers = headers_of(m);
                 let record = FutureRecord::to(&m.topic)
                     .key(m.key.as_str())
                     .payload(m.payload.as_ref())
@@ -230,4 +229,27 @@ impl Sink for KafkaSink {
             self.config.get("bootstrap.servers").unwrap_or_default()
         )
     }
+
+    fn system(&self) -> &'static str {
+        BROKER
+    }
+}
+
+/// The record's headers: the message's own, in order and unchanged (the
+/// trace context its producer stored, whatever this build's features),
+/// then `idempotency-key`. Last, because a reader of a repeated header
+/// takes its last value (as [`KafkaConsumer`](crate::kafka::KafkaConsumer)
+/// does): a stored header of that name cannot stand in for the id.
+fn headers_of(m: &OutboxMessage) -> OwnedHeaders {
+    let mut headers = OwnedHeaders::new_with_capacity(m.headers.len() + 1);
+    for (name, value) in &m.headers {
+        headers = headers.insert(Header {
+            key: name.as_str(),
+            value: Some(value.as_str()),
+        });
+    }
+    headers.insert(Header {
+        key: IDEMPOTENCY_KEY,
+        value: Some(m.id.as_str()),
+    })
 }

@@ -16,8 +16,13 @@ const KEY_HEADER: &str = "Idem-Outbox-Key";
 /// with `Nats-Msg-Id: <id>` (the id a
 /// [`NatsConsumer`](crate::nats::NatsConsumer) reads by default, and the
 /// one JetStream's own duplicate window drops re-sends by) and
-/// `Idem-Outbox-Key: <key>`. The whole batch is published at once, then
-/// every publish ack awaited together: `Ok` once the stream stored it.
+/// `Idem-Outbox-Key: <key>`, and the message's own
+/// [`headers`](OutboxMessage::headers) (the W3C trace context:
+/// `traceparent`, `tracestate`) under their names as given: NATS header
+/// names are case-sensitive. A stored header named like one of the sink's
+/// two is replaced by it; NATS clients trim the spaces around a value.
+/// The whole batch is published at once, then every publish ack awaited
+/// together: `Ok` once the stream stored it.
 ///
 /// | what happened | result |
 /// | --- | --- |
@@ -25,6 +30,7 @@ const KEY_HEADER: &str = "Idem-Outbox-Key";
 /// | no stream captures the subject (no responders) | `Refused` |
 /// | over the server's `max_payload` or the stream's `max_msg_size` | `Refused` |
 /// | id or key with a control character, an invalid subject | `Refused` |
+/// | a header name that is not printable ASCII or has a colon, a header value with a line break | `Refused` |
 /// | no ack within the context's timeout, connection lost | `Unavailable` |
 /// | any other JetStream error (storage full, no leader…) | `Unavailable` |
 ///
@@ -85,14 +91,31 @@ impl NatsSink {
             )));
         }
         let mut headers = HeaderMap::new();
+        for (name, value) in &m.headers {
+            if let Some(why) = unpublishable_header(name, value) {
+                return Err(SinkError::refused(format!(
+                    "the message's header `{}` cannot be a NATS header: {why}",
+                    name.escape_debug()
+                )));
+            }
+            // Appended: a repeated header keeps every value, in order.
+            headers.append(name.as_str(), value.as_str());
+        }
+        // The sink's own last, replacing a stored header of either name:
+        // JetStream de-duplicates by this id, and the consumer reads it.
         headers.insert("Nats-Msg-Id", m.id.as_str());
         headers.insert(KEY_HEADER, m.key.as_str());
         // NATS/1.0\r\n, each `Name: value\r\n`, then \r\n.
         let header_len = 12
-            + ["Nats-Msg-Id", KEY_HEADER]
+            + headers
                 .iter()
-                .zip([&m.id, &m.key])
-                .map(|(n, v)| n.len() + 2 + v.len() + 2)
+                .map(|(name, values)| {
+                    let name: &str = name.as_ref();
+                    values
+                        .iter()
+                        .map(|v| name.len() + 2 + v.as_str().len() + 2)
+                        .sum::<usize>()
+                })
                 .sum::<usize>();
         let size = m.payload.len() + header_len;
         if max_payload > 0 && size > max_payload {
@@ -103,6 +126,23 @@ impl NatsSink {
         }
         Ok(headers)
     }
+}
+
+/// Why a stored header cannot go out as a NATS header unchanged, if it
+/// cannot: a name outside printable ASCII or with a colon, or a value with
+/// a line break, would corrupt the message's header block (and a client
+/// that cannot parse a delivered header block drops its connection).
+fn unpublishable_header(name: &str, value: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        return Some("its name is empty");
+    }
+    if !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+        return Some("a NATS header name is printable ASCII without spaces or colons");
+    }
+    if value.contains(['\r', '\n']) {
+        return Some("its value has a line break");
+    }
+    None
 }
 
 /// What a failed publish means for its message.
@@ -176,5 +216,9 @@ impl Sink for NatsSink {
     fn describe(&self) -> String {
         let info = self.js.client().server_info();
         format!("{BROKER} {}:{}", info.host, info.port)
+    }
+
+    fn system(&self) -> &'static str {
+        BROKER
     }
 }

@@ -121,6 +121,8 @@ fn high_watermarks(bootstrap: &str, topic: &str, partitions: i32) -> Vec<i64> {
 struct Record {
     offset: i64,
     headers: BTreeMap<String, String>,
+    /// Every header as on the wire: in order, repeats kept, raw bytes.
+    header_list: Vec<(String, Option<Vec<u8>>)>,
     payload: Vec<u8>,
 }
 
@@ -168,22 +170,25 @@ fn read(
             continue;
         };
         last = Instant::now();
-        let headers = m
+        let header_list: Vec<(String, Option<Vec<u8>>)> = m
             .headers()
             .map(|h| {
                 h.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
-                        )
-                    })
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
                     .collect()
             })
             .unwrap_or_default();
+        let headers = header_list
+            .iter()
+            .map(|(k, v)| {
+                let v = v.as_deref().unwrap_or_default();
+                (k.clone(), String::from_utf8_lossy(v).into_owned())
+            })
+            .collect();
         out.push(Record {
             offset: m.offset(),
             headers,
+            header_list,
             payload: m.payload().unwrap_or_default().to_vec(),
         });
     }
@@ -410,6 +415,27 @@ impl Topic {
             .send(record, Duration::from_secs(10))
             .await
             .unwrap_or_else(|(e, _)| panic!("cannot publish to {}/{partition}: {e}", self.name));
+    }
+
+    /// Publishes one record to partition 0 with `headers`, in order (a
+    /// name may repeat: Kafka headers are a list).
+    #[cfg(feature = "otel")]
+    async fn publish_with_headers(&self, headers: &[(&str, &str)], payload: &[u8]) {
+        let mut h = OwnedHeaders::new();
+        for (key, value) in headers {
+            h = h.insert(Header {
+                key,
+                value: Some(*value),
+            });
+        }
+        let record = FutureRecord::<str, [u8]>::to(&self.name)
+            .partition(0)
+            .payload(payload)
+            .headers(h);
+        self.producer
+            .send(record, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|(e, _)| panic!("cannot publish to {}/0: {e}", self.name));
     }
 
     /// The group's committed offsets, per partition, as the broker says.
@@ -1718,4 +1744,118 @@ async fn killed_mid_handler_the_next_member_takes_over_after_the_lease_with_one_
         Some(&2),
         "exactly one extra run"
     );
+}
+
+// ------------------------------------------------------------ trace context
+
+/// Two W3C `traceparent` values (the format's example trace, two spans)
+/// and a `tracestate`.
+#[cfg(feature = "otel")]
+const TRACEPARENT_OLD: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
+
+/// What `KafkaSink` publishes is each message's stored headers, in their
+/// order, byte for byte (names as given, a repeated name kept twice),
+/// followed by its own `idempotency-key`; a message without stored
+/// headers carries `idempotency-key` alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_sink_publishes_the_stored_headers_unchanged_before_the_idempotency_key() {
+    use idem_consumer::outbox::{KafkaSink, OutboxMessage, Sink};
+    let t = Topic::create("sink_headers", 1).await;
+    let sink = KafkaSink::new(
+        ClientConfig::new()
+            .set("bootstrap.servers", &t.bootstrap)
+            .set("message.timeout.ms", "10000"),
+    )
+    .unwrap();
+    assert_eq!(sink.system(), "kafka");
+    let stored: Vec<(String, String)> = [
+        ("traceparent", TRACEPARENT),
+        ("tracestate", TRACESTATE),
+        ("x-tenant", "acme é"),
+        ("x-tenant", "second"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let with =
+        OutboxMessage::new("id-with", &t.name, "k-1", r#"{"n":1}"#).with_headers(stored.clone());
+    let without = OutboxMessage::new("id-without", &t.name, "k-1", r#"{"n":2}"#);
+    // One key: one partition, in this order.
+    for r in sink.send(&[with, without]).await {
+        r.unwrap();
+    }
+    let (b, n) = (t.bootstrap.clone(), t.name.clone());
+    let records = tokio::task::spawn_blocking(move || read_all(&b, &n, 1, 2))
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 2);
+    let mut want: Vec<(String, Option<Vec<u8>>)> = stored
+        .iter()
+        .map(|(k, v)| (k.clone(), Some(v.as_bytes().to_vec())))
+        .collect();
+    want.push((
+        header_names::IDEMPOTENCY_KEY.to_owned(),
+        Some(b"id-with".to_vec()),
+    ));
+    assert_eq!(records[0].header_list, want);
+    assert_eq!(
+        records[1].header_list,
+        [(
+            header_names::IDEMPOTENCY_KEY.to_owned(),
+            Some(b"id-without".to_vec())
+        )]
+    );
+}
+
+/// With `otel`, the adapter hands the handler the record's trace context:
+/// of a `traceparent` sent twice (Kafka headers are appended, never
+/// replaced) the last one, with `tracestate`; a record without them is
+/// handled as before, with none.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_sees_the_last_traceparent_of_a_record_and_none_without_one() {
+    use idem_core::MemoryStore;
+    let t = Topic::create("trace", 1).await;
+    t.publish_with_headers(
+        &[
+            (header_names::IDEMPOTENCY_KEY, "o-1"),
+            ("traceparent", TRACEPARENT_OLD),
+            ("tracestate", TRACESTATE),
+            ("traceparent", TRACEPARENT),
+        ],
+        &order(1, 1),
+    )
+    .await;
+    t.publish_to(0, Some("o-2"), &order(2, 1)).await;
+    let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "trace");
+    let seen = std::sync::Mutex::new(BTreeMap::new());
+    let handle = |m: Message| {
+        let seen = &seen;
+        async move {
+            let trace = (
+                m.trace_header("traceparent").map(str::to_owned),
+                m.trace_header("tracestate").map(str::to_owned),
+            );
+            seen.lock()
+                .unwrap()
+                .insert(m.id().unwrap_or("?").to_owned(), trace);
+            Ok::<_, String>(())
+        }
+    };
+    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (report, ()) = tokio::join!(kc.run(&consumer, &handle, stopped), check);
+    assert_eq!(report.unwrap().acked, 2);
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(
+        seen.get("o-1"),
+        Some(&(Some(TRACEPARENT.to_owned()), Some(TRACESTATE.to_owned())))
+    );
+    assert_eq!(seen.get("o-2"), Some(&(None, None)));
 }

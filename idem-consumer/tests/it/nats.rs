@@ -716,3 +716,188 @@ async fn a_message_without_an_ack_subject_is_one_delivery_and_its_settling_fails
     }
     assert!(s.drained().await, "the fetched message was acked");
 }
+
+// ------------------------------------------------------------ trace context
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
+
+impl TestStream {
+    /// Every message on `<name>.in` so far, read by a plain JetStream
+    /// consumer of its own: headers and payload.
+    async fn raw_messages(&self) -> Vec<(HeaderMap, Vec<u8>)> {
+        use futures_util::StreamExt;
+        let stream = self.js.get_stream(&self.name).await.unwrap();
+        let mut cfg = pull_config(&unique("raw"), Duration::from_secs(30));
+        cfg.filter_subject = self.subject("in");
+        let c: PullConsumer = stream.create_consumer(cfg).await.unwrap();
+        let mut msgs = c
+            .fetch()
+            .max_messages(100)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        while let Some(Ok(m)) = msgs.next().await {
+            out.push((m.headers.clone().unwrap_or_default(), m.payload.to_vec()));
+        }
+        out
+    }
+}
+
+/// The values of header `name` exactly as a NATS client reads them (by
+/// the parsed name: a received `Nats-Msg-Id` is a well-known one).
+fn values(h: &HeaderMap, name: &str) -> Vec<String> {
+    let name: async_nats::header::HeaderName = name.parse().unwrap();
+    h.get_all(name).map(|v| v.as_str().to_owned()).collect()
+}
+
+/// What `NatsSink` publishes carries each stored header under its name as
+/// given (lower case stays lower case, a repeated name keeps both values
+/// in order), byte for byte, beside `Nats-Msg-Id` and `Idem-Outbox-Key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_sink_publishes_the_stored_headers_unchanged() {
+    use idem_consumer::outbox::{NatsSink, OutboxMessage, Sink};
+    let s = on_shared("idem_sink_headers").await;
+    let sink = NatsSink::new(s.js.clone());
+    assert_eq!(sink.system(), "nats");
+    let stored: Vec<(String, String)> = [
+        ("traceparent", TRACEPARENT),
+        ("tracestate", TRACESTATE),
+        ("x-hop", "first é"),
+        ("x-hop", "second"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let m = OutboxMessage::new("id-h", s.subject("in"), "k-1", r#"{"n":1}"#).with_headers(stored);
+    for r in sink.send(&[m]).await {
+        r.unwrap();
+    }
+    let got = s.raw_messages().await;
+    assert_eq!(got.len(), 1);
+    let (h, payload) = &got[0];
+    assert_eq!(payload, br#"{"n":1}"#);
+    assert_eq!(values(h, "traceparent"), [TRACEPARENT]);
+    assert_eq!(values(h, "tracestate"), [TRACESTATE]);
+    assert_eq!(values(h, "x-hop"), ["first é", "second"]);
+    assert_eq!(
+        values(h, "Traceparent"),
+        Vec::<String>::new(),
+        "name kept lower case"
+    );
+    assert_eq!(values(h, "Nats-Msg-Id"), ["id-h"]);
+    assert_eq!(values(h, "Idem-Outbox-Key"), ["k-1"]);
+    let names: usize = h.iter().map(|(_, v)| v.len()).sum();
+    assert_eq!(names, 6, "nothing else: {h:?}");
+}
+
+/// A stored header NATS cannot carry unchanged (a colon in the name, a
+/// line break in the value) refuses its message alone, and the
+/// connection stays usable: the others of the batch are stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_sink_refuses_a_message_whose_header_nats_cannot_carry_and_only_it() {
+    use idem_consumer::outbox::{NatsSink, OutboxMessage, Sink, SinkError};
+    let s = on_shared("idem_sink_bad_header").await;
+    let sink = NatsSink::new(s.js.clone());
+    let m = |i: usize, headers: &[(&str, &str)]| {
+        OutboxMessage::new(format!("id-{i}"), s.subject("in"), format!("k-{i}"), "{}").with_headers(
+            headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        )
+    };
+    let batch = [
+        m(0, &[("traceparent", TRACEPARENT)]),
+        m(1, &[("x:y", "v")]),
+        m(2, &[("x-note", "a\r\nNats-Msg-Id: forged")]),
+        m(3, &[("x note", "v")]),
+        m(4, &[]),
+    ];
+    let results = sink.send(&batch).await;
+    assert_eq!(results.len(), 5);
+    for (i, r) in results.iter().enumerate() {
+        if matches!(i, 1..=3) {
+            assert!(matches!(r, Err(SinkError::Refused { .. })), "{i}: {r:?}");
+        } else {
+            assert!(r.is_ok(), "{i}: {r:?}");
+        }
+    }
+    let mut ids: Vec<String> = s
+        .raw_messages()
+        .await
+        .iter()
+        .flat_map(|(h, _)| values(h, "Nats-Msg-Id"))
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["id-0", "id-4"]);
+}
+
+/// With `otel`, the adapter hands the handler the message's `traceparent`
+/// and `tracestate`, read by their exact (case-sensitive) names: a
+/// `Traceparent` header is not one, and a message without them is handled
+/// as before, with none.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_sees_the_traceparent_by_its_exact_name_only() {
+    use idem_core::{Idempotency, MemoryStore};
+    let s = on_shared("idem_trace").await;
+    let publish = |id: &'static str, trace: &'static [(&'static str, &'static str)]| {
+        let js = s.js.clone();
+        let subject = s.subject("in");
+        async move {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id);
+            for (k, v) in trace {
+                headers.insert(*k, *v);
+            }
+            js.publish_with_headers(subject, headers, "{}".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    publish(
+        "t-1",
+        &[("traceparent", TRACEPARENT), ("tracestate", TRACESTATE)],
+    )
+    .await;
+    publish("t-2", &[("Traceparent", TRACEPARENT)]).await;
+    publish("t-3", &[]).await;
+    let consumer = Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "trace");
+    let nats = s.adapter("c", Duration::from_secs(30)).await;
+    let seen = std::sync::Mutex::new(BTreeMap::new());
+    let handle = |m: Message| {
+        let seen = &seen;
+        async move {
+            let trace = (
+                m.trace_header("traceparent").map(str::to_owned),
+                m.trace_header("tracestate").map(str::to_owned),
+            );
+            seen.lock()
+                .unwrap()
+                .insert(m.id().unwrap_or("?").to_owned(), trace);
+            Ok::<_, String>(())
+        }
+    };
+    let mut acked = 0;
+    let end = Instant::now() + Duration::from_secs(10);
+    while acked < 3 && Instant::now() < end {
+        acked += nats.poll(&consumer, &handle).await.unwrap().acked;
+    }
+    assert_eq!(acked, 3);
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(
+        seen.get("t-1"),
+        Some(&(Some(TRACEPARENT.to_owned()), Some(TRACESTATE.to_owned())))
+    );
+    assert_eq!(
+        seen.get("t-2"),
+        Some(&(None, None)),
+        "`Traceparent` is not `traceparent`"
+    );
+    assert_eq!(seen.get("t-3"), Some(&(None, None)));
+}
