@@ -99,8 +99,11 @@ CREATE TABLE IF NOT EXISTS "idem_keys_outbox" (
     attempts   integer     NOT NULL DEFAULT 0,
     last_error text,
     retry_at   timestamptz,
-    parked_at  timestamptz
+    parked_at  timestamptz,
+    headers    json
 );
+
+ALTER TABLE "idem_keys_outbox" ADD COLUMN IF NOT EXISTS headers json;
 
 CREATE UNIQUE INDEX IF NOT EXISTS "idem_keys_outbox_id_idx" ON "idem_keys_outbox" (id);
 

@@ -9,17 +9,27 @@
 --
 -- With outgoing messages (outbox::stage): KEYS[2] is the outbox stream (on
 -- the record's slot) and ARGV[3..] are (id, topic, key, payload) per
--- message, appended to the stream in order in this same step. Everything
--- that could refuse the appends is checked before anything is written, so
--- the result and its messages are stored together or not at all.
+-- message, appended to the stream in order in this same step. When any
+-- message has headers, ARGV[3] is empty (no message id is) and (id, topic,
+-- key, payload, headers) follow per message: a message's encoded headers
+-- (idem-redis/src/store/outbox.rs) go in its entry's `headers` field, and
+-- an empty one writes no field, so an entry without headers is the same
+-- as before they existed. Everything that could refuse the appends is
+-- checked before anything is written, so the result and its messages are
+-- stored together or not at all.
 local key, token, rec, stream = KEYS[1], ARGV[1], ARGV[2], KEYS[2]
 local kind, n = header(rec)
 local fields = #ARGV - 2
+local first, width = 3, 4
+if fields > 0 and ARGV[3] == '' then
+  first, width, fields = 4, 5, fields - 1
+end
 if not kind or kind == PENDING or #token ~= 32 or #KEYS < 1 or #KEYS > 2
-    or (stream == nil) ~= (fields == 0) or fields % 4 ~= 0 then
+    or (stream == nil) ~= (fields == 0) or fields % width ~= 0 then
   return redis.error_reply('ERR idem complete: expected 1 key, a 32-byte token and a completed '
     .. 'record ("1", kind C/Z/L/U, fingerprint length, fingerprint, value), and with an outbox '
-    .. 'stream as a second key, (id, topic, key, payload) per message')
+    .. 'stream as a second key, (id, topic, key, payload) per message, or an empty argument '
+    .. 'then (id, topic, key, payload, headers) per message')
 end
 
 local reply, waited
@@ -40,9 +50,15 @@ if stream then
   end
 end
 redis.call('SET', key, rec, 'KEEPTTL')
-for i = 3, #ARGV, 4 do
-  redis.call('XADD', stream, '*', 'id', ARGV[i], 'topic', ARGV[i + 1], 'key', ARGV[i + 2],
-    'payload', ARGV[i + 3])
+for i = first, #ARGV, width do
+  local headers = width == 5 and ARGV[i + 4] or ''
+  if headers == '' then
+    redis.call('XADD', stream, '*', 'id', ARGV[i], 'topic', ARGV[i + 1], 'key', ARGV[i + 2],
+      'payload', ARGV[i + 3])
+  else
+    redis.call('XADD', stream, '*', 'id', ARGV[i], 'topic', ARGV[i + 1], 'key', ARGV[i + 2],
+      'payload', ARGV[i + 3], 'headers', headers)
+  end
 end
 -- Only a record a waiter marked (its claim, made once it was subscribed,
 -- wrote WAITED) has anyone to wake: an unmarked one publishes nothing.

@@ -152,22 +152,42 @@ pub fn send_span(system: &str, batch: &[OutboxMessage]) -> tracing::Span {
     span
 }
 
-/// `message` with the context of a new `create` span (a child of the
-/// current span, the call's) in its headers.
-pub(crate) fn created(mut message: OutboxMessage) -> OutboxMessage {
+/// Opens the messaging conventions' `create` span for the message `id` to
+/// `topic` (kind producer, a child of the current span: the call that
+/// writes the message) and returns its W3C context as the headers to store
+/// with the message ([`TRACE_HEADERS`]). A store that writes messages
+/// itself, in the caller's transaction (idem-postgres's `outbox::publish`),
+/// calls it; messages staged with [`stage`](crate::outbox::stage) get it
+/// from the call. Empty when the span is off (no subscriber takes INFO
+/// spans, no `tracing-opentelemetry` layer): the message then carries no
+/// headers, and storing it costs nothing more.
+///
+/// ```
+/// // No subscriber here: no span, nothing to store.
+/// assert!(idem_core::otel::create_span_headers("orders.created", "id-1").is_empty());
+/// ```
+pub fn create_span_headers(topic: &str, id: &str) -> Vec<(String, String)> {
     if !tracing::level_enabled!(tracing::Level::INFO) {
-        return message;
+        return Vec::new();
     }
+    // The span ends when this returns: `create` covers making the message,
+    // and what follows it (the write, the relay's send) links to it.
     let span = tracing::info_span!(
         "create",
-        otel.name = format!("create {}", message.topic),
+        otel.name = format!("create {topic}"),
         otel.kind = "producer",
         messaging.operation.type = "create",
         messaging.operation.name = "create",
-        messaging.destination.name = message.topic.as_str(),
-        messaging.message.id = message.id.as_str(),
+        messaging.destination.name = topic,
+        messaging.message.id = id,
     );
-    message.headers = headers_of(&span);
+    headers_of(&span)
+}
+
+/// `message` with the context of a new `create` span (a child of the
+/// current span, the call's) in its headers.
+pub(crate) fn created(mut message: OutboxMessage) -> OutboxMessage {
+    message.headers = create_span_headers(&message.topic, &message.id);
     message
 }
 
@@ -182,7 +202,10 @@ struct Headers(Vec<(String, String)>);
 
 impl Injector for Headers {
     fn set(&mut self, key: &str, value: String) {
-        if TRACE_HEADERS.contains(&key) {
+        // The propagator sets `tracestate` even when the state is empty; an
+        // empty header carries nothing (W3C: omit it), and every stored
+        // message would pay for it.
+        if TRACE_HEADERS.contains(&key) && !value.is_empty() {
             self.0.push((key.to_owned(), value));
         }
     }

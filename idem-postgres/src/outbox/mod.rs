@@ -25,6 +25,7 @@
 //! # Ok(()) }
 //! ```
 
+mod headers;
 mod publish;
 mod relay;
 pub(crate) mod table;
@@ -118,7 +119,8 @@ impl Outbox {
     /// Writes a message with an id of your own in `tx` (any transaction on
     /// this database): for code outside `run_in_tx`. The same id twice keeps
     /// one message. Topic, key and id are checked as by
-    /// [`publish`].
+    /// [`publish`]; with the `otel` feature, the message carries the trace
+    /// of the current span as [`publish`]'s does.
     ///
     /// ```no_run
     /// # async fn demo(outbox: idem_postgres::outbox::Outbox, pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {

@@ -77,6 +77,13 @@ pub(crate) async fn scope<F: Future>(publishing: Arc<Publishing>, body: F) -> F:
 /// on the other side de-duplicates. Publishing the same id twice keeps one
 /// message.
 ///
+/// With the `otel` feature, the message carries its call's trace: a
+/// `create` span (the messaging conventions', a child of the call's span)
+/// is opened for it and its W3C context stored in the row's `headers`;
+/// the relay publishes them as the broker's headers, and its `send` span
+/// and the consumer's `process` span link to it. Without a
+/// `tracing-opentelemetry` layer nothing is stored.
+///
 /// Outside a `run_in_tx` body there is no call to derive the id from: it
 /// fails with [`Error::InvalidConfig`]; use
 /// [`Outbox::publish_with_id`](super::Outbox::publish_with_id) there.
@@ -131,7 +138,12 @@ pub async fn publish<V: Serialize + ?Sized>(
     insert(tx, &publishing.sql, &id, topic, key, value).await
 }
 
-/// Checks, encodes and inserts one message.
+/// Checks, encodes and inserts one message. With the `otel` feature, it
+/// first opens the message's `create` span (a child of the current span:
+/// in `run_in_tx`, the call's) and stores its W3C trace context in the
+/// row's `headers`, for the relay to publish with the message. Without
+/// it, or with no span to carry (no `tracing-opentelemetry` layer), the
+/// insert is the one without headers, as before they existed.
 pub(crate) async fn insert<V: Serialize + ?Sized>(
     tx: &mut PgConnection,
     sql: &OutboxSql,
@@ -141,11 +153,19 @@ pub(crate) async fn insert<V: Serialize + ?Sized>(
     value: &V,
 ) -> Result<(), Error> {
     let payload = encode_payload(topic, key, value)?;
-    sqlx::query(AssertSqlSafe(sql.insert.as_str()))
-        .bind(id)
-        .bind(topic)
-        .bind(key)
-        .bind(payload)
+    #[cfg(feature = "otel")]
+    let headers = super::headers::encode(&idem_core::otel::create_span_headers(topic, id));
+    #[cfg(not(feature = "otel"))]
+    let headers: Option<String> = None;
+    let query = match &headers {
+        None => sqlx::query(AssertSqlSafe(sql.insert.as_str())),
+        Some(_) => sqlx::query(AssertSqlSafe(sql.insert_with_headers.as_str())),
+    };
+    let mut query = query.bind(id).bind(topic).bind(key).bind(payload);
+    if let Some(h) = headers {
+        query = query.bind(h);
+    }
+    query
         .execute(tx)
         .await
         .map_err(|e| errors::map("outbox publish", &sql.table, e))?;

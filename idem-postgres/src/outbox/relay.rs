@@ -138,10 +138,17 @@ impl fmt::Debug for PgSource {
     }
 }
 
-/// A row the relay read: its `seq` and the message it sends.
+/// A row the relay read: its `seq` and the message it sends. A row
+/// without `headers` (NULL: untraced, or written before the column
+/// existed) is a message without headers; one whose `headers` is not an
+/// object of strings (written by hand) is sent without headers, with a
+/// warning, rather than parked: they carry the trace context, and a lost
+/// trace link is better than a deliverable message held back for an
+/// operator.
 fn owned_row(r: &sqlx::postgres::PgRow) -> Result<(i64, OutboxMessage), sqlx::Error> {
     let attempts: i32 = r.try_get("attempts")?;
     let payload: Vec<u8> = r.try_get("payload")?;
+    let headers: Option<String> = r.try_get("headers")?;
     let message = OutboxMessage::new(
         r.try_get::<String, _>("id")?,
         r.try_get::<String, _>("topic")?,
@@ -149,6 +156,18 @@ fn owned_row(r: &sqlx::postgres::PgRow) -> Result<(i64, OutboxMessage), sqlx::Er
         payload,
     )
     .with_attempts(u32::try_from(attempts).unwrap_or(0));
+    let message = match headers.as_deref().map(super::headers::decode) {
+        None => message,
+        Some(Ok(headers)) => message.with_headers(headers),
+        Some(Err(why)) => {
+            tracing::warn!(
+                id = %message.id,
+                reason = %why,
+                "outbox row's `headers` is not an object of strings: sending the message without headers"
+            );
+            message
+        }
+    };
     Ok((r.try_get("seq")?, message))
 }
 

@@ -9,6 +9,7 @@
 //! | `attempts`, `last_error` | failed sends so far, and the last reason |
 //! | `retry_at` | after a failed send: not before this time (the key waits behind it) |
 //! | `parked_at` | set when the broker refused it; the key waits until an operator retries or drops it |
+//! | `headers` | the message's headers (the W3C trace context, feature `otel`) as a `json` object of name → string in order, published with it unchanged; NULL for none (headers.rs says why `json`) |
 
 use crate::config::Partitioning;
 use crate::config::TableName;
@@ -55,9 +56,15 @@ pub(crate) fn ddl(table: &TableName, parts: Option<&Partitioning>) -> Vec<String
              \x20   attempts   integer     NOT NULL DEFAULT 0,\n\
              \x20   last_error text,\n\
              \x20   retry_at   timestamptz,\n\
-             \x20   parked_at  timestamptz\n\
+             \x20   parked_at  timestamptz,\n\
+             \x20   headers    json\n\
              {tail}"
         ),
+        // Tables made before headers gain the column: nullable without a
+        // default, so adding it is a catalog change (no rewrite, a brief
+        // lock), and the rows already there read as messages without
+        // headers. Partitions gain it from their parent.
+        format!("ALTER TABLE {outbox} ADD COLUMN IF NOT EXISTS headers json"),
         format!(
             "CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {outbox} ({unique})",
             index = table.index("outbox_id_idx")
@@ -123,7 +130,11 @@ pub(crate) struct OutboxSql {
     pub(crate) channel: String,
     /// Sets whether a relay sleeps (`$1`): inserts notify only then.
     pub(crate) idle: String,
+    /// Inserts a message without headers (`headers` stays NULL): the
+    /// statement of every untraced publish, as before headers existed.
     pub(crate) insert: String,
+    /// Inserts a message with its headers (`$5`, a `json` object as text).
+    pub(crate) insert_with_headers: String,
     pub(crate) heads: String,
     pub(crate) batch: String,
     pub(crate) delete: String,
@@ -135,8 +146,10 @@ pub(crate) struct OutboxSql {
     pub(crate) backlog: String,
 }
 
-/// What the relay reads of a row it sends.
-const ROW_COLUMNS: &str = "o.seq, o.id, o.topic, o.msg_key, o.payload, o.attempts";
+/// What the relay reads of a row it sends (`headers` as its text: the
+/// object as it was written).
+const ROW_COLUMNS: &str =
+    "o.seq, o.id, o.topic, o.msg_key, o.payload, o.attempts, o.headers::text AS headers";
 
 /// What `parked`, `drop` and `list` read of a row.
 const PARKED_COLUMNS: &str = "id, topic, msg_key, octet_length(payload)::bigint AS size, attempts, \
@@ -155,6 +168,10 @@ impl OutboxSql {
             insert: format!(
                 "INSERT INTO {t} (id, topic, msg_key, payload) VALUES ($1, $2, $3, $4) \
                  ON CONFLICT DO NOTHING"
+            ),
+            insert_with_headers: format!(
+                "INSERT INTO {t} (id, topic, msg_key, payload, headers) \
+                 VALUES ($1, $2, $3, $4, $5::json) ON CONFLICT DO NOTHING"
             ),
             // The heads of the oldest keys waiting: in commit-ish order from
             // just past `$1`, the sendable rows with no older row of their

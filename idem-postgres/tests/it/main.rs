@@ -18,6 +18,7 @@ mod error_sources;
 mod failures;
 mod migrate_concurrent;
 mod outbox;
+mod outbox_headers;
 mod partitions;
 mod processes;
 mod restart;

@@ -2,16 +2,25 @@
 //! ([`stage`](idem_core::outbox::stage)) sit in a Redis Stream, appended by the script
 //! that stored the call's result; [`RedisRelay`] publishes them.
 //!
-//! Each message is one stream entry (`id`, `topic`, `key`, `payload`); a
-//! parked message keeps its entry, with its reason in a hash beside the
-//! stream. The keys are laid out in `store/outbox.rs`.
+//! Each message is one stream entry (`id`, `topic`, `key`, `payload`, and
+//! `headers` when the message has any); a parked message keeps its entry,
+//! with its reason in a hash beside the stream. The keys and the headers'
+//! encoding (netstrings: `11:traceparent,55:00-…-01,`) are laid out in
+//! `store/outbox.rs`.
+//!
+//! An entry without `headers` (every entry written before the field
+//! existed) is a message without headers. One whose `headers` cannot be
+//! decoded (written by something other than idem) is sent without
+//! headers, with a warning, rather than parked: they carry the trace
+//! context, and a lost trace link is better than a deliverable message
+//! held back for an operator.
 
 mod relay;
 
 pub use self::relay::{RedisRelay, RedisSource};
 
 use crate::RedisStore;
-use crate::store::outbox::{StreamKeys, index_key, outbox_error};
+use crate::store::outbox::{HEADERS_FIELD, StreamKeys, decode_headers, index_key, outbox_error};
 use idem_core::Error;
 use idem_core::outbox::OutboxMessage;
 use idem_core::outbox::{Backlog, Parked};
@@ -556,20 +565,21 @@ fn entries(reply: &Value) -> Vec<Entry> {
             let id = text(parts.first()?)?;
             let message = parts
                 .get(1)
-                .map_or_else(|| Err("no fields".to_owned()), message);
+                .map_or_else(|| Err("no fields".to_owned()), |f| message(&id, f));
             Some(Entry { id, message })
         })
         .collect()
 }
 
-/// An entry's fields as the message it carries.
-fn message(fields: &Value) -> Result<OutboxMessage, String> {
+/// The fields of entry `entry` as the message it carries.
+fn message(entry: &str, fields: &Value) -> Result<OutboxMessage, String> {
     let list: Vec<(&Value, &Value)> = match fields {
         Value::Array(f) => f.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
         Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
         _ => return Err("its fields are not a list".to_owned()),
     };
     let (mut id, mut topic, mut key, mut payload) = (None, None, None, None);
+    let mut headers = None;
     for (k, v) in list {
         let Value::BulkString(name) = k else { continue };
         match name.as_slice() {
@@ -581,14 +591,34 @@ fn message(fields: &Value) -> Result<OutboxMessage, String> {
                     payload = Some(bytes::Bytes::from(b.clone()));
                 }
             }
+            n if n == HEADERS_FIELD.as_bytes() => headers = Some(v),
             _ => {}
         }
     }
     let missing = |name: &str| format!("field `{name}` is missing or not text");
-    Ok(OutboxMessage::new(
+    let message = OutboxMessage::new(
         id.ok_or_else(|| missing("id"))?,
         topic.ok_or_else(|| missing("topic"))?,
         key.ok_or_else(|| missing("key"))?,
         payload.ok_or_else(|| "field `payload` is missing".to_owned())?,
-    ))
+    );
+    let Some(field) = headers else {
+        return Ok(message);
+    };
+    let decoded = match field {
+        Value::BulkString(b) => decode_headers(b),
+        _ => Err("not a string".to_owned()),
+    };
+    match decoded {
+        Ok(headers) => Ok(message.with_headers(headers)),
+        Err(why) => {
+            tracing::warn!(
+                entry,
+                id = %message.id,
+                reason = %why,
+                "outbox entry's `headers` field is unreadable: sending the message without headers"
+            );
+            Ok(message)
+        }
+    }
 }

@@ -357,12 +357,30 @@ impl RedisStore {
             value: c.value,
         };
         let lua = &SCRIPTS.complete;
+        // Headers need a fifth argument per message, so the script is told
+        // the layout by an empty argument before the messages (no message
+        // id is empty): a call whose messages carry none (every untraced
+        // call) sends exactly what it sent before headers existed. Messages
+        // with an empty id (which idem never makes) go in the five-argument
+        // layout too, so that one cannot be taken for the mark.
+        let framed = messages
+            .iter()
+            .any(|m| !m.headers.is_empty() || m.id.is_empty());
+        let headers: Vec<Vec<u8>> = if framed {
+            messages
+                .iter()
+                .map(|m| outbox::encode_headers(&m.headers))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let size: usize = messages
             .iter()
             .map(|m| m.id.len() + m.topic.len() + m.key.len() + m.payload.len() + 64)
-            .sum();
+            .sum::<usize>()
+            + headers.iter().map(|h| h.len() + 16).sum::<usize>();
         let mut cmd = Cmd::with_capacity(
-            7 + 4 * messages.len(),
+            8 + 5 * messages.len(),
             160 + key.len() + keys.stream.len() + c.value.len() + size,
         );
         cmd.arg("EVALSHA")
@@ -372,11 +390,17 @@ impl RedisStore {
             .arg(&keys.stream)
             .arg(token.as_bytes().as_slice())
             .arg(record);
-        for m in messages {
+        if framed {
+            cmd.arg("");
+        }
+        for (i, m) in messages.iter().enumerate() {
             cmd.arg(&m.id)
                 .arg(&m.topic)
                 .arg(&m.key)
                 .arg(m.payload.as_ref());
+            if let Some(h) = headers.get(i) {
+                cmd.arg(h.as_slice());
+            }
         }
         parse_write("complete", self.eval("complete", lua, key, &cmd).await?)
     }

@@ -24,10 +24,89 @@ use std::sync::{Arc, LazyLock};
 /// The outbox keys' prefix unless the store is given another.
 pub(crate) const DEFAULT_PREFIX: &str = "idem-outbox";
 
+/// The stream field that holds a message's headers
+/// ([`OutboxMessage::headers`](idem_core::outbox::OutboxMessage::headers)),
+/// written only for a message that has any: an entry without it (every
+/// entry written before headers existed, and every untraced message) has
+/// none.
+pub(crate) const HEADERS_FIELD: &str = "headers";
+
+/// A message's headers as the [`HEADERS_FIELD`] holds them: for each
+/// header in order, its name then its value, each as a netstring
+/// (`<length in decimal>:<bytes>,`, <https://cr.yp.to/proto/netstrings.txt>),
+/// so `traceparent` = `00-…-01` is `11:traceparent,55:00-…-01,`. Length
+/// prefixed, so any name or value (a `,`, a newline) reads back
+/// byte-identical, in order, repeated names kept; still legible in
+/// `redis-cli XRANGE`. The one place the encoding is written
+/// ([`decode_headers`] reads it); the Lua scripts copy it unread.
+///
+/// ```text
+/// 11:traceparent,55:00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01,10:tracestate,7:vnd=abc,
+/// ```
+pub(crate) fn encode_headers(headers: &[(String, String)]) -> Vec<u8> {
+    let size: usize = headers.iter().map(|(n, v)| n.len() + v.len() + 12).sum();
+    let mut out = Vec::with_capacity(size);
+    for (name, value) in headers {
+        for part in [name, value] {
+            out.extend_from_slice(itoa::Buffer::new().format(part.len()).as_bytes());
+            out.push(b':');
+            out.extend_from_slice(part.as_bytes());
+            out.push(b',');
+        }
+    }
+    out
+}
+
+/// The headers [`encode_headers`] wrote, or why `field` is not such a
+/// value (truncated, a length that is not a number, a name without its
+/// value, bytes that are not UTF-8).
+pub(crate) fn decode_headers(field: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let mut rest = field;
+    let mut parts = Vec::new();
+    while !rest.is_empty() {
+        let colon = rest
+            .iter()
+            .position(|&b| b == b':')
+            .ok_or("a netstring without its `:`")?;
+        let digits = rest.get(..colon).unwrap_or_default();
+        let len = std::str::from_utf8(digits)
+            .ok()
+            .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|d| d.parse::<usize>().ok())
+            .ok_or_else(|| {
+                format!(
+                    "a netstring length that is not a number: {:?}",
+                    String::from_utf8_lossy(digits)
+                )
+            })?;
+        let start = colon + 1;
+        let end = start.checked_add(len).unwrap_or(usize::MAX);
+        let (Some(bytes), Some(b',')) = (rest.get(start..end), rest.get(end)) else {
+            return Err(format!(
+                "a netstring of {len} bytes is cut short or not closed by `,`"
+            ));
+        };
+        let part = String::from_utf8(bytes.to_vec())
+            .map_err(|_| "a header name or value that is not UTF-8".to_owned())?;
+        parts.push(part);
+        rest = rest.get(end + 1..).unwrap_or_default();
+    }
+    if parts.len() % 2 != 0 {
+        return Err("a header name without its value".to_owned());
+    }
+    let mut headers = Vec::with_capacity(parts.len() / 2);
+    let mut parts = parts.into_iter();
+    while let (Some(name), Some(value)) = (parts.next(), parts.next()) {
+        headers.push((name, value));
+    }
+    Ok(headers)
+}
+
 /// The keys of one outbox stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StreamKeys {
-    /// The messages, oldest first (`XADD … * id … topic … key … payload …`).
+    /// The messages, oldest first (`XADD … * id … topic … key … payload …`,
+    /// then `headers …` for a message that has any: [`encode_headers`]).
     pub(crate) stream: String,
     /// Parked messages: stream entry id → `attempts:parked-at-ms:reason`.
     pub(crate) parked: String,
@@ -213,6 +292,57 @@ impl RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// Whatever the names and values hold (the netstring delimiters, a
+    /// newline, nothing, multi-byte text, a repeated name), they read back
+    /// as written, in order.
+    #[test]
+    fn headers_read_back_byte_identical() {
+        let cases = [
+            pairs(&[]),
+            pairs(&[(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )]),
+            pairs(&[("a,b", "1:2,"), ("", ""), ("line", "x\ny"), ("é", "ü")]),
+            pairs(&[("k", "first"), ("k", "second")]),
+        ];
+        for headers in cases {
+            let field = encode_headers(&headers);
+            assert_eq!(decode_headers(&field), Ok(headers.clone()), "{field:?}");
+        }
+        assert_eq!(
+            encode_headers(&pairs(&[("tracestate", "vnd=abc")])),
+            b"10:tracestate,7:vnd=abc,"
+        );
+        assert!(encode_headers(&[]).is_empty());
+    }
+
+    /// A field that is not what `encode_headers` writes is an error that
+    /// says why, never a panic or a partial list.
+    #[test]
+    fn malformed_headers_are_an_error() {
+        for bad in [
+            &b"11:traceparent"[..],
+            b"11:traceparent,",
+            b"5:abc,",
+            b"x:abc,",
+            b":abc,",
+            b"3:abc;3:def,",
+            b"99999999999:a,",
+            b"18446744073709551616:a,",
+            b"2:\xff\xfe,1:a,",
+            b"no colon",
+        ] {
+            assert!(decode_headers(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn every_slot_has_a_tag_that_hashes_to_it() {

@@ -709,3 +709,166 @@ async fn a_relay_whose_backing_off_message_a_peer_sent_sleeps_between_passes() {
         "{lock_attempts} lock attempts in 1 s at a 100 ms poll"
     );
 }
+
+/// The stream entries' field names and values, oldest first, as Redis
+/// holds them.
+async fn raw_entries(ctx: &TestContext, stream: &str) -> Vec<Vec<(String, Vec<u8>)>> {
+    let client = redis::Client::open(ctx.server().url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let reply: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let bulk = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => b.clone(),
+        other => panic!("not a bulk string: {other:?}"),
+    };
+    let redis::Value::Array(entries) = reply else {
+        panic!("XRANGE: {reply:?}")
+    };
+    entries
+        .iter()
+        .map(|e| {
+            let redis::Value::Array(parts) = e else {
+                panic!("entry: {e:?}")
+            };
+            let redis::Value::Array(fields) = &parts[1] else {
+                panic!("fields: {parts:?}")
+            };
+            fields
+                .chunks_exact(2)
+                .map(|p| (String::from_utf8(bulk(&p[0])).unwrap(), bulk(&p[1])))
+                .collect()
+        })
+        .collect()
+}
+
+fn names(entry: &[(String, Vec<u8>)]) -> Vec<&str> {
+    entry.iter().map(|(n, _)| n.as_str()).collect()
+}
+
+/// Completes `key` (claimed first) with `messages` through the store, as a
+/// call that staged them does.
+async fn complete_with(store: &RedisStore, key: &str, messages: &[OutboxMessage]) {
+    let token = idem_core::store::Token::random();
+    let claim = idem_testkit::claim(key, &token, 30_000, 60_000, None);
+    store.claim(claim).await.unwrap();
+    let reply = store
+        .complete(
+            Complete::new(key, &token, idem_core::store::ValueKind::Json, b"1").outbox(messages),
+        )
+        .await
+        .unwrap();
+    assert!(reply.is_done(), "{reply:?}");
+}
+
+/// A message's headers are stored with it in the complete's step and the
+/// relay hands the sink the message exactly as the call made it: every
+/// header byte-identical, in order, a repeated name kept, whatever the
+/// names and values hold. A message without headers, even beside one
+/// with them, is stored as before headers existed (four fields, no
+/// `headers`) and is sent without headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_stored_with_the_message_and_sent_byte_identical() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.redis_store().clone();
+    let header = |n: &str, v: &str| (n.to_owned(), v.to_owned());
+    let traced = OutboxMessage::new(
+        message_id("outbox:h:1", "orders"),
+        "orders",
+        "o-1",
+        bytes::Bytes::from_static(br#"{"order":1}"#),
+    )
+    .with_headers(vec![
+        header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ),
+        header("tracestate", "b=2,a=1"),
+        header("x", "3:abc,"),
+        header("x", "line\nbreak é"),
+        header("empty", ""),
+    ]);
+    let plain = OutboxMessage::new(
+        message_id("outbox:h:1", "orders#1"),
+        "orders",
+        "o-2",
+        bytes::Bytes::from_static(br#"{"order":2}"#),
+    );
+    complete_with(&store, "outbox:h:1", &[traced.clone(), plain.clone()]).await;
+    // A call whose messages have no headers: the layout of before.
+    let untraced = OutboxMessage::new(
+        message_id("outbox:h:2", "orders"),
+        "orders",
+        "o-3",
+        bytes::Bytes::from_static(br#"{"order":3}"#),
+    );
+    complete_with(&store, "outbox:h:2", std::slice::from_ref(&untraced)).await;
+
+    let entries = raw_entries(&ctx, "idem-outbox").await;
+    assert_eq!(entries.len(), 3);
+    assert_eq!(
+        names(&entries[0]),
+        ["id", "topic", "key", "payload", "headers"]
+    );
+    assert_eq!(names(&entries[1]), ["id", "topic", "key", "payload"]);
+    assert_eq!(names(&entries[2]), ["id", "topic", "key", "payload"]);
+
+    let broker = Arc::new(Broker::default());
+    drain(&RedisRelay::new(&store, Arc::clone(&broker))).await;
+    let sent = broker.confirmed.lock().unwrap().clone();
+    assert_eq!(sent, vec![traced, plain, untraced]);
+    assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
+}
+
+/// Entries written before headers existed (no `headers` field) are read
+/// and sent as messages without headers. An entry whose `headers` idem
+/// cannot decode (written by something else) is sent without headers
+/// rather than held back: the trace link is lost, not the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_without_readable_headers_are_sent_without_headers() {
+    let ctx = TestContext::redis().await;
+    let store = ctx.redis_store().clone();
+    ctx.server().cli(&[
+        "XADD",
+        "idem-outbox",
+        "*",
+        "id",
+        "old-1",
+        "topic",
+        "orders",
+        "key",
+        "o-1",
+        "payload",
+        "{}",
+    ]);
+    ctx.server().cli(&[
+        "XADD",
+        "idem-outbox",
+        "*",
+        "id",
+        "bad-1",
+        "topic",
+        "orders",
+        "key",
+        "o-2",
+        "payload",
+        "{}",
+        "headers",
+        "11:traceparent",
+    ]);
+    let broker = Arc::new(Broker::default());
+    drain(&RedisRelay::new(&store, Arc::clone(&broker))).await;
+    let sent = broker.confirmed.lock().unwrap().clone();
+    assert_eq!(
+        sent,
+        vec![
+            OutboxMessage::new("old-1", "orders", "o-1", "{}"),
+            OutboxMessage::new("bad-1", "orders", "o-2", "{}"),
+        ]
+    );
+    assert_eq!(stream_len(&ctx, "idem-outbox"), 0);
+}
