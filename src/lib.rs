@@ -152,6 +152,14 @@ pub use idem_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use idem_dynamodb as dynamodb;
 
+/// OpenTelemetry (feature `otel`): the W3C trace context a call continues
+/// and an outbox message carries, and the spans of the messaging
+/// conventions; see [`idem_core::otel`]. `tracing-opentelemetry`'s layer
+/// turns idem's `tracing` spans into OpenTelemetry spans.
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub use idem_core::otel;
+
 /// The transactional outbox: messages for the next system committed with a
 /// call's result, and a relay that publishes them at least once, in order
 /// per key, with ids the consumer on the other side de-duplicates on.

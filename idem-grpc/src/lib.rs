@@ -145,6 +145,15 @@
 //! handler runs; one whose reply holds more than one message (it was
 //! declared by mistake) streams on as it is and is recorded as processed,
 //! answer not kept: a retry gets `response-not-kept`, never a second run.
+//!
+//! ## Tracing
+//!
+//! A protected call runs in an `idem.grpc` span (field `path`), the
+//! parent of its `idem.call`. With feature `otel`, when the call arrives
+//! under no span of the application's that carries a trace, `idem.grpc`
+//! is the call's server span and continues the caller's trace from its
+//! `traceparent` metadata (W3C trace context); under such a span it is an
+//! internal child of it.
 mod body;
 pub mod client;
 mod config;

@@ -27,6 +27,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use tonic::body::Body;
 use tower_service::Service;
+use tracing::Instrument;
 
 /// The future of [`IdempotencyService::call`].
 pub type ResponseFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
@@ -106,7 +107,17 @@ where
             return Box::pin(async move { call.await.map(|r| r.map(Body::new)) });
         }
         let idem = self.idem.clone();
-        Box::pin(protect(inner, idem, cfg, method, request))
+        // Opened here, in the span the call arrives in (an application's
+        // own server span, if any), as idem-http's `idem.http` is.
+        let span = tracing::info_span!(
+            "idem.grpc",
+            path = %method.path,
+            // Recorded only with `otel`, when this is the call's server span.
+            otel.kind = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        idem_layer::otel::continue_request(&span, request.headers());
+        Box::pin(protect(inner, idem, cfg, method, request).instrument(span))
     }
 }
 
@@ -295,7 +306,9 @@ where
     // A client that goes away (hyper drops this future) does not stop a
     // started handler: the rest of the run moves to a task of its own, and
     // its answer is still stored.
-    match task::run_until_answered(|reply| job.run(reply), false).await {
+    // In the caller's span (`idem.grpc`) also once the run is a task of
+    // its own: the call's span is its child.
+    match task::run_until_answered(|reply| job.run(reply).in_current_span(), false).await {
         Ok(answer) => answer,
         Err(TaskError::NoRuntime) => Ok(refuse(
             &cfg,

@@ -234,6 +234,17 @@
 //! the first response and every replay carry
 //! `Idempotency-Retention: <seconds>` ([`IDEMPOTENCY_RETENTION`]).
 //!
+//! ## Tracing
+//!
+//! A request the layer covers runs in an `idem.http` span (fields
+//! `method`, `path`), the parent of its `idem.call`. With feature `otel`,
+//! when the request arrives under no span of the application's that
+//! carries a trace (tower-http's `TraceLayer` with OpenTelemetry, say),
+//! `idem.http` is the request's server span and continues the caller's
+//! trace from its `traceparent` header (W3C trace context); under such a
+//! span it is an internal child of it, so a request never has two server
+//! spans.
+//!
 //! ## Problem types
 //!
 //! Errors the layer answers itself are `application/problem+json` (RFC 9457)

@@ -139,8 +139,12 @@ where
     let span = tracing::info_span!(
         "idem.http",
         method = %request.method(),
-        path = request.uri().path()
+        path = request.uri().path(),
+        // Recorded only with `otel`, when this is the request's server span.
+        otel.kind = tracing::field::Empty,
     );
+    #[cfg(feature = "otel")]
+    idem_layer::otel::continue_request(&span, request.headers());
     handle_idempotent(inner, idem, cfg, request)
         .instrument(span)
         .await

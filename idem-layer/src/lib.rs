@@ -16,6 +16,8 @@
 //! * [`task`]: the steps of one idempotent run: buffering the request,
 //!   running the handler with its panics caught, going on when the request
 //!   is dropped, and turning the run's result into the answer;
+//! * `otel` (feature `otel`): a request's span continues the caller's
+//!   trace;
 //! * [`wait`]: how long a duplicate that asks to wait for an in-flight
 //!   first request (`Prefer: wait=N`, `idem-wait: N`) is granted.
 //!
@@ -33,6 +35,8 @@
     )
 )]
 
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod record;
 pub mod settings;
 pub mod task;

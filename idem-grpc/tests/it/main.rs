@@ -20,5 +20,7 @@ mod failures;
 mod keys;
 mod kill;
 mod limits;
+#[cfg(feature = "otel")]
+mod otel;
 mod replay;
 mod wait;

@@ -16,5 +16,7 @@ mod bodies;
 mod end_to_end;
 mod failures;
 mod keys;
+#[cfg(feature = "otel")]
+mod otel;
 mod prefer_wait;
 mod replay;
