@@ -40,8 +40,7 @@ async fn relay_all(store: &PgStore) -> Vec<OutboxMessage> {
             break;
         }
     }
-    let sent = sink.sent.lock().unwrap().clone();
-    sent
+    sink.sent.lock().unwrap().clone()
 }
 
 fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {

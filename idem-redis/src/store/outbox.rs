@@ -80,7 +80,7 @@ pub(crate) fn decode_headers(field: &[u8]) -> Result<Vec<(String, String)>, Stri
                 )
             })?;
         let start = colon + 1;
-        let end = start.checked_add(len).unwrap_or(usize::MAX);
+        let end = start.saturating_add(len);
         let (Some(bytes), Some(b',')) = (rest.get(start..end), rest.get(end)) else {
             return Err(format!(
                 "a netstring of {len} bytes is cut short or not closed by `,`"
