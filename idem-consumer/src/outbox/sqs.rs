@@ -597,7 +597,8 @@ mod tests {
             "idem-id",
             KEY_ATTRIBUTE,
         ] {
-            let r = sendable_headers(&with_headers(&[(name, "v")]));
+            let m = with_headers(&[(name, "v")]);
+            let r = sendable_headers(&m);
             assert!(
                 matches!(r, Err(SinkError::Refused { .. })),
                 "{name:?}: {r:?}"
@@ -605,7 +606,8 @@ mod tests {
         }
         assert!(attribute_name_ok(&"x".repeat(256)) && !attribute_name_ok(&"x".repeat(257)));
         assert!(attribute_name_ok("x-b3.span_id") && attribute_name_ok("AWSTraceHeader"));
-        let nul = sendable_headers(&with_headers(&[("tracestate", "a\u{0}")]));
+        let m = with_headers(&[("tracestate", "a\u{0}")]);
+        let nul = sendable_headers(&m);
         assert!(matches!(nul, Err(SinkError::Refused { .. })), "{nul:?}");
     }
 

@@ -868,7 +868,8 @@ async fn the_sink_writes_a_messages_headers_unchanged_as_entry_fields() {
         );
     }
     assert!(results[4].is_ok(), "{results:?}");
-    let entries: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XRANGE")
+    type Fields = Vec<(String, Vec<u8>)>;
+    let entries: Vec<(String, Fields)> = redis::cmd("XRANGE")
         .arg("headers")
         .arg("-")
         .arg("+")
