@@ -26,6 +26,11 @@
 //! only RabbitMQ's `x-death`; the reason is then only in the log and the
 //! [`Decision`].
 //!
+//! **Trace context** (feature `otel`): the `traceparent` and `tracestate`
+//! headers, long strings or byte arrays (as some clients send text: Python's
+//! pika for `bytes` values), when UTF-8; a header of another type is
+//! ignored.
+//!
 //! ```no_run
 //! use idem_consumer::rabbitmq::{RabbitConfig, RabbitConsumer, declare_queue};
 //! use idem_consumer::{Adapter, Consumer, Message};
@@ -378,7 +383,8 @@ impl Adapter for RabbitConsumer {
     }
 
     /// Payload, `message_id` (or the configured header) as id, delivery
-    /// count from `x-delivery-count` (quorum queues) or the redelivered flag.
+    /// count from `x-delivery-count` (quorum queues) or the redelivered
+    /// flag; with `otel`, the `traceparent` and `tracestate` headers.
     fn delivery_count(&self, d: &Delivery) -> u32 {
         delivery_count(d)
     }
@@ -406,6 +412,10 @@ impl Adapter for RabbitConsumer {
                         .with_unreadable_id(format!("header `{name}` is {other:?}, not a string"))
                 }
             },
+        }
+        #[cfg(feature = "otel")]
+        if let Some(h) = headers {
+            msg = crate::otel::with_trace_headers(msg, |name| trace_header(h, name));
         }
         Ok(msg)
     }
@@ -587,6 +597,24 @@ fn nack_after(acker: Acker, delay: Duration) {
             tracing::warn!(error = %e, "delayed nack failed");
         }
     });
+}
+
+/// The trace header `name` of a delivery, as text: a long string (what
+/// idem's sink and most clients write) or a byte array (what a client may
+/// send for a bytes value: Python's pika does for `bytes`), when UTF-8.
+/// Any other type, or bytes that are not UTF-8, is no trace context: the
+/// message is handled as one without it.
+#[cfg(feature = "otel")]
+fn trace_header(
+    headers: &std::collections::BTreeMap<ShortString, AMQPValue>,
+    name: &str,
+) -> Option<String> {
+    let bytes = match headers.get(name)? {
+        AMQPValue::LongString(s) => s.as_bytes(),
+        AMQPValue::ByteArray(b) => b.as_slice(),
+        _ => return None,
+    };
+    std::str::from_utf8(bytes).ok().map(str::to_owned)
 }
 
 /// Deliveries so far, this one included: from the quorum queue's

@@ -29,7 +29,9 @@
 //!
 //! Entries are hashes of fields: the payload is in one field (default
 //! `payload`), the producer's id, when there is one, in another (default
-//! `id`).
+//! `id`); with the `otel` feature, the W3C trace context in the fields
+//! `traceparent` and `tracestate` (as [`RedisStreamsSink`](crate::outbox::RedisStreamsSink)
+//! writes a message's headers), when UTF-8.
 //!
 //! ```no_run
 //! use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
@@ -521,6 +523,14 @@ impl RedisStreamsConsumer {
                     self.cfg.id_field
                 ))
             }
+        }
+        #[cfg(feature = "otel")]
+        {
+            msg = crate::otel::with_trace_headers(msg, |name| match fields.get(name)? {
+                Value::BulkString(b) => std::str::from_utf8(b).ok().map(str::to_owned),
+                Value::SimpleString(s) => Some(s.clone()),
+                _ => None,
+            });
         }
         Ok(msg)
     }

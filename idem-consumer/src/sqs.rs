@@ -1029,7 +1029,9 @@ impl Adapter for SqsConsumer {
     }
 
     /// The body, the id (see the [module](self) documentation), the
-    /// receive count; on a FIFO queue the position `<group>/<sequence>`.
+    /// receive count; on a FIFO queue the position `<group>/<sequence>`;
+    /// with `otel`, the string attributes `traceparent` and `tracestate`
+    /// (where [`SqsSink`](crate::outbox::SqsSink) puts a message's headers).
     fn message_of(&self, d: &SqsDelivery) -> Result<Message, ConsumerError> {
         let mut msg = Message::new(d.body.clone())
             .with_delivery_count(d.receive_count)
@@ -1041,6 +1043,18 @@ impl Adapter for SqsConsumer {
         match &d.id {
             Ok(id) => msg = msg.with_id(id.as_str()),
             Err(why) => msg = msg.with_unreadable_id(why.as_str()),
+        }
+        // Receives ask for every message attribute already (the id's, and
+        // the originals a dead letter carries): nothing more to request.
+        #[cfg(feature = "otel")]
+        {
+            msg = crate::otel::with_trace_headers(msg, |name| {
+                let v = d.attributes.get(name)?;
+                v.data_type
+                    .starts_with("String")
+                    .then(|| v.string_value.clone())
+                    .flatten()
+            });
         }
         Ok(msg)
     }

@@ -22,6 +22,16 @@
 //! | [`KafkaSink`] | `kafka` | header `idempotency-key` | record key = the message key |
 //! | [`SqsSink`] | `sqs` | message attribute `idem-id` | attribute `idem-outbox-key`; FIFO: `MessageGroupId` = key, `MessageDeduplicationId` = id |
 //!
+//! Every sink also publishes each message's
+//! [`headers`](OutboxMessage::headers) unchanged as the broker's headers,
+//! whatever the features of the relay's build (they carry the W3C trace
+//! context when the producer was built with `otel`). Where headers share a
+//! namespace with what the sink writes itself (a Redis Streams entry's
+//! fields `id`, `payload`, `key`, `topic`; the AMQP header
+//! `idem-outbox-key`; the SQS attributes `idem-id` and `idem-outbox-key`),
+//! a header so named would overwrite it or be overwritten: the message is
+//! `Refused`, nothing of it published.
+//!
 //! Failures are sorted for the relay: [`SinkError::Refused`] when the
 //! broker would refuse the message again (too large, no stream or topic
 //! for it, unroutable, not authorised), which the relay parks for an
@@ -96,6 +106,29 @@ fn for_all(
             Err(e.with_source(source.to_string()))
         })
         .collect()
+}
+
+/// Refuses a message with a header named like something the sink writes
+/// itself (`own`: its id, key, payload… under the broker's names): the
+/// broker keeps one value per name, or the reader does, so the header
+/// would overwrite the sink's own (the id a consumer keys on) or be
+/// overwritten by it, and dropping it instead would not publish the
+/// headers unchanged. Names match exactly, as every broker here compares
+/// them.
+#[allow(dead_code)] // unused without a broker feature that publishes headers
+fn own_name_refused(m: &OutboxMessage, own: &[&str]) -> Result<(), SinkError> {
+    match m
+        .headers
+        .iter()
+        .find(|(name, _)| own.contains(&name.as_str()))
+    {
+        None => Ok(()),
+        Some((name, _)) => Err(SinkError::refused(format!(
+            "the message has a header `{name}`, a name the sink writes itself ({}); rename the \
+             header",
+            own.join(", ")
+        ))),
+    }
 }
 
 /// Whether `s` would break a header or protocol line: ids and keys come

@@ -1,7 +1,7 @@
 //! [`RabbitSink`]: publishes under publisher confirms, `mandatory`, and
 //! awaits the batch's confirms together.
 
-use super::{OutboxMessage, Sink, SinkError, for_all};
+use super::{OutboxMessage, Sink, SinkError, for_all, own_name_refused};
 use crate::error::ConsumerError;
 use async_trait::async_trait;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
@@ -32,7 +32,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// confirm mode: `mandatory`, persistent, `content_type
 /// application/json`, AMQP `message_id = id` (the id a
 /// [`RabbitConsumer`](crate::rabbitmq::RabbitConsumer) reads by default)
-/// and header `idem-outbox-key = key`. The batch is published at once and
+/// and header `idem-outbox-key = key`, beside the message's own
+/// [`headers`](OutboxMessage::headers), each a long string (a header named
+/// `idem-outbox-key` refuses the message: see the [module](super)). The
+/// batch is published at once and
 /// its confirms awaited together: `Ok` once the broker confirmed the
 /// message routed (and, for durable queues, written).
 ///
@@ -41,7 +44,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// | confirmed, routed to a queue | `Ok` |
 /// | returned: no queue is bound for the routing key (`basic.return`) | `Refused` |
 /// | the exchange does not exist | `Refused`, every message |
-/// | topic, id or key over AMQP's 255 bytes | `Refused` |
+/// | topic, id, key or a header's name over AMQP's 255 bytes | `Refused` |
+/// | a header named `idem-outbox-key` | `Refused` |
 /// | the broker nacked it (a queue could not take it) | `Unavailable` |
 /// | the channel or connection closed, no confirm within [`confirm_timeout`](Self::confirm_timeout) | `Unavailable` |
 ///
@@ -296,7 +300,12 @@ impl RabbitSink {
         let message_id = ShortString::try_new(m.id.as_str()).map_err(|_| too_long("id"))?;
         let exchange =
             ShortString::try_new(self.exchange.as_str()).map_err(|_| too_long("exchange"))?;
+        own_name_refused(m, &[KEY_HEADER])?;
         let mut headers = FieldTable::default();
+        for (name, value) in &m.headers {
+            let name = ShortString::try_new(name.as_str()).map_err(|_| too_long("header name"))?;
+            headers.insert(name, AMQPValue::LongString(value.as_str().into()));
+        }
         headers.insert(
             ShortString::try_new(KEY_HEADER).map_err(|_| too_long("header"))?,
             AMQPValue::LongString(m.key.as_str().into()),
@@ -424,5 +433,9 @@ impl Sink for RabbitSink {
 
     fn describe(&self) -> String {
         format!("{BROKER} exchange `{}`", self.exchange)
+    }
+
+    fn system(&self) -> &'static str {
+        "rabbitmq"
     }
 }

@@ -1,6 +1,6 @@
 //! [`RedisStreamsSink`]: `XADD`s a batch in one pipelined round trip.
 
-use super::{OutboxMessage, Sink, SinkError, for_all};
+use super::{OutboxMessage, Sink, SinkError, for_all, own_name_refused};
 use crate::error::ConsumerError;
 use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -12,12 +12,21 @@ use std::time::Duration;
 
 const BROKER: &str = "redis-streams";
 
+/// The fields of an entry the sink writes itself (`topic` only on a
+/// stream shared by topics, but a header never takes it: a consumer of
+/// such a stream reads it).
+const OWN_FIELDS: [&str; 4] = ["id", "payload", "key", "topic"];
+
 /// Publishes outbox messages as stream entries: `XADD <topic> * id <id>
 /// payload <payload> key <key>` (with `MAXLEN ~ n` when
 /// [`max_len`](Self::max_len) is set; to another stream than the topic with
 /// [`stream_for`](Self::stream_for)), the fields a
 /// [`RedisStreamsConsumer`](crate::redis_streams::RedisStreamsConsumer)
-/// reads by default. A batch is one pipeline, one round trip; an entry is
+/// reads by default, then one field per [header](OutboxMessage::headers),
+/// named as the header (`… key <key> traceparent 00-…`). A header named
+/// like one of the sink's fields (`id`, `payload`, `key`, `topic`) refuses
+/// the message: the consumer would read it in place of that field, or the
+/// field in place of it. A batch is one pipeline, one round trip; an entry is
 /// confirmed once Redis answered its `XADD` (as durable as the server's
 /// persistence settings make any write).
 ///
@@ -26,6 +35,7 @@ const BROKER: &str = "redis-streams";
 /// | `XADD` answered with an entry id | `Ok` |
 /// | the stream's key holds another type (`WRONGTYPE`) | `Refused`, that message only |
 /// | the ACL user may not write the key (`NOPERM`) | `Refused`, that message only |
+/// | a header named `id`, `payload`, `key` or `topic` | `Refused`, that message only (nothing sent for it) |
 /// | any other error reply (`OOM`, `READONLY`, `LOADING`…) | `Unavailable`, that message only |
 /// | connection lost, no answer within [`timeout`](Self::timeout) | `Unavailable`, every message |
 ///
@@ -210,6 +220,9 @@ where
             if stream != m.topic.as_str() {
                 cmd.arg("topic").arg(&m.topic);
             }
+            for (name, value) in &m.headers {
+                cmd.arg(name).arg(value);
+            }
         }
         pipe
     }
@@ -253,6 +266,24 @@ impl<C> RedisStreamsSink<C> {
         match &self.stream {
             Some(f) => Cow::Owned(f(topic)),
             None => Cow::Borrowed(topic),
+        }
+    }
+}
+
+impl<C> RedisStreamsSink<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// `msgs`' results, in order: one pipeline, or one per stream on a
+    /// cluster.
+    async fn send_all(&self, msgs: &[&OutboxMessage]) -> Vec<Result<(), SinkError>> {
+        if msgs.is_empty() {
+            return Vec::new();
+        }
+        match self.query(msgs).await {
+            // redis-rs refuses it before sending anything.
+            Err(Failed::Error(e)) if e.code() == Some("CROSSSLOT") => self.per_stream(msgs).await,
+            replies => self.answer(msgs, replies),
         }
     }
 }
@@ -309,7 +340,7 @@ where
 
     /// A cluster takes a pipeline whose keys share one slot: one pipeline
     /// per stream, sent together, the answers put back in batch order.
-    async fn per_stream(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
+    async fn per_stream(&self, batch: &[&OutboxMessage]) -> Vec<Result<(), SinkError>> {
         let mut groups: Vec<(Cow<'_, str>, Vec<usize>)> = Vec::new();
         for (i, m) in batch.iter().enumerate() {
             let stream = self.stream_of(&m.topic);
@@ -319,7 +350,8 @@ where
             }
         }
         let answers = futures_util::future::join_all(groups.iter().map(|(_, idx)| async move {
-            let msgs: Vec<&OutboxMessage> = idx.iter().map(|&i| &batch[i]).collect();
+            let msgs: Vec<&OutboxMessage> =
+                idx.iter().filter_map(|&i| batch.get(i).copied()).collect();
             let replies = self.query(&msgs).await;
             self.answer(&msgs, replies)
         }))
@@ -327,7 +359,9 @@ where
         let mut out: Vec<Option<Result<(), SinkError>>> = batch.iter().map(|_| None).collect();
         for ((_, idx), results) in groups.iter().zip(answers) {
             for (&i, r) in idx.iter().zip(results) {
-                out[i] = Some(r);
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = Some(r);
+                }
             }
         }
         out.into_iter()
@@ -342,18 +376,33 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     async fn send(&self, batch: &[OutboxMessage]) -> Vec<Result<(), SinkError>> {
-        if batch.is_empty() {
-            return Vec::new();
-        }
-        let all: Vec<&OutboxMessage> = batch.iter().collect();
-        match self.query(&all).await {
-            // redis-rs refuses it before sending anything.
-            Err(Failed::Error(e)) if e.code() == Some("CROSSSLOT") => self.per_stream(batch).await,
-            replies => self.answer(&all, replies),
-        }
+        let refused: Vec<Option<SinkError>> = batch
+            .iter()
+            .map(|m| own_name_refused(m, &OWN_FIELDS).err())
+            .collect();
+        let sendable: Vec<&OutboxMessage> = batch
+            .iter()
+            .zip(&refused)
+            .filter(|(_, r)| r.is_none())
+            .map(|(m, _)| m)
+            .collect();
+        let mut sent = self.send_all(&sendable).await.into_iter();
+        refused
+            .into_iter()
+            .map(|r| match r {
+                Some(e) => Err(e),
+                None => sent
+                    .next()
+                    .unwrap_or_else(|| Err(SinkError::unavailable("no answer for the message"))),
+            })
+            .collect()
     }
 
     fn describe(&self) -> String {
         self.describe.clone()
+    }
+
+    fn system(&self) -> &'static str {
+        "redis"
     }
 }

@@ -1,7 +1,7 @@
 //! [`SqsSink`]: `SendMessageBatch`, 10 messages (and at most one message's
 //! size limit) a request, each message's result its own.
 
-use super::{OutboxMessage, Sink, SinkError, for_all};
+use super::{OutboxMessage, Sink, SinkError, for_all, own_name_refused};
 use crate::sqs::ID_ATTRIBUTE;
 use async_trait::async_trait;
 use aws_sdk_sqs::Client;
@@ -28,6 +28,12 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 256 * 1024;
 /// The most entries SQS takes in one `SendMessageBatch`.
 const MAX_BATCH: usize = 10;
 
+/// The most message attributes SQS allows on one message.
+const MAX_ATTRIBUTES: usize = 10;
+
+/// The longest message attribute name SQS allows.
+const MAX_ATTRIBUTE_NAME: usize = 256;
+
 /// The error codes of a whole request that sending again cannot fix.
 const REFUSING_CODES: &[&str] = &[
     "AWS.SimpleQueueService.NonExistentQueue",
@@ -52,7 +58,14 @@ const REFUSING_CODES: &[&str] = &[
 /// Every message carries [`OutboxMessage::id`] in the string message
 /// attribute [`ID_ATTRIBUTE`] (`idem-id`, where an
 /// [`SqsConsumer`](crate::sqs::SqsConsumer) reads the id by default) and
-/// its key in [`KEY_ATTRIBUTE`]. On a FIFO queue (a URL ending in
+/// its key in [`KEY_ATTRIBUTE`], and each of its
+/// [`headers`](OutboxMessage::headers) in a string attribute named as the
+/// header (the W3C trace context: `traceparent`, `tracestate`). SQS allows
+/// 10 attributes a message, so up to 8 headers (9 for an empty key), and
+/// no empty value: a header with an empty value is not sent (an empty
+/// `tracestate`, which OpenTelemetry writes for a trace without vendor
+/// state, means the same as none), and a header named like the sink's own
+/// attributes refuses the message (see the [module](super)). On a FIFO queue (a URL ending in
 /// `.fifo`), `MessageGroupId` is the key (or, for an empty key, the topic),
 /// so a key's messages keep their order, and `MessageDeduplicationId` is
 /// the id, so SQS itself drops a re-send within its 5-minute deduplication
@@ -68,6 +81,7 @@ const REFUSING_CODES: &[&str] = &[
 /// | --- | --- |
 /// | accepted | `Ok` |
 /// | over [`max_message_bytes`](Self::max_message_bytes) (body and attributes), payload not UTF-8 or with characters SQS refuses, an empty id | `Refused` (checked before sending: the batch's other messages go) |
+/// | more than 10 attributes with the headers, a header name SQS refuses (other than letters, digits, `-`, `_`, `.`; `AWS.` or `Amazon.` first; over 256 characters), a header value with characters SQS refuses, a header named `idem-id` or `idem-outbox-key` | `Refused` (checked before sending, as above) |
 /// | this entry failed, SQS says the sender's fault (`SenderFault`) | `Refused`, with SQS's code and message |
 /// | this entry failed, SQS's fault | `Unavailable` |
 /// | the queue does not exist, access denied, the request refused as invalid | `Refused`, every message of the request |
@@ -229,9 +243,24 @@ impl SqsSink {
             .id(i.to_string())
             .message_body(body)
             .message_attributes(ID_ATTRIBUTE, string(&m.id)?);
-        if !m.key.is_empty() && m.key.chars().all(sqs_allows) {
+        let keyed = !m.key.is_empty() && m.key.chars().all(sqs_allows);
+        if keyed {
             bytes += KEY_ATTRIBUTE.len() + "String".len() + m.key.len();
             entry = entry.message_attributes(KEY_ATTRIBUTE, string(&m.key)?);
+        }
+        let headers = sendable_headers(m)?;
+        // One for the id, one for the key when it is sent.
+        let attributes = 1 + usize::from(keyed) + headers.len();
+        if attributes > MAX_ATTRIBUTES {
+            return Err(SinkError::refused(format!(
+                "the message would carry {attributes} message attributes (its {} headers with \
+                 the sink's id and key), over SQS's {MAX_ATTRIBUTES}",
+                headers.len()
+            )));
+        }
+        for (name, value) in headers {
+            bytes += name.len() + "String".len() + value.len();
+            entry = entry.message_attributes(name, string(value)?);
         }
         if bytes > self.max_message_bytes {
             return Err(SinkError::refused(format!(
@@ -367,6 +396,56 @@ where
     err.with_source(e)
 }
 
+/// The headers `m` is sent with, each name once (its last value, as
+/// [`OutboxMessage::header`] reads it), those with an empty value left out
+/// (SQS refuses an empty attribute value); or why SQS would refuse them.
+fn sendable_headers(m: &OutboxMessage) -> Result<Vec<(&str, &str)>, SinkError> {
+    own_name_refused(m, &[ID_ATTRIBUTE, KEY_ATTRIBUTE])?;
+    let mut out: Vec<(&str, &str)> = Vec::with_capacity(m.headers.len());
+    for (name, value) in m.headers.iter().rev() {
+        if out.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        if !attribute_name_ok(name) {
+            return Err(SinkError::refused(format!(
+                "the header name `{name}` is not a name SQS takes for a message attribute (1 to \
+                 {MAX_ATTRIBUTE_NAME} letters, digits, `-`, `_` and `.`, no `..`, not starting \
+                 or ending with `.`, not starting with `AWS.` or `Amazon.`)"
+            )));
+        }
+        if let Some(c) = value.chars().find(|c| !sqs_allows(*c)) {
+            return Err(SinkError::refused(format!(
+                "the header `{name}` holds the character U+{:04X}, which SQS does not allow in a \
+                 message attribute",
+                u32::from(c)
+            )));
+        }
+        // Keeps the name taken: an earlier, non-empty value of it must not be
+        // sent in its place.
+        out.push((name, value));
+    }
+    out.retain(|(_, v)| !v.is_empty());
+    Ok(out)
+}
+
+/// Whether SQS takes `name` as a message attribute's name.
+fn attribute_name_ok(name: &str) -> bool {
+    let reserved = |prefix: &str| {
+        name.get(..prefix.len())
+            .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+    };
+    !name.is_empty()
+        && name.len() <= MAX_ATTRIBUTE_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && !reserved("AWS.")
+        && !reserved("Amazon.")
+}
+
 /// Whether SQS allows `c` in a body or attribute value
 /// (`#x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD | #x10000-#x10FFFF`).
 fn sqs_allows(c: char) -> bool {
@@ -443,6 +522,10 @@ impl Sink for SqsSink {
             None => format!("{BROKER} (queue per topic)"),
         }
     }
+
+    fn system(&self) -> &'static str {
+        "aws_sqs"
+    }
 }
 
 #[cfg(test)]
@@ -471,6 +554,89 @@ mod tests {
         assert!(matches!(&results[3], Err(e) if e.is_retryable()));
         let unanswered = results_of(&ids[..1], &[], &[]);
         assert!(matches!(&unanswered[0], Err(e) if e.is_retryable()));
+    }
+
+    fn with_headers(headers: &[(&str, &str)]) -> OutboxMessage {
+        OutboxMessage::new("id-1", "orders", "o-1", "{}").with_headers(
+            headers
+                .iter()
+                .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+                .collect(),
+        )
+    }
+
+    /// Headers go as they are, each name once with its last value; an
+    /// empty value (SQS refuses one) is left out, never an earlier value
+    /// of the same name in its place.
+    #[test]
+    fn headers_are_sent_once_each_with_their_last_value_and_empty_ones_left_out() {
+        let m = with_headers(&[
+            ("traceparent", "00-a-b-01"),
+            ("tracestate", "k=1"),
+            ("traceparent", "00-c-d-01"),
+            ("tracestate", ""),
+        ]);
+        assert_eq!(
+            sendable_headers(&m).unwrap(),
+            [("traceparent", "00-c-d-01")]
+        );
+    }
+
+    /// What SQS would refuse, or what would overwrite the sink's own
+    /// attributes, refuses the message before anything is sent.
+    #[test]
+    fn header_names_and_values_sqs_refuses_refuse_the_message() {
+        for name in [
+            "",
+            ".x",
+            "x.",
+            "a..b",
+            "aws.x",
+            "Amazon.trace",
+            "sp ace",
+            "idem-id",
+            KEY_ATTRIBUTE,
+        ] {
+            let m = with_headers(&[(name, "v")]);
+            let r = sendable_headers(&m);
+            assert!(
+                matches!(r, Err(SinkError::Refused { .. })),
+                "{name:?}: {r:?}"
+            );
+        }
+        assert!(attribute_name_ok(&"x".repeat(256)) && !attribute_name_ok(&"x".repeat(257)));
+        assert!(attribute_name_ok("x-b3.span_id") && attribute_name_ok("AWSTraceHeader"));
+        let m = with_headers(&[("tracestate", "a\u{0}")]);
+        let nul = sendable_headers(&m);
+        assert!(matches!(nul, Err(SinkError::Refused { .. })), "{nul:?}");
+    }
+
+    /// The id, the key and 8 headers fill SQS's 10 attributes; a 9th
+    /// header (with a key) refuses the message, naming the limit.
+    #[test]
+    fn a_message_with_more_attributes_than_sqs_allows_is_refused() {
+        let sink = SqsSink {
+            client: Client::from_conf(
+                aws_sdk_sqs::Config::builder()
+                    .behavior_version(aws_sdk_sqs::config::BehaviorVersion::latest())
+                    .build(),
+            ),
+            queue_url: None,
+            urls: Mutex::new(HashMap::new()),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        };
+        let names: Vec<String> = (0..9).map(|i| format!("h{i}")).collect();
+        let headers: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), "v")).collect();
+        assert!(sink.entry(0, &with_headers(&headers[..8]), false).is_ok());
+        let over = sink.entry(0, &with_headers(&headers), false);
+        assert!(
+            matches!(&over, Err(SinkError::Refused { reason, .. }) if reason.contains("11 message attributes")),
+            "{:?}",
+            over.err()
+        );
+        let mut unkeyed = with_headers(&headers);
+        unkeyed.key = String::new();
+        assert!(sink.entry(0, &unkeyed, false).is_ok());
     }
 
     #[test]

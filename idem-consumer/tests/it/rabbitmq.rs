@@ -757,3 +757,154 @@ async fn copies_in_one_batch_settle_once_each_and_a_failed_first_copy_loses_noth
         "the channel is alive"
     );
 }
+
+// ------------------------------------------------------- headers and traces
+
+/// A W3C `traceparent` for the tests (the recommendation's example).
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The sink publishes a message's headers unchanged, as AMQP long strings
+/// beside its own `idem-outbox-key`, whatever the build's features; a
+/// message with a header named like the sink's own is refused and nothing
+/// of it is published, the rest of the batch is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_publishes_a_messages_headers_unchanged_as_long_strings() {
+    use idem_consumer::outbox::{OutboxMessage, RabbitSink, Sink, SinkError};
+    let place = TestQueue::create("idem.sink.headers").await;
+    let sink = RabbitSink::connect(&amqp_url()).await.unwrap();
+    assert_eq!(sink.system(), "rabbitmq");
+    let headers = vec![
+        ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+        ("tracestate".to_owned(), "congo=t61rcWkgMzE".to_owned()),
+        ("x-tenant".to_owned(), "acme".to_owned()),
+    ];
+    let batch = [
+        OutboxMessage::new("h-1", place.queue.as_str(), "order-1", "{}")
+            .with_headers(headers.clone()),
+        OutboxMessage::new("h-2", place.queue.as_str(), "order-2", "{}")
+            .with_headers(vec![("idem-outbox-key".to_owned(), "other".to_owned())]),
+    ];
+    let results = sink.send(&batch).await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert!(
+        matches!(&results[1], Err(SinkError::Refused { reason, .. }) if reason.contains("idem-outbox-key")),
+        "{results:?}"
+    );
+    let got = place
+        .channel()
+        .await
+        .basic_get(
+            place.queue.as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the published message")
+        .delivery;
+    assert_eq!(
+        got.properties.message_id().as_ref().map(|i| i.as_str()),
+        Some("h-1")
+    );
+    let table = got.properties.headers().as_ref().unwrap().inner();
+    for (name, value) in &headers {
+        assert_eq!(
+            table.get(name.as_str()),
+            Some(&AMQPValue::LongString(value.as_str().into())),
+            "header {name}"
+        );
+    }
+    assert_eq!(
+        header_text(&got, "idem-outbox-key").as_deref(),
+        Some("order-1")
+    );
+    assert_eq!(
+        place.ready_in(&place.queue).await,
+        0,
+        "the refused one was not published"
+    );
+}
+
+/// With `otel`, a delivery's `traceparent` and `tracestate` reach the
+/// handler unchanged whether the producer wrote them as long strings (idem's
+/// sink, most clients) or byte arrays (Python's pika for `bytes` values); a
+/// header of another type, or none, leaves the message without trace
+/// context and handled as before.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deliverys_trace_context_reaches_the_handler_as_long_string_or_byte_array() {
+    use idem_consumer::outbox::{OutboxMessage, RabbitSink, Sink};
+    let place = TestQueue::create("idem.trace").await;
+    let table = |traceparent: AMQPValue, tracestate: Option<AMQPValue>| {
+        let mut h = FieldTable::default();
+        h.insert("traceparent".into(), traceparent);
+        if let Some(s) = tracestate {
+            h.insert("tracestate".into(), s);
+        }
+        Some(h)
+    };
+    place
+        .publish_with(
+            Some("long"),
+            table(AMQPValue::LongString(TRACEPARENT.into()), None),
+            b"{}",
+        )
+        .await;
+    place
+        .publish_with(
+            Some("bytes"),
+            table(
+                AMQPValue::ByteArray(TRACEPARENT.as_bytes().into()),
+                Some(AMQPValue::ByteArray(b"congo=t61rcWkgMzE"[..].into())),
+            ),
+            b"{}",
+        )
+        .await;
+    place
+        .publish_with(
+            Some("integer"),
+            table(AMQPValue::LongLongInt(7), None),
+            b"{}",
+        )
+        .await;
+    place.publish(Some("none"), b"{}").await;
+    // What idem's own sink writes: the same long strings.
+    let sink = RabbitSink::connect(&amqp_url()).await.unwrap();
+    let sent = OutboxMessage::new("sink", place.queue.as_str(), "k", "{}").with_headers(vec![
+        ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+        ("tracestate".to_owned(), String::new()),
+    ]);
+    assert!(sink.send(&[sent]).await[0].is_ok());
+
+    let redis = RedisServer::start();
+    let consumer = Consumer::new(idem_on(&redis.url(), Duration::from_secs(5)).await, "trace")
+        .keys(KeySource::MessageId);
+    let seen = std::sync::Mutex::new(Vec::new());
+    let handler = async |m: Message| -> Result<(), String> {
+        seen.lock().unwrap().push((
+            m.id().unwrap_or("?").to_owned(),
+            m.trace_header("traceparent").map(str::to_owned),
+            m.trace_header("tracestate").map(str::to_owned),
+        ));
+        Ok(())
+    };
+    let adapter = place.adapter("c", Duration::ZERO).await;
+    let total = poll_until_settled(&adapter, &consumer, &handler, 5).await;
+    assert_eq!(total.acked, 5, "{total:?}");
+    let mut seen = seen.into_inner().unwrap();
+    seen.sort();
+    let tp = Some(TRACEPARENT.to_owned());
+    assert_eq!(
+        seen,
+        [
+            (
+                "bytes".to_owned(),
+                tp.clone(),
+                Some("congo=t61rcWkgMzE".to_owned())
+            ),
+            ("integer".to_owned(), None, None),
+            ("long".to_owned(), tp.clone(), None),
+            ("none".to_owned(), None, None),
+            ("sink".to_owned(), tp, Some(String::new())),
+        ]
+    );
+}

@@ -827,3 +827,118 @@ async fn a_store_user_without_xack_stops_riding_after_one_refusal() {
         "refused once, not per batch: {log}"
     );
 }
+
+// ------------------------------------------------------- headers and traces
+
+/// A W3C `traceparent` for the tests (the recommendation's example).
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The sink writes a message's headers unchanged as entry fields named as
+/// the headers, after its own (`id`, `payload`, `key`), whatever the build's
+/// features; a message with a header named like one of its fields is
+/// refused and nothing of it written, the rest of the batch is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_writes_a_messages_headers_unchanged_as_entry_fields() {
+    use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink, SinkError};
+    let server = RedisServer::start();
+    let place = Stream::on(&server.url(), "headers").await;
+    let sink = RedisStreamsSink::connect(&server.url()).await.unwrap();
+    assert_eq!(sink.system(), "redis");
+    let headers = vec![
+        ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+        ("tracestate".to_owned(), String::new()),
+        ("x-tenant".to_owned(), "acme".to_owned()),
+    ];
+    let batch: Vec<OutboxMessage> = ["id", "payload", "key", "topic"]
+        .into_iter()
+        .enumerate()
+        .map(|(i, own)| {
+            OutboxMessage::new(format!("bad-{i}"), "headers", "k", "{}")
+                .with_headers(vec![(own.to_owned(), "shadow".to_owned())])
+        })
+        .chain(
+            [OutboxMessage::new("h-1", "headers", "order-1", "{}").with_headers(headers.clone())],
+        )
+        .collect();
+    let results = sink.send(&batch).await;
+    for (i, r) in results.iter().enumerate().take(4) {
+        assert!(
+            matches!(r, Err(SinkError::Refused { .. })),
+            "message {i}: {r:?}"
+        );
+    }
+    assert!(results[4].is_ok(), "{results:?}");
+    type Fields = Vec<(String, Vec<u8>)>;
+    let entries: Vec<(String, Fields)> = redis::cmd("XRANGE")
+        .arg("headers")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut place.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(entries.len(), 1, "only the sendable message: {entries:?}");
+    let fields: Vec<(String, String)> = entries[0]
+        .1
+        .iter()
+        .map(|(k, v)| (k.clone(), String::from_utf8(v.clone()).unwrap()))
+        .collect();
+    let mut want = vec![
+        ("id".to_owned(), "h-1".to_owned()),
+        ("payload".to_owned(), "{}".to_owned()),
+        ("key".to_owned(), "order-1".to_owned()),
+    ];
+    want.extend(headers);
+    assert_eq!(fields, want);
+}
+
+/// With `otel`, the trace context the sink wrote reaches the handler
+/// unchanged, through the adapter; an entry without it is handled as
+/// before, without trace context.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trace_context_of_an_entry_reaches_the_handler() {
+    use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink};
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "traced").await;
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let sink = RedisStreamsSink::connect(&url).await.unwrap();
+    let batch = [
+        OutboxMessage::new("traced", "traced", "k", "{}").with_headers(vec![
+            ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+            ("tracestate".to_owned(), "congo=t61rcWkgMzE".to_owned()),
+        ]),
+        OutboxMessage::new("plain", "traced", "k", "{}"),
+    ];
+    for r in sink.send(&batch).await {
+        r.unwrap();
+    }
+    let consumer = Consumer::new(idem_on(&url, Duration::from_secs(5)).await, "trace");
+    let seen = Mutex::new(Vec::new());
+    let handler = async |m: Message| -> Result<(), String> {
+        seen.lock().unwrap().push((
+            m.id().unwrap_or("?").to_owned(),
+            m.trace_header("traceparent").map(str::to_owned),
+            m.trace_header("tracestate").map(str::to_owned),
+        ));
+        Ok(())
+    };
+    support::until("both handled", Duration::from_secs(10), async || {
+        adapter.poll(&consumer, &handler).await.unwrap();
+        place.drained().await
+    })
+    .await;
+    let mut seen = seen.into_inner().unwrap();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("plain".to_owned(), None, None),
+            (
+                "traced".to_owned(),
+                Some(TRACEPARENT.to_owned()),
+                Some("congo=t61rcWkgMzE".to_owned())
+            ),
+        ]
+    );
+}

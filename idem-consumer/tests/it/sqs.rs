@@ -1081,3 +1081,128 @@ async fn sink_refuses_exactly_the_messages_sqs_would_refuse_and_sends_the_rest()
     }
     assert_eq!(counts_in(&place.client, &place.url).await.0, 22);
 }
+
+// ------------------------------------------------------- headers and traces
+
+/// A W3C `traceparent` for the tests (the recommendation's example).
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The sink sends a message's headers unchanged as String message
+/// attributes beside its own (`idem-id`, `idem-outbox-key`), whatever the
+/// build's features; an empty value, which SQS refuses, is left out (the
+/// empty `tracestate` OpenTelemetry writes); a message over SQS's 10
+/// attributes, or with a header named like the sink's own, is refused and
+/// the rest of the batch sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_sends_a_messages_headers_unchanged_as_string_attributes() {
+    let place = TestQueue::create("sink-headers").await;
+    let sink = SqsSink::new(place.client.clone()).queue_url(&place.url);
+    assert_eq!(sink.system(), "aws_sqs");
+    let headers = vec![
+        ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+        ("tracestate".to_owned(), "congo=t61rcWkgMzE".to_owned()),
+        ("x-tenant".to_owned(), "acme".to_owned()),
+    ];
+    let eight: Vec<(String, String)> = (0..8).map(|i| (format!("h{i}"), "v".to_owned())).collect();
+    let nine: Vec<(String, String)> = (0..9).map(|i| (format!("h{i}"), "v".to_owned())).collect();
+    let batch = [
+        outbox_message("headers", "orders", 0).with_headers(headers.clone()),
+        outbox_message("headers", "orders", 1).with_headers(vec![
+            ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+            ("tracestate".to_owned(), String::new()),
+        ]),
+        outbox_message("headers", "orders", 2).with_headers(eight.clone()),
+        outbox_message("headers", "orders", 3).with_headers(nine),
+        outbox_message("headers", "orders", 4)
+            .with_headers(vec![(ID_ATTRIBUTE.to_owned(), "other".to_owned())]),
+    ];
+    let results = sink.send(&batch).await;
+    for (i, r) in results.iter().enumerate() {
+        if i < 3 {
+            assert!(r.is_ok(), "message {i}: {r:?}");
+        } else {
+            assert!(
+                matches!(r, Err(SinkError::Refused { .. })),
+                "message {i}: {r:?}"
+            );
+        }
+    }
+    let received = place.take_all(&place.url).await;
+    assert_eq!(received.len(), 3, "the refused ones were not sent");
+    let attributes_of = |i: usize| {
+        let m = received
+            .iter()
+            .find(|m| attribute(m, ID_ATTRIBUTE).as_deref() == Some(batch[i].id.as_str()))
+            .unwrap_or_else(|| panic!("message {i} arrived"));
+        m.message_attributes.clone().unwrap_or_default()
+    };
+    let string = |v: &str| text(v);
+    let first = attributes_of(0);
+    for (name, value) in &headers {
+        assert_eq!(first.get(name), Some(&string(value)), "attribute {name}");
+    }
+    assert_eq!(first.len(), 2 + headers.len(), "{first:?}");
+    let second = attributes_of(1);
+    assert_eq!(second.get("traceparent"), Some(&string(TRACEPARENT)));
+    assert_eq!(second.get("tracestate"), None, "an empty value is not sent");
+    let third = attributes_of(2);
+    assert_eq!(third.len(), 10, "{third:?}");
+    for (name, value) in &eight {
+        assert_eq!(third.get(name), Some(&string(value)), "attribute {name}");
+    }
+}
+
+/// With `otel`, the trace context the sink sent reaches the handler
+/// unchanged, through the adapter's receive (which already asks for every
+/// attribute); a message without it is handled as before.
+#[cfg(feature = "otel")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trace_context_of_a_message_reaches_the_handler() {
+    let place = TestQueue::create("traced").await;
+    let sink = SqsSink::new(place.client.clone()).queue_url(&place.url);
+    let batch = [
+        outbox_message("traced", "orders", 0).with_headers(vec![
+            ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+            ("tracestate".to_owned(), "congo=t61rcWkgMzE".to_owned()),
+        ]),
+        outbox_message("traced", "orders", 1),
+    ];
+    for r in sink.send(&batch).await {
+        r.unwrap();
+    }
+    let adapter = place.adapter("c", Duration::from_secs(30)).await;
+    let consumer = Consumer::new(
+        idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build(),
+        "trace",
+    );
+    let seen = Mutex::new(Vec::new());
+    let handler = async |m: Message| -> Result<(), String> {
+        seen.lock().unwrap().push((
+            m.id().unwrap_or("?").to_owned(),
+            m.trace_header("traceparent").map(str::to_owned),
+            m.trace_header("tracestate").map(str::to_owned),
+        ));
+        Ok(())
+    };
+    let mut acked = 0;
+    until("both handled", Duration::from_secs(30), async || {
+        acked += adapter.poll(&consumer, &handler).await.unwrap().acked;
+        acked >= 2
+    })
+    .await;
+    let seen: HashMap<String, (Option<String>, Option<String>)> = seen
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .map(|(id, tp, ts)| (id, (tp, ts)))
+        .collect();
+    assert_eq!(
+        seen[&batch[0].id],
+        (
+            Some(TRACEPARENT.to_owned()),
+            Some("congo=t61rcWkgMzE".to_owned())
+        )
+    );
+    assert_eq!(seen[&batch[1].id], (None, None));
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}
