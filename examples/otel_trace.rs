@@ -66,8 +66,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The shipping service handles it in the request's trace.
     let consumer = Consumer::new(idem.clone(), "orders.ship").continue_trace(true);
-    let config = StreamsConfig::new(&stream, "shipping", "shipping-1")
-        .block(Duration::from_millis(100));
+    let config =
+        StreamsConfig::new(&stream, "shipping", "shipping-1").block(Duration::from_millis(100));
     let broker = RedisStreamsConsumer::connect(&url, config).await?;
     let (shipped, mut seen) = tokio::sync::watch::channel(false);
     let ship = |m: Message| {

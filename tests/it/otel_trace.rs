@@ -81,7 +81,10 @@ fn one<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
 /// The one `process` span (named for the consumer's source: a topic, a
 /// stream and its consumer).
 fn processed(spans: &[SpanData]) -> &SpanData {
-    let found: Vec<_> = spans.iter().filter(|s| s.name.starts_with("process ")).collect();
+    let found: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name.starts_with("process "))
+        .collect();
     assert_eq!(found.len(), 1, "one message handled once");
     found[0]
 }
@@ -100,7 +103,11 @@ fn attribute(span: &SpanData, key: &str) -> Option<String> {
 }
 
 fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}_{}", std::process::id(), idem_testkit::unix_ms())
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        idem_testkit::unix_ms()
+    )
 }
 
 #[derive(Clone)]
@@ -157,7 +164,11 @@ async fn place_twice(idem: &Idempotency, pool: &idem::postgres::sqlx::PgPool, to
             .send()
             .await
             .unwrap();
-        assert!(response.status().is_success(), "{:?}", response.text().await);
+        assert!(
+            response.status().is_success(),
+            "{:?}",
+            response.text().await
+        );
     }
 }
 
@@ -206,7 +217,11 @@ fn check_producer<'a>(spans: &'a [SpanData], topic: &str) -> &'a SpanData {
     let http = named(spans, "idem.http");
     assert_eq!(http.len(), 2, "two requests");
     for h in &http {
-        assert_eq!(h.span_context.trace_id(), trace, "the request continues the caller's trace");
+        assert_eq!(
+            h.span_context.trace_id(),
+            trace,
+            "the request continues the caller's trace"
+        );
         assert_eq!(h.parent_span_id, SpanId::from_hex(CALLER_SPAN).unwrap());
     }
     // The consumer's own call (scope `orders.ship`) is checked apart.
@@ -214,19 +229,35 @@ fn check_producer<'a>(spans: &'a [SpanData], topic: &str) -> &'a SpanData {
         .into_iter()
         .filter(|c| attribute(c, "scope").as_deref() != Some("orders.ship"))
         .collect();
-    assert_eq!(calls.len(), 3, "the layer's call per request, the handler's once");
+    assert_eq!(
+        calls.len(),
+        3,
+        "the layer's call per request, the handler's once"
+    );
     assert!(calls.iter().all(|c| c.span_context.trace_id() == trace));
-    let outcomes: Vec<_> = calls.iter().filter_map(|c| attribute(c, "idem.outcome")).collect();
+    let outcomes: Vec<_> = calls
+        .iter()
+        .filter_map(|c| attribute(c, "idem.outcome"))
+        .collect();
     assert!(outcomes.iter().any(|o| o == "executed"), "{outcomes:?}");
     assert!(outcomes.iter().any(|o| o == "replayed"), "{outcomes:?}");
     for c in &calls {
         let key = attribute(c, "idem.key").unwrap_or_default();
-        assert!(!key.contains("o-1"), "keys are hashed unless log_keys: {key}");
+        assert!(
+            !key.contains("o-1"),
+            "keys are hashed unless log_keys: {key}"
+        );
     }
     let create = one(spans, &format!("create {topic}"));
     assert_eq!(create.span_context.trace_id(), trace);
-    assert_eq!(attribute(create, "messaging.operation.type").as_deref(), Some("create"));
-    assert_eq!(attribute(create, "messaging.destination.name").as_deref(), Some(topic));
+    assert_eq!(
+        attribute(create, "messaging.operation.type").as_deref(),
+        Some("create")
+    );
+    assert_eq!(
+        attribute(create, "messaging.destination.name").as_deref(),
+        Some(topic)
+    );
     assert!(attribute(create, "messaging.message.id").is_some());
     create
 }
@@ -237,7 +268,9 @@ fn check_send(spans: &[SpanData], topic: &str, create: &SpanData, system: &str) 
     assert_ne!(send.span_context.trace_id(), create.span_context.trace_id());
     assert_eq!(attribute(send, "messaging.system").as_deref(), Some(system));
     assert!(
-        send.links.iter().any(|l| same_span(&l.span_context, &create.span_context)),
+        send.links
+            .iter()
+            .any(|l| same_span(&l.span_context, &create.span_context)),
         "the send span links to the create span: {:?}",
         send.links
     );
@@ -257,16 +290,23 @@ async fn kafka_handler_continues_the_requests_trace() {
         .create()
         .unwrap();
     let new = NewTopic::new(&topic, 1, TopicReplication::Fixed(1));
-    for created in admin.create_topics([&new], &AdminOptions::new()).await.unwrap() {
+    for created in admin
+        .create_topics([&new], &AdminOptions::new())
+        .await
+        .unwrap()
+    {
         created.unwrap();
     }
 
     place_twice(&idem, &db.pool, &topic).await;
     relay(&store, KafkaSink::from_brokers(&kafka.bootstrap()).unwrap()).await;
     let consumer = Consumer::new(idem.clone(), "orders.ship").continue_trace(true);
-    let adapter =
-        KafkaConsumer::connect(KafkaConfig::new(kafka.bootstrap(), unique("ship"), [&topic]))
-            .unwrap();
+    let adapter = KafkaConsumer::connect(KafkaConfig::new(
+        kafka.bootstrap(),
+        unique("ship"),
+        [&topic],
+    ))
+    .unwrap();
     consume_one(Broker::Kafka(&adapter), &consumer).await;
     adapter.close().await;
 
@@ -274,10 +314,19 @@ async fn kafka_handler_continues_the_requests_trace() {
     let create = check_producer(&spans, &topic);
     check_send(&spans, &topic, create, "kafka");
     let process = processed(&spans);
-    assert_eq!(process.span_context.trace_id(), create.span_context.trace_id());
+    assert_eq!(
+        process.span_context.trace_id(),
+        create.span_context.trace_id()
+    );
     assert_eq!(process.parent_span_id, create.span_context.span_id());
-    assert_eq!(attribute(process, "messaging.system").as_deref(), Some("kafka"));
-    assert_eq!(attribute(process, "idem.outcome").as_deref(), Some("executed"));
+    assert_eq!(
+        attribute(process, "messaging.system").as_deref(),
+        Some("kafka")
+    );
+    assert_eq!(
+        attribute(process, "idem.outcome").as_deref(),
+        Some("executed")
+    );
     let ship = one(&spans, "ship");
     assert_eq!(
         ship.span_context.trace_id(),
@@ -325,7 +374,11 @@ async fn nats_process_span_links_to_the_create_span() {
     let adapter = NatsConsumer::new(pull, NatsConfig::new().block(Duration::from_millis(200)))
         .await
         .unwrap();
-    consume_one(Broker::Nats(&adapter), &Consumer::new(idem.clone(), "orders.ship")).await;
+    consume_one(
+        Broker::Nats(&adapter),
+        &Consumer::new(idem.clone(), "orders.ship"),
+    )
+    .await;
     let _ = js.delete_stream(&stream).await;
 
     let spans = traces.spans();
@@ -338,12 +391,21 @@ async fn nats_process_span_links_to_the_create_span() {
         "by default the handling starts a trace of its own…"
     );
     assert!(
-        process.links.iter().any(|l| same_span(&l.span_context, &create.span_context)),
+        process
+            .links
+            .iter()
+            .any(|l| same_span(&l.span_context, &create.span_context)),
         "…linked to the span that created the message: {:?}",
         process.links
     );
-    assert_eq!(attribute(process, "messaging.system").as_deref(), Some("nats"));
-    assert_eq!(attribute(process, "messaging.operation.type").as_deref(), Some("process"));
+    assert_eq!(
+        attribute(process, "messaging.system").as_deref(),
+        Some("nats")
+    );
+    assert_eq!(
+        attribute(process, "messaging.operation.type").as_deref(),
+        Some("process")
+    );
 }
 
 /// The `idem.key` attribute: a hash by default, the key with `log_keys`,
@@ -365,8 +427,16 @@ async fn keys_in_spans_are_hashed_clear_or_omitted() {
     let calls = named(&spans, "idem.call");
     assert_eq!(calls.len(), 3);
     let keys: Vec<_> = calls.iter().map(|c| attribute(c, "idem.key")).collect();
-    assert!(keys[0].as_deref().is_some_and(|k| k.starts_with('#') && !k.contains("alice")));
-    assert!(keys[1].as_deref().is_some_and(|k| k.contains("alice@example.com")));
+    assert!(
+        keys[0]
+            .as_deref()
+            .is_some_and(|k| k.starts_with('#') && !k.contains("alice"))
+    );
+    assert!(
+        keys[1]
+            .as_deref()
+            .is_some_and(|k| k.contains("alice@example.com"))
+    );
     assert_eq!(keys[2], None);
     for c in calls {
         assert_eq!(attribute(c, "idem.outcome").as_deref(), Some("executed"));
