@@ -1748,11 +1748,13 @@ async fn killed_mid_handler_the_next_member_takes_over_after_the_lease_with_one_
 
 // ------------------------------------------------------------ trace context
 
-/// Two W3C `traceparent` values (the format's example trace, two spans)
-/// and a `tracestate`.
+/// A W3C `traceparent` (the recommendation's example trace) that a later
+/// one of the same record overrides.
 #[cfg(feature = "otel")]
 const TRACEPARENT_OLD: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+/// The same trace, another span: the `traceparent` that counts.
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+/// A W3C `tracestate`.
 const TRACESTATE: &str = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7";
 
 /// What `KafkaSink` publishes is each message's stored headers, in their
