@@ -29,16 +29,25 @@ use tracing_subscriber::layer::SubscriberExt;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1/".into());
+    print!("{}", tree(&trace_one_order(&url).await?));
+    Ok(())
+}
+
+/// Places one order twice, relays its message and consumes it, and
+/// returns every span this made (on this thread: a current-thread runtime).
+pub(crate) async fn trace_one_order(
+    url: &str,
+) -> Result<Vec<SpanData>, Box<dyn std::error::Error>> {
     // Spans go to an in-memory exporter (an OTLP exporter in production).
     let exporter = InMemorySpanExporter::default();
     let provider = SdkTracerProvider::builder()
         .with_simple_exporter(exporter.clone())
         .build();
     let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("orders"));
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))?;
+    let _traced = tracing::subscriber::set_default(tracing_subscriber::registry().with(layer));
 
-    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1/".into());
-    let store = RedisStore::connect(&url).await?;
+    let store = RedisStore::connect(url).await?;
     let idem = Idempotency::builder(store.clone())
         .namespace("otel-example")
         .build();
@@ -61,14 +70,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // The relay publishes the stored message, its trace context unchanged.
-    let relay = RedisRelay::new(&store, RedisStreamsSink::connect(&url).await?);
+    let relay = RedisRelay::new(&store, RedisStreamsSink::connect(url).await?);
     relay.drain_once().await?;
 
     // The shipping service handles it in the request's trace.
     let consumer = Consumer::new(idem.clone(), "orders.ship").continue_trace(true);
     let config =
         StreamsConfig::new(&stream, "shipping", "shipping-1").block(Duration::from_millis(100));
-    let broker = RedisStreamsConsumer::connect(&url, config).await?;
+    let broker = RedisStreamsConsumer::connect(url, config).await?;
     let (shipped, mut seen) = tokio::sync::watch::channel(false);
     let ship = |m: Message| {
         let shipped = shipped.clone();
@@ -84,17 +93,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     broker.run(&consumer, &ship, done).await?;
 
-    // Read the spans before the provider shuts down (the in-memory
-    // exporter forgets them then), and print each trace as a tree.
+    // Read the spans before the provider shuts down: the in-memory
+    // exporter forgets them then.
     provider.force_flush()?;
-    print_traces(&exporter.get_finished_spans()?);
+    let spans = exporter.get_finished_spans()?;
     provider.shutdown()?;
-    Ok(())
+    Ok(spans)
 }
 
 /// Each trace as a tree: a span under its parent, in start order, with
 /// the attributes that say what it did and the spans it links to.
-fn print_traces(spans: &[SpanData]) {
+pub(crate) fn tree(spans: &[SpanData]) -> String {
+    let mut out = String::new();
     let names: HashMap<SpanId, &str> = spans
         .iter()
         .map(|s| (s.span_context.span_id(), s.name.as_ref()))
@@ -110,12 +120,14 @@ fn print_traces(spans: &[SpanData]) {
     }
     roots.sort_by_key(|s| s.start_time);
     for root in roots {
-        println!("trace {}", root.span_context.trace_id());
-        print_span(root, &children, &names, 1);
+        out += &format!("trace {}\n", root.span_context.trace_id());
+        print_span(&mut out, root, &children, &names, 1);
     }
+    out
 }
 
 fn print_span(
+    out: &mut String,
     span: &SpanData,
     children: &HashMap<SpanId, Vec<&SpanData>>,
     names: &HashMap<SpanId, &str>,
@@ -138,8 +150,8 @@ fn print_span(
             format!(" ↪ links to `{to}` in trace {}", l.span_context.trace_id())
         })
         .collect();
-    println!(
-        "{}{} [{:?}] {}{}",
+    *out += &format!(
+        "{}{} [{:?}] {}{}\n",
         "  ".repeat(depth),
         span.name,
         span.span_kind,
@@ -152,6 +164,6 @@ fn print_span(
         .unwrap_or_default();
     kids.sort_by_key(|s| s.start_time);
     for kid in kids {
-        print_span(kid, children, names, depth + 1);
+        print_span(out, kid, children, names, depth + 1);
     }
 }

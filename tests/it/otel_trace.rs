@@ -442,3 +442,53 @@ async fn keys_in_spans_are_hashed_clear_or_omitted() {
         assert_eq!(attribute(c, "idem.outcome").as_deref(), Some("executed"));
     }
 }
+
+#[path = "../../examples/otel_trace.rs"]
+#[allow(dead_code, reason = "the example's `main` is not called here")]
+mod example;
+
+/// `examples/otel_trace.rs` run as its reader runs it, on a Redis of its
+/// own: the printed tree shows one `create` span for the order placed
+/// twice, the consumer's `process` span and the handler's `ship` span
+/// under it (in the request's trace), and the relay's `send` span linked
+/// to it from a trace of its own.
+#[tokio::test]
+async fn the_example_prints_one_orders_trace_as_a_tree() {
+    let redis = idem_testkit::RedisServer::start();
+    let spans = example::trace_one_order(&redis.url()).await.unwrap();
+    let tree = example::tree(&spans);
+    let lines: Vec<&str> = tree.lines().collect();
+    let find = |what: &str| {
+        let found: Vec<usize> = (0..lines.len())
+            .filter(|&i| lines[i].contains(what))
+            .collect();
+        assert_eq!(found.len(), 1, "one line with {what:?} in:\n{tree}");
+        found[0]
+    };
+    let depth = |i: usize| lines[i].len() - lines[i].trim_start().len();
+    let (create, process, ship) = (find("create orders-"), find("process "), find("ship ["));
+    assert!(
+        create < process
+            && process < ship
+            && depth(create) < depth(process)
+            && depth(process) < depth(ship),
+        "process under create, ship under process:\n{tree}"
+    );
+    let trace_of = |i: usize| (0..=i).rev().find(|&j| lines[j].starts_with("trace "));
+    assert_eq!(
+        trace_of(create),
+        trace_of(ship),
+        "the handler runs in the request's trace:\n{tree}"
+    );
+    let send = find("send orders-");
+    assert!(lines[send].contains("links to `create orders-"), "{tree}");
+    assert_ne!(
+        trace_of(send),
+        trace_of(create),
+        "the relay's own trace:\n{tree}"
+    );
+    assert!(
+        tree.contains("idem.outcome=replayed"),
+        "the retry replays:\n{tree}"
+    );
+}
