@@ -196,7 +196,7 @@ impl<C> Consumer<C> {
                     out.give(i, refused);
                 }
                 Ok(key) => {
-                    calls.push(self.call_for(msg, &key, fps.get(i).copied()));
+                    calls.push(self.call_for(msg, &key, fps.get(i).copied()).in_span(&span));
                     run_keys.push(key);
                     runs.push(Run {
                         index: i,

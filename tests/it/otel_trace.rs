@@ -460,9 +460,9 @@ async fn the_example_prints_one_orders_trace_as_a_tree() {
     let lines: Vec<&str> = tree.lines().collect();
     let find = |what: &str| {
         let found: Vec<usize> = (0..lines.len())
-            .filter(|&i| lines[i].contains(what))
+            .filter(|&i| lines[i].trim_start().starts_with(what))
             .collect();
-        assert_eq!(found.len(), 1, "one line with {what:?} in:\n{tree}");
+        assert_eq!(found.len(), 1, "one span {what:?} in:\n{tree}");
         found[0]
     };
     let depth = |i: usize| lines[i].len() - lines[i].trim_start().len();

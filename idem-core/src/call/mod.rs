@@ -77,6 +77,8 @@ pub struct Call<'a> {
     result_version: u32,
     /// What it does with a stored result of another version.
     version_rule: ReadRule,
+    /// The span its `idem.call` span opens under; else the current one.
+    parent: Option<tracing::span::Id>,
 }
 
 impl<'a> Call<'a> {
@@ -95,7 +97,27 @@ impl<'a> Call<'a> {
             tickets: None,
             result_version: 0,
             version_rule: ReadRule::Decode,
+            parent: None,
         }
+    }
+
+    /// Opens the call's `idem.call` span under `span` rather than under
+    /// the span current when the call runs: for calls made for one item
+    /// and run together (a [`Batch`](crate::Batch) of a broker's
+    /// messages, each with its own span). A disabled `span` changes
+    /// nothing.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();
+    /// let message = tracing::info_span!("message", id = 7);
+    /// let call = idem.call("s", "k").in_span(&message);
+    /// # });
+    /// ```
+    #[inline]
+    pub fn in_span(mut self, span: &tracing::Span) -> Self {
+        self.parent = span.id();
+        self
     }
 
     /// The version of this call's result type: the call stores its result
@@ -462,13 +484,23 @@ impl<'a> Call<'a> {
         // feature, which a dependency may turn on, would otherwise have
         // every call build one for the `log` crate).
         let span = if tracing::level_enabled!(tracing::Level::INFO) {
-            tracing::info_span!(
-                "idem.call",
-                scope = self.scope,
-                key = Empty,
-                outcome = Empty,
-                attempt = Empty
-            )
+            match self.parent.clone() {
+                Some(parent) => tracing::info_span!(
+                    parent: parent,
+                    "idem.call",
+                    scope = self.scope,
+                    key = Empty,
+                    outcome = Empty,
+                    attempt = Empty
+                ),
+                None => tracing::info_span!(
+                    "idem.call",
+                    scope = self.scope,
+                    key = Empty,
+                    outcome = Empty,
+                    attempt = Empty
+                ),
+            }
         } else {
             tracing::Span::none()
         };

@@ -679,6 +679,8 @@ pub(crate) fn worker<P: Place>() {
                 kill_self();
             }
             "crash-mid-handler" => {
+                // A lease the first redelivery meets on a loaded machine.
+                let consumer = orders_consumer(&redis, victim_lease(redeliver_after)).await;
                 let adapter = place.adapter("victim", redeliver_after).await;
                 let charge = async |m: Message| -> Result<(), String> {
                     ledger.record(&order_of(&m));
@@ -859,10 +861,17 @@ pub(crate) async fn killed_before_the_ack_the_redelivery_replays<P: Place>(
     );
 }
 
+/// The lease of the consumer killed inside its handler: the broker's
+/// redelivery delay and 3 s more, so that the first redelivery comes while
+/// it lives however slowly a loaded machine starts the survivor.
+fn victim_lease(redeliver_after: Duration) -> Duration {
+    redeliver_after + Duration::from_secs(3)
+}
+
 /// A consumer process killed inside its handler, after the side effect:
-/// while the dead holder's lease (1.5 s) lives the redeliveries get
-/// `InProgress` and are nacked; then one takes over (`Recovered`): exactly
-/// one extra run, and the message is acked.
+/// while the dead holder's lease ([`victim_lease`]) lives the redeliveries
+/// get `InProgress` and are nacked; then one takes over (`Recovered`):
+/// exactly one extra run, and the message is acked.
 pub(crate) async fn killed_mid_handler_one_extra_run_after_the_lease<P: Place>(
     place: P,
     redeliver_after: Duration,
