@@ -30,7 +30,7 @@ async fn main() -> Result<(), Error> {
     )?;
     let idem = Idempotency::builder(store)
         .namespace("payments")
-        .lease(Duration::from_secs(29)) // no longer than the function's timeout
+        .lease(Duration::from_secs(30)) // bounded further by each invocation's deadline
         .build();
     let layer = IdempotencyLayer::new(idem).require_key(true);
     run(layer, service_fn(create_payment)).await

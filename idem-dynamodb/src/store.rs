@@ -184,10 +184,10 @@ impl DynamoStore {
         HashMap::from([(self.key_attribute().to_owned(), self.pk(key))])
     }
 
-    pub(crate) fn map_err<E, R>(
+    pub(crate) fn map_err<E>(
         &self,
         op: &'static str,
-        e: aws_sdk_dynamodb::error::SdkError<E, R>,
+        e: aws_sdk_dynamodb::error::SdkError<E, aws_sdk_dynamodb::config::http::HttpResponse>,
     ) -> Error
     where
         E: aws_sdk_dynamodb::error::ProvideErrorMetadata
@@ -195,7 +195,6 @@ impl DynamoStore {
             + Send
             + Sync
             + 'static,
-        R: std::fmt::Debug + Send + Sync + 'static,
     {
         map(op, self.table(), self.key_attribute(), e)
     }

@@ -172,7 +172,9 @@ impl IdempotencyLayer {
     /// The lease of each call (default: the runtime's, 30 s unless set with
     /// `Idempotency::builder(..).lease(..)`): how long after a
     /// server dies mid-call its key stays in flight before a retry takes
-    /// it over and runs the handler again.
+    /// it over and runs the handler again. A request carrying a
+    /// [`MaxLease`](crate::MaxLease) extension (set by a layer outside this
+    /// one) gets the shorter of the two.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();

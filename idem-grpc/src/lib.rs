@@ -165,6 +165,7 @@ mod stored;
 mod wait;
 
 pub use idem_key::{KeyError, MAX_KEY_LEN};
+pub use idem_layer::settings::MaxLease;
 pub use layer::{DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer};
 pub use method::UnaryMethod;
 pub use service::{IdempotencyService, ResponseFuture};

@@ -15,7 +15,7 @@ use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::BodyExt;
 use idem_core::{Error, Fingerprint, Idempotency};
 use idem_layer::record::{NotKept, Record};
-use idem_layer::settings::Claim;
+use idem_layer::settings::{Claim, MaxLease};
 use idem_layer::task::{
     self, Answers, BytesBody, Inner, Ran, ReadError, TaskError, read_limited, take_ready,
 };
@@ -291,6 +291,7 @@ where
         tenant.as_deref(),
     );
     let wait = wait::of(request.headers(), &cfg.settings);
+    let max_lease = request.extensions().get::<MaxLease>().map(|m| m.0);
     let job = Job {
         inner,
         cfg: cfg.clone(),
@@ -299,6 +300,7 @@ where
             scope,
             key,
             fingerprint,
+            max_lease,
         },
         wait,
         request,

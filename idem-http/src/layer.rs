@@ -396,7 +396,9 @@ impl IdempotencyLayer {
 
     /// The lease of each request's claim (default: the runtime's lease). It
     /// is renewed while the handler runs; it matters only when a server dies
-    /// mid-request: the key is free again after at most this long.
+    /// mid-request: the key is free again after at most this long. A
+    /// request carrying a [`MaxLease`](crate::MaxLease) extension gets the
+    /// shorter of the two.
     ///
     /// ```
     /// # let idem = idem_core::Idempotency::builder(idem_core::MemoryStore::new()).build();

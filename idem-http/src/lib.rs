@@ -298,6 +298,7 @@ mod run;
 mod service;
 mod stored;
 
+pub use idem_layer::settings::MaxLease;
 pub use key::{IdempotencyKey, KeyError, KeyHeaderError, MAX_KEY_LEN, parse_idempotency_key};
 pub use layer::{
     DEFAULT_BODY_LIMIT, DEFAULT_PROBLEM_TYPE_BASE, DEFAULT_SCOPE, DEFAULT_STREAM_CONTENT_TYPE,

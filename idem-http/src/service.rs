@@ -13,7 +13,7 @@ use futures_util::future::BoxFuture;
 use http::header;
 use http::{Request, Response};
 use idem_core::{Fingerprint, Idempotency};
-use idem_layer::settings::Claim;
+use idem_layer::settings::{Claim, MaxLease};
 use idem_layer::task::{self, BytesBody, Inner, ReadError, TaskError, read_limited, take_ready};
 use std::fmt;
 use std::sync::Arc;
@@ -218,6 +218,7 @@ where
     let fingerprint = request_fingerprint(&parts, &body);
     let wait = cfg.settings.wait_for(prefer::wait(&parts.headers));
     let accept_encoding = parts.headers.get(header::ACCEPT_ENCODING).cloned();
+    let max_lease = parts.extensions.get::<MaxLease>().map(|m| m.0);
     parts.extensions.insert(IdempotencyKey(key.clone()));
     let request = Request::from_parts(parts, Body::from(body));
 
@@ -229,6 +230,7 @@ where
             scope,
             key,
             fingerprint,
+            max_lease,
         },
         accept_encoding,
         wait,

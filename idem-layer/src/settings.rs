@@ -256,6 +256,23 @@ impl<H: ?Sized> Settings<H> {
     }
 }
 
+/// A request extension that bounds the lease of the request's claim: the
+/// claim's lease is the shorter of this and the layer's (or the runtime's)
+/// lease. Something outside the layer sets it when it knows how long the
+/// request can run at most, so that a request cut off at that point frees
+/// its key for the client's retry no later than then; idem-lambda's HTTP
+/// service sets it to the time left before the invocation's deadline.
+///
+/// ```
+/// use idem_layer::settings::MaxLease;
+/// use std::time::Duration;
+/// let mut request = http::Request::new(());
+/// request.extensions_mut().insert(MaxLease(Duration::from_secs(3)));
+/// assert_eq!(request.extensions().get::<MaxLease>(), Some(&MaxLease(Duration::from_secs(3))));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxLease(pub Duration);
+
 /// What one request claims: its key in its scope, with its fingerprint.
 pub struct Claim {
     /// The runtime the layer runs on.
@@ -268,6 +285,11 @@ pub struct Claim {
     /// The request's fingerprint: a request under the same key with
     /// another one is refused.
     pub fingerprint: Fingerprint,
+    /// The longest lease this request's claim may get, when something
+    /// outside the layer bounds it (a serverless invocation's deadline):
+    /// the claim's lease is the shorter of this and the settings' (or the
+    /// runtime's) lease.
+    pub max_lease: Option<Duration>,
 }
 
 impl Claim {
@@ -286,7 +308,13 @@ impl Claim {
             .fingerprint_raw(self.fingerprint)
             .ttl(settings.retention)
             .wait(wait);
-        match settings.lease {
+        let lease = match (settings.lease, self.max_lease) {
+            (Some(lease), Some(max)) => Some(lease.min(max)),
+            (Some(lease), None) => Some(lease),
+            (None, Some(max)) => Some(self.idem.lease().min(max)),
+            (None, None) => None,
+        };
+        match lease {
             Some(lease) => call.lease(lease),
             None => call,
         }

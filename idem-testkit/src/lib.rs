@@ -104,7 +104,7 @@ mod worker;
 
 pub use acl::store_acl;
 pub use aws::{
-    AWS_ENDPOINT_ENV, aws_config, aws_endpoint, dynamodb_client, sqs_client, unique_name,
+    AWS_ENDPOINT_ENV, IamMoto, aws_config, aws_endpoint, dynamodb_client, sqs_client, unique_name,
 };
 pub use claims::claim;
 pub use cluster::{CLUSTER_SLOTS, RedisCluster, key_slot};

@@ -11,14 +11,12 @@
 //! dropping a re-send sends both copies before anything is consumed; moto
 //! keeps its queues in memory, so "the broker restarts" is the endpoint
 //! going away and coming back (a proxy refusing and cutting connections),
-//! which is what a client of the managed SQS sees; and moto runs SQS
-//! requests concurrently without a lock, so two `ReceiveMessage` calls in
-//! flight at once on one FIFO queue can both take messages of one group
-//! (even one message twice), which real SQS never does. FIFO tests
-//! therefore have one receiver at a time (one consumer polling, or the
-//! crash loop's one process at a time); what they check is the adapter's
-//! own part, one message of a group at a time and in order inside a
-//! consumer, which is what the waves do.
+//! which is what a client of the managed SQS sees. moto's own SQS backend
+//! is not safe under concurrent requests (two `ReceiveMessage` calls in
+//! flight at once on one FIFO queue could both take messages of one group,
+//! which real SQS never does); the server `cargo xtask setup` starts
+//! (`xtask/aws/moto_server.py`) runs SQS requests one at a time, so FIFO
+//! tests may have several consumers receiving at once.
 
 use crate::support;
 
@@ -356,6 +354,16 @@ async fn four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_every
     support::four_tasks_run_each_order_once(place).await;
 }
 
+/// The same on a FIFO queue, its messages spread over four groups, four
+/// consumers receiving at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_four_tasks_duplicates_and_republishes_run_each_order_once_and_ack_everything() {
+    let place = TestQueue::create_fifo("once")
+        .await
+        .min_visibility(Duration::from_secs(10));
+    support::four_tasks_run_each_order_once(place).await;
+}
+
 /// `ApproximateReceiveCount` drives the limits; dead letters go to the
 /// queue named by the redrive policy, with idem's fields as attributes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -515,10 +523,9 @@ where
 /// group's effects happen in send order, and a retryable failure in the
 /// middle of a group (nacked, made visible again at once) holds the rest of
 /// that group back until it succeeds: the messages behind it, received in
-/// the same batch, go back unrun and come again after it. (One consumer
-/// receives: across consumers SQS itself holds a group while one of its
-/// messages is in flight, which moto does not do for receives in flight
-/// at once; see the module's documentation.)
+/// the same batch, go back unrun and come again after it. One consumer
+/// receives, so that every wave is its own; across consumers SQS holds a
+/// group while one of its messages is in flight (the four-consumer test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifo_runs_a_groups_messages_one_at_a_time_in_order_and_a_nack_holds_the_group_back() {
     let place = TestQueue::create_fifo("order").await;

@@ -142,3 +142,47 @@ async fn a_shared_table_with_a_prefix_keeps_idems_items_apart() {
         ClaimReply::Completed(_)
     ));
 }
+
+/// Credentials whose policy refuses the store's writes are
+/// `InvalidConfig`, naming the IAM actions the store needs, never an outage
+/// to retry: on a moto server of the test's own that enforces IAM, a user
+/// allowed only `dynamodb:GetItem` gets past its reads (a missing table is
+/// still told as such) and is refused its claim and `create_table`.
+/// (moto answers a refusal
+/// with an XML `403`, where DynamoDB answers JSON `AccessDeniedException`;
+/// both are access denied.)
+#[tokio::test]
+async fn refused_credentials_name_the_iam_actions_the_store_needs() {
+    let moto = idem_testkit::IamMoto::start(3);
+    let (key_id, secret) = moto.user_allowed("reader", &["dynamodb:GetItem"]);
+    let client = aws_sdk_dynamodb::Client::new(&moto.config(&key_id, &secret).await);
+    let store = DynamoStore::new(client, idem_testkit::unique_name("iam")).unwrap();
+
+    match store.inspect("ns:op:k", false).await {
+        Err(Error::InvalidConfig(msg)) => assert!(msg.contains("does not exist"), "{msg}"),
+        other => panic!("expected the missing table past the policy, got {other:?}"),
+    }
+
+    let token = Token::random();
+    let claimed = store
+        .claim(Claim::new(
+            "ns:op:k",
+            &token,
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+        ))
+        .await;
+    let Err(e @ Error::InvalidConfig(_)) = claimed else {
+        panic!("expected InvalidConfig, got {claimed:?}");
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("access denied") && msg.contains("dynamodb:PutItem"),
+        "{msg}"
+    );
+
+    match store.create_table().await {
+        Err(Error::InvalidConfig(msg)) => assert!(msg.contains("access denied"), "{msg}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}

@@ -206,3 +206,66 @@ async fn api_gateway_v2_events_replay_and_answer_in_progress() {
 async fn api_gateway_v1_events_replay_and_answer_in_progress() {
     replay_and_in_progress(v1_event).await;
 }
+
+/// A request's claim lasts no longer than its invocation has left: with
+/// the layer's lease at 60 s and the deadline 3 s ahead, the key in flight
+/// holds at most 3 s of lease, so a request cut off by the function's
+/// timeout frees its key then; an invocation without a deadline, or with
+/// one in the past (cargo-lambda's emulator sends 1970), keeps the 60 s.
+#[tokio::test]
+async fn a_requests_lease_is_bounded_by_its_invocations_deadline() {
+    use lambda_http::RequestExt;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    let idem = Idempotency::builder(MemoryStore::new())
+        .namespace("api")
+        .build();
+    let layer = IdempotencyLayer::new(idem.clone()).lease(Duration::from_secs(60));
+    let epoch_ms = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    let cases = [
+        (
+            "ahead",
+            Some(epoch_ms(SystemTime::now() + Duration::from_secs(3))),
+        ),
+        ("none", None),
+        ("1970", Some(1_000)),
+    ];
+    for (name, deadline) in cases {
+        let runs = Arc::new(Runs::default());
+        let gate = Arc::new(Semaphore::new(0));
+        let svc = service(&layer, payments(Arc::clone(&runs), Arc::clone(&gate)));
+        let key = format!("k-{name}");
+        let mut request =
+            lambda_http::request::from_str(&v2_event(&key, r#"{"amount":1}"#)).unwrap();
+        if let Some(deadline) = deadline {
+            let mut ctx = lambda_runtime::Context::default();
+            ctx.deadline = deadline;
+            request = request.with_lambda_context(ctx);
+        }
+        let running = tokio::spawn(svc.oneshot(request));
+        idem_testkit::eventually(
+            "the request in its handler",
+            Duration::from_secs(5),
+            || async { (runs.get() == 1).then_some(()) },
+        )
+        .await;
+
+        let info = idem.inspect("http", &key).await.unwrap().unwrap();
+        let left = info.lease_left.unwrap();
+        if name == "ahead" {
+            assert!(
+                left > Duration::ZERO && left <= Duration::from_secs(3),
+                "{name}: {left:?} of lease left"
+            );
+        } else {
+            assert!(
+                left > Duration::from_secs(30),
+                "{name}: {left:?} of lease left"
+            );
+        }
+
+        gate.add_permits(1);
+        assert_eq!(text(running.await.unwrap().unwrap()).await.0, 201, "{name}");
+        assert_eq!(runs.get(), 1, "{name}");
+    }
+}
