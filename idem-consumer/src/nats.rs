@@ -124,8 +124,8 @@ impl NatsConfig {
     /// [`DeadLetterReason::fields`] (`idem-reason`, `idem-kind`,
     /// `idem-deliveries`, `idem-failures`, names in
     /// [`dead_letter_field`](crate::dead_letter_field)), the original
-    /// `Nats-Msg-Id` as `Idem-Original-Id` and `stream/consumer` as
-    /// `Idem-Source`.
+    /// `Nats-Msg-Id` as `Idem-Original-Id`, `stream/consumer` as
+    /// `Idem-Source`, and the original's `traceparent` and `tracestate`.
     ///
     /// The subject must be one the consumer does not receive itself
     /// (outside its `filter_subject`, or in another stream):
@@ -337,6 +337,13 @@ impl NatsConsumer {
             .and_then(|h| h.get(self.id_header.clone()))
         {
             headers.insert("Idem-Original-Id", id.as_str());
+        }
+        // The producer's trace context goes with the message, as the other
+        // brokers' dead letters keep every header.
+        for name in idem_core::outbox::TRACE_HEADERS {
+            if let Some(value) = m.headers.as_ref().and_then(|h| h.get(name)) {
+                headers.insert(name, value.as_str());
+            }
         }
         for (name, value) in reason.fields(deliveries) {
             headers.insert(name, value.as_str());

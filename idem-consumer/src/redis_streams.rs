@@ -29,9 +29,10 @@
 //!
 //! Entries are hashes of fields: the payload is in one field (default
 //! `payload`), the producer's id, when there is one, in another (default
-//! `id`); with the `otel` feature, the W3C trace context in the fields
-//! `traceparent` and `tracestate` (as [`RedisStreamsSink`](crate::outbox::RedisStreamsSink)
-//! writes a message's headers), when UTF-8.
+//! `id`); the W3C trace context in the fields `traceparent` and
+//! `tracestate` (as [`RedisStreamsSink`](crate::outbox::RedisStreamsSink)
+//! writes a message's headers), when UTF-8: on the [`Message`] and on its
+//! dead letter whatever the build, continued by the `otel` feature.
 //!
 //! ```no_run
 //! use idem_consumer::redis_streams::{RedisStreamsConsumer, StreamsConfig};
@@ -63,6 +64,7 @@ use crate::decision::Classify;
 use crate::decision::{DeadLetterReason, Decision};
 use crate::error::ConsumerError;
 use crate::message::Message;
+use idem_core::outbox::TRACE_HEADERS;
 use idem_core::{FinishRoundTrip, finish_round_trip};
 use idem_redis::RedisStore;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -139,7 +141,8 @@ impl StreamsConfig {
     /// in the consumed stream) and those of
     /// [`DeadLetterReason::fields`](crate::DeadLetterReason::fields)
     /// (`idem-reason`, `idem-kind`, `idem-deliveries`, and `idem-failures`
-    /// when counted). It must be a stream or not exist: an entry whose dead
+    /// when counted), and the entry's `traceparent` and `tracestate` when it
+    /// has them. It must be a stream or not exist: an entry whose dead
     /// letter cannot be added is left pending, not acked.
     pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
         self.dead_letter = stream.into();
@@ -524,13 +527,16 @@ impl RedisStreamsConsumer {
                 ))
             }
         }
-        #[cfg(feature = "otel")]
-        {
-            msg = crate::otel::with_trace_headers(msg, |name| match fields.get(name)? {
-                Value::BulkString(b) => std::str::from_utf8(b).ok().map(str::to_owned),
-                Value::SimpleString(s) => Some(s.clone()),
+        // Read whatever the build: a dead letter carries them on.
+        for name in TRACE_HEADERS {
+            let value = match fields.get(name) {
+                Some(Value::BulkString(b)) => std::str::from_utf8(b).ok(),
+                Some(Value::SimpleString(s)) => Some(s.as_str()),
                 _ => None,
-            });
+            };
+            if let Some(value) = value {
+                msg = msg.with_trace_header(name, value);
+            }
         }
         Ok(msg)
     }
@@ -725,10 +731,15 @@ impl RedisStreamsConsumer {
     ) {
         let msg = entry.message.as_ref().ok();
         let fields = reason.fields(entry.deliveries);
+        // The producer's trace context goes with the message.
+        let trace: Vec<(&str, &str)> = TRACE_HEADERS
+            .iter()
+            .filter_map(|&name| Some((name, msg?.trace_header(name)?)))
+            .collect();
         settle
             .arg("D")
             .arg(&entry.id)
-            .arg(DEAD_LETTER_OWN_FIELDS + fields.len())
+            .arg(DEAD_LETTER_OWN_FIELDS + fields.len() + trace.len())
             .arg("payload")
             .arg(msg.map_or(&[][..], |m| &m.payload()[..]))
             .arg("id")
@@ -736,6 +747,9 @@ impl RedisStreamsConsumer {
             .arg("source_id")
             .arg(&entry.id);
         for (name, value) in fields {
+            settle.arg(name).arg(value);
+        }
+        for (name, value) in trace {
             settle.arg(name).arg(value);
         }
     }

@@ -901,3 +901,42 @@ async fn the_handler_sees_the_traceparent_by_its_exact_name_only() {
     );
     assert_eq!(seen.get("t-3"), Some(&(None, None)));
 }
+
+/// A dead letter keeps the producer's trace context: the original's
+/// `traceparent` and `tracestate` headers go with it, whatever the build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_keeps_the_originals_trace_headers() {
+    use idem_core::{Idempotency, MemoryStore};
+    let s = on_shared("idem_dl_trace").await;
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "d-1");
+    headers.insert("traceparent", TRACEPARENT);
+    headers.insert("tracestate", TRACESTATE);
+    s.js.publish_with_headers(s.subject("in"), headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let consumer =
+        Consumer::new(Idempotency::builder(MemoryStore::new()).build(), "dl_trace").max_failures(1);
+    let a = s.adapter("c", Duration::from_secs(30)).await;
+    let failing = |_: Message| async { Err::<(), _>("refused".to_owned()) };
+    let end = Instant::now() + Duration::from_secs(15);
+    while !s.drained_of("c").await && Instant::now() < end {
+        a.poll(&consumer, &failing).await.unwrap();
+    }
+    let dead = s.dead_letters_with_headers().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let (h, _) = &dead[0];
+    assert_eq!(
+        h.get("traceparent").map(String::as_str),
+        Some(TRACEPARENT),
+        "{h:?}"
+    );
+    assert_eq!(
+        h.get("tracestate").map(String::as_str),
+        Some(TRACESTATE),
+        "{h:?}"
+    );
+    assert_eq!(h.get("Idem-Original-Id").map(String::as_str), Some("d-1"));
+}

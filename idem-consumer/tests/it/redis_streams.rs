@@ -891,10 +891,9 @@ async fn the_sink_writes_a_messages_headers_unchanged_as_entry_fields() {
     assert_eq!(fields, want);
 }
 
-/// With `otel`, the trace context the sink wrote reaches the handler
-/// unchanged, through the adapter; an entry without it is handled as
-/// before, without trace context.
-#[cfg(feature = "otel")]
+/// The trace context the sink wrote reaches the handler unchanged,
+/// through the adapter, whatever the build; an entry without it is handled
+/// as before, without trace context.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_trace_context_of_an_entry_reaches_the_handler() {
     use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink};
@@ -940,5 +939,45 @@ async fn the_trace_context_of_an_entry_reaches_the_handler() {
                 Some("congo=t61rcWkgMzE".to_owned())
             ),
         ]
+    );
+}
+
+/// A dead letter keeps the producer's trace context: the entry's
+/// `traceparent` and `tracestate` fields go with it, beside idem's fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_keeps_the_entrys_trace_fields() {
+    use idem_consumer::outbox::{OutboxMessage, RedisStreamsSink, Sink};
+    let server = RedisServer::start();
+    let url = server.url();
+    let place = Stream::on(&url, "dl_traced").await;
+    let adapter = place.adapter("a", Duration::from_secs(30)).await;
+    let sink = RedisStreamsSink::connect(&url).await.unwrap();
+    let batch = [
+        OutboxMessage::new("traced", "dl_traced", "k", "{}").with_headers(vec![
+            ("traceparent".to_owned(), TRACEPARENT.to_owned()),
+            ("tracestate".to_owned(), "congo=t61rcWkgMzE".to_owned()),
+        ]),
+    ];
+    for r in sink.send(&batch).await {
+        r.unwrap();
+    }
+    let consumer =
+        Consumer::new(idem_on(&url, Duration::from_secs(5)).await, "dl_trace").max_failures(1);
+    let failing = async |_: Message| -> Result<(), String> { Err("refused".to_owned()) };
+    support::until("dead-lettered", Duration::from_secs(10), async || {
+        adapter.poll(&consumer, &failing).await.unwrap();
+        place.drained().await
+    })
+    .await;
+    let dead = place.dead_entries().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let field = |name: &str| dead[0].get(name).map(String::as_str);
+    assert_eq!(field("traceparent"), Some(TRACEPARENT), "{dead:?}");
+    assert_eq!(field("tracestate"), Some("congo=t61rcWkgMzE"), "{dead:?}");
+    assert_eq!(field("id"), Some("traced"), "{dead:?}");
+    assert_eq!(
+        field(dead_letter_field::KIND),
+        Some("max_failures"),
+        "{dead:?}"
     );
 }
