@@ -44,6 +44,16 @@
 //! fingerprint is the payload hash: a key reused for another payload is
 //! dead-lettered.
 //!
+//! **Headers.** Kafka header names are bytes; rdkafka reads them as `&str`
+//! and panics on a name that is not UTF-8. The adapter catches that panic
+//! (each header is read once, when the record is taken), logs a warning
+//! and handles the record without those headers: none of them can be the
+//! key header or a trace header, and the key and payload are unaffected.
+//! A copy to the retry or dead-letter topic keeps every header, byte for
+//! byte. The process's panic hook still runs (by default it prints
+//! rdkafka's message to stderr), and under `panic = "abort"` there is
+//! nothing to catch.
+//!
 //! ```no_run
 //! use idem_consumer::kafka::{KafkaConfig, KafkaConsumer};
 //! use idem_consumer::{Consumer, Message};
@@ -68,6 +78,7 @@ pub use rdkafka;
 mod config;
 mod gates;
 mod hand_off;
+mod headers;
 mod offsets;
 mod poller;
 mod report;

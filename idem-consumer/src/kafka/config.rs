@@ -2,12 +2,11 @@
 //! core's [`Message`] built from a record under that configuration.
 
 use super::header_names;
-use super::poller::header;
+use super::headers::RecordHeaders;
 use super::{BROKER, hex};
 use crate::message::Message;
 use bytes::Bytes;
 use rdkafka::ClientConfig;
-use rdkafka::message::OwnedHeaders;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::Duration;
@@ -204,10 +203,11 @@ impl KafkaConfig {
         &self,
         payload: Bytes,
         record_key: Option<&[u8]>,
-        headers: Option<&OwnedHeaders>,
+        headers: Option<&RecordHeaders>,
         topic: &Arc<str>,
     ) -> Message {
-        let attempts = header(headers, header_names::ATTEMPTS)
+        let header = |name: &str| headers.and_then(|h| h.get(name));
+        let attempts = header(header_names::ATTEMPTS)
             .and_then(|v| std::str::from_utf8(v).ok())
             .and_then(|v| v.trim().parse::<u32>().ok())
             .unwrap_or(0);
@@ -220,12 +220,12 @@ impl KafkaConfig {
         // UTF-8: no trace context (a W3C one is ASCII).
         #[cfg(feature = "otel")]
         let msg = crate::otel::with_trace_headers(msg, |name| {
-            header(headers, name)
+            header(name)
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .map(str::to_owned)
         });
         match &self.key {
-            KafkaKey::Header(name) => match header(headers, name) {
+            KafkaKey::Header(name) => match header(name) {
                 None => msg,
                 Some(v) => match std::str::from_utf8(v) {
                     Ok(id) => msg.with_id(id),

@@ -2,10 +2,10 @@
 //! in-process attempts) or the dead-letter topic, with headers saying why
 //! and where it came from.
 
-use super::poller::{Taken, header};
+use super::poller::Taken;
 use crate::decision::{DeadLetterReason, dead_letter_field};
 use crate::error::ConsumerError;
-use rdkafka::message::{Header, Headers, OwnedHeaders};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use std::time::Duration;
 
@@ -49,6 +49,11 @@ pub(super) enum Destination {
 /// The headers of the moved record: the original ones (minus ours), the
 /// origin (kept from the first hop), the attempts and the reason; on a
 /// dead letter also the fields every adapter writes.
+///
+/// A record with header names that are not UTF-8 keeps every original
+/// header, byte for byte (rdkafka can copy them all, not write one such
+/// name): ours from an earlier hop stay too, and the ones added here come
+/// after them, the ones a reader of a repeated header takes.
 fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
     let ours = [
         REASON,
@@ -63,15 +68,21 @@ fn headers_for(t: &Taken, dest: &Destination, attempts: u32) -> OwnedHeaders {
     ];
     let mut out = OwnedHeaders::new();
     if let Some(h) = &t.headers {
-        for h in h.iter().filter(|h| !ours.contains(&h.key)) {
-            out = out.insert(Header {
-                key: h.key,
-                value: h.value,
-            });
+        if h.unreadable() > 0 {
+            out = h.raw().clone();
+        } else {
+            for h in h.iter().filter(|h| !ours.contains(&h.key)) {
+                out = out.insert(Header {
+                    key: h.key,
+                    value: h.value,
+                });
+            }
         }
     }
     let origin = |name: &str, here: String| -> String {
-        header(t.headers.as_ref(), name)
+        t.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
             .and_then(|v| std::str::from_utf8(v).ok())
             .map(str::to_owned)
             .unwrap_or(here)

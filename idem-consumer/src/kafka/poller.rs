@@ -10,11 +10,12 @@
 //! the caller's task, whatever the Tokio runtime's flavour.
 
 use super::KafkaConfig;
+use super::headers::RecordHeaders;
 use super::offsets::OffsetTracker;
 use crate::message::Message;
 use bytes::Bytes;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance};
-use rdkafka::message::{Headers, Message as _, OwnedHeaders};
+use rdkafka::message::Message as _;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -38,7 +39,7 @@ pub(super) struct Taken {
     /// from an older assignment must not decide an offset of a newer one.
     pub(super) epoch: u64,
     pub(super) record_key: Option<Vec<u8>>,
-    pub(super) headers: Option<OwnedHeaders>,
+    pub(super) headers: Option<RecordHeaders>,
     /// What the core sees (payload, id, delivery count, source).
     pub(super) msg: Message,
 }
@@ -438,7 +439,20 @@ pub(super) fn poll_loop(
             }
         };
         let epoch = shared.take(&topic, m.partition(), m.offset());
-        let headers = m.headers().map(|h| h.detach());
+        let headers = m.headers().map(RecordHeaders::of);
+        if let Some(h) = headers.as_ref().filter(|h| h.unreadable() > 0) {
+            tracing::warn!(
+                topic = &*topic,
+                partition = m.partition(),
+                offset = m.offset(),
+                unreadable = h.unreadable(),
+                "a Kafka record has header names that are not UTF-8, which rdkafka cannot read \
+                 (its panic, if printed above, was caught): the record is handled without those \
+                 headers, its key, payload and other headers unchanged, and a copy to the retry \
+                 or dead-letter topic keeps them byte for byte. Have its producer write UTF-8 \
+                 header names"
+            );
+        }
         let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
         position.clear();
         position.push_str(itoa::Buffer::new().format(m.partition()));
@@ -464,16 +478,6 @@ pub(super) fn poll_loop(
         }
     }
     tracing::debug!("kafka poll thread stopped");
-}
-
-/// The value of header `name`, if present (the last one wins, as Kafka
-/// clients read repeated headers).
-pub(super) fn header<'a>(headers: Option<&'a OwnedHeaders>, name: &str) -> Option<&'a [u8]> {
-    let h = headers?;
-    h.iter()
-        .filter(|h| h.key == name)
-        .last()
-        .map(|h| h.value.unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -1861,3 +1861,309 @@ async fn the_handler_sees_the_last_traceparent_of_a_record_and_none_without_one(
     );
     assert_eq!(seen.get("o-2"), Some(&(None, None)));
 }
+
+// ------------------------------------------- header names that are not UTF-8
+
+/// A header name that is not UTF-8: Kafka header names are bytes on the
+/// wire, and a producer in another language writes the bytes it is given.
+const NOT_UTF8_NAME: &[u8] = b"\xff\xfetrace";
+
+/// Publishes one record, with `headers` in order, to partition 0 of
+/// `topic` as any Kafka client may: a Produce request (v3, one record
+/// batch of magic 2, acks from all replicas) written by hand, since
+/// rdkafka's producer only writes header names that are `&str`. Fails
+/// unless the broker answers that it stored the record.
+fn produce_raw(bootstrap: &str, topic: &str, headers: &[(&[u8], &[u8])], payload: &[u8]) {
+    use std::io::{Read as _, Write as _};
+    fn varint(out: &mut Vec<u8>, v: i64) {
+        let mut z = ((v << 1) ^ (v >> 63)) as u64; // zigzag
+        while z >= 0x80 {
+            out.push((z as u8) | 0x80);
+            z >>= 7;
+        }
+        out.push(z as u8);
+    }
+    fn bytes(out: &mut Vec<u8>, b: &[u8]) {
+        varint(out, b.len() as i64);
+        out.extend_from_slice(b);
+    }
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as i16).to_be_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+    let mut record = vec![0]; // attributes
+    varint(&mut record, 0); // timestamp delta
+    varint(&mut record, 0); // offset delta
+    varint(&mut record, -1); // no key
+    bytes(&mut record, payload);
+    varint(&mut record, headers.len() as i64);
+    for (name, value) in headers {
+        bytes(&mut record, name);
+        bytes(&mut record, value);
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    // The batch from its attributes on: what its CRC-32C covers.
+    let mut covered = Vec::new();
+    covered.extend(0_i16.to_be_bytes()); // attributes: no compression
+    covered.extend(0_i32.to_be_bytes()); // last offset delta
+    covered.extend(now.to_be_bytes()); // first timestamp
+    covered.extend(now.to_be_bytes()); // max timestamp
+    covered.extend((-1_i64).to_be_bytes()); // producer id: none
+    covered.extend((-1_i16).to_be_bytes()); // producer epoch
+    covered.extend((-1_i32).to_be_bytes()); // base sequence
+    covered.extend(1_i32.to_be_bytes()); // one record
+    bytes(&mut covered, &record);
+    let mut batch = Vec::new();
+    batch.extend(0_i64.to_be_bytes()); // base offset
+    batch.extend(((4 + 1 + 4 + covered.len()) as i32).to_be_bytes()); // length from here
+    batch.extend((-1_i32).to_be_bytes()); // partition leader epoch
+    batch.push(2); // magic
+    batch.extend(crc32c(&covered).to_be_bytes());
+    batch.extend(covered);
+    let mut request = Vec::new();
+    request.extend(0_i16.to_be_bytes()); // Produce
+    request.extend(3_i16.to_be_bytes()); // v3
+    request.extend(7_i32.to_be_bytes()); // correlation id
+    string(&mut request, "idem-raw-producer"); // client id
+    request.extend((-1_i16).to_be_bytes()); // transactional id: none
+    request.extend((-1_i16).to_be_bytes()); // acks: all
+    request.extend(10_000_i32.to_be_bytes()); // timeout (ms)
+    request.extend(1_i32.to_be_bytes()); // one topic
+    string(&mut request, topic);
+    request.extend(1_i32.to_be_bytes()); // one partition
+    request.extend(0_i32.to_be_bytes()); // partition 0
+    request.extend((batch.len() as i32).to_be_bytes());
+    request.extend(batch);
+    let mut conn = std::net::TcpStream::connect(bootstrap)
+        .unwrap_or_else(|e| panic!("cannot connect to {bootstrap}: {e}"));
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    conn.write_all(&(request.len() as i32).to_be_bytes())
+        .unwrap();
+    conn.write_all(&request).unwrap();
+    let mut size = [0; 4];
+    conn.read_exact(&mut size)
+        .unwrap_or_else(|e| panic!("no answer to the Produce request from {bootstrap}: {e}"));
+    let mut response = vec![0; i32::from_be_bytes(size) as usize];
+    conn.read_exact(&mut response).unwrap();
+    // Correlation id, one topic (count, name), one partition (count,
+    // index), then its error code.
+    assert_eq!(response[..4], 7_i32.to_be_bytes(), "{response:?}");
+    let at = 4 + 4 + 2 + topic.len() + 4 + 4;
+    let error = i16::from_be_bytes([response[at], response[at + 1]]);
+    assert_eq!(
+        error, 0,
+        "{bootstrap} refused the record to {topic}/0: Kafka error code {error}"
+    );
+}
+
+/// CRC-32C (Castagnoli), the checksum of a Kafka record batch.
+fn crc32c(data: &[u8]) -> u32 {
+    let mut crc = !0_u32;
+    for &b in data {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0x82f6_3b78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn crc32c_gives_the_check_value() {
+    assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+}
+
+/// Publishes one record to `t`'s partition 0 through [`produce_raw`].
+async fn publish_raw_headers(t: &Topic, headers: &[(&[u8], &[u8])], payload: Vec<u8>) {
+    let (b, n) = (t.bootstrap.clone(), t.name.clone());
+    let headers: Vec<(Vec<u8>, Vec<u8>)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_vec(), v.to_vec()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let headers: Vec<(&[u8], &[u8])> = headers
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+            .collect();
+        produce_raw(&b, &n, &headers, &payload);
+    })
+    .await
+    .unwrap();
+}
+
+/// A record whose header name is not UTF-8 is handled once and acked; its
+/// readable headers are kept: the key header after the unreadable one
+/// gives the record its id (and, with `otel`, the `traceparent` after it
+/// its trace context). The records around it are handled as usual and
+/// the group commits to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_header_name_is_not_utf8_is_handled_once_and_acked_its_readable_headers_kept()
+ {
+    let t = Topic::create("raw_header_name", 1).await;
+    let redis = RedisServer::start();
+    t.publish_to(0, Some("o-0"), &order(0, 1)).await;
+    publish_raw_headers(
+        &t,
+        &[
+            (NOT_UTF8_NAME, b"x"),
+            (header_names::IDEMPOTENCY_KEY.as_bytes(), b"o-1"),
+            (b"traceparent", TRACEPARENT.as_bytes()),
+        ],
+        order(1, 1),
+    )
+    .await;
+    t.publish_to(0, Some("o-2"), &order(2, 1)).await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    );
+    let ledger = Ledger::new();
+    let seen = std::sync::Mutex::new(BTreeMap::new());
+    let charge = |m: Message| {
+        let (ledger, seen) = (&ledger, &seen);
+        async move {
+            let o = order_of(&m);
+            ledger.record(&o);
+            let got = (
+                m.id().map(str::to_owned),
+                m.trace_header("traceparent").map(str::to_owned),
+            );
+            seen.lock().unwrap().insert(o, got);
+            Ok::<_, String>(())
+        }
+    };
+    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = report.unwrap();
+    assert_eq!(report.acked, 3, "{report:?}");
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    assert_eq!(ledger.count("o-1"), 1, "handled once");
+    assert_eq!(ledger.total(), 3);
+    assert!(ledger.duplicates().is_empty());
+    assert_eq!(t.committed().await, [Some(3)], "committed past it");
+    let seen = seen.into_inner().unwrap();
+    let trace = cfg!(feature = "otel").then(|| TRACEPARENT.to_owned());
+    assert_eq!(seen.get("o-1"), Some(&(Some("o-1".to_owned()), trace)));
+    assert_eq!(seen.get("o-2"), Some(&(Some("o-2".to_owned()), None)));
+}
+
+/// The headers of the first record of `topic` (partition 0), in order:
+/// `None` where rdkafka cannot read a header's name (it panics on a name
+/// that is not UTF-8; caught here).
+fn first_record_headers(bootstrap: &str, topic: &str) -> Vec<Option<(String, Vec<u8>)>> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", unique("reader"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, 0, Offset::Beginning)
+        .unwrap();
+    c.assign(&tpl).unwrap();
+    let start = Instant::now();
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no record in {topic} within 20 s"
+        );
+        let Some(Ok(m)) = c.poll(Duration::from_millis(50)) else {
+            continue;
+        };
+        let Some(h) = m.headers() else {
+            return Vec::new();
+        };
+        return (0..h.count())
+            .map(|i| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.try_get(i)))
+                    .ok()
+                    .map(|h| {
+                        let h = h.unwrap();
+                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
+                    })
+            })
+            .collect();
+    }
+}
+
+/// A dead letter of a record whose header name is not UTF-8 keeps every
+/// original header in place, that one included, and adds the reason
+/// after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_keeps_a_header_whose_name_is_not_utf8() {
+    let t = Topic::create("raw_header_name_dlt", 1).await;
+    let redis = RedisServer::start();
+    publish_raw_headers(
+        &t,
+        &[
+            (header_names::IDEMPOTENCY_KEY.as_bytes(), b"o-1"),
+            (NOT_UTF8_NAME, b"x"),
+            (b"x-tenant", b"acme"),
+        ],
+        order(1, 1),
+    )
+    .await;
+    let consumer = Consumer::new(
+        idem_on(&redis.url(), Duration::from_secs(2)).await,
+        "orders.charge",
+    )
+    .classify(|e: &String| ErrorClass::from_retryable(!e.starts_with("declined")));
+    let ledger = Ledger::new();
+    let charge = |m: Message| {
+        let ledger = &ledger;
+        async move {
+            ledger.record(&order_of(&m));
+            Err::<(), _>("declined: card stolen".to_owned())
+        }
+    };
+    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let check = async {
+        t.until_committed_to_the_end().await;
+        stop.send(()).unwrap();
+    };
+    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = report.unwrap();
+    assert_eq!(report.dead_lettered, 1, "{report:?}");
+    assert_eq!(ledger.count("o-1"), 1, "permanent: one run");
+    let (b, d) = (t.bootstrap.clone(), t.dead_letter_topic());
+    let headers = tokio::task::spawn_blocking(move || first_record_headers(&b, &d))
+        .await
+        .unwrap();
+    let header = |name: &str| {
+        headers
+            .iter()
+            .flatten()
+            .rfind(|(k, _)| k == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    };
+    assert_eq!(
+        headers[..3],
+        [
+            Some((header_names::IDEMPOTENCY_KEY.to_owned(), b"o-1".to_vec())),
+            None,
+            Some(("x-tenant".to_owned(), b"acme".to_vec())),
+        ],
+        "the original headers in place, the unreadable one too: {headers:?}"
+    );
+    assert_eq!(headers.iter().filter(|h| h.is_none()).count(), 1);
+    assert_eq!(
+        header(header_names::REASON_KIND).as_deref(),
+        Some("permanent")
+    );
+    assert_eq!(header(header_names::ORIGINAL_OFFSET).as_deref(), Some("0"));
+    assert_eq!(header(header_names::ATTEMPTS).as_deref(), Some("1"));
+}
