@@ -308,6 +308,12 @@ pub(crate) fn decode_versioned<T: DeserializeOwned>(
     current: u32,
     rule: &ReadRule,
 ) -> Result<T, Error> {
+    // What nearly every replay reads: an unframed (version 0) JSON record
+    // read by a version-0 call, straight to serde as before versions (what
+    // `split_frame` would answer for it, without its steps).
+    if current == 0 && c.kind == ValueKind::Json && c.value.first() != Some(&b'#') {
+        return parse(&c.value, None);
+    }
     let doc = document(c, limit)?;
     let (stored, json) = split_frame(&doc)?;
     if stored == current {
