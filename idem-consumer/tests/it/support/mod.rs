@@ -1068,7 +1068,7 @@ pub(crate) async fn shutdown_past_the_deadline_keeps_the_key_until_the_lease<P: 
     // Kafka: each member that joins an empty group waits out tansu's
     // initial rebalance delay (3 s), and a loaded machine can make it join
     // more than once. Beyond that, a survivor was twice never assigned its
-    // partition at all (tansu 0.6, 2026-11-27), when it joined while the
+    // partition at all (tansu 0.6), when it joined while the
     // first member was still leaving; a member now leaves (`close`) before
     // the next joins, and the group log (`debug=cgrp`) is printed with a
     // failure.
