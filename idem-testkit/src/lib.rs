@@ -33,6 +33,9 @@
 //!   drop or refuse connections.
 //! * [`Monitor`]: the commands a server runs, in order (`MONITOR`), for
 //!   tests that check the order of writes made on several connections.
+//! * `otel::Traces` (feature `otel`): OpenTelemetry spans exported to
+//!   memory and read back, with helpers to pick in them (`otel::attribute`,
+//!   `otel::one`).
 //!
 //! ```no_run
 //! use idem_testkit::TestContext;
@@ -90,6 +93,8 @@ mod ledger;
 mod logs;
 mod monitor;
 mod nats;
+#[cfg(feature = "otel")]
+pub mod otel;
 mod poll;
 mod ports;
 mod postgres;

@@ -22,61 +22,14 @@ use idem::consumer::{Adapter, Consumer, Message};
 use idem::http::IdempotencyLayer;
 use idem::outbox::{KafkaSink, NatsSink, PgRelay, Sink};
 use idem::postgres::{PgStore, RunInTx};
+use idem_testkit::otel::{SpanData, Traces, attribute, named, one, same_span};
 use idem_testkit::{KafkaBroker, PgTestDb};
-use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use opentelemetry::trace::{SpanId, TraceId};
 use std::time::Duration;
-use tracing_subscriber::layer::SubscriberExt;
 
 /// The caller's trace, as its `traceparent` names it.
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
-
-/// An exporter that keeps every finished span, installed for this thread
-/// (the tests run on a current-thread runtime: every task's spans reach it).
-struct Traces {
-    exporter: InMemorySpanExporter,
-    provider: SdkTracerProvider,
-    _guard: tracing::subscriber::DefaultGuard,
-}
-
-impl Traces {
-    fn install() -> Traces {
-        let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(exporter.clone())
-            .build();
-        let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("idem-it"));
-        let guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(layer));
-        Traces {
-            exporter,
-            provider,
-            _guard: guard,
-        }
-    }
-
-    /// The finished spans. Read before the provider shuts down: the
-    /// in-memory exporter forgets its spans then.
-    fn spans(&self) -> Vec<SpanData> {
-        self.provider.force_flush().unwrap();
-        self.exporter.get_finished_spans().unwrap()
-    }
-}
-
-fn named<'a>(spans: &'a [SpanData], name: &str) -> Vec<&'a SpanData> {
-    spans.iter().filter(|s| s.name == name).collect()
-}
-
-fn one<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
-    let found = named(spans, name);
-    assert_eq!(
-        found.len(),
-        1,
-        "one span named {name:?}; all: {:?}",
-        spans.iter().map(|s| &s.name).collect::<Vec<_>>()
-    );
-    found[0]
-}
 
 /// The one `process` span (named for the consumer's source: a topic, a
 /// stream and its consumer).
@@ -87,19 +40,6 @@ fn processed(spans: &[SpanData]) -> &SpanData {
         .collect();
     assert_eq!(found.len(), 1, "one message handled once");
     found[0]
-}
-
-/// The same span, whether seen locally or carried (a link's context is
-/// remote: it came through the message's headers).
-fn same_span(a: &opentelemetry::trace::SpanContext, b: &opentelemetry::trace::SpanContext) -> bool {
-    (a.trace_id(), a.span_id()) == (b.trace_id(), b.span_id())
-}
-
-fn attribute(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|kv| kv.key.as_str() == key)
-        .map(|kv| kv.value.to_string())
 }
 
 fn unique(prefix: &str) -> String {

@@ -10,71 +10,17 @@ use http::Request;
 use http_body_util::BodyExt;
 use idem_core::{Idempotency, MemoryStore};
 use idem_http::IdempotencyLayer;
+use idem_testkit::otel::{Traces, attribute};
 use opentelemetry::trace::{
     SpanContext, SpanId, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState,
-    TracerProvider as _,
 };
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use std::time::Duration;
 use tower::ServiceExt;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::layer::SubscriberExt;
 
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const PARENT: &str = "00f067aa0ba902b7";
 const KEY: &str = "order-7f3c";
-
-/// `tracing-opentelemetry`'s layer on a tracer that exports every ended
-/// span to memory, the default subscriber of this thread while it lives.
-struct Traces {
-    exporter: InMemorySpanExporter,
-    provider: SdkTracerProvider,
-    _default: tracing::subscriber::DefaultGuard,
-}
-
-impl Traces {
-    fn install() -> Traces {
-        let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(exporter.clone())
-            .build();
-        let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("idem-http-test"));
-        let _default = tracing::subscriber::set_default(tracing_subscriber::registry().with(layer));
-        Traces {
-            exporter,
-            provider,
-            _default,
-        }
-    }
-
-    /// The ended spans named `name`, once there are `count` of them: the
-    /// end of a run may still be going on in a task after the answer.
-    async fn ended(&self, name: &str, count: usize) -> Vec<SpanData> {
-        for _ in 0..500 {
-            self.provider.force_flush().unwrap();
-            let spans: Vec<SpanData> = self
-                .exporter
-                .get_finished_spans()
-                .unwrap()
-                .into_iter()
-                .filter(|s| s.name == name)
-                .collect();
-            if spans.len() >= count {
-                return spans;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("fewer than {count} `{name}` spans ended");
-    }
-}
-
-fn attribute(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|kv| kv.key.as_str() == key)
-        .map(|kv| kv.value.to_string())
-}
 
 fn app() -> Router {
     let idem = Idempotency::builder(MemoryStore::new()).build();
