@@ -26,7 +26,7 @@
 //! ```
 //!
 //! **Lease.** [`run`] and [`service`] bound each request's claim by its
-//! invocation's deadline, by the rule the SQS handler follows ([`plan`](crate::plan)):
+//! invocation's deadline, by the rule the SQS handler follows ([`plan`]):
 //! the lease is the shorter of the layer's (or the runtime's) and the time
 //! left, so a request cut off by the function's timeout frees its key for
 //! the client's retry at that timeout, not one configured lease later. An
