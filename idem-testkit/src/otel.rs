@@ -141,3 +141,39 @@ pub fn one<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
 pub fn same_span(a: &SpanContext, b: &SpanContext) -> bool {
     (a.trace_id(), a.span_id()) == (b.trace_id(), b.span_id())
 }
+
+/// Asserts what a server layer's spans must be for a request that carried
+/// `traceparent` with `trace` and `parent`: `server` (`idem.http`,
+/// `idem.grpc`) is the request's server span in that trace, the caller's
+/// span its parent; `call` (`idem.call`) is its child, with `idem.outcome`
+/// `outcome` and `idem.key` shown hashed, never as `key` in clear.
+/// Returns the key as shown.
+///
+/// # Panics
+///
+/// When any of that does not hold.
+#[allow(clippy::panic, reason = "test support: an assertion")]
+pub fn assert_call_in_server_span(
+    server: &SpanData,
+    call: &SpanData,
+    (trace, parent): (&str, &str),
+    outcome: &str,
+    key: &str,
+) -> String {
+    use opentelemetry::trace::{SpanId, SpanKind, TraceId};
+    let trace = TraceId::from_hex(trace).unwrap_or_else(|e| panic!("trace id {trace}: {e}"));
+    let parent = SpanId::from_hex(parent).unwrap_or_else(|e| panic!("span id {parent}: {e}"));
+    assert_eq!(server.span_context.trace_id(), trace);
+    assert_eq!(server.parent_span_id, parent);
+    assert_eq!(server.span_kind, SpanKind::Server);
+    assert_eq!(call.span_context.trace_id(), trace);
+    assert_eq!(call.parent_span_id, server.span_context.span_id());
+    assert_eq!(attribute(call, "idem.outcome").as_deref(), Some(outcome));
+    let shown = attribute(call, "idem.key").unwrap_or_default();
+    assert!(!shown.is_empty(), "no idem.key on the call's span");
+    assert!(
+        !shown.contains(key),
+        "the raw key reached the span: {shown}"
+    );
+    shown
+}

@@ -455,6 +455,47 @@ impl Topic {
         until_committed_to_the_end(&self.bootstrap, &self.group, &self.name, self.partitions).await;
     }
 
+    /// A new consumer of the topic runs `handler` until the group's commit
+    /// is at the end of every partition, then stops: its report.
+    async fn run_to_the_end<C, T, E, H, Fut>(
+        &self,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> Result<KafkaReport, ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        E: std::fmt::Display,
+        C: Classify<E>,
+    {
+        let kc = KafkaConsumer::connect(self.cfg()).unwrap();
+        self.run_on_to_the_end(&kc, consumer, handler).await
+    }
+
+    /// [`run_to_the_end`](Self::run_to_the_end) on the consumer `kc`.
+    async fn run_on_to_the_end<C, T, E, H, Fut>(
+        &self,
+        kc: &KafkaConsumer,
+        consumer: &Consumer<C>,
+        handler: &H,
+    ) -> Result<KafkaReport, ConsumerError>
+    where
+        H: Fn(Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        E: std::fmt::Display,
+        C: Classify<E>,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let check = async {
+            self.until_committed_to_the_end().await;
+            stop.send(()).unwrap();
+        };
+        let (report, ()) = tokio::join!(kc.run(consumer, handler, stopped), check);
+        report
+    }
+
     /// The first `n` records of the dead-letter topic (fewer after 20 s).
     async fn dead_letter_records(&self, n: usize) -> Vec<Record> {
         let (b, d) = (self.bootstrap.clone(), self.dead_letter_topic());
@@ -1037,13 +1078,7 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason_and_the_pa
             }
         }
     };
-    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = t.run_to_the_end(&consumer, &charge).await;
     let report = report.unwrap();
     assert_eq!(report.dead_lettered, 3, "{report:?}");
     assert_eq!(report.acked, 8, "the rest of the partition: {report:?}");
@@ -1408,12 +1443,7 @@ async fn shutdown_starts_no_further_attempt_and_commits_only_what_is_decided() {
             Ok::<_, String>(())
         }
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (second, ()) = tokio::join!(kc.run(&consumer, &succeed, stopped), check);
+    let second = t.run_on_to_the_end(&kc, &consumer, &succeed).await;
     let second = second.unwrap();
     assert_eq!(
         (ledger.count("o-0"), ledger.count("o-1")),
@@ -1452,13 +1482,7 @@ async fn copies_in_one_partition_with_a_failing_first_are_decided_once_each() {
             Ok(())
         }
     };
-    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = t.run_to_the_end(&consumer, &charge).await;
     let report = report.unwrap();
     assert_eq!((charged.count("o-0"), charged.count("o-1")), (1, 1));
     assert_eq!(report.acked, 3, "every offset decided once: {report:?}");
@@ -1536,12 +1560,7 @@ async fn records_waiting_at_shutdown_are_handled_once_by_the_next_run_in_order()
     assert_eq!(kc.undecided(), N - 1, "the rest taken, undecided");
     assert_eq!(t.committed().await, vec![Some(1)], "o-0 committed");
     // Run 2, on the same consumer: the records left waiting come first.
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (second, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let second = t.run_on_to_the_end(&kc, &consumer, &charge).await;
     let second = second.unwrap();
     for i in 0..N {
         let o = format!("o-{i}");
@@ -1614,12 +1633,7 @@ async fn a_handler_dropped_at_the_drain_deadline_is_taken_over_by_the_next_run_a
     );
     assert_eq!(charged.total(), 0);
     assert_eq!(kc.undecided(), N);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (second, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let second = t.run_on_to_the_end(&kc, &consumer, &charge).await;
     let second = second.unwrap();
     assert_eq!(started.count("o-0"), 2, "o-0 started again once");
     for i in 0..N {
@@ -1676,12 +1690,7 @@ async fn drain_as_the_next_member(
         Ok::<_, String>(())
     };
     let kc = KafkaConsumer::connect(t.member_cfg(SHORTEST_SESSION)).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = t.run_on_to_the_end(&kc, &consumer, &charge).await;
     report.unwrap()
 }
 
@@ -1846,13 +1855,7 @@ async fn the_handler_sees_the_last_traceparent_of_a_record_and_none_without_one(
             Ok::<_, String>(())
         }
     };
-    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &handle, stopped), check);
+    let report = t.run_to_the_end(&consumer, &handle).await;
     assert_eq!(report.unwrap().acked, 2);
     let seen = seen.into_inner().unwrap();
     assert_eq!(
@@ -2040,13 +2043,7 @@ async fn a_record_whose_header_name_is_not_utf8_is_handled_once_and_acked_its_re
             Ok::<_, String>(())
         }
     };
-    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = t.run_to_the_end(&consumer, &charge).await;
     let report = report.unwrap();
     assert_eq!(report.acked, 3, "{report:?}");
     assert_eq!(report.dead_lettered, 0, "{report:?}");
@@ -2129,13 +2126,7 @@ async fn a_dead_letter_keeps_a_header_whose_name_is_not_utf8() {
             Err::<(), _>("declined: card stolen".to_owned())
         }
     };
-    let kc = KafkaConsumer::connect(t.cfg()).unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let check = async {
-        t.until_committed_to_the_end().await;
-        stop.send(()).unwrap();
-    };
-    let (report, ()) = tokio::join!(kc.run(&consumer, &charge, stopped), check);
+    let report = t.run_to_the_end(&consumer, &charge).await;
     let report = report.unwrap();
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     assert_eq!(ledger.count("o-1"), 1, "permanent: one run");

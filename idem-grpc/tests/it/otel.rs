@@ -7,7 +7,7 @@ use crate::support::{CREATE_PAYMENT, TestServer, payment};
 use idem_core::{Idempotency, MemoryStore};
 use idem_grpc::IdempotencyLayer;
 use idem_testkit::Ledger;
-use idem_testkit::otel::{Traces, attribute};
+use idem_testkit::otel::{Traces, assert_call_in_server_span, attribute};
 use opentelemetry::trace::{SpanId, SpanKind, TraceId};
 
 const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -40,24 +40,9 @@ async fn a_call_continues_its_callers_trace_and_a_retry_replays_in_its_own() {
 
     let grpc = traces.ended("idem.grpc", 1).await;
     let call = traces.ended("idem.call", 1).await;
-    let trace = TraceId::from_hex(TRACE).unwrap();
-    // idem.grpc is the call's server span, the caller's span its parent.
-    assert_eq!(grpc[0].span_context.trace_id(), trace);
-    assert_eq!(grpc[0].parent_span_id, SpanId::from_hex(PARENT).unwrap());
-    assert_eq!(grpc[0].span_kind, SpanKind::Server);
+    // idem.grpc is the call's server span, the caller's span its parent;
     // idem.call is its child, with the outcome and the key, hashed.
-    assert_eq!(call[0].span_context.trace_id(), trace);
-    assert_eq!(call[0].parent_span_id, grpc[0].span_context.span_id());
-    assert_eq!(
-        attribute(&call[0], "idem.outcome").as_deref(),
-        Some("executed")
-    );
-    let shown = attribute(&call[0], "idem.key").unwrap();
-    assert!(!shown.is_empty());
-    assert!(
-        !shown.contains(KEY),
-        "the raw key reached the span: {shown}"
-    );
+    let shown = assert_call_in_server_span(&grpc[0], &call[0], (TRACE, PARENT), "executed", KEY);
 
     // The retry, another trace of the client's: replayed, in that trace.
     let retry_trace = "0af7651916cd43dd8448eb211c80319c";

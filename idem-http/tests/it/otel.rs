@@ -10,7 +10,7 @@ use http::Request;
 use http_body_util::BodyExt;
 use idem_core::{Idempotency, MemoryStore};
 use idem_http::IdempotencyLayer;
-use idem_testkit::otel::{Traces, attribute};
+use idem_testkit::otel::{Traces, assert_call_in_server_span, attribute};
 use opentelemetry::trace::{
     SpanContext, SpanId, SpanKind, TraceContextExt, TraceFlags, TraceId, TraceState,
 };
@@ -58,25 +58,10 @@ async fn a_request_continues_its_callers_trace_and_a_retry_replays_in_its_own() 
 
     let http = traces.ended("idem.http", 1).await;
     let call = traces.ended("idem.call", 1).await;
-    let trace = TraceId::from_hex(TRACE).unwrap();
-    // idem.http is the request's server span, the caller's span its parent.
-    assert_eq!(http[0].span_context.trace_id(), trace);
-    assert_eq!(http[0].parent_span_id, SpanId::from_hex(PARENT).unwrap());
+    // idem.http is the request's server span, the caller's span (remote)
+    // its parent; idem.call is its child, with the outcome and the key, hashed.
+    let shown = assert_call_in_server_span(&http[0], &call[0], (TRACE, PARENT), "executed", KEY);
     assert!(http[0].parent_span_is_remote);
-    assert_eq!(http[0].span_kind, SpanKind::Server);
-    // idem.call is its child, with the outcome and the key, hashed.
-    assert_eq!(call[0].span_context.trace_id(), trace);
-    assert_eq!(call[0].parent_span_id, http[0].span_context.span_id());
-    assert_eq!(
-        attribute(&call[0], "idem.outcome").as_deref(),
-        Some("executed")
-    );
-    let shown = attribute(&call[0], "idem.key").unwrap();
-    assert!(!shown.is_empty());
-    assert!(
-        !shown.contains(KEY),
-        "the raw key reached the span: {shown}"
-    );
 
     // The retry, another trace of the client's: replayed, in that trace.
     let retry_trace = "0af7651916cd43dd8448eb211c80319c";
